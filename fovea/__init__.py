@@ -1,0 +1,3 @@
+"""fovea: fast serving and evaluation of vision-language models."""
+
+__version__ = "0.1.0"

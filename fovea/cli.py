@@ -1,0 +1,70 @@
+"""The `fovea` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args: argparse.Namespace) -> None:
+    import torch
+
+    from fovea.demo import run_demo
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_demo(args.model, args.image, args.prompt, args.max_tokens, args.dtype)
+
+
+def _tiny(args: argparse.Namespace) -> None:
+    from fovea.models.tiny import write_tiny_checkpoint
+
+    out = write_tiny_checkpoint(args.out_dir, args.config, seed=args.seed, layout=args.layout, shards=args.shards,
+                                dtype=args.dtype)
+    print(f"wrote a random-weight {args.config} checkpoint to {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fovea", description="Fast serving of vision-language models.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+
+    demo = sub.add_parser("demo", help="offline generation with an image (default: the embedded demo model)")
+    demo.add_argument("model", nargs="?", default=None, help="model directory or hub id in the local HF cache")
+    demo.add_argument("--image", default=None, help="image path or data URL (default: a synthetic picture)")
+    demo.add_argument("--prompt", default="Describe this image.")
+    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    demo.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    demo.set_defaults(func=_demo)
+
+    tiny = sub.add_parser("tiny", help="write a tiny random-weight Qwen2.5-VL checkpoint (HF layout)")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--config", default="tiny-3b", choices=["tiny-3b", "tiny-7b"])
+    tiny.add_argument("--layout", default="published", choices=["published", "transformers5"])
+    tiny.add_argument("--shards", type=int, default=1)
+    tiny.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from fovea import __version__
+
+        print(__version__)
+        return
+    if not getattr(args, "func", None):
+        parser.print_help()
+        sys.exit(2)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"fovea: error: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Rotary position embeddings where each frequency reads its angle from one of several position axes.
+
+Qwen2.5-VL uses two flavours of the same idea:
+- M-RoPE in the language model: 3 axes (t, h, w); the head_dim/2 frequencies are split by `mrope_section`
+  into consecutive chunks, chunk i rotating with axis i's position.
+- 2-D rotary in the vision tower: 2 axes (h, w); head_dim/4 frequencies for h, the same head_dim/4 for w.
+Both rotate with the "rotate half" convention: dims [0, D/2) pair with [D/2, D).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class AxisRotaryEmbedding(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, axis_of_freq: list[int]):
+        super().__init__()
+        assert len(axis_of_freq) == inv_freq.numel()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("axis_of_freq", torch.tensor(axis_of_freq, dtype=torch.long), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (num_axes, N) integers -> cos, sin of shape (N, head_dim), fp32."""
+        angles = positions.t()[:, self.axis_of_freq].float() * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def mrope(head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> AxisRotaryEmbedding:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    axes = [axis for axis, n in enumerate(mrope_section) for _ in range(n)]
+    return AxisRotaryEmbedding(inv_freq, axes)
+
+
+def vision_rope(head_dim: int, theta: float = 10000.0) -> AxisRotaryEmbedding:
+    quarter = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+    n = inv_freq.numel()
+    return AxisRotaryEmbedding(torch.cat((inv_freq, inv_freq)), [0] * n + [1] * n)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (N, heads, head_dim); cos/sin: (N, head_dim). Computed in fp32, returned in x's dtype."""
+    dtype = x.dtype
+    x = x.float()
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(dtype)

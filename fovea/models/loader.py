@@ -1,0 +1,133 @@
+"""Finding a model directory and loading its safetensors weights into our model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from fovea.config import ModelConfig, resolve_dtype
+from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from fovea.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration}
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not fit the model its config describes."""
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """None -> the embedded demo model; a local directory; or a hub id found in the local Hugging Face cache."""
+    if model is None:
+        from fovea.models.tiny import demo_model_dir
+
+        return demo_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(str(model), local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise FileNotFoundError(
+                f"weights for {model!r} are not available offline: they are not in the local Hugging Face "
+                f"cache and fovea does not download. Fetch them with `huggingface-cli download {model}` where a "
+                "network is available, or pass a local model directory.") from None
+    raise FileNotFoundError(f"model {str(model)!r} is neither a local directory nor a hub id (org/name)")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    return found
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _required_shards(module) -> list[set]:
+    """Ways a parameter can be complete: loaded whole, or from all of its separate pieces."""
+    if isinstance(module, QKVParallelLinear):
+        return [{None}, {"q", "k", "v"}]
+    if isinstance(module, MergedColumnParallelLinear):
+        return [{None}, set(range(len(module.output_sizes)))]
+    return [{None}]
+
+
+def load_weights(model: Qwen2_5_VLForConditionalGeneration, model_dir: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = {}
+    unexpected = []
+    for name, tensor in iter_checkpoint(model_dir):
+        mapped = model.map_checkpoint_name(name)
+        if mapped is None:
+            continue
+        pname, shard = mapped
+        param = params.get(pname)
+        if param is None:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"checkpoint {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor.to(param.dtype), shard)
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointMismatchError(f"tensor {name} does not fit the model: {exc}") from None
+        loaded.setdefault(pname, set()).add(shard)
+    missing = []
+    for pname in params:
+        owner = model.get_submodule(pname.rpartition(".")[0])
+        if loaded.get(pname) not in _required_shards(owner):
+            missing.append(pname)
+    if missing or unexpected:
+        def show(names: list[str]) -> str:
+            return ", ".join(names[:12]) + (f" ... ({len(names)} in all)" if len(names) > 12 else "")
+        parts = []
+        if missing:
+            parts.append(f"missing tensors (our parameter names): {show(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {show(unexpected)}")
+        raise CheckpointMismatchError(f"checkpoint {model_dir} does not fit its config: " + "; ".join(parts))
+
+
+def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu") -> tuple[Qwen2_5_VLForConditionalGeneration, Path]:
+    """Builds the model its config.json names and loads the weights; returns (model, model_dir)."""
+    model_dir = resolve_model_dir(model)
+    config = ModelConfig.from_dir(model_dir)
+    cls = ARCHITECTURES.get(config.architecture)
+    if cls is None:
+        raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(ARCHITECTURES)}")
+    torch_dtype = config.torch_dtype if dtype == "auto" else resolve_dtype(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            net = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    load_weights(net, model_dir)
+    return net.eval(), model_dir

