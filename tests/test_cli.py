@@ -1,0 +1,33 @@
+"""The `fovea` command: the README's demo path on the embedded model, and writing tiny checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run_fovea(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "fovea.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_demo_builds_and_announces_the_embedded_model(tmp_path):
+    done = run_fovea("demo", "--max-tokens", "4", "--threads", "1", env={"FOVEA_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "RANDOM weights" in done.stderr and "gibberish" in done.stderr
+    assert "image grid (1, 24, 32) -> 192 image tokens" in done.stdout
+    assert "--- 4 tokens in" in done.stdout
+    assert (tmp_path / "demo-tiny-3b-v1" / "config.json").is_file()
+    again = run_fovea("demo", "--max-tokens", "2", "--threads", "1", env={"FOVEA_CACHE_DIR": str(tmp_path)})
+    assert again.returncode == 0 and "building" not in again.stderr  # built once, reused
+
+
+def test_tiny_command_and_errors(tmp_path):
+    done = run_fovea("tiny", str(tmp_path / "t"), "--config", "tiny-7b", "--layout", "transformers5", "--shards", "2")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "t" / "model.safetensors.index.json").read_text())["weight_map"]
+    missing = run_fovea("demo", str(tmp_path / "nowhere"))
+    assert missing.returncode != 0 and "neither a local directory nor a hub id" in missing.stderr
+    assert run_fovea("--version").stdout.strip()

@@ -1,0 +1,140 @@
+"""Image preprocessing against transformers' Qwen2VLImageProcessorPil, plus loading and the smart_resize facts."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from conftest import jpeg_bytes, random_image
+from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, load_image, smart_resize
+
+
+def reference(image, **kwargs):
+    out = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056, **kwargs)(images=[image],
+                                                                                   return_tensors="np")
+    return out["pixel_values"], tuple(out["image_grid_thw"][0].tolist())
+
+
+def alpha_image(width, height, mode):
+    rng = np.random.default_rng(width)
+    rgba = Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8), "RGBA")
+    if mode == "P_transparent":
+        p = random_image(width, height, 3).convert("P")
+        p.info["transparency"] = 0
+        return p
+    return rgba if mode == "RGBA" else rgba.convert(mode)
+
+
+@pytest.mark.parametrize("width,height,mode", [
+    (640, 480, "RGB"), (1280, 720, "RGB"), (333, 517, "RGB"), (56, 56, "RGB"), (20, 30, "RGB"),
+    (1000, 100, "RGB"), (97, 1203, "RGB"), (300, 200, "RGBA"), (250, 180, "L"), (199, 301, "P"),
+    (160, 120, "LA"), (144, 144, "P_transparent"), (321, 123, "CMYK"), (64, 48, "1"),
+])
+def test_matches_transformers(width, height, mode):
+    if mode in ("RGBA", "LA", "P_transparent"):
+        image = alpha_image(width, height, mode)
+    else:
+        image = random_image(width, height, seed=width * height, mode=mode)
+    ref_pixels, ref_grid = reference(image)
+    ours = ImageProcessor()(image)
+    assert ours.grid_thw == ref_grid
+    assert ours.pixel_values.shape == ref_pixels.shape
+    assert np.abs(ours.pixel_values - ref_pixels).max() <= 1e-5
+
+
+@pytest.mark.parametrize("overrides", [{"max_pixels": 100_000}, {"min_pixels": 200_000},
+                                       {"min_pixels": 50_000, "max_pixels": 60_000}, {"max_pixels": 784}])
+def test_min_max_overrides_match_transformers(overrides):
+    image = random_image(500, 375, seed=7)
+    ref = Qwen2VLImageProcessorPil(**{"min_pixels": 3136, "max_pixels": 12845056, **overrides})(
+        images=[image], return_tensors="np")
+    ours = ImageProcessor()(image, overrides)
+    assert ours.grid_thw == tuple(ref["image_grid_thw"][0].tolist())
+    assert np.abs(ours.pixel_values - ref["pixel_values"]).max() <= 1e-5
+
+
+def test_checkpoint_config_and_its_overrides(tiny_dirs):
+    cfg = ImageProcessorConfig.from_dir(tiny_dirs["tiny-3b"])
+    assert (cfg.min_pixels, cfg.max_pixels, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size) == \
+        (3136, 12845056, 14, 2, 2)
+    assert cfg.with_overrides({"max_pixels": 5000}).max_pixels == 5000
+    with pytest.raises(ValueError, match="unsupported mm_processor_kwargs"):
+        cfg.with_overrides({"fps": 2})
+    with pytest.raises(ValueError, match="positive integer"):
+        cfg.with_overrides({"max_pixels": -3})
+
+
+@pytest.mark.parametrize("width,height,tokens", [(640, 480, 391), (1280, 720, 1196), (224, 168, 48), (56, 56, 4)])
+def test_token_counts_from_the_facts_sheet(width, height, tokens):
+    assert ImageProcessor()(random_image(width, height)).num_tokens == tokens
+
+
+def test_smart_resize_formula():
+    assert smart_resize(480, 640) == (476, 644)  # rounded to multiples of 28
+    h, w = smart_resize(4000, 6000, max_pixels=12845056)  # above max_pixels: floor after scaling down
+    assert h * w <= 12845056 and h % 28 == 0 and w % 28 == 0 and (h, w) == (2912, 4368)
+    h, w = smart_resize(10, 10, min_pixels=3136)  # below min_pixels: ceil after scaling up
+    assert (h, w) == (56, 56)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        smart_resize(10, 2010)
+    with pytest.raises(ValueError, match="no pixels"):
+        smart_resize(0, 100)
+
+
+def test_load_image_sources(tmp_path):
+    image = random_image(120, 80, seed=3)
+    data = jpeg_bytes(image)
+    path = tmp_path / "x.jpg"
+    path.write_bytes(data)
+    url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    decoded = [load_image(s) for s in (data, str(path), path, f"file://{path}", url)]
+    for d in decoded:
+        assert d.size == (120, 80)
+        assert np.array_equal(np.asarray(d), np.asarray(decoded[0]))
+    assert load_image(image) is image
+
+
+@pytest.mark.parametrize("source,message", [
+    (b"not an image at all", "not a readable image"),
+    ("data:image/png;base64,@@@", "invalid base64"),
+    ("data:image/png,abc", "data URL must look like"),
+    ("/nonexistent/file.png", "not found"),
+    ("http://example.com/x.png", "http"),
+    (12345, "cannot load an image"),
+])
+def test_load_image_errors(source, message):
+    with pytest.raises(ValueError, match=message):
+        load_image(source)
+
+
+def test_truncated_jpeg_is_rejected():
+    data = jpeg_bytes(random_image(200, 200))
+    with pytest.raises(ValueError, match="not a readable image"):
+        load_image(data[: len(data) // 3])
+
+
+def test_extreme_aspect_ratio_is_rejected():
+    with pytest.raises(ValueError, match="aspect ratio"):
+        ImageProcessor()(Image.new("RGB", (3000, 10)))
+
+
+def test_processing_is_deterministic_and_order_is_merge_groups():
+    # Each merge group (2x2 patches) must be 4 consecutive rows: check on an image whose patches are constant.
+    tiles = np.zeros((56, 56, 3), dtype=np.uint8)
+    for r in range(4):
+        for c in range(4):
+            tiles[r * 14:(r + 1) * 14, c * 14:(c + 1) * 14] = 10 * (4 * r + c)
+    out = ImageProcessor()(Image.fromarray(tiles))
+    first_value = (out.pixel_values[:, 0] * 0.26862954 + 0.48145466) * 255  # undo normalize on channel 0
+    order = np.rint(first_value / 10).astype(int).tolist()
+    assert order == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
+
+
+def test_float32_rescale_equals_the_float64_reference_route():
+    values = np.arange(256)
+    reference_route = (values.astype(np.float64) * (1 / 255)).astype(np.float32)
+    assert np.array_equal(values.astype(np.float32) / np.float32(255), reference_route)
