@@ -20,7 +20,7 @@ from fovea.multimodal.prompt import ProcessedPrompt
 
 @torch.inference_mode()
 def generate_greedy(model: Qwen2_5_VLForConditionalGeneration, prompt: ProcessedPrompt, max_new_tokens: int,
-                    stop_token_ids: tuple[int, ...] = (), on_token=None) -> list[int]:
+                    stop_token_ids: tuple[int, ...] = ()) -> list[int]:
     device = model.lm_head.weight.device
     mm_embeds = None
     if prompt.images:
@@ -36,8 +36,6 @@ def generate_greedy(model: Qwen2_5_VLForConditionalGeneration, prompt: Processed
         next_token = int(model.compute_logits(hidden[-1:]).argmax(-1))
         generated.append(next_token)
         tokens.append(next_token)
-        if on_token is not None:
-            on_token(next_token)
         if next_token in stop_token_ids:
             break
     return generated
@@ -57,17 +55,15 @@ def run_demo(model: str | None, image: str | None, prompt: str, max_tokens: int,
 
     net, model_dir = load_model(model, dtype=dtype)
     processor = PromptProcessor(model_dir, net.config)
-    picture = image if image is not None else demo_image()
-    messages = [{"role": "user", "content": [{"type": "image_pil" if image is None else "image_url",
-                                              "image_pil" if image is None else "image_url": picture},
-                                             {"type": "text", "text": prompt}]}]
+    picture = ({"type": "image_pil", "image_pil": demo_image()} if image is None
+               else {"type": "image_url", "image_url": {"url": image}})
+    messages = [{"role": "user", "content": [picture, {"type": "text", "text": prompt}]}]
     processed = processor.process_chat(messages)
     grid = processed.images[0].grid_thw
     print(f"model: {model_dir}\nprompt: {len(processed.token_ids)} tokens, image grid {grid} -> "
           f"{processed.images[0].num_tokens} image tokens\n--- output ---", flush=True)
-    decoder = processor.tokenizer
     start = time.perf_counter()
     out = generate_greedy(net, processed, max_tokens, net.config.eos_token_ids)
     elapsed = time.perf_counter() - start
-    print(decoder.decode(out, skip_special_tokens=True))
+    print(processor.tokenizer.decode(out, skip_special_tokens=True))
     print(f"--- {len(out)} tokens in {elapsed:.2f} s ---")

@@ -102,3 +102,22 @@ def test_logits_and_greedy_match_transformers(tiny_dirs, config, name):
     # decode-step logits too: catches wrong decode positions even when a random model repeats itself
     step_logits = our_logits(model, prompt, ours[:-1])[len(prompt.token_ids) - 1:]
     assert rel_err(step_logits, torch.cat(ref.logits)) <= 1e-4
+
+
+@pytest.mark.parametrize("config", ["tiny-3b", "tiny-7b"])
+def test_flattened_varlen_batch_equals_each_prompt_alone(tiny_dirs, config):
+    """Several prompts concatenated in one forward (cu_seqlens, (3, N) positions, images encoded together)
+    give each prompt the logits it gets alone; those are the ones checked against transformers above."""
+    model, processor = our_model(tiny_dirs[config])
+    prompts = [processor.process_chat(our_messages(*case(name)[:2])) for name in ("one_image", "text", "two_images")]
+    solo = [our_logits(model, p) for p in prompts]
+    images = [im for p in prompts for im in p.images]
+    pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in images]))
+    mm = torch.cat(model.encode_images(pixels, [im.grid_thw for im in images]))
+    ids = torch.tensor([t for p in prompts for t in p.token_ids])
+    positions = torch.from_numpy(np.concatenate([p.positions for p in prompts], axis=1))
+    meta = AttentionMetadata.from_lengths([len(p.token_ids) for p in prompts])
+    with torch.no_grad():
+        batched = model.compute_logits(model(ids, positions, meta, mm))
+    for rows, alone in zip(batched.split([len(p.token_ids) for p in prompts]), solo):
+        assert rel_err(rows, alone) <= 1e-5

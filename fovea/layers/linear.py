@@ -15,7 +15,7 @@ from torch import nn
 TP_RANK, TP_SIZE = 0, 1
 
 
-def _divide(n: int, d: int) -> int:
+def divide(n: int, d: int) -> int:
     if n % d:
         raise ValueError(f"{n} is not divisible by tensor-parallel size {d}")
     return n // d
@@ -54,7 +54,7 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication after it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, _divide(out_features, TP_SIZE), bias)
+        super().__init__(in_features, divide(out_features, TP_SIZE), bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         size = param.shape[0]
@@ -65,7 +65,7 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; needs an all-reduce of the output when TP_SIZE > 1."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(_divide(in_features, TP_SIZE), out_features, bias)
+        super().__init__(divide(in_features, TP_SIZE), out_features, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.ndim == 2 and TP_SIZE > 1:
@@ -93,8 +93,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = True):
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, TP_SIZE)
-        self.num_kv_heads = _divide(num_kv_heads, TP_SIZE)
+        self.num_heads = divide(num_heads, TP_SIZE)
+        self.num_kv_heads = divide(num_kv_heads, TP_SIZE)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):

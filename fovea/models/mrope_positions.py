@@ -45,7 +45,7 @@ def mrope_positions(token_ids: Sequence[int], spans: Sequence[VisionSpan], spati
         t, h, w = span.grid_thw
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         count = t * gh * gw
-        if not np.all(ids[start:start + count] == span.token_id) or start + count > ids.size:
+        if start + count > ids.size or not np.all(ids[start:start + count] == span.token_id):
             raise ValueError(f"a vision item with grid {span.grid_thw} needs {count} consecutive placeholder "
                              f"tokens (id {span.token_id}) at index {start}")
         interval = 1.0 if span.second_per_grid_t is None else span.second_per_grid_t * tokens_per_second

@@ -121,7 +121,7 @@ def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, t
         elif name.endswith("bias"):
             t = 0.02 * torch.randn(shape, generator=gen)
         elif "embed_tokens" in name or name == "lm_head.weight":
-            t = 0.5 * torch.randn(shape, generator=gen)
+            t = (0.02 if "embed_tokens" in name else 0.5) * torch.randn(shape, generator=gen)
         else:
             fan_in = int(torch.tensor(shape[1:]).prod())
             t = torch.randn(shape, generator=gen) / fan_in ** 0.5

@@ -39,13 +39,12 @@ class ImageProcessorConfig:
         path = Path(model_dir) / "preprocessor_config.json"
         raw = json.loads(path.read_text()) if path.is_file() else {}
         size = raw.get("size") or {}
-        cfg = cls(
+        return cls(
             min_pixels=raw.get("min_pixels", size.get("shortest_edge", cls.min_pixels)),
             max_pixels=raw.get("max_pixels", size.get("longest_edge", cls.max_pixels)),
             patch_size=raw.get("patch_size", 14), temporal_patch_size=raw.get("temporal_patch_size", 2),
             merge_size=raw.get("merge_size", 2),
             image_mean=tuple(raw.get("image_mean", CLIP_MEAN)), image_std=tuple(raw.get("image_std", CLIP_STD)))
-        return cfg
 
     def with_overrides(self, overrides: dict | None) -> "ImageProcessorConfig":
         """Per-call `mm_processor_kwargs` such as {"min_pixels": ..., "max_pixels": ...}."""
