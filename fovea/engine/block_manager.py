@@ -1,0 +1,129 @@
+"""Paged KV-cache bookkeeping: which physical blocks hold a sequence's tokens, shared prefixes, LRU eviction.
+
+A sequence's KV lives in fixed-size blocks listed in its block table. A *full* block is identified by a chained
+hash of everything up to and including it, so two sequences with the same prefix can share those blocks.
+Image placeholders are one repeated token id whatever the picture, so the hash of a block also covers the
+content hash of every image whose placeholders overlap it: the same text with another image of the same size
+never shares a block from the image on. Blocks nobody references stay cached (findable by hash) until the free
+list hands them out again, least recently freed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class MMSpan:
+    """Where one image's placeholder tokens sit in the prompt, and what the image is."""
+    start: int
+    length: int
+    content_hash: str
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, mm_spans: Sequence[MMSpan] = ()) -> list[bytes]:
+    """One chained digest per full block of `token_ids` (a trailing partial block has none).
+
+    blake2b rather than hash(): stable across processes (str hashes are salted per process) and wide enough
+    that a crafted prompt cannot collide into another user's cached blocks.
+    """
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        end = start + block_size
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(struct.pack(f"<{block_size}q", *token_ids[start:end]))
+        for span in mm_spans:
+            if span.start < end and span.start + span.length > start:
+                digest.update(b"\x00image:" + span.content_hash.encode())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # oldest first
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def cached_prefix(self, hashes: list[bytes], num_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix. The block holding the last token is never taken from the
+        cache: that token must be computed again so the model yields logits for it."""
+        if not self.enable_prefix_caching:
+            return []
+        prefix = []
+        for h in hashes[:(num_tokens - 1) // self.block_size]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            prefix.append(block)
+        return prefix
+
+    def can_allocate(self, hashes: list[bytes], num_tokens: int) -> bool:
+        prefix = self.cached_prefix(hashes, num_tokens)
+        reused_free = sum(1 for b in prefix if self.ref_counts[b] == 0)
+        return self.blocks_needed(num_tokens) - len(prefix) <= self.num_free_blocks - reused_free
+
+    def allocate(self, hashes: list[bytes], num_tokens: int) -> tuple[list[int], int]:
+        """Block table for a new sequence of `num_tokens` tokens, and how many of them are already cached."""
+        if not self.can_allocate(hashes, num_tokens):
+            raise RuntimeError(f"not enough free KV blocks for {num_tokens} tokens")
+        table = self.cached_prefix(hashes, num_tokens)
+        for block in table:
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+        num_cached = len(table) * self.block_size
+        while len(table) < self.blocks_needed(num_tokens):
+            table.append(self._take_free_block())
+        for index in range(num_cached // self.block_size, min(len(hashes), len(table))):
+            self.seal(table, index, hashes[index])
+        return table, num_cached
+
+    def append_slots(self, table: list[int], num_tokens: int) -> None:
+        """Grows `table` so it can hold `num_tokens` tokens (one new block when a decode step crosses a border)."""
+        while len(table) < self.blocks_needed(num_tokens):
+            if not self.free:
+                raise RuntimeError("no free KV block left to grow a sequence")
+            table.append(self._take_free_block())
+
+    def seal(self, table: list[int], index: int, block_hash: bytes) -> None:
+        """Registers a block that just became full, so later sequences with the same prefix can reuse it."""
+        block = table[index]
+        self.block_hash[block] = block_hash
+        if self.enable_prefix_caching:
+            self.cached.setdefault(block_hash, block)
+
+    def release(self, table: list[int]) -> None:
+        # Tail first: when the cache fills up, a prompt's last blocks are evicted before its shared beginning.
+        for block in reversed(table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} released twice"
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        table.clear()
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.block_hash[block]
+        if old is not None and self.cached.get(old) == block:
+            del self.cached[old]  # evicted: its contents are about to be overwritten
+        self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block

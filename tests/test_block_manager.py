@@ -1,0 +1,98 @@
+"""KV block manager: allocation, prefix sharing keyed by image content, LRU eviction, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from fovea.engine.block_manager import BlockManager, MMSpan, block_hashes
+
+IMG = 151655
+BS = 4
+
+
+def prompt_with_image(image_hash: str):
+    tokens = [1, 2, 3, 4, 5, 6, 151652] + [IMG] * 6 + [151653, 7, 8, 9, 10, 11, 12]
+    return tokens, [MMSpan(7, 6, image_hash)]
+
+
+def test_hashes_cover_image_content_from_the_image_on():
+    tokens, spans_a = prompt_with_image("aaa")
+    _, spans_b = prompt_with_image("bbb")
+    a, b = block_hashes(tokens, BS, spans_a), block_hashes(tokens, BS, spans_b)
+    assert len(a) == len(tokens) // BS == 5
+    assert a[0] == b[0]  # tokens 0-3: before the image
+    assert all(x != y for x, y in zip(a[1:], b[1:]))  # block 1 holds the first placeholder; chain differs after
+    assert block_hashes(tokens, BS, spans_a) == a  # deterministic
+    assert block_hashes(tokens[:7], BS) == a[:1]  # a partial block has no hash
+
+
+def check_no_leaks(bm: BlockManager):
+    assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm.ref_counts)
+
+
+def test_shared_prefix_is_reused_and_everything_is_freed():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    tokens, spans = prompt_with_image("aaa")
+    hashes = block_hashes(tokens, BS, spans)
+    first, cached = bm.allocate(hashes, len(tokens))
+    assert cached == 0 and len(first) == 5 and bm.num_free_blocks == 11
+    second, cached = bm.allocate(hashes, len(tokens))
+    # 20 tokens = 5 full blocks; the block with the last token is recomputed, so 4 blocks (16 tokens) come cached
+    assert cached == 16 and second[:4] == first[:4] and second[4] != first[4]
+    other_tokens, other_spans = prompt_with_image("bbb")
+    third, cached = bm.allocate(block_hashes(other_tokens, BS, other_spans), len(other_tokens))
+    assert cached == BS and third[0] == first[0] and not set(third[1:]) & set(first)
+    for table in (first, second, third):
+        bm.release(table)
+    check_no_leaks(bm)
+
+
+def test_freed_blocks_stay_cached_until_evicted_least_recent_first():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    a = list(range(100, 112))  # 3 full blocks
+    ha = block_hashes(a, BS)
+    table, _ = bm.allocate(ha, len(a))
+    bm.release(table)
+    again, cached = bm.allocate(ha, len(a) + 1)  # free but still cached: found by hash
+    assert cached == 12
+    bm.release(again)
+    b = list(range(200, 224))  # needs all 6 blocks: evicts a's cached blocks
+    tb, cached_b = bm.allocate(block_hashes(b, BS), len(b))
+    assert cached_b == 0 and bm.num_free_blocks == 0
+    assert not bm.can_allocate(ha, len(a))
+    bm.release(tb)
+    assert bm.allocate(ha, len(a) + 1)[1] == 0  # a's blocks were overwritten, nothing cached
+    for table in bm.cached.values():
+        assert bm.block_hash[table] is not None
+
+
+def test_decode_growth_and_sealing():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    tokens = [1, 2, 3, 4, 5, 6]
+    table, _ = bm.allocate(block_hashes(tokens, BS), len(tokens))
+    assert len(table) == 2
+    tokens += [7, 8]
+    bm.append_slots(table, len(tokens))
+    assert len(table) == 2  # still fits
+    bm.seal(table, 1, block_hashes(tokens, BS)[1])
+    tokens.append(9)
+    bm.append_slots(table, len(tokens))
+    assert len(table) == 3
+    other, cached = bm.allocate(block_hashes(tokens, BS), len(tokens))  # the sealed decode block is shared
+    assert cached == 8 and other[:2] == table[:2]
+    with pytest.raises(RuntimeError, match="not enough free KV blocks"):
+        bm.allocate([], 40)
+    bm.release(table)
+    bm.release(other)
+    check_no_leaks(bm)
+
+
+def test_prefix_caching_off_shares_nothing():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    tokens = list(range(12))
+    t1, _ = bm.allocate(block_hashes(tokens, BS), 12)
+    t2, cached = bm.allocate(block_hashes(tokens, BS), 12)
+    assert cached == 0 and not set(t1) & set(t2)
+    bm.release(t1)
+    bm.release(t2)
+    check_no_leaks(bm)
