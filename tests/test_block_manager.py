@@ -36,14 +36,21 @@ def test_shared_prefix_is_reused_and_everything_is_freed():
     hashes = block_hashes(tokens, BS, spans)
     first, cached = bm.allocate(hashes, len(tokens))
     assert cached == 0 and len(first) == 5 and bm.num_free_blocks == 11
+    leaked, nothing = bm.allocate(hashes, len(tokens))
+    assert nothing == 0  # not computed yet: nothing to share
+    bm.mark_computed(first, hashes, len(tokens))
     second, cached = bm.allocate(hashes, len(tokens))
     # 20 tokens = 5 full blocks; the block with the last token is recomputed, so 4 blocks (16 tokens) come cached
     assert cached == 16 and second[:4] == first[:4] and second[4] != first[4]
+    bm.mark_computed(second, hashes, len(tokens))
     other_tokens, other_spans = prompt_with_image("bbb")
     third, cached = bm.allocate(block_hashes(other_tokens, BS, other_spans), len(other_tokens))
     assert cached == BS and third[0] == first[0] and not set(third[1:]) & set(first)
-    for table in (first, second, third):
-        bm.release(table)
+    bm.release(first)
+    bm.release(second)
+    bm.release(third)
+    assert bm.num_free_blocks == 16 - 5  # the earlier uncomputed allocation was never released
+    bm.release(leaked)
     check_no_leaks(bm)
 
 
@@ -52,6 +59,7 @@ def test_freed_blocks_stay_cached_until_evicted_least_recent_first():
     a = list(range(100, 112))  # 3 full blocks
     ha = block_hashes(a, BS)
     table, _ = bm.allocate(ha, len(a))
+    bm.mark_computed(table, ha, len(a))
     bm.release(table)
     again, cached = bm.allocate(ha, len(a) + 1)  # free but still cached: found by hash
     assert cached == 12
@@ -74,7 +82,7 @@ def test_decode_growth_and_sealing():
     tokens += [7, 8]
     bm.append_slots(table, len(tokens))
     assert len(table) == 2  # still fits
-    bm.seal(table, 1, block_hashes(tokens, BS)[1])
+    bm.mark_computed(table, block_hashes(tokens, BS), len(tokens))  # the decode step filled block 1
     tokens.append(9)
     bm.append_slots(table, len(tokens))
     assert len(table) == 3

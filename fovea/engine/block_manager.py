@@ -92,8 +92,6 @@ class BlockManager:
         num_cached = len(table) * self.block_size
         while len(table) < self.blocks_needed(num_tokens):
             table.append(self._take_free_block())
-        for index in range(num_cached // self.block_size, min(len(hashes), len(table))):
-            self.seal(table, index, hashes[index])
         return table, num_cached
 
     def append_slots(self, table: list[int], num_tokens: int) -> None:
@@ -103,12 +101,15 @@ class BlockManager:
                 raise RuntimeError("no free KV block left to grow a sequence")
             table.append(self._take_free_block())
 
-    def seal(self, table: list[int], index: int, block_hash: bytes) -> None:
-        """Registers a block that just became full, so later sequences with the same prefix can reuse it."""
-        block = table[index]
-        self.block_hash[block] = block_hash
-        if self.enable_prefix_caching:
-            self.cached.setdefault(block_hash, block)
+    def mark_computed(self, table: list[int], hashes: list[bytes], num_computed_tokens: int) -> None:
+        """Makes the full blocks whose KV is now written findable by later sequences. Only after the model has
+        run over their tokens: a block registered at allocation could be "hit" before its KV exists."""
+        for index in range(min(num_computed_tokens // self.block_size, len(hashes))):
+            block = table[index]
+            if self.block_hash[block] is None:
+                self.block_hash[block] = hashes[index]
+                if self.enable_prefix_caching:
+                    self.cached.setdefault(hashes[index], block)
 
     def release(self, table: list[int]) -> None:
         # Tail first: when the cache fills up, a prompt's last blocks are evicted before its shared beginning.
