@@ -75,23 +75,24 @@ class BlockManager:
             prefix.append(block)
         return prefix
 
-    def can_allocate(self, hashes: list[bytes], num_tokens: int) -> bool:
-        prefix = self.cached_prefix(hashes, num_tokens)
-        reused_free = sum(1 for b in prefix if self.ref_counts[b] == 0)
+    def _fits(self, prefix: list[int], num_tokens: int) -> bool:
+        reused_free = sum(1 for b in prefix if self.ref_counts[b] == 0)  # cached but sitting in the free list
         return self.blocks_needed(num_tokens) - len(prefix) <= self.num_free_blocks - reused_free
+
+    def can_allocate(self, hashes: list[bytes], num_tokens: int) -> bool:
+        return self._fits(self.cached_prefix(hashes, num_tokens), num_tokens)
 
     def allocate(self, hashes: list[bytes], num_tokens: int) -> tuple[list[int], int]:
         """Block table for a new sequence of `num_tokens` tokens, and how many of them are already cached."""
-        if not self.can_allocate(hashes, num_tokens):
-            raise RuntimeError(f"not enough free KV blocks for {num_tokens} tokens")
         table = self.cached_prefix(hashes, num_tokens)
+        if not self._fits(table, num_tokens):
+            raise RuntimeError(f"not enough free KV blocks for {num_tokens} tokens")
         for block in table:
             if self.ref_counts[block] == 0:
                 del self.free[block]
             self.ref_counts[block] += 1
         num_cached = len(table) * self.block_size
-        while len(table) < self.blocks_needed(num_tokens):
-            table.append(self._take_free_block())
+        self.append_slots(table, num_tokens)
         return table, num_cached
 
     def append_slots(self, table: list[int], num_tokens: int) -> None:

@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.vocab_size = vocab_size
-        self.rows = divide(vocab_size, TP_SIZE) if TP_SIZE > 1 else vocab_size
+        self.rows = divide(vocab_size, TP_SIZE)
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
