@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fovea.engine.block_manager import BlockManager, MMSpan, block_hashes
+from fovea.engine.block_manager import BlockManager, MMSpan, block_hashes, extend_block_hashes
 
 IMG = 151655
 BS = 4
@@ -26,6 +26,12 @@ def test_hashes_cover_image_content_from_the_image_on():
     assert block_hashes(tokens[:7], BS) == a[:1]  # a partial block has no hash
 
 
+def alloc(bm: BlockManager, hashes, num_tokens):
+    """What the scheduler does for a new sequence: look up the cached prefix, allocate the rest."""
+    prefix = bm.cached_prefix(hashes, num_tokens)
+    return bm.allocate(prefix, num_tokens), len(prefix) * bm.block_size
+
+
 def check_no_leaks(bm: BlockManager):
     assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm.ref_counts)
 
@@ -34,17 +40,17 @@ def test_shared_prefix_is_reused_and_everything_is_freed():
     bm = BlockManager(num_blocks=16, block_size=BS)
     tokens, spans = prompt_with_image("aaa")
     hashes = block_hashes(tokens, BS, spans)
-    first, cached = bm.allocate(hashes, len(tokens))
+    first, cached = alloc(bm, hashes, len(tokens))
     assert cached == 0 and len(first) == 5 and bm.num_free_blocks == 11
-    leaked, nothing = bm.allocate(hashes, len(tokens))
+    leaked, nothing = alloc(bm, hashes, len(tokens))
     assert nothing == 0  # not computed yet: nothing to share
     bm.mark_computed(first, hashes, len(tokens))
-    second, cached = bm.allocate(hashes, len(tokens))
+    second, cached = alloc(bm, hashes, len(tokens))
     # 20 tokens = 5 full blocks; the block with the last token is recomputed, so 4 blocks (16 tokens) come cached
     assert cached == 16 and second[:4] == first[:4] and second[4] != first[4]
     bm.mark_computed(second, hashes, len(tokens))
     other_tokens, other_spans = prompt_with_image("bbb")
-    third, cached = bm.allocate(block_hashes(other_tokens, BS, other_spans), len(other_tokens))
+    third, cached = alloc(bm, block_hashes(other_tokens, BS, other_spans), len(other_tokens))
     assert cached == BS and third[0] == first[0] and not set(third[1:]) & set(first)
     bm.release(first)
     bm.release(second)
@@ -58,18 +64,18 @@ def test_freed_blocks_stay_cached_until_evicted_least_recent_first():
     bm = BlockManager(num_blocks=6, block_size=BS)
     a = list(range(100, 112))  # 3 full blocks
     ha = block_hashes(a, BS)
-    table, _ = bm.allocate(ha, len(a))
+    table, _ = alloc(bm, ha, len(a))
     bm.mark_computed(table, ha, len(a))
     bm.release(table)
-    again, cached = bm.allocate(ha, len(a) + 1)  # free but still cached: found by hash
+    again, cached = alloc(bm, ha, len(a) + 1)  # free but still cached: found by hash
     assert cached == 12
     bm.release(again)
     b = list(range(200, 224))  # needs all 6 blocks: evicts a's cached blocks
-    tb, cached_b = bm.allocate(block_hashes(b, BS), len(b))
+    tb, cached_b = alloc(bm, block_hashes(b, BS), len(b))
     assert cached_b == 0 and bm.num_free_blocks == 0
-    assert not bm.can_allocate(ha, len(a))
+    assert not bm.can_allocate(bm.cached_prefix(ha, len(a)), len(a))
     bm.release(tb)
-    assert bm.allocate(ha, len(a) + 1)[1] == 0  # a's blocks were overwritten, nothing cached
+    assert alloc(bm, ha, len(a) + 1)[1] == 0  # a's blocks were overwritten, nothing cached
     for table in bm.cached.values():
         assert bm.block_hash[table] is not None
 
@@ -77,7 +83,7 @@ def test_freed_blocks_stay_cached_until_evicted_least_recent_first():
 def test_decode_growth_and_sealing():
     bm = BlockManager(num_blocks=4, block_size=BS)
     tokens = [1, 2, 3, 4, 5, 6]
-    table, _ = bm.allocate(block_hashes(tokens, BS), len(tokens))
+    table, _ = alloc(bm, block_hashes(tokens, BS), len(tokens))
     assert len(table) == 2
     tokens += [7, 8]
     bm.append_slots(table, len(tokens))
@@ -86,7 +92,7 @@ def test_decode_growth_and_sealing():
     tokens.append(9)
     bm.append_slots(table, len(tokens))
     assert len(table) == 3
-    other, cached = bm.allocate(block_hashes(tokens, BS), len(tokens))  # the sealed decode block is shared
+    other, cached = alloc(bm, block_hashes(tokens, BS), len(tokens))  # the sealed decode block is shared
     assert cached == 8 and other[:2] == table[:2]
     with pytest.raises(RuntimeError, match="not enough free KV blocks"):
         bm.allocate([], 40)
@@ -98,9 +104,30 @@ def test_decode_growth_and_sealing():
 def test_prefix_caching_off_shares_nothing():
     bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
     tokens = list(range(12))
-    t1, _ = bm.allocate(block_hashes(tokens, BS), 12)
-    t2, cached = bm.allocate(block_hashes(tokens, BS), 12)
+    t1, _ = alloc(bm, block_hashes(tokens, BS), 12)
+    t2, cached = alloc(bm, block_hashes(tokens, BS), 12)
     assert cached == 0 and not set(t1) & set(t2)
     bm.release(t1)
     bm.release(t2)
     check_no_leaks(bm)
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    tokens = list(range(10))  # 2 full blocks + 2 tokens
+    parent, _ = alloc(bm, block_hashes(tokens, BS), len(tokens))
+    child, copy = bm.fork(parent, len(tokens))
+    assert child[:2] == parent[:2] and child[2] != parent[2] and copy == (parent[2], child[2])
+    aligned, no_copy = bm.fork(parent[:2], 8)
+    assert aligned == parent[:2] and no_copy is None
+    for table in (parent, child, aligned):
+        bm.release(table)
+    check_no_leaks(bm)
+
+
+def test_hashes_extend_incrementally():
+    tokens = list(range(23))
+    hashes = block_hashes(tokens[:9], BS)
+    assert len(hashes) == 2
+    extend_block_hashes(hashes, tokens, BS)
+    assert hashes == block_hashes(tokens, BS)

@@ -26,14 +26,20 @@ class MMSpan:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, mm_spans: Sequence[MMSpan] = ()) -> list[bytes]:
-    """One chained digest per full block of `token_ids` (a trailing partial block has none).
+    """One chained digest per full block of `token_ids` (a trailing partial block has none)."""
+    return extend_block_hashes([], token_ids, block_size, mm_spans)
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
+                        mm_spans: Sequence[MMSpan] = ()) -> list[bytes]:
+    """Appends to `hashes` the digests of the full blocks of `token_ids` it does not cover yet (a sequence
+    grows one token at a time; its earlier digests never change).
 
     blake2b rather than hash(): stable across processes (str hashes are salted per process) and wide enough
     that a crafted prompt cannot collide into another user's cached blocks.
     """
-    hashes: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    parent = hashes[-1] if hashes else b""
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         digest = hashlib.blake2b(parent, digest_size=16)
         digest.update(struct.pack(f"<{block_size}q", *token_ids[start:end]))
@@ -75,25 +81,27 @@ class BlockManager:
             prefix.append(block)
         return prefix
 
-    def _fits(self, prefix: list[int], num_tokens: int) -> bool:
+    def can_allocate(self, prefix: list[int], num_tokens: int, extra_blocks: int = 0) -> bool:
+        """Whether a table starting with the cached `prefix` can grow to `num_tokens` tokens (plus
+        `extra_blocks` spare ones)."""
         reused_free = sum(1 for b in prefix if self.ref_counts[b] == 0)  # cached but sitting in the free list
-        return self.blocks_needed(num_tokens) - len(prefix) <= self.num_free_blocks - reused_free
+        needed = self.blocks_needed(num_tokens) - len(prefix) + extra_blocks
+        return needed <= self.num_free_blocks - reused_free
 
-    def can_allocate(self, hashes: list[bytes], num_tokens: int) -> bool:
-        return self._fits(self.cached_prefix(hashes, num_tokens), num_tokens)
-
-    def allocate(self, hashes: list[bytes], num_tokens: int) -> tuple[list[int], int]:
-        """Block table for a new sequence of `num_tokens` tokens, and how many of them are already cached."""
-        table = self.cached_prefix(hashes, num_tokens)
-        if not self._fits(table, num_tokens):
+    def allocate(self, prefix: list[int], num_tokens: int) -> list[int]:
+        """Block table for a new sequence: the cached `prefix` blocks, then fresh ones up to `num_tokens`."""
+        if not self.can_allocate(prefix, num_tokens):
             raise RuntimeError(f"not enough free KV blocks for {num_tokens} tokens")
+        table = list(prefix)
         for block in table:
             if self.ref_counts[block] == 0:
                 del self.free[block]
             self.ref_counts[block] += 1
-        num_cached = len(table) * self.block_size
         self.append_slots(table, num_tokens)
-        return table, num_cached
+        return table
+
+    def can_append(self, table: list[int], num_tokens: int, extra_blocks: int = 0) -> bool:
+        return self.blocks_needed(num_tokens) - len(table) + extra_blocks <= self.num_free_blocks
 
     def append_slots(self, table: list[int], num_tokens: int) -> None:
         """Grows `table` so it can hold `num_tokens` tokens (one new block when a decode step crosses a border)."""
@@ -102,15 +110,33 @@ class BlockManager:
                 raise RuntimeError("no free KV block left to grow a sequence")
             table.append(self._take_free_block())
 
-    def mark_computed(self, table: list[int], hashes: list[bytes], num_computed_tokens: int) -> None:
-        """Makes the full blocks whose KV is now written findable by later sequences. Only after the model has
-        run over their tokens: a block registered at allocation could be "hit" before its KV exists."""
-        for index in range(min(num_computed_tokens // self.block_size, len(hashes))):
+    def fork(self, table: list[int], num_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
+        """A second table over the same `num_tokens` tokens: full blocks are shared, a partially filled last
+        block is copied (both sequences will write different tokens into it). Returns the table and the
+        (source, destination) block copy the model runner must do, if any."""
+        full = num_tokens // self.block_size
+        shared = table[:full]
+        for block in shared:
+            self.ref_counts[block] += 1
+        child = list(shared)
+        if full == len(table):
+            return child, None
+        child.append(self._take_free_block())
+        return child, (table[full], child[-1])
+
+    def mark_computed(self, table: list[int], hashes: list[bytes], num_computed_tokens: int,
+                      num_registered: int = 0) -> int:
+        """Makes the full blocks whose KV is now written findable by later sequences, from block
+        `num_registered` on; returns how many blocks are registered now. Only after the model has run over
+        their tokens: a block registered at allocation could be "hit" before its KV exists."""
+        upto = min(num_computed_tokens // self.block_size, len(hashes))
+        for index in range(num_registered, upto):
             block = table[index]
             if self.block_hash[block] is None:
                 self.block_hash[block] = hashes[index]
                 if self.enable_prefix_caching:
                     self.cached.setdefault(hashes[index], block)
+        return max(upto, num_registered)
 
     def release(self, table: list[int]) -> None:
         # Tail first: when the cache fills up, a prompt's last blocks are evicted before its shared beginning.

@@ -16,6 +16,7 @@ from fovea.layers.attention import AttentionMetadata, varlen_attention
 from fovea.layers.basic import ParallelLMHead, RMSNorm, SiluAndMul, VocabParallelEmbedding
 from fovea.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                  RowParallelLinear)
+from fovea.layers.paged_attention import PagedAttentionMetadata
 from fovea.layers.rotary import apply_rotary, mrope, vision_rope
 
 # ----------------------------------------------------------------------------------------------- vision tower
@@ -164,15 +165,21 @@ class Qwen2Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=True)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.kv_cache: torch.Tensor | None = None  # this layer's paged KV cache, bound by the model runner
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata | PagedAttentionMetadata):
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=True, scale=self.head_dim ** -0.5)
+        scale = self.head_dim ** -0.5
+        if isinstance(meta, PagedAttentionMetadata):
+            out = meta.backend.forward(q, k, v, self.kv_cache, meta, scale)
+        else:  # whole prompts, no cache (reference checks, the demo)
+            out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=True, scale=scale)
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -228,10 +235,13 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         unit = self.config.vision.spatial_merge_size ** 2
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
-    def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings with `mm_embeds` rows written over the image/video placeholder positions, in order."""
+    def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
+              mm_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with `mm_embeds` rows written over the image/video placeholder positions, in order.
+        `mm_mask` says which rows are placeholders when ids alone cannot (a generated placeholder id is text)."""
         x = self.model.embed_tokens(input_ids)
-        is_placeholder = (input_ids == self.config.image_token_id) | (input_ids == self.config.video_token_id)
+        is_placeholder = mm_mask if mm_mask is not None else (
+            (input_ids == self.config.image_token_id) | (input_ids == self.config.video_token_id))
         count = int(is_placeholder.sum())
         given = 0 if mm_embeds is None else mm_embeds.shape[0]
         if count != given:
@@ -240,10 +250,11 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
             x = x.masked_scatter(is_placeholder[:, None], mm_embeds.to(x.dtype))
         return x
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | PagedAttentionMetadata, mm_embeds: torch.Tensor | None = None,
+                mm_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids: (N,), positions: (3, N) -> final hidden states (N, hidden)."""
-        return self.model(self.embed(input_ids, mm_embeds), positions, meta)
+        return self.model(self.embed(input_ids, mm_embeds, mm_mask), positions, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)

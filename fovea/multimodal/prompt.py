@@ -86,11 +86,13 @@ class PromptProcessor:
         image_cfg = ImageProcessorConfig.from_dir(model_dir).with_overrides(mm_processor_kwargs)
         self.image_processor = ImageProcessor(image_cfg)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list]:
-        if not self.chat_template:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> tuple[str, list]:
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("the model has no chat template; pass one with chat_template=")
         normalized, images = split_chat_images(messages)
-        text = self.tokenizer.apply_chat_template(normalized, chat_template=self.chat_template, tokenize=False,
+        text = self.tokenizer.apply_chat_template(normalized, chat_template=template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         return text, images
 

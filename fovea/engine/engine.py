@@ -1,0 +1,204 @@
+"""The engine: requests in, one batched step at a time, outputs back.
+
+step() = schedule -> run the model -> for each sampled token: record it (forking n > 1 requests after their
+prompt), detokenize, check stop conditions, free finished sequences -> build the outputs callers asked for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from fovea.engine.block_manager import BlockManager
+from fovea.engine.config import EngineConfig
+from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.input_processor import InputProcessor
+from fovea.engine.model_runner import ModelRunner, StepOutput
+from fovea.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus)
+from fovea.engine.sampling_params import RequestOutputKind
+from fovea.engine.scheduler import ScheduledBatch, Scheduler
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < config.max_model_len:
+            config.max_model_len = capacity  # a sequence longer than the whole cache could never run
+        self.inputs = InputProcessor(config)
+        self.tokenizer = self.inputs.tokenizer
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.encoder_cache = EncoderCache(config.encoder_cache_size)
+        self.scheduler = Scheduler(config, self.blocks, self.encoder_cache)
+        self.requests: dict[str, Request] = {}
+        self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
+        self._seq_ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.scheduler.add(self._new_sequence(request, 0))
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        seq = Sequence(next(self._seq_ids), request, index)
+        if request.params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     request.params.skip_special_tokens,
+                                                     request.params.spaces_between_special_tokens)
+        request.sequences.append(seq)
+        return seq
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            request.aborted = True
+            for seq in request.sequences:
+                if seq.status != SequenceStatus.FINISHED:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)  # its KV blocks are free from now on
+            request.metrics.finished_time = time.time()
+            self.finished_outputs.append(self._output(request, final=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self.finished_outputs)
+
+    # ----------------------------------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self.finished_outputs = self.finished_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        now = time.time()
+        for seq in batch.seqs:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+        result = self.runner.execute(batch, self.encoder_cache)
+        self.scheduler.step_done(batch)
+        touched = self._record_prompt_logprobs(batch, result)
+        touched |= self._record_samples(batch, result)
+        for request in touched:
+            kind = request.params.output_kind
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+            if request.finished or kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(request, final=request.finished))
+        return outputs
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, result: StepOutput) -> set[Request]:
+        for index, (chosen, ranks, top_ids, top_values) in result.prompt_logprobs.items():
+            seq = batch.seqs[index]
+            targets = seq.token_ids[len(seq.request.prompt_logprobs):][:chosen.numel()]
+            seq.request.prompt_logprobs += self._logprob_dicts(targets, chosen, ranks, top_ids, top_values)
+        return set()
+
+    def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> set[Request]:
+        touched = set()
+        if result.sampled is None:
+            return touched
+        sampled = result.sampled
+        tokens = sampled.token_ids.tolist()
+        dicts = None
+        if sampled.logprobs is not None:
+            dicts = self._logprob_dicts(tokens, sampled.logprobs, sampled.ranks, sampled.top_ids, sampled.top_logprobs)
+        # forks first: a parent that finishes on this very token must still hold the blocks its samples share
+        row_seqs = []
+        for index, fork in result.row_owners:
+            seq = batch.seqs[index]
+            if fork:
+                child = self._new_sequence(seq.request, seq.index + fork)
+                self.scheduler.fork(seq, child)
+                seq = child
+            row_seqs.append(seq)
+        for index, _ in result.row_owners:
+            batch.seqs[index].pending_forks = 0
+        now = time.time()
+        for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
+            metrics = seq.request.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            logprob = float(sampled.logprobs[row]) if sampled.logprobs is not None else 0.0
+            self._append_token(seq, token, dicts[row] if dicts else None, logprob)
+            touched.add(seq.request)
+        return touched
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None, logprob: float) -> None:
+        params = seq.params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._top_k_of(logprobs, token, params.logprobs))
+        new_chars = 0
+        if seq.detokenizer is not None:
+            piece = seq.detokenizer.decode(token)
+            seq.text += piece
+            new_chars = len(piece)
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in seq.request.eos_token_ids:
+            self._finish(seq, "stop", None)
+        elif may_stop and token in params.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif may_stop and params.stop_strings and new_chars:
+            found = find_stop_string(seq.text, new_chars, params.stop_strings)
+            if found:
+                stop, index = found
+                seq.text = seq.text[:index + len(stop) if params.include_stop_str_in_output else index]
+                self._finish(seq, "stop", stop)
+        if seq.status != SequenceStatus.FINISHED and (
+                (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+                or seq.num_tokens >= self.config.max_model_len):
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+        if seq.request.finished:
+            seq.request.metrics.finished_time = time.time()
+
+    # -------------------------------------------------------------------------------------------- outputs
+
+    def _logprob_dicts(self, targets, chosen, ranks, top_ids, top_values) -> list[dict[int, Logprob]]:
+        chosen, ranks = chosen.tolist(), ranks.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in chosen]
+        top_values = top_values.tolist() if top_values is not None else [[] for _ in chosen]
+        out = []
+        for target, lp, rank, ids, values in zip(targets, chosen, ranks, top_ids, top_values):
+            entry = {target: Logprob(lp, rank, self._token_text(target))}
+            for place, (tid, value) in enumerate(zip(ids, values), start=1):
+                entry.setdefault(tid, Logprob(value, place, self._token_text(tid)))
+            out.append(entry)
+        return out
+
+    @staticmethod
+    def _top_k_of(entry: dict[int, Logprob], token: int, k: int) -> dict[int, Logprob]:
+        """The sampled token plus the k best (the batch computed the largest k any row asked for)."""
+        return {tid: lp for tid, lp in entry.items() if tid == token or (lp.rank is not None and lp.rank <= k)}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _output(self, request: Request, final: bool) -> RequestOutput:
+        delta = request.params.output_kind == RequestOutputKind.DELTA
+        holdback = 0 if final else max((len(s) - 1 for s in request.params.stop_strings), default=0)
+        completions = []
+        for seq in request.sequences:
+            done = seq.status == SequenceStatus.FINISHED
+            text_end = len(seq.text) if done else max(len(seq.text) - holdback, 0)
+            token_start = seq.sent_tokens if delta else 0
+            text_start = min(seq.sent_text, text_end) if delta else 0
+            completions.append(CompletionOutput(
+                seq.index, seq.text[text_start:text_end], seq.output_token_ids[token_start:],
+                seq.cumulative_logprob if seq.logprobs is not None else None,
+                seq.logprobs[token_start:] if seq.logprobs is not None else None,
+                seq.finish_reason, seq.stop_reason))
+            seq.sent_tokens, seq.sent_text = seq.num_output_tokens, text_end
+        completions.sort(key=lambda c: c.index)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, request.prompt_logprobs,
+                             completions, final, request.num_cached_tokens, request.metrics)

@@ -1,0 +1,98 @@
+"""Turns what a user submits (text, token ids, vLLM-style dicts with images, chat messages) into a `Request`.
+
+Runs outside the engine loop (the server calls it in a worker thread): decoding and resizing images is the
+slow part of a request's admission and must not hold up token generation. Every check that can reject a
+request happens here, before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+
+from fovea.engine.block_manager import MMSpan
+from fovea.engine.config import EngineConfig
+from fovea.engine.request import MMItem, Request
+from fovea.engine.sampling_params import SamplingParams
+from fovea.multimodal.image import ProcessedImage
+from fovea.multimodal.prompt import ProcessedPrompt, PromptProcessor
+
+
+def image_content_hash(image: ProcessedImage) -> str:
+    """Identifies an image by the encoder's exact input, so resize settings are part of its identity."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(tuple(image.grid_thw)).encode())
+    digest.update(image.pixel_values.tobytes())
+    return digest.hexdigest()
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.prompts = PromptProcessor(config.model_dir, config.model, mm_processor_kwargs=config.mm_processor_kwargs)
+        self.tokenizer = self.prompts.tokenizer
+        self.vocab_size = config.model.text.vocab_size
+        self._arrivals = itertools.count()
+
+    def process(self, prompt, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+        """A prompt is a string, a list of token ids, or {"prompt" | "prompt_token_ids": ...,
+        "multi_modal_data": {"image": image or [images]}, "mm_processor_kwargs": {...}}."""
+        images: list = []
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+            if unknown:
+                raise ValueError(f"unknown prompt fields {sorted(unknown)}")
+            data = prompt.get("multi_modal_data") or {}
+            if set(data) - {"image"}:
+                raise ValueError(f"unsupported multi_modal_data {sorted(set(data) - {'image'})}; supported: image")
+            images = data.get("image") or []
+            images = images if isinstance(images, (list, tuple)) else [images]
+            mm_processor_kwargs = {**(mm_processor_kwargs or {}), **(prompt.get("mm_processor_kwargs") or {})}
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        self._check_image_count(len(images))
+        return self.prompts.process(prompt, images, mm_processor_kwargs or None)
+
+    def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
+                     chat_template: str | None = None, add_generation_prompt: bool = True) -> ProcessedPrompt:
+        text, images = self.prompts.render_chat(messages, add_generation_prompt, chat_template)
+        self._check_image_count(len(images))
+        return self.prompts.process(text, images, mm_processor_kwargs)
+
+    def _check_image_count(self, count: int) -> None:
+        limit = self.config.limit_mm_per_prompt.get("image")
+        if limit is not None and count > limit:
+            raise ValueError(f"the prompt has {count} images but limit_mm_per_prompt allows {limit}")
+
+    def make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                     prompt_text: str | None = None, arrival_time: float | None = None) -> Request:
+        ids = processed.token_ids
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(f"the prompt (length {len(ids)}) is longer than the maximum model length of "
+                             f"{self.config.max_model_len}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        items, start = [], 0
+        for image in processed.images:
+            if image.num_tokens > self.config.encoder_cache_size:
+                raise ValueError(f"an image of {image.num_tokens} tokens does not fit the encoder cache "
+                                 f"({self.config.encoder_cache_size} tokens); lower max_pixels or raise "
+                                 "encoder_cache_size")
+            start = ids.index(self.config.model.image_token_id, start)
+            items.append(MMItem(MMSpan(start, image.num_tokens, image_content_hash(image)), tuple(image.grid_thw),
+                                image.pixel_values))
+            start += image.num_tokens
+        return Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
+                       prompt=prompt_text, arrival_time=arrival_time or time.time(),
+                       eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals),
+                       device=self.config.device)

@@ -1,0 +1,156 @@
+"""One engine step on the device: flatten the scheduled batch, encode new images, run the model, sample.
+
+The batch is one flat run of tokens (each sequence's new tokens back to back) with their (3, N) M-RoPE
+positions, KV-cache slots and block tables; the attention backend turns that into attention over each
+sequence's paged context. Logits are computed only for rows that sample (a sequence's last known token) and
+for prompt rows whose log-probabilities were asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fovea.engine.config import EngineConfig
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.request import Sequence
+from fovea.engine.sampler import Sampler, SampleRow, SamplerOutput, top_logprobs
+from fovea.engine.scheduler import ScheduledBatch
+from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata, TorchAttention
+from fovea.models.loader import load_model
+
+CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU backend sizes its cache by a fixed space too (VLLM_CPU_KVCACHE_SPACE)
+
+
+@dataclass
+class StepOutput:
+    # (batch index, fork number) of each sampled row: fork 0 is the sequence itself, k > 0 its k-th new sample
+    row_owners: list[tuple[int, int]] = field(default_factory=list)
+    sampled: SamplerOutput | None = None
+    # batch index -> (token logprob, rank, top ids, top logprobs) for the prompt tokens this chunk predicted
+    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, backend: AttentionBackend | None = None):
+        self.config = config
+        self.device = config.device
+        self.model, _ = load_model(config.model_dir, dtype=config.dtype, device=config.device)
+        self.backend = backend or TorchAttention()
+        self.sampler = Sampler(config.seed)
+        self.layers = [layer.self_attn for layer in self.model.model.layers]
+        self.num_blocks = self._count_kv_blocks()
+        text = config.model.text
+        shape = (2, self.num_blocks, config.block_size, text.num_kv_heads, text.head_dim)
+        # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would still be NaN
+        self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in self.layers]
+        for attn, cache in zip(self.layers, self.kv_caches):
+            attn.kv_cache = cache
+
+    def _count_kv_blocks(self) -> int:
+        cfg, text = self.config, self.config.model.text
+        block_bytes = 2 * len(self.layers) * cfg.block_size * text.num_kv_heads * text.head_dim * cfg.dtype.itemsize
+        if cfg.num_gpu_blocks_override:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_memory_bytes:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # keep (1 - utilization) of the card for others, and room for activations and logits
+            activations = cfg.max_num_batched_tokens * text.hidden_size * 64 + cfg.max_num_seqs * text.vocab_size * 16
+            budget = free - total * (1 - cfg.gpu_memory_utilization) - activations
+        else:
+            budget = min(CPU_KV_CACHE_BYTES, block_bytes * cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size))
+        blocks = int(budget // block_bytes)
+        if blocks < 1:
+            raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
+                             "gpu_memory_utilization / kv_cache_memory_bytes")
+        return blocks
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, encoder_cache: EncoderCache) -> StepOutput:
+        for src, dst in batch.block_copies:
+            for cache in self.kv_caches:
+                cache[:, dst].copy_(cache[:, src])
+        self._encode_images(batch, encoder_cache)
+        ids, positions, meta, mm_embeds, mm_mask, sample_rows, owners, logprob_spans = self._prepare(batch,
+                                                                                                    encoder_cache)
+        self.backend.prepare(meta)
+        hidden = self.model(ids, positions, meta, mm_embeds, mm_mask)
+        out = StepOutput(row_owners=owners)
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows], device=self.device)])
+            out.sampled = self.sampler(logits, [row for _, row in sample_rows])
+        for index, (offset, count, targets, k) in logprob_spans.items():
+            logprobs = self.model.compute_logits(hidden[offset:offset + count]).float().log_softmax(-1)
+            out.prompt_logprobs[index] = top_logprobs(logprobs, torch.tensor(targets, device=self.device), k)
+        return out
+
+    def _encode_images(self, batch: ScheduledBatch, encoder_cache: EncoderCache) -> None:
+        if not batch.encode:
+            return
+        pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in batch.encode]))
+        pixels = pixels.to(self.device, self.config.dtype)
+        embeddings = self.model.encode_images(pixels, [item.grid_thw for item in batch.encode])
+        for item, rows in zip(batch.encode, embeddings):
+            encoder_cache.put(item.content_hash, rows)
+
+    def _prepare(self, batch: ScheduledBatch, encoder_cache: EncoderCache):
+        bs = self.config.block_size
+        total = batch.num_tokens
+        ids: list[int] = []
+        positions = np.empty((3, total), dtype=np.int64)
+        slots = np.empty(total, dtype=np.int64)
+        tables = np.zeros((len(batch), max(len(s.block_table) for s in batch.seqs)), dtype=np.int32)
+        mm_embeds, mm_mask = [], np.zeros(total, dtype=bool)
+        sample_rows, owners, logprob_spans = [], [], {}
+        offset = 0
+        for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            request = seq.request
+            ids += seq.token_ids[start:end]
+            tables[index, :len(seq.block_table)] = seq.block_table
+            if n == 1 and start >= seq.num_prompt_tokens:  # decode: the common case, kept cheap
+                positions[:, offset] = start + request.mrope_delta
+                slots[offset] = seq.block_table[start // bs] * bs + start % bs
+            else:
+                prompt_end = min(end, seq.num_prompt_tokens)
+                positions[:, offset:offset + max(prompt_end - start, 0)] = request.positions[:, start:prompt_end]
+                generated = np.arange(max(start, seq.num_prompt_tokens), end)
+                positions[:, offset + n - generated.size:offset + n] = generated + request.mrope_delta
+                token_index = np.arange(start, end)
+                slots[offset:offset + n] = np.asarray(seq.block_table)[token_index // bs] * bs + token_index % bs
+                for item in request.mm_items:
+                    lo, hi = max(start, item.span.start), min(end, item.end)
+                    if lo < hi:
+                        rows = encoder_cache.get(item.content_hash)
+                        mm_embeds.append(rows[lo - item.span.start:hi - item.span.start])
+                        mm_mask[offset + lo - start:offset + hi - start] = True
+                if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                    # rows start..end-1 predict tokens start+1..end, those inside the prompt are wanted
+                    count = min(end, seq.num_prompt_tokens - 1) - start
+                    logprob_spans[index] = (offset, count, seq.token_ids[start + 1:start + 1 + count],
+                                            seq.params.prompt_logprobs)
+            if end == seq.num_tokens:
+                for fork in range(1 + seq.pending_forks):
+                    generator = request.generators[seq.index + fork]
+                    owners.append((index, fork))
+                    sample_rows.append((offset + n - 1, SampleRow(seq.params, seq.token_ids, seq.num_prompt_tokens,
+                                                                  generator, request.stop_ids)))
+            offset += n
+        meta = self._metadata(batch, slots, tables)
+        return (torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device), meta,
+                torch.cat(mm_embeds) if mm_embeds else None, torch.from_numpy(mm_mask).to(self.device),
+                sample_rows, owners, logprob_spans)
+
+    def _metadata(self, batch: ScheduledBatch, slots: np.ndarray, tables: np.ndarray) -> PagedAttentionMetadata:
+        q_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
+        seq_lens = np.fromiter((s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)),
+                               dtype=np.int32, count=len(batch))
+        starts = np.zeros(len(batch) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=starts[1:])
+        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        return PagedAttentionMetadata(self.backend, to(slots), to(starts), to(seq_lens), to(tables),
+                                      int(q_lens.max()), int(seq_lens.max()), self.config.block_size)

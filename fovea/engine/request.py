@@ -1,0 +1,161 @@
+"""What the engine tracks per request, and what it hands back.
+
+A `Request` is what the user asked for: a prompt (token ids, M-RoPE positions, images) and sampling parameters.
+Each of its `n` samples is a `Sequence`, the unit the scheduler batches: it owns a KV block table and a count of
+tokens whose KV is computed. With n > 1 the request runs as one sequence until its prompt is prefilled; then it
+forks into n sequences sharing the prompt's blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fovea.engine.block_manager import MMSpan
+from fovea.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class MMItem:
+    """One image of a prompt: where its placeholders are, its content hash, and the encoder's input."""
+    span: MMSpan
+    grid_thw: tuple[int, int, int]
+    pixel_values: np.ndarray  # (num_patches, patch_dim) float32
+
+    @property
+    def content_hash(self) -> str:
+        return self.span.content_hash
+
+    @property
+    def end(self) -> int:
+        return self.span.start + self.span.length
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 positions: np.ndarray | None = None, mrope_delta: int = 0, mm_items: list[MMItem] = (),
+                 prompt: str | None = None, arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = (),
+                 arrival_index: int = 0, device: torch.device | str = "cpu"):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        if positions is None:  # text only: positions count up on all three axes
+            positions = np.broadcast_to(np.arange(len(prompt_token_ids)), (3, len(prompt_token_ids)))
+        self.positions = positions
+        self.mrope_delta = mrope_delta
+        self.mm_items = list(mm_items)
+        self.mm_spans = [item.span for item in self.mm_items]
+        self.arrival_index = arrival_index  # FCFS order, also after preemption
+        self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
+        self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
+        # One RNG per sample when seeded (sample i draws from seed + i), so its tokens do not depend on the batch.
+        self.generators = [None if params.seed is None else
+                           torch.Generator(device=device).manual_seed(params.seed + i) for i in range(params.n)]
+        self.metrics = RequestMetrics(arrival_time or time.time())
+        self.sequences: list[Sequence] = []
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.aborted = False
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status == SequenceStatus.FINISHED for seq in self.sequences) and (
+            len(self.sequences) == self.params.n or self.aborted)
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: Request, index: int = 0):
+        self.seq_id = seq_id
+        self.request = request
+        self.params = request.params
+        self.index = index  # which of the request's n samples
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.order = (request.arrival_index, index)
+        self.mm_spans = request.mm_spans
+        self.generator = request.generators[index]
+        self.pending_forks = request.params.n - 1 if index == 0 else 0  # samples to split off after the prefill
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detokenizer = None  # set by the engine
+        self.sent_tokens = 0  # how much a DELTA output has already handed out
+        self.sent_text = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,94 @@
+"""How to pick tokens and when to stop: the same fields, defaults and meaning as vLLM's SamplingParams."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+MAX_LOGPROBS = 20  # top_logprobs per token, as OpenAI's API allows
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # only what is new since the previous output (streaming)
+    FINAL_ONLY = 2  # one output when the request finishes (offline generate)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        check(all(self.stop_strings), "stop strings must not be empty")
+        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes) -> "SamplingParams":
+        known = {f.name for f in fields(self) if f.init}
+        return replace(self, **{k: v for k, v in changes.items() if k in known})
+
+
+def default_sampling_params(model_dir: str | Path) -> SamplingParams:
+    """vLLM's `generation_config="auto"`: the checkpoint's generation_config.json sets the defaults a request
+    without explicit sampling parameters gets (Qwen2.5-VL ships a repetition penalty, for example)."""
+    path = Path(model_dir) / "generation_config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+    return SamplingParams(**{ours: raw[theirs] for theirs, ours in names.items() if raw.get(theirs) is not None})

@@ -1,0 +1,190 @@
+"""Which sequences run in the next step, how many tokens each, and which images the encoder runs on.
+
+Continuous batching under two budgets: `max_num_batched_tokens` tokens and `max_num_seqs` sequences per step.
+Running sequences go first, decodes before prefills, so a long prompt never stalls generation: its prefill is
+cut into chunks that fill what the budget leaves. Waiting sequences are admitted in arrival order, starting after
+their longest cached prefix. When KV blocks run out, the latest-arrived running sequence is preempted: its blocks
+are freed and it waits again, to be recomputed (prefix caching usually finds its blocks still there).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from fovea.engine.block_manager import BlockManager, extend_block_hashes
+from fovea.engine.config import EngineConfig
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.request import MMItem, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    encode: list[MMItem] = field(default_factory=list)  # images to run the vision encoder on first
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, forks' partial blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, encoder_cache: EncoderCache):
+        self.config = config
+        self.blocks = block_manager
+        self.encoder_cache = encoder_cache
+        self.waiting: list[Sequence] = []  # kept in arrival order, preempted sequences included
+        self.running: list[Sequence] = []
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(block_copies=self.pending_copies)
+        self.pending_copies = []
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        decodes = [s for s in self.running if not s.is_prefill]
+        prefills = [s for s in self.running if s.is_prefill]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            start = seq.num_computed_tokens
+            n = self._fit_encoder(seq, start, min(seq.num_tokens - start, budget), batch)
+            if n == 0:
+                continue
+            extra = self._fork_blocks(seq, start + n)
+            while not self.blocks.can_append(seq.block_table, start + n, extra):
+                victim = self._pick_victim(batch)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            self.blocks.append_slots(seq.block_table, start + n)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        if not preempted:
+            budget = self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
+                break
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.mm_spans)
+            wants_prompt_logprobs = seq.request.prompt_logprobs is not None and \
+                len(seq.request.prompt_logprobs) < seq.num_prompt_tokens
+            # prompt logprobs need logits at every prompt position, so cached blocks cannot be skipped
+            prefix = [] if wants_prompt_logprobs else self.blocks.cached_prefix(seq.block_hashes, seq.num_tokens)
+            start = len(prefix) * self.blocks.block_size
+            n = self._fit_encoder(seq, start, min(seq.num_tokens - start, budget), batch)
+            if n == 0 or not self.blocks.can_allocate(prefix, start + n, self._fork_blocks(seq, start + n)):
+                break
+            self.waiting.pop(0)
+            seq.block_table = self.blocks.allocate(prefix, start + n)
+            seq.num_computed_tokens = start
+            seq.num_registered_blocks = len(prefix)
+            if seq.index == 0 and seq.num_output_tokens == 0:
+                seq.request.num_cached_tokens = start
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.order)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        return budget
+
+    def _fork_blocks(self, seq: Sequence, computed_after: int) -> int:
+        """Spare blocks to keep for the forks a request with n > 1 makes once its prompt is prefilled."""
+        return seq.pending_forks if computed_after >= seq.num_tokens else 0
+
+    def _fit_encoder(self, seq: Sequence, start: int, n: int, batch: ScheduledBatch) -> int:
+        """How many of the `n` tokens from `start` can run: images overlapping them must be in the encoder
+        cache or fit in this step's encoder budget and cache; otherwise the chunk stops before the image."""
+        for item in seq.request.mm_items:
+            if item.end <= start or item.span.start >= start + n:
+                continue
+            key = item.content_hash
+            if self.encoder_cache.contains(key):
+                if item.span.start >= start:  # reaching this image's first placeholder: it needs no encoding
+                    self.encoder_cache.hits += 1
+                continue
+            planned = sum(i.span.length for i in batch.encode)
+            over_budget = planned and planned + item.span.length > self.config.encoder_budget
+            if over_budget or not self.encoder_cache.can_reserve(item.span.length):
+                return max(item.span.start - start, 0)
+            self.encoder_cache.reserve(key, item.span.length)
+            batch.encode.append(item)
+        return n
+
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        for item in seq.request.mm_items:
+            if item.span.start < start + n and item.end > start:
+                self.encoder_cache.acquire(item.content_hash, seq.seq_id)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+
+    def _pick_victim(self, batch: ScheduledBatch) -> Sequence:
+        scheduled = {s.seq_id for s in batch.seqs}
+        for seq in reversed(self.running):
+            if seq.seq_id not in scheduled:
+                return seq
+        raise RuntimeError("KV cache too small for even one sequence of this batch; raise num_gpu_blocks")
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        self.add(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        for item in seq.request.mm_items:
+            self.encoder_cache.release(item.content_hash, seq.seq_id)
+
+    def step_done(self, batch: ScheduledBatch) -> None:
+        """Records that the batch's KV is written: caches full blocks, drops images the sequences are past."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.mm_spans)
+            seq.num_registered_blocks = self.blocks.mark_computed(
+                seq.block_table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered_blocks)
+            for item in seq.request.mm_items:
+                if item.end <= seq.num_computed_tokens:
+                    self.encoder_cache.release(item.content_hash, seq.seq_id)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` continues from `parent`'s prefilled prompt, sharing its KV blocks."""
+        child.block_table, copy = self.blocks.fork(parent.block_table, parent.num_computed_tokens)
+        if copy is not None:
+            self.pending_copies.append(copy)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=lambda s: s.order)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._free(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,119 @@
+"""The offline batch API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))` and `.chat()`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from fovea.engine.config import EngineConfig
+from fovea.engine.engine import LLMEngine
+from fovea.engine.request import RequestOutput
+from fovea.engine.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
+from fovea.models.loader import resolve_model_dir
+
+# vLLM arguments that change nothing here; accepted so scripts written for vLLM (and eva's wrapper) run as is.
+IGNORED_VLLM_ARGS = {"tokenizer", "tokenizer_mode", "trust_remote_code", "revision", "tokenizer_revision",
+                     "download_dir", "disable_log_stats", "enable_chunked_prefill", "swap_space", "cpu_offload_gb",
+                     "disable_custom_all_reduce", "disable_mm_preprocessor_cache", "max_seq_len_to_capture",
+                     "load_format", "quantization", "compilation_config", "worker_cls", "distributed_executor_backend"}
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 mm_processor_kwargs: dict | None = None, limit_mm_per_prompt: dict | None = None,
+                 encoder_cache_size: int | None = None, seed: int = 0, enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1, device: str = "auto", kv_cache_memory_bytes: int | None = None,
+                 num_gpu_blocks_override: int | None = None, **kwargs):
+        unknown = set(kwargs) - IGNORED_VLLM_ARGS
+        if unknown:
+            raise TypeError(f"LLM() got unexpected arguments {sorted(unknown)}")
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        from fovea.multimodal.image import ImageProcessorConfig
+
+        model_dir = resolve_model_dir(model)
+        image_cfg = ImageProcessorConfig.from_dir(model_dir).with_overrides(mm_processor_kwargs)
+        unit = (image_cfg.patch_size * image_cfg.merge_size) ** 2
+        config = EngineConfig.build(
+            model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
+            max_image_tokens=image_cfg.max_pixels // unit, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+            mm_processor_kwargs=mm_processor_kwargs, limit_mm_per_prompt=dict(limit_mm_per_prompt or {}),
+            encoder_cache_size=encoder_cache_size or 0, seed=seed, enforce_eager=enforce_eager,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, num_gpu_blocks_override=num_gpu_blocks_override)
+        self.engine = LLMEngine(config)
+        self.default_params = default_sampling_params(model_dir)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.default_params.clone()
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`prompts`: one or a list of strings, token-id lists or {"prompt", "multi_modal_data", ...} dicts."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        processed = [self.engine.inputs.process(p, mm_processor_kwargs) for p in prompts]
+        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompts]
+        return self._run(processed, texts, sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        processed, texts = [], []
+        for conversation in conversations:
+            processed.append(self.engine.inputs.process_chat(conversation, mm_processor_kwargs, chat_template,
+                                                             add_generation_prompt))
+            texts.append(self.engine.tokenizer.decode(processed[-1].token_ids))
+        return self._run(processed, texts, sampling_params, use_tqdm)
+
+    def _run(self, processed, texts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.default_params
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(processed)
+        if len(params) != len(processed):
+            raise ValueError(f"got {len(params)} sampling_params for {len(processed)} prompts")
+        requests = [self.engine.inputs.make_request(str(next(self._ids)), prompt,
+                                                    p.clone(output_kind=RequestOutputKind.FINAL_ONLY), text)
+                    for prompt, p, text in zip(processed, params, texts)]
+        for request in requests:
+            self.engine.add_request(request)
+        order = {request.request_id: i for i, request in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = _progress_bar(len(requests)) if use_tqdm else None
+        prompt_tokens = output_tokens = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        if bar is not None:
+                            prompt_tokens += len(output.prompt_token_ids)
+                            output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                                                f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(order))  # Ctrl-C or a failure: free everything, keep the engine usable
+            self.engine.step()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
