@@ -15,7 +15,6 @@ import torch
 
 from fovea.engine.config import EngineConfig
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.request import Sequence
 from fovea.engine.sampler import Sampler, SampleRow, SamplerOutput, top_logprobs
 from fovea.engine.scheduler import ScheduledBatch
 from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata, TorchAttention

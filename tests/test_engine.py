@@ -1,0 +1,200 @@
+"""Engine behaviour through the offline API: batch independence, caches, n > 1, logprobs, stops, aborts, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import our_model, random_image
+from fovea import LLM, SamplingParams
+from fovea.engine.sampling_params import RequestOutputKind
+from test_engine_vs_hf import LOREM, SYSTEM, assert_engine_idle
+from test_model_vs_hf import our_logits
+
+PROMPTS = ["The cat sat on the", LOREM, "Numbers: 1 2 3 4", LOREM * 4 + "And so", "Hi", "Colours of the sea"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dirs):
+    return LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_num_batched_tokens=256, max_model_len=2048,
+               num_gpu_blocks_override=400)
+
+
+def image_chat(image, text="What is here?", system=None):
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                    {"type": "text", "text": text}]}]
+
+
+def tokens(outputs):
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=10),
+                                    SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=5, max_tokens=10)])
+def test_batch_equals_solo(llm, params):
+    batch = llm.generate(PROMPTS, params, use_tqdm=False)
+    solo = [llm.generate(p, params, use_tqdm=False)[0] for p in PROMPTS]
+    assert tokens(batch) == tokens(solo)
+    assert_engine_idle(llm.engine)
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(llm, tiny_dirs):
+    conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+                     for q in ("Describe it.", "Count them.", "Name a colour.")]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = llm.chat(conversations[0], params, use_tqdm=False)
+    rest = llm.chat(conversations[1:], params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in rest)
+    uncached = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", enable_prefix_caching=False, max_model_len=2048,
+                   num_gpu_blocks_override=200)
+    reference = uncached.chat(conversations, params, use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in reference)
+    assert tokens(first + rest) == tokens(reference)
+
+
+def test_images_key_the_prefix_and_encoder_caches(llm):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    a, b = random_image(320, 240, 21), random_image(320, 240, 22)
+    encoded, hits = llm.engine.encoder_cache.encoded, llm.engine.encoder_cache.hits
+    first = llm.chat(image_chat(a, system=SYSTEM), params, use_tqdm=False)[0]
+    other = llm.chat(image_chat(b, system=SYSTEM), params, use_tqdm=False)[0]
+    image_start = other.prompt_token_ids.index(151655)
+    assert 0 < other.num_cached_tokens <= image_start  # the system prompt is shared, the image is not
+    again = llm.chat(image_chat(a, "Something else?"), params, use_tqdm=False)[0]
+    assert llm.engine.encoder_cache.encoded - encoded == 2  # a and b, never a twice
+    assert llm.engine.encoder_cache.hits - hits == 1
+    assert first.outputs[0].token_ids != other.outputs[0].token_ids
+    assert again.outputs[0].finish_reason == "length"
+    assert_engine_idle(llm.engine)
+
+
+def test_n_samples_share_the_prompt_and_match_seeded_singles(llm):
+    prompt = LOREM * 2 + "Next"  # not a multiple of the block size: the fork copies a partial block
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, logprobs=2)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    singles = [llm.generate(prompt, params.clone(n=1, seed=11 + i), use_tqdm=False)[0].outputs[0]
+               for i in range(3)]
+    assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
+    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([s.cumulative_logprob for s in singles])
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert_engine_idle(llm.engine)
+
+
+def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
+    model, processor = our_model(tiny_dirs["tiny-3b"])
+    messages = image_chat(random_image(200, 150, 23))
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2),
+                   use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    prompt = processor.process_chat(messages)
+    assert out.prompt_token_ids == prompt.token_ids
+    reference = our_logits(model, prompt, generated[:-1]).log_softmax(-1)
+    num_prompt = len(prompt.token_ids)
+    for step, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
+        row = reference[num_prompt - 1 + step]
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[token].rank == 1  # greedy
+        best = row.topk(3)
+        assert sorted(entry) == sorted(set(best.indices.tolist()) | {token})
+    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
+                                                                  zip(generated, out.outputs[0].logprobs)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == num_prompt
+    for index in (1, 7, num_prompt - 1):
+        target = prompt.token_ids[index]
+        assert out.prompt_logprobs[index][target].logprob == pytest.approx(reference[index - 1, target].item(),
+                                                                           abs=1e-4)
+
+
+def test_stop_strings_cut_the_text_exactly(llm):
+    base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate(PROMPTS[1], base, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    assert len(text) > 12
+    stop = text[5:9]  # spans token boundaries in general
+    index = text.find(stop)
+    cut = llm.generate(PROMPTS[1], base.clone(stop=[stop, "\x00never"]), use_tqdm=False)[0].outputs[0]
+    assert cut.text == text[:index] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate(PROMPTS[1], base.clone(stop=stop, include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[:index + len(stop)]
+    by_token = llm.generate(PROMPTS[1], base.clone(stop_token_ids=[full.token_ids[3]]), use_tqdm=False)[0].outputs[0]
+    assert by_token.token_ids == full.token_ids[:full.token_ids.index(full.token_ids[3]) + 1]
+    assert by_token.stop_reason == full.token_ids[3] and by_token.finish_reason == "stop"
+    assert llm.generate(PROMPTS[1], base.clone(max_tokens=3), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_min_tokens_holds_back_eos(llm):
+    eos = 151645
+    biased = SamplingParams(temperature=0, max_tokens=6, logit_bias={eos: 100.0})
+    assert llm.generate("Hi", biased, use_tqdm=False)[0].outputs[0].token_ids == [eos]
+    held = llm.generate("Hi", biased.clone(min_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) == 4 and held.token_ids[-1] == eos and eos not in held.token_ids[:3]
+
+
+def test_abort_frees_blocks_at_once_and_streams_deltas(llm):
+    engine = llm.engine
+    inputs = engine.inputs
+    delta = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(inputs.make_request(f"r{i}", inputs.process(prompt), delta))
+    pieces: dict[str, list[int]] = {}
+    for _ in range(4):
+        for out in engine.step():
+            pieces.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    engine.abort_request(["r0", "r3"])
+    assert all(s.finish_reason == "abort" for s in engine.scheduler.running if s.request.request_id in ("r0", "r3"))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].finish_reason
+    assert finished["r0"] == finished["r3"] == "abort"
+    assert all(finished[f"r{i}"] == "length" and len(pieces[f"r{i}"]) == 30 for i in (1, 2, 4, 5))
+    assert_engine_idle(engine)
+    solo = llm.generate(PROMPTS[1], delta.clone(output_kind=RequestOutputKind.CUMULATIVE), use_tqdm=False)[0]
+    assert pieces["r1"] == solo.outputs[0].token_ids  # deltas add up to the whole
+
+
+def test_bad_requests_fail_at_admission_with_a_clear_message(llm, tiny_dirs):
+    inputs = llm.engine.inputs
+    greedy = SamplingParams(temperature=0)
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        llm.generate([0] * 3000, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate([1, 2, 10**7], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="image placeholders"):
+        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": random_image(64, 64)}},
+                     use_tqdm=False)
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        LLM(str(tiny_dirs["tiny-3b"]), no_such_option=1)
+    small = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", encoder_cache_size=50, limit_mm_per_prompt={"image": 1},
+                max_model_len=1024, num_gpu_blocks_override=100)
+    with pytest.raises(ValueError, match="does not fit the encoder cache"):
+        small.chat(image_chat(random_image(448, 448)), use_tqdm=False)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        small.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(64, 64)}] * 2}],
+                   use_tqdm=False)
+    assert inputs.process("fine") and llm.generate("still serving", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert_engine_idle(llm.engine)
+
+
+def test_generate_accepts_vllm_prompt_forms(llm):
+    image = random_image(128, 96, 30)
+    text = "<|vision_start|><|image_pad|><|vision_end|>Describe."
+    params = SamplingParams(temperature=0, max_tokens=4)
+    as_dict = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, params, use_tqdm=False)[0]
+    as_list = llm.generate([{"prompt": text, "multi_modal_data": {"image": [image]},
+                             "mm_processor_kwargs": {"max_pixels": 128 * 96}}], params, use_tqdm=False)[0]
+    ids = llm.get_tokenizer().encode("Describe the sea.")
+    as_ids = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert as_dict.outputs[0].token_ids == as_list.outputs[0].token_ids
+    assert as_ids.prompt_token_ids == ids and as_dict.prompt == text
+    assert llm.get_default_sampling_params().repetition_penalty == 1.05  # from generation_config.json
+
+
+def test_output_timings_are_ordered(llm):
+    out = llm.generate("Timing", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
