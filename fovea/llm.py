@@ -9,43 +9,16 @@ from fovea.engine.config import EngineConfig
 from fovea.engine.engine import LLMEngine
 from fovea.engine.request import RequestOutput
 from fovea.engine.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
-from fovea.models.loader import resolve_model_dir
-
-# vLLM arguments that change nothing here; accepted so scripts written for vLLM (and eva's wrapper) run as is.
-IGNORED_VLLM_ARGS = {"tokenizer", "tokenizer_mode", "trust_remote_code", "revision", "tokenizer_revision",
-                     "download_dir", "disable_log_stats", "enable_chunked_prefill", "swap_space", "cpu_offload_gb",
-                     "disable_custom_all_reduce", "disable_mm_preprocessor_cache", "max_seq_len_to_capture",
-                     "load_format", "quantization", "compilation_config", "worker_cls", "distributed_executor_backend"}
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 mm_processor_kwargs: dict | None = None, limit_mm_per_prompt: dict | None = None,
-                 encoder_cache_size: int | None = None, seed: int = 0, enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, device: str = "auto", kv_cache_memory_bytes: int | None = None,
-                 num_gpu_blocks_override: int | None = None, **kwargs):
-        unknown = set(kwargs) - IGNORED_VLLM_ARGS
-        if unknown:
-            raise TypeError(f"LLM() got unexpected arguments {sorted(unknown)}")
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
-        from fovea.multimodal.image import ImageProcessorConfig
-
-        model_dir = resolve_model_dir(model)
-        image_cfg = ImageProcessorConfig.from_dir(model_dir).with_overrides(mm_processor_kwargs)
-        unit = (image_cfg.patch_size * image_cfg.merge_size) ** 2
-        config = EngineConfig.build(
-            model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
-            max_image_tokens=image_cfg.max_pixels // unit, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            mm_processor_kwargs=mm_processor_kwargs, limit_mm_per_prompt=dict(limit_mm_per_prompt or {}),
-            encoder_cache_size=encoder_cache_size or 0, seed=seed, enforce_eager=enforce_eager,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, num_gpu_blocks_override=num_gpu_blocks_override)
+    def __init__(self, model: str | None = None, **engine_args):
+        """`model`: a model directory or cached hub id (None = the demo model). `engine_args`: vLLM's names
+        (dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization,
+        enable_prefix_caching, mm_processor_kwargs, limit_mm_per_prompt, encoder_cache_size, seed, ...)."""
+        config = EngineConfig.from_args(model, **engine_args)
         self.engine = LLMEngine(config)
-        self.default_params = default_sampling_params(model_dir)
+        self.default_params = default_sampling_params(config.model_dir)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

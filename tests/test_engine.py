@@ -167,7 +167,7 @@ def test_bad_requests_fail_at_admission_with_a_clear_message(llm, tiny_dirs):
     with pytest.raises(ValueError, match="image placeholders"):
         llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": random_image(64, 64)}},
                      use_tqdm=False)
-    with pytest.raises(TypeError, match="unexpected arguments"):
+    with pytest.raises(TypeError, match="unexpected engine arguments"):
         LLM(str(tiny_dirs["tiny-3b"]), no_such_option=1)
     small = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", encoder_cache_size=50, limit_mm_per_prompt={"image": 1},
                 max_model_len=1024, num_gpu_blocks_override=100)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from fovea.config import ModelConfig, resolve_dtype
+
+
+# vLLM arguments that change nothing here; accepted so scripts written for vLLM (and eva's wrapper) run as is.
+IGNORED_VLLM_ARGS = {"tokenizer", "tokenizer_mode", "trust_remote_code", "revision", "tokenizer_revision",
+                     "download_dir", "disable_log_stats", "enable_chunked_prefill", "swap_space", "cpu_offload_gb",
+                     "disable_custom_all_reduce", "disable_mm_preprocessor_cache", "max_seq_len_to_capture",
+                     "load_format", "quantization", "compilation_config", "worker_cls", "distributed_executor_backend"}
 
 
 @dataclass
@@ -36,8 +43,25 @@ class EngineConfig:
         return self.max_num_batched_tokens
 
     @classmethod
+    def from_args(cls, model: str | Path | None = None, tensor_parallel_size: int = 1, **args) -> "EngineConfig":
+        """From vLLM-style engine arguments (what `LLM(...)` and `fovea serve` take)."""
+        from fovea.models.loader import resolve_model_dir
+
+        known = {f.name for f in fields(cls)} - {"model_dir", "model"} | {"dtype", "device", "max_model_len"}
+        unknown = set(args) - known - IGNORED_VLLM_ARGS
+        if unknown:
+            raise TypeError(f"unexpected engine arguments {sorted(unknown)}")
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        args = {k: v for k, v in args.items() if k in known and v is not None}
+        args["limit_mm_per_prompt"] = dict(args.get("limit_mm_per_prompt") or {})
+        return cls.build(resolve_model_dir(model), **args)
+
+    @classmethod
     def build(cls, model_dir: Path, dtype: str | torch.dtype = "auto", device: str = "auto",
-              max_model_len: int | None = None, max_image_tokens: int = 0, **options) -> "EngineConfig":
+              max_model_len: int | None = None, **options) -> "EngineConfig":
+        from fovea.multimodal.image import ImageProcessorConfig
+
         model = ModelConfig.from_dir(model_dir)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,5 +79,7 @@ class EngineConfig:
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
         if not config.encoder_cache_size:
+            image = ImageProcessorConfig.from_dir(model_dir).with_overrides(config.mm_processor_kwargs)
+            max_image_tokens = image.max_pixels // (image.patch_size * image.merge_size) ** 2
             config.encoder_cache_size = max_image_tokens + config.max_num_batched_tokens
         return config

@@ -22,6 +22,7 @@ from PIL import Image
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
+MAX_FETCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
 
 
 def load_image(source) -> Image.Image:
-    """A PIL image from a PIL image, raw bytes, a path, a `file://` URL or a `data:image/...;base64,` URL."""
+    """A PIL image from a PIL image, raw bytes, a path, or a `file://`, `http(s)://` or
+    `data:image/...;base64,` URL."""
     if isinstance(source, Image.Image):
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -116,8 +118,26 @@ def load_image(source) -> Image.Image:
     if isinstance(source, str) and source.startswith("file://"):
         return load_image(Path(source.removeprefix("file://")))
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise ValueError("http(s) image URLs are not fetched by this loader; pass bytes, a path or a data URL")
+        return _decode(io.BytesIO(fetch_url(source)), source)
     raise ValueError(f"cannot load an image from {type(source).__name__}")
+
+
+def fetch_url(url: str) -> bytes:
+    """Downloads an image, bounded in time (FOVEA_IMAGE_FETCH_TIMEOUT seconds, vLLM's default of 5) and size."""
+    import urllib.error
+    import urllib.request
+
+    timeout = float(os.environ.get("FOVEA_IMAGE_FETCH_TIMEOUT", "5"))
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            data = response.read(MAX_FETCH_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"could not fetch image {url}: HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ValueError(f"could not fetch image {url}: {getattr(exc, 'reason', exc)}") from None
+    if len(data) > MAX_FETCH_BYTES:
+        raise ValueError(f"image at {url} is larger than {MAX_FETCH_BYTES >> 20} MiB")
+    return data
 
 
 def _decode(fp, what: str) -> Image.Image:
