@@ -41,6 +41,10 @@ class LLMEngine:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        blocks = self.blocks.blocks_needed(len(request.prompt_token_ids) + 1) + request.params.n - 1
+        if blocks > self.blocks.num_blocks:
+            raise ValueError(f"the prompt with n={request.params.n} needs {blocks} KV blocks but the cache has "
+                             f"{self.blocks.num_blocks}")
         self.requests[request.request_id] = request
         self.scheduler.add(self._new_sequence(request, 0))
 
@@ -75,6 +79,8 @@ class LLMEngine:
         outputs, self.finished_outputs = self.finished_outputs, []
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the scheduler cannot admit the next waiting request even with the engine idle")
             return outputs
         now = time.time()
         for seq in batch.seqs:

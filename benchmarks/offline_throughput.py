@@ -1,0 +1,170 @@
+"""Offline throughput: fovea `LLM.generate` vs transformers `generate` (one padded batch), same prompts, same run.
+
+64 prompts (half text-only, half with one image of varied size), greedy, a fixed number of new tokens each
+(EOS ignored), on a tiny random Qwen2.5-VL checkpoint. Then the engine's host overhead at batch 256: the time
+of a decode step spent outside the model forward (scheduling, input building, sampling, detokenizing).
+Run:  python benchmarks/offline_throughput.py [--model tiny-3b] [--prompts 64] [--max-tokens 32] [--threads 1]
+Writes the raw figures as JSON to benchmarks/results/ (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+WORDS = "the sea boat red colour count gull mast harbour light wave stone sky cloud green net".split()
+
+
+def make_prompts(count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for i in range(count):
+        text = " ".join(rng.choice(WORDS, int(rng.integers(10, 120))))
+        image = None
+        if i % 2:
+            w, h = (int(v) * 28 for v in rng.integers(4, 12, 2))
+            image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        prompts.append((text, image))
+    return prompts
+
+
+def chat_text(tokenizer, text: str, image) -> str:
+    content = ([{"type": "image"}] if image is not None else []) + [{"type": "text", "text": text}]
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def run_fovea(model_dir, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+    from fovea import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=4096)
+    tok = llm.get_tokenizer()
+    inputs = [{"prompt": chat_text(tok, text, image), **({"multi_modal_data": {"image": image}} if image else {})}
+              for text, image in prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(inputs[:2], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run_hf(model_dir, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
+    proc = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config = GenerationConfig(do_sample=False, pad_token_id=151643)
+    images = [image for _, image in prompts if image is not None]
+    feats = proc(images=images, return_tensors="pt")
+    counts = iter((feats["image_grid_thw"].prod(-1) // 4).tolist())
+    texts = [chat_text(tok, text, image) for text, image in prompts]
+    texts = [t.replace("<|image_pad|>", "<|image_pad|>" * next(counts)) if image is not None else t
+             for t, (_, image) in zip(texts, prompts)]
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch["mm_token_type_ids"] = (batch["input_ids"] == 151655).long()
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens)
+    with torch.no_grad():
+        model.generate(**{k: v[:1] for k, v in batch.items()}, max_new_tokens=2)  # warm-up (text-only row 0)
+        start = time.perf_counter()
+        out = model.generate(**batch, pixel_values=feats["pixel_values"], image_grid_thw=feats["image_grid_thw"],
+                             **kwargs)
+        elapsed = time.perf_counter() - start
+    return elapsed, out[:, batch["input_ids"].shape[1]:].tolist()
+
+
+def host_overhead(model_dir, batch: int, steps: int) -> dict:
+    """Decode steps at `batch` sequences: wall time per step split into the model (transformer + LM head), the
+    sampler, and the host-side rest (scheduling, input building, detokenizing, stop checks, outputs)."""
+    from fovea import LLM, SamplingParams
+    from fovea.engine.sampling_params import RequestOutputKind
+
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=batch)
+    engine = llm.engine
+    spent = {"model": [], "sampler": []}
+
+    def timed(part, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            spent[part].append(time.perf_counter() - start)
+            return result
+        return wrapper
+
+    model = engine.runner.model
+    model.forward = timed("model", model.forward)
+    model.compute_logits = timed("model", model.compute_logits)
+    engine.runner.sampler = timed("sampler", engine.runner.sampler)
+    params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    for i in range(batch):
+        engine.add_request(engine.inputs.make_request(f"o{i}", engine.inputs.process(f"{i} " + " ".join(WORDS)),
+                                                      params))
+    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    step_times = []
+    for part in spent.values():
+        part.clear()
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - start)
+    engine.abort_request(list(engine.requests))
+    engine.step()
+    step = statistics.median(step_times)
+    model_s = statistics.median([a + b for a, b in zip(spent["model"][::2], spent["model"][1::2])])
+    sampler_s = statistics.median(spent["sampler"])
+    return {"batch": batch, "steps": steps, "step_ms": step * 1e3, "model_ms": model_s * 1e3,
+            "sampler_ms": sampler_s * 1e3, "host_overhead_ms": (step - model_s - sampler_s) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-3b", help="tiny config name, or a model directory")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--overhead-batch", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from fovea.models.tiny import TINY_SHAPES, write_tiny_checkpoint
+
+    model_dir = Path(args.model)
+    if args.model in TINY_SHAPES:
+        model_dir = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / args.model, args.model, seed=0)
+    prompts = make_prompts(args.prompts)
+    fovea_s, fovea_tokens = run_fovea(model_dir, prompts, args.max_tokens)
+    hf_s, hf_tokens = run_hf(model_dir, prompts, args.max_tokens)
+    generated = args.prompts * args.max_tokens
+    same = sum(a == b for a, b in zip(fovea_tokens, hf_tokens))
+    overhead = host_overhead(model_dir, args.overhead_batch, steps=20)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"benchmark": "offline_throughput", "model": args.model, "prompts": args.prompts,
+              "max_tokens": args.max_tokens, "threads": args.threads, "machine": platform.processor() or
+              platform.machine(), "commit": commit, "fovea_s": fovea_s, "hf_s": hf_s,
+              "fovea_tok_s": generated / fovea_s, "hf_tok_s": generated / hf_s, "speedup": hf_s / fovea_s,
+              "identical_outputs": f"{same}/{args.prompts}", "host_overhead": overhead}
+    out = Path(args.out or f"benchmarks/results/offline_cpu_{args.model}_{commit}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"{'engine':<8}{'seconds':>10}{'out tok/s':>12}\n{'fovea':<8}{fovea_s:>10.2f}{generated / fovea_s:>12.1f}\n"
+          f"{'hf':<8}{hf_s:>10.2f}{generated / hf_s:>12.1f}\nspeedup {hf_s / fovea_s:.2f}x, identical greedy "
+          f"outputs {same}/{args.prompts}\ndecode step at batch {overhead['batch']}: {overhead['step_ms']:.1f} ms, "
+          f"model {overhead['model_ms']:.1f} ms, sampler {overhead['sampler_ms']:.1f} ms, host overhead "
+          f"{overhead['host_overhead_ms']:.1f} ms\n-> {out}")
+
+
+if __name__ == "__main__":
+    main()
