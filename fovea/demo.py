@@ -1,44 +1,11 @@
-"""Offline demo: one chat turn with an image through the model, greedy, printed as it is generated.
-
-`generate_greedy` is a deliberately plain loop (the whole sequence is recomputed every step, no KV cache): it is
-the simplest correct use of the model's varlen forward and serves as a reference until the engine arrives.
-"""
+"""Offline demo: one chat turn with an image through the engine, greedy, printed as it is generated."""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
-import torch
 from PIL import Image
-
-from fovea.layers.attention import AttentionMetadata
-from fovea.models.mrope_positions import decode_positions
-from fovea.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-from fovea.multimodal.prompt import ProcessedPrompt
-
-
-@torch.inference_mode()
-def generate_greedy(model: Qwen2_5_VLForConditionalGeneration, prompt: ProcessedPrompt, max_new_tokens: int,
-                    stop_token_ids: tuple[int, ...] = ()) -> list[int]:
-    device = model.lm_head.weight.device
-    mm_embeds = None
-    if prompt.images:
-        pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in prompt.images])).to(device)
-        mm_embeds = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prompt.images]))
-    tokens = list(prompt.token_ids)
-    generated: list[int] = []
-    for _ in range(max_new_tokens):
-        extra = decode_positions(len(prompt.token_ids), len(generated), prompt.mrope_delta)
-        positions = torch.from_numpy(np.concatenate([prompt.positions, extra], axis=1)).to(device)
-        ids = torch.tensor(tokens, device=device)
-        hidden = model(ids, positions, AttentionMetadata.from_lengths([len(tokens)], device), mm_embeds)
-        next_token = int(model.compute_logits(hidden[-1:]).argmax(-1))
-        generated.append(next_token)
-        tokens.append(next_token)
-        if next_token in stop_token_ids:
-            break
-    return generated
 
 
 def demo_image(width: int = 448, height: int = 336) -> Image.Image:
@@ -50,20 +17,23 @@ def demo_image(width: int = 448, height: int = 336) -> Image.Image:
 
 
 def run_demo(model: str | None, image: str | None, prompt: str, max_tokens: int, dtype: str) -> None:
-    from fovea.models.loader import load_model
-    from fovea.multimodal.prompt import PromptProcessor
+    from fovea.engine.config import EngineConfig
+    from fovea.engine.engine import LLMEngine
+    from fovea.engine.sampling_params import RequestOutputKind, SamplingParams
 
-    net, model_dir = load_model(model, dtype=dtype)
-    processor = PromptProcessor(model_dir, net.config)
+    engine = LLMEngine(EngineConfig.from_args(model, dtype=dtype, max_model_len=4096))
     picture = ({"type": "image_pil", "image_pil": demo_image()} if image is None
                else {"type": "image_url", "image_url": {"url": image}})
     messages = [{"role": "user", "content": [picture, {"type": "text", "text": prompt}]}]
-    processed = processor.process_chat(messages)
+    processed = engine.inputs.process_chat(messages)
     grid = processed.images[0].grid_thw
-    print(f"model: {model_dir}\nprompt: {len(processed.token_ids)} tokens, image grid {grid} -> "
+    print(f"model: {engine.config.model_dir}\nprompt: {len(processed.token_ids)} tokens, image grid {grid} -> "
           f"{processed.images[0].num_tokens} image tokens\n--- output ---", flush=True)
-    start = time.perf_counter()
-    out = generate_greedy(net, processed, max_tokens, net.config.eos_token_ids)
-    elapsed = time.perf_counter() - start
-    print(processor.tokenizer.decode(out, skip_special_tokens=True))
-    print(f"--- {len(out)} tokens in {elapsed:.2f} s ---")
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+    engine.add_request(engine.inputs.make_request("demo", processed, params))
+    start, count = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            print(output.outputs[0].text, end="", flush=True)
+            count += len(output.outputs[0].token_ids)
+    print(f"\n--- {count} tokens in {time.perf_counter() - start:.2f} s ---")

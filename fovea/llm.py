@@ -34,30 +34,26 @@ class LLM:
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
         processed = [self.engine.inputs.process(p, mm_processor_kwargs) for p in prompts]
-        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompts]
-        return self._run(processed, texts, sampling_params, use_tqdm)
+        return self._run(processed, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        processed, texts = [], []
-        for conversation in conversations:
-            processed.append(self.engine.inputs.process_chat(conversation, mm_processor_kwargs, chat_template,
-                                                             add_generation_prompt))
-            texts.append(self.engine.tokenizer.decode(processed[-1].token_ids))
-        return self._run(processed, texts, sampling_params, use_tqdm)
+        processed = [self.engine.inputs.process_chat(conversation, mm_processor_kwargs, chat_template,
+                                                     add_generation_prompt) for conversation in conversations]
+        return self._run(processed, sampling_params, use_tqdm)
 
-    def _run(self, processed, texts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processed, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.default_params
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(processed)
         if len(params) != len(processed):
             raise ValueError(f"got {len(params)} sampling_params for {len(processed)} prompts")
         requests = [self.engine.inputs.make_request(str(next(self._ids)), prompt,
-                                                    p.clone(output_kind=RequestOutputKind.FINAL_ONLY), text)
-                    for prompt, p, text in zip(processed, params, texts)]
+                                                    p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+                    for prompt, p in zip(processed, params)]
         for request in requests:
             self.engine.add_request(request)
         order = {request.request_id: i for i, request in enumerate(requests)}

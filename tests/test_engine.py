@@ -190,7 +190,10 @@ def test_generate_accepts_vllm_prompt_forms(llm):
     ids = llm.get_tokenizer().encode("Describe the sea.")
     as_ids = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
     assert as_dict.outputs[0].token_ids == as_list.outputs[0].token_ids
-    assert as_ids.prompt_token_ids == ids and as_dict.prompt == text
+    assert as_ids.prompt_token_ids == ids and as_dict.prompt == text and as_ids.prompt is None
+    chat = llm.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)[0]
+    assert chat.prompt == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHello" \
+        "<|im_end|>\n<|im_start|>assistant\n"
     assert llm.get_default_sampling_params().repetition_penalty == 1.05  # from generation_config.json
 
 

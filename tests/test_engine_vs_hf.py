@@ -92,7 +92,7 @@ def run_mixed(llm: LLM, requests):
     processed = {i: inputs.process(requests[i]["text"]) for i in text_ids}
     processed.update({i: inputs.process_chat(our_prompt(requests[i])) for i in chat_ids})
     order = sorted(processed)
-    return llm._run([processed[i] for i in order], [None] * len(order), greedy, use_tqdm=False)
+    return llm._run([processed[i] for i in order], greedy, use_tqdm=False)
 
 
 @pytest.mark.parametrize("name", ["tiny-3b", "tiny-7b"])

@@ -7,11 +7,35 @@ import pytest
 import torch
 
 from conftest import hf_inputs, hf_model, our_model, random_image
-from fovea.demo import generate_greedy
 from fovea.layers.attention import AttentionMetadata
 from fovea.models.mrope_positions import decode_positions
 
 EOS = [151645, 151643]
+
+
+@torch.inference_mode()
+def generate_greedy(model, prompt, max_new_tokens: int,
+                    stop_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """The plainest correct greedy loop over the model's varlen forward (no KV cache: the whole sequence is
+    recomputed every step); the engine's paged path is checked against transformers separately."""
+    device = model.lm_head.weight.device
+    mm_embeds = None
+    if prompt.images:
+        pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in prompt.images])).to(device)
+        mm_embeds = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prompt.images]))
+    tokens = list(prompt.token_ids)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        extra = decode_positions(len(prompt.token_ids), len(generated), prompt.mrope_delta)
+        positions = torch.from_numpy(np.concatenate([prompt.positions, extra], axis=1)).to(device)
+        ids = torch.tensor(tokens, device=device)
+        hidden = model(ids, positions, AttentionMetadata.from_lengths([len(tokens)], device), mm_embeds)
+        next_token = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        generated.append(next_token)
+        tokens.append(next_token)
+        if next_token in stop_token_ids:
+            break
+    return generated
 
 
 def case(name):

@@ -75,13 +75,9 @@ class AsyncLLM:
 
     def _make_request(self, request_id, prompt, messages, params, mm_processor_kwargs):
         inputs = self.engine.inputs
-        if messages is not None:
-            processed = inputs.process_chat(messages, mm_processor_kwargs)
-            text = None
-        else:
-            processed = inputs.process(prompt, mm_processor_kwargs)
-            text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        return inputs.make_request(request_id, processed, params, text)
+        processed = (inputs.process_chat(messages, mm_processor_kwargs) if messages is not None
+                     else inputs.process(prompt, mm_processor_kwargs))
+        return inputs.make_request(request_id, processed, params)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)

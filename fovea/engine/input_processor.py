@@ -72,7 +72,7 @@ class InputProcessor:
             raise ValueError(f"the prompt has {count} images but limit_mm_per_prompt allows {limit}")
 
     def make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                     prompt_text: str | None = None, arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None) -> Request:
         ids = processed.token_ids
         if not ids:
             raise ValueError("the prompt is empty")
@@ -93,6 +93,6 @@ class InputProcessor:
                                 image.pixel_values))
             start += image.num_tokens
         return Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
-                       prompt=prompt_text, arrival_time=arrival_time or time.time(),
+                       prompt=processed.text, arrival_time=arrival_time or time.time(),
                        eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals),
                        device=self.config.device)

@@ -23,6 +23,7 @@ class ProcessedPrompt:
     images: list[ProcessedImage] = field(default_factory=list)
     positions: np.ndarray | None = None  # (3, len(token_ids)) M-RoPE positions
     mrope_delta: int = 0
+    text: str | None = None  # the prompt as text, when it was given as text (chat: the rendered template)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -108,7 +109,9 @@ class PromptProcessor:
         else:
             ids = list(prompt)
         processed = [self.image_processor(image, mm_processor_kwargs) for image in images]
-        return self.expand(ids, processed)
+        result = self.expand(ids, processed)
+        result.text = prompt if isinstance(prompt, str) else None
+        return result
 
     def expand(self, ids: list[int], images: list[ProcessedImage]) -> ProcessedPrompt:
         image_id = self.config.image_token_id
