@@ -3,7 +3,8 @@
 64 prompts (half text-only, half with one image of varied size), greedy, a fixed number of new tokens each
 (EOS ignored), on a tiny random Qwen2.5-VL checkpoint. Then the engine's host overhead at batch 256: the time
 of a decode step spent outside the model forward (scheduling, input building, sampling, detokenizing).
-Run:  python benchmarks/offline_throughput.py [--model tiny-3b] [--prompts 64] [--max-tokens 32] [--threads 1]
+Both timings include image preprocessing; medians of --repeats alternated runs.
+Run:  python benchmarks/offline_throughput.py [--model tiny-3b] [--prompts 64] [--max-tokens 32] [--repeats 3]
 Writes the raw figures as JSON to benchmarks/results/ (or --out).
 """
 
@@ -44,7 +45,13 @@ def chat_text(tokenizer, text: str, image) -> str:
                                          add_generation_prompt=True)
 
 
-def run_fovea(model_dir, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+def timed(fn) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    tokens = fn()
+    return time.perf_counter() - start, tokens
+
+
+def setup_fovea(model_dir, prompts, max_tokens: int):
     from fovea import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", max_model_len=4096)
@@ -53,12 +60,10 @@ def run_fovea(model_dir, prompts, max_tokens: int) -> tuple[float, list[list[int
               for text, image in prompts]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(inputs[:2], params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+    return lambda: [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params, use_tqdm=False)]
 
 
-def run_hf(model_dir, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+def setup_hf(model_dir, prompts, max_tokens: int):
     from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -75,13 +80,18 @@ def run_hf(model_dir, prompts, max_tokens: int) -> tuple[float, list[list[int]]]
     batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     batch["mm_token_type_ids"] = (batch["input_ids"] == 151655).long()
     kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens)
-    with torch.no_grad():
-        model.generate(**{k: v[:1] for k, v in batch.items()}, max_new_tokens=2)  # warm-up (text-only row 0)
-        start = time.perf_counter()
+
+    @torch.no_grad()
+    def run():
+        # preprocessing is inside the timed run for fovea too
+        feats = proc(images=images, return_tensors="pt")
         out = model.generate(**batch, pixel_values=feats["pixel_values"], image_grid_thw=feats["image_grid_thw"],
                              **kwargs)
-        elapsed = time.perf_counter() - start
-    return elapsed, out[:, batch["input_ids"].shape[1]:].tolist()
+        return out[:, batch["input_ids"].shape[1]:].tolist()
+
+    with torch.no_grad():
+        model.generate(**{k: v[:1] for k, v in batch.items()}, max_new_tokens=2)  # warm-up (text-only row 0)
+    return run
 
 
 def host_overhead(model_dir, batch: int, steps: int) -> dict:
@@ -136,6 +146,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--overhead-batch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each, alternated; medians reported")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,15 +156,21 @@ def main() -> None:
     if args.model in TINY_SHAPES:
         model_dir = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / args.model, args.model, seed=0)
     prompts = make_prompts(args.prompts)
-    fovea_s, fovea_tokens = run_fovea(model_dir, prompts, args.max_tokens)
-    hf_s, hf_tokens = run_hf(model_dir, prompts, args.max_tokens)
+    fovea_run, hf_run = setup_fovea(model_dir, prompts, args.max_tokens), setup_hf(model_dir, prompts, args.max_tokens)
+    fovea_times, hf_times = [], []
+    for _ in range(args.repeats):  # alternated, so both see the same machine noise
+        fovea_s, fovea_tokens = timed(fovea_run)
+        hf_s, hf_tokens = timed(hf_run)
+        fovea_times.append(fovea_s)
+        hf_times.append(hf_s)
+    fovea_s, hf_s = statistics.median(fovea_times), statistics.median(hf_times)
     generated = args.prompts * args.max_tokens
     same = sum(a == b for a, b in zip(fovea_tokens, hf_tokens))
     overhead = host_overhead(model_dir, args.overhead_batch, steps=20)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "offline_throughput", "model": args.model, "prompts": args.prompts,
               "max_tokens": args.max_tokens, "threads": args.threads, "machine": platform.processor() or
-              platform.machine(), "commit": commit, "fovea_s": fovea_s, "hf_s": hf_s,
+              platform.machine(), "commit": commit, "fovea_s": fovea_s, "hf_s": hf_s, "fovea_runs_s": fovea_times, "hf_runs_s": hf_times,
               "fovea_tok_s": generated / fovea_s, "hf_tok_s": generated / hf_s, "speedup": hf_s / fovea_s,
               "identical_outputs": f"{same}/{args.prompts}", "host_overhead": overhead}
     out = Path(args.out or f"benchmarks/results/offline_cpu_{args.model}_{commit}.json")
