@@ -47,7 +47,8 @@ class AsyncLLM:
 
     async def generate(self, prompt=None, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, messages: list[dict] | None = None,
-                       mm_processor_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       mm_processor_kwargs: dict | None = None,
+                       chat_template: str | None = None) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request: `prompt` in any form LLM.generate takes, or chat `messages`.
         Bad input raises ValueError here, before anything reaches the engine."""
         if self.error is not None:
@@ -56,7 +57,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         request = await asyncio.to_thread(self._make_request, request_id, prompt, messages,
-                                          sampling_params or self.default_params, mm_processor_kwargs)
+                                          sampling_params or self.default_params, mm_processor_kwargs, chat_template)
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         self._send("add", request)
@@ -73,9 +74,9 @@ class AsyncLLM:
             if not finished:
                 self._send("abort", request_id)
 
-    def _make_request(self, request_id, prompt, messages, params, mm_processor_kwargs):
+    def _make_request(self, request_id, prompt, messages, params, mm_processor_kwargs, chat_template):
         inputs = self.engine.inputs
-        processed = (inputs.process_chat(messages, mm_processor_kwargs) if messages is not None
+        processed = (inputs.process_chat(messages, mm_processor_kwargs, chat_template) if messages is not None
                      else inputs.process(prompt, mm_processor_kwargs))
         return inputs.make_request(request_id, processed, params)
 

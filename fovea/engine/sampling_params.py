@@ -84,11 +84,15 @@ class SamplingParams:
         return replace(self, **{k: v for k, v in changes.items() if k in known})
 
 
-def default_sampling_params(model_dir: str | Path) -> SamplingParams:
-    """vLLM's `generation_config="auto"`: the checkpoint's generation_config.json sets the defaults a request
-    without explicit sampling parameters gets (Qwen2.5-VL ships a repetition penalty, for example)."""
+def generation_config_defaults(model_dir: str | Path) -> dict:
+    """vLLM's `generation_config="auto"`: the sampling fields the checkpoint's generation_config.json sets
+    (Qwen2.5-VL ships a repetition penalty, for example); requests that leave a field out get these."""
     path = Path(model_dir) / "generation_config.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-    return SamplingParams(**{ours: raw[theirs] for theirs, ours in names.items() if raw.get(theirs) is not None})
+    return {ours: raw[theirs] for theirs, ours in names.items() if raw.get(theirs) is not None}
+
+
+def default_sampling_params(model_dir: str | Path) -> SamplingParams:
+    return SamplingParams(**generation_config_defaults(model_dir))

@@ -1,0 +1,92 @@
+"""`fovea serve`: vLLM's flag names, grouped; builds the engine and runs uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+# vLLM flags accepted so launch lines work unchanged, with no effect here (reported at start-up).
+IGNORED_FLAGS = ["--trust-remote-code", "--disable-log-stats", "--enable-chunked-prefill", "--disable-frontend-multiprocessing"]
+
+
+def _json_arg(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded demo model)")
+    serve.add_argument("model", nargs="?", default=None, help="model directory or hub id in the local HF cache")
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--served-model-name", nargs="+", default=None, help="names clients may use (several allowed)")
+    net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    net.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    net.add_argument("--uvicorn-log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+    net.add_argument("--disable-log-requests", action="store_true")
+    media = serve.add_argument_group("images")
+    media.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None, help='e.g. {"image": 4}')
+    media.add_argument("--mm-processor-kwargs", type=_json_arg, default=None,
+                       help='e.g. {"min_pixels": 3136, "max_pixels": 1003520}')
+    media.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are allowed below it")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, help="the only hosts http(s) images may come from")
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    for flag in IGNORED_FLAGS:
+        engine.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    serve.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from fovea.engine.async_engine import AsyncLLM
+    from fovea.server.app import ServerOptions, build_app
+    from fovea.server.media import MediaPolicy
+
+    ignored = [flag for flag in IGNORED_FLAGS if getattr(args, flag.lstrip("-").replace("-", "_"))]
+    if ignored:
+        print(f"fovea serve: accepted and ignored: {' '.join(ignored)}", file=sys.stderr)
+    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    template = args.chat_template
+    if template and Path(template).is_file():
+        template = Path(template).read_text()
+    engine = AsyncLLM.from_args(
+        args.model, dtype=dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+        limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs, seed=args.seed,
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override)
+    policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+                         [d.lower() for d in args.allowed_media_domains or []])
+    options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template, policy)
+    app = build_app(engine, options)
+    # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the handler found at start;
+    # a no-op one turns that into a normal exit (status 0) after the engine is shut down below.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    access_log=not args.disable_log_requests, timeout_graceful_shutdown=30)
+    finally:
+        engine.shutdown()

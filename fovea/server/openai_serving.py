@@ -1,0 +1,174 @@
+"""Engine outputs to OpenAI responses: chat completions and completions, whole or as server-sent events.
+
+Streams follow what OpenAI sends: (chat) a first chunk with the assistant role, content deltas, a chunk carrying
+each choice's finish_reason, an optional usage chunk with no choices, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fovea.engine.request import CompletionOutput, Logprob, RequestOutput
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class Usage:
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def add_prompt(self, output: RequestOutput) -> None:
+        self.prompt_tokens += len(output.prompt_token_ids)  # image placeholder tokens included
+        self.cached_tokens += output.num_cached_tokens
+
+    def as_dict(self) -> dict:
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
+
+
+def _top(entry: dict[int, Logprob], token: int, k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+    return ranked[:k]
+
+
+def chat_logprobs(completion: CompletionOutput, k: int) -> dict | None:
+    if completion.logprobs is None:
+        return None
+
+    def item(token: int, lp: Logprob) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode())}
+
+    content = []
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        content.append({**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, token, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset: int) -> dict:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token, entry in zip(token_ids, entries):
+        offsets.append(text_offset)
+        if entry is None:  # the first prompt token has no logprob
+            tokens.append("")
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
+        text = entry[token].decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(entry[token].logprob)
+        tops.append({lp.decoded_token: lp.logprob for _, lp in _top(entry, token, k)})
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_response(output: RequestOutput, model: str, request_id: str, top_logprobs: int) -> dict:
+    usage = Usage()
+    usage.add_prompt(output)
+    choices = []
+    for c in output.outputs:
+        usage.completion_tokens += len(c.token_ids)
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": chat_logprobs(c, top_logprobs), "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason})
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage.as_dict()}
+
+
+async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], model: str, request_id: str,
+                      n: int, top_logprobs: int, include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return sse(body)
+
+    usage = Usage()
+    usage.add_prompt(first)
+    finished: set[int] = set()
+    try:
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(n)])
+        output = first
+        while True:
+            for c in output.outputs:
+                if c.index in finished:
+                    continue
+                usage.completion_tokens += len(c.token_ids)
+                if c.text or c.token_ids or c.finish_reason:
+                    yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                                  "logprobs": chat_logprobs(c, top_logprobs), "finish_reason": c.finish_reason,
+                                  "stop_reason": c.stop_reason}])
+                if c.finish_reason:
+                    finished.add(c.index)
+            if output.finished:
+                break
+            output = await anext(rest)
+        if include_usage:
+            yield chunk([], usage.as_dict())
+        yield sse("[DONE]")
+    finally:
+        await rest.aclose()  # a client that left mid-stream aborts the request here
+
+
+def completion_choice(output: RequestOutput, c: CompletionOutput, index: int, echo_text: str | None,
+                      logprobs: int | None) -> dict:
+    text = (echo_text or "") + c.text
+    lp = None
+    if logprobs is not None and c.logprobs is not None:
+        if echo_text is not None and output.prompt_logprobs is not None:
+            ids = list(output.prompt_token_ids) + list(c.token_ids)
+            lp = completion_logprobs(ids, list(output.prompt_logprobs) + list(c.logprobs), logprobs, 0)
+        else:
+            lp = completion_logprobs(c.token_ids, c.logprobs, logprobs, len(echo_text or ""))
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason}
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, stream):
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, error))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()

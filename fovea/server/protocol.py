@@ -1,0 +1,121 @@
+"""Request bodies of the OpenAI API (plus vLLM's sampling extras), validated by pydantic, and their mapping to
+SamplingParams. Fields a request leaves out take the checkpoint's generation_config defaults, as in vLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fovea.engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as vLLM does
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """`defaults`: the generation_config fields; an omitted max_tokens means up to max_model_len."""
+        fields = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
+                                                         "repetition_penalty") if getattr(self, name) is not None}
+        try:
+            bias = {int(token): value for token, value in (self.logit_bias or {}).items()} or None
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids") from None
+        base = {name: value for name, value in defaults.items() if name != "max_tokens"}
+        return SamplingParams(**{**base, **fields}, **{
+            "n": self.n, "stop": self.stop, "seed": self.seed, "logit_bias": bias, "logprobs": logprobs,
+            "max_tokens": max_tokens if max_tokens is not None else defaults.get("max_tokens"),
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
+            "skip_special_tokens": self.skip_special_tokens, "prompt_logprobs": prompt_logprobs,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY})
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(defaults, max_tokens, logprobs)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # the OpenAI completions default
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self.sampling_params(defaults, self.max_tokens, self.logprobs,
+                                    prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None)
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def error_body(message: str, kind: str = "BadRequestError", code: int = 400, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+

@@ -1,0 +1,181 @@
+"""A real `fovea serve` process on 127.0.0.1, driven by the official openai SDK (sync, async, streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import jpeg_bytes, random_image
+from fovea import LLM
+
+KEY = "sk-fovea-test"
+OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=400)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    (root / "boat.jpg").write_bytes(jpeg_bytes(random_image(320, 240, 50)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs, media_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "fovea.cli", "serve", str(tiny_dirs["tiny-3b"]), "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "2048", "--num-gpu-blocks-override", "400",
+           "--served-model-name", "tiny", "tiny-alias", "--api-key", KEY, "--allowed-local-media-path",
+           str(media_dir), "--uvicorn-log-level", "warning", "--trust-remote-code"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stdout.read()}")
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output  # SIGTERM is a clean shutdown
+    assert "accepted and ignored: --trust-remote-code" in output
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dirs):
+    return LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+
+
+def greedy(llm, max_tokens):
+    """What a server request with temperature=0 and nothing else gets: the checkpoint's generation_config
+    defaults (a repetition penalty here) for the fields it leaves out, as vLLM does."""
+    return llm.get_default_sampling_params().clone(temperature=0, max_tokens=max_tokens)
+
+
+def image_message(url: str, text: str = "What is in the picture?"):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def data_url(path) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+    assert httpx.get(server + "/version").json()["version"]
+
+
+def test_chat_with_images_equals_offline_greedy(client, llm, media_dir):
+    path = media_dir / "boat.jpg"
+    expected = llm.chat(image_message(data_url(path)), greedy(llm, 12),
+                        use_tqdm=False)[0]
+    for url in (data_url(path), f"file://{path}"):
+        reply = client.chat.completions.create(model="tiny", messages=image_message(url), temperature=0,
+                                               max_tokens=12)
+        assert reply.choices[0].message.content == expected.outputs[0].text
+        assert reply.usage.completion_tokens == len(expected.outputs[0].token_ids)
+        assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)  # image tokens counted
+
+
+def test_completions_equal_offline_greedy(client, llm):
+    prompts = ["The harbour at dawn", "Count: one two"]
+    expected = llm.generate(prompts, greedy(llm, 10), use_tqdm=False)
+    reply = client.completions.create(model="tiny-alias", prompt=prompts, temperature=0, max_tokens=10)
+    assert [c.text for c in reply.choices] == [e.outputs[0].text for e in expected]
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_streaming_chat_with_usage(client):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Tell me about boats."}], temperature=0,
+                  max_tokens=15)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 15
+
+
+def test_n_seed_logprobs_stop(client):
+    messages = [{"role": "user", "content": "Say something."}]
+    first = client.chat.completions.create(model="tiny", messages=messages, n=2, seed=3, temperature=1.0,
+                                           max_tokens=8, logprobs=True, top_logprobs=3)
+    again = client.chat.completions.create(model="tiny", messages=messages, n=2, seed=3, temperature=1.0,
+                                           max_tokens=8, logprobs=True, top_logprobs=3)
+    assert len(first.choices) == 2
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    content = first.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob >= t.top_logprobs[-1].logprob for t in content)
+    text = first.choices[0].message.content
+    if len(text) > 4:
+        stop = text[2:4]
+        cut = client.chat.completions.create(model="tiny", messages=messages, seed=3, temperature=1.0,
+                                             max_tokens=8, stop=[stop])
+        assert cut.choices[0].message.content == text[:text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_async_clients_run_concurrently(server, client):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+        replies = await asyncio.gather(*[aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"Question {i}"}], temperature=0, max_tokens=6)
+            for i in range(4)])
+        await aclient.close()
+        return [r.choices[0].message.content for r in replies]
+
+    answers = asyncio.run(main())
+    for i, answer in enumerate(answers):
+        alone = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Question {i}"}],
+                                               temperature=0, max_tokens=6)
+        assert alone.choices[0].message.content == answer
+
+
+def test_errors_are_sdk_exceptions_and_the_server_keeps_serving(server, client, media_dir, tmp_path):
+    ok = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=ok)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tiny", messages=ok, temperature=-1)
+    outside = tmp_path / "secret.jpg"
+    outside.write_bytes((media_dir / "boat.jpg").read_bytes())
+    with pytest.raises(openai.BadRequestError, match="must be under"):
+        client.chat.completions.create(model="tiny", messages=image_message(f"file://{outside}"))
+    with pytest.raises(openai.BadRequestError, match="not a readable image"):
+        client.chat.completions.create(model="tiny", messages=image_message("data:image/png;base64,aGVsbG8="))
+    with pytest.raises(openai.BadRequestError, match="non-public address"):
+        client.chat.completions.create(model="tiny", messages=image_message("http://127.0.0.1:9/x.png"))
+    body = httpx.post(server + "/v1/chat/completions", json={"model": "tiny"},
+                      headers={"Authorization": f"Bearer {KEY}"})
+    assert body.status_code == 400 and body.json()["error"]["param"] == "messages"
+    assert client.chat.completions.create(model="tiny", messages=ok, max_tokens=2).choices[0].message.content is not None
