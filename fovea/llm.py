@@ -74,7 +74,7 @@ class LLM:
                             bar.update(1)
         except BaseException:
             self.engine.abort_request(list(order))  # Ctrl-C or a failure: free everything, keep the engine usable
-            self.engine.step()
+            self.engine.finished_outputs.clear()  # nobody waits for these aborts' outputs
             raise
         finally:
             if bar is not None:

@@ -201,3 +201,11 @@ def test_output_timings_are_ordered(llm):
     out = llm.generate("Timing", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+
+
+def test_logprobs_zero_gives_only_the_chosen_token_and_others_none(llm):
+    with_lp, without = llm.generate(["a b", "c d"], [SamplingParams(temperature=0, max_tokens=3, logprobs=0),
+                                                    SamplingParams(temperature=0, max_tokens=3)], use_tqdm=False)
+    entries = with_lp.outputs[0].logprobs
+    assert [list(e) for e in entries] == [[t] for t in with_lp.outputs[0].token_ids]
+    assert without.outputs[0].logprobs is None and without.outputs[0].cumulative_logprob is None

@@ -30,9 +30,9 @@ class EncoderCache:
     def contains(self, key: str) -> bool:
         return key in self.sizes
 
-    def can_reserve(self, num_tokens: int, pending: int = 0) -> bool:
+    def can_reserve(self, num_tokens: int) -> bool:
         evictable = sum(self.sizes[k] for k in self.unreferenced)
-        return self.used + pending + num_tokens - evictable <= self.capacity
+        return self.used + num_tokens - evictable <= self.capacity
 
     def reserve(self, key: str, num_tokens: int) -> None:
         """Room for an item the encoder will run on this step (the caller checked `can_reserve`)."""
@@ -45,6 +45,8 @@ class EncoderCache:
 
     def put(self, key: str, embeddings: torch.Tensor) -> None:
         self.embeddings[key] = embeddings
+        if key not in self.refs:  # reserved for a sequence that did not get scheduled after all: evictable
+            self.unreferenced[key] = None
 
     def get(self, key: str) -> torch.Tensor:
         return self.embeddings[key]

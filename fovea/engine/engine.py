@@ -6,6 +6,7 @@ prompt), detokenize, check stop conditions, free finished sequences -> build the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 
@@ -35,6 +36,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
         self._seq_ids = itertools.count()
+        # logprob entries name their tokens; the same few thousand ids come back step after step
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -88,8 +91,8 @@ class LLMEngine:
                 seq.request.metrics.first_scheduled_time = now
         result = self.runner.execute(batch, self.encoder_cache)
         self.scheduler.step_done(batch)
-        touched = self._record_prompt_logprobs(batch, result)
-        touched |= self._record_samples(batch, result)
+        self._record_prompt_logprobs(batch, result)
+        touched = self._record_samples(batch, result)
         for request in touched:
             kind = request.params.output_kind
             if request.finished:
@@ -98,12 +101,14 @@ class LLMEngine:
                 outputs.append(self._output(request, final=request.finished))
         return outputs
 
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, result: StepOutput) -> set[Request]:
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, result: StepOutput) -> None:
         for index, (chosen, ranks, top_ids, top_values) in result.prompt_logprobs.items():
             seq = batch.seqs[index]
             targets = seq.token_ids[len(seq.request.prompt_logprobs):][:chosen.numel()]
-            seq.request.prompt_logprobs += self._logprob_dicts(targets, chosen, ranks, top_ids, top_values)
-        return set()
+            top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in targets]
+            top_values = top_values.tolist() if top_values is not None else [[] for _ in targets]
+            seq.request.prompt_logprobs += [self._logprob_entry(*row) for row in zip(
+                targets, chosen.tolist(), ranks.tolist(), top_ids, top_values)]
 
     def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> set[Request]:
         touched = set()
@@ -111,9 +116,11 @@ class LLMEngine:
             return touched
         sampled = result.sampled
         tokens = sampled.token_ids.tolist()
-        dicts = None
-        if sampled.logprobs is not None:
-            dicts = self._logprob_dicts(tokens, sampled.logprobs, sampled.ranks, sampled.top_ids, sampled.top_logprobs)
+        if sampled.logprobs is not None:  # computed for the whole batch; turned into entries only where asked
+            logprobs, ranks = sampled.logprobs.tolist(), sampled.ranks.tolist()
+            no_top = [[] for _ in tokens]  # every row asked for logprobs=0: no top tokens were computed
+            top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else no_top
+            top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else no_top
         # forks first: a parent that finishes on this very token must still hold the blocks its samples share
         row_seqs = []
         for index, fork in result.row_owners:
@@ -130,17 +137,22 @@ class LLMEngine:
             metrics = seq.request.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
-            logprob = float(sampled.logprobs[row]) if sampled.logprobs is not None else 0.0
-            self._append_token(seq, token, dicts[row] if dicts else None, logprob)
+            entry, logprob = None, 0.0
+            if sampled.logprobs is not None:
+                logprob = logprobs[row]
+                if seq.logprobs is not None:
+                    k = seq.params.logprobs
+                    entry = self._logprob_entry(token, logprob, ranks[row], top_ids[row][:k], top_values[row][:k])
+            self._append_token(seq, token, entry, logprob)
             touched.add(seq.request)
         return touched
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None, logprob: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, entry: dict | None, logprob: float) -> None:
         params = seq.params
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
-            seq.logprobs.append(self._top_k_of(logprobs, token, params.logprobs))
+            seq.logprobs.append(entry)
         new_chars = 0
         if seq.detokenizer is not None:
             piece = seq.detokenizer.decode(token)
@@ -170,25 +182,13 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------------- outputs
 
-    def _logprob_dicts(self, targets, chosen, ranks, top_ids, top_values) -> list[dict[int, Logprob]]:
-        chosen, ranks = chosen.tolist(), ranks.tolist()
-        top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in chosen]
-        top_values = top_values.tolist() if top_values is not None else [[] for _ in chosen]
-        out = []
-        for target, lp, rank, ids, values in zip(targets, chosen, ranks, top_ids, top_values):
-            entry = {target: Logprob(lp, rank, self._token_text(target))}
-            for place, (tid, value) in enumerate(zip(ids, values), start=1):
-                entry.setdefault(tid, Logprob(value, place, self._token_text(tid)))
-            out.append(entry)
-        return out
-
-    @staticmethod
-    def _top_k_of(entry: dict[int, Logprob], token: int, k: int) -> dict[int, Logprob]:
-        """The sampled token plus the k best (the batch computed the largest k any row asked for)."""
-        return {tid: lp for tid, lp in entry.items() if tid == token or (lp.rank is not None and lp.rank <= k)}
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids: list[int],
+                       top_values: list[float]) -> dict[int, Logprob]:
+        """{token: Logprob} for the chosen token and the best ones (ranked 1, 2, ...)."""
+        entry = {token: Logprob(logprob, rank, self._token_text(token))}
+        for place, (tid, value) in enumerate(zip(top_ids, top_values), start=1):
+            entry.setdefault(tid, Logprob(value, place, self._token_text(tid)))
+        return entry
 
     def _output(self, request: Request, final: bool) -> RequestOutput:
         delta = request.params.output_kind == RequestOutputKind.DELTA

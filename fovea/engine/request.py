@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -105,8 +105,6 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.order = (request.arrival_index, index)
-        self.mm_spans = request.mm_spans
-        self.generator = request.generators[index]
         self.pending_forks = request.params.n - 1 if index == 0 else 0  # samples to split off after the prefill
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
@@ -158,4 +156,3 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    extra: dict = field(default_factory=dict)

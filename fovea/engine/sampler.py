@@ -134,13 +134,15 @@ class Sampler:
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
         logits = apply_penalties_and_bias(logits, rows)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        tokens = logits.argmax(-1)
-        if not bool(greedy.all()):
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(-1)
+        else:
             temperature = _column(rows, lambda p: p.temperature if not p.greedy else 1.0, logits.dtype, logits.device)
             probs = filter_logits(logits / temperature[:, None], rows).softmax(-1)
-            drawn = (probs / self._noise(probs.shape, rows, logits.device)).argmax(-1)
-            tokens = torch.where(greedy, tokens, drawn)
+            tokens = (probs / self._noise(probs.shape, rows, logits.device)).argmax(-1)
+            if any(greedy):
+                tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), tokens)
         if raw_logprobs is None:
             return SamplerOutput(tokens)
         return SamplerOutput(tokens, *top_logprobs(raw_logprobs, tokens, max_logprobs))

@@ -87,7 +87,7 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.mm_spans)
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.request.mm_spans)
             wants_prompt_logprobs = seq.request.prompt_logprobs is not None and \
                 len(seq.request.prompt_logprobs) < seq.num_prompt_tokens
             # prompt logprobs need logits at every prompt position, so cached blocks cannot be skipped
@@ -163,7 +163,7 @@ class Scheduler:
         """Records that the batch's KV is written: caches full blocks, drops images the sequences are past."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.mm_spans)
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.request.mm_spans)
             seq.num_registered_blocks = self.blocks.mark_computed(
                 seq.block_table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered_blocks)
             for item in seq.request.mm_items:

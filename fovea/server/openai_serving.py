@@ -41,7 +41,7 @@ class Usage:
         return usage
 
 
-def _top(entry: dict[int, Logprob], token: int, k: int) -> list[tuple[int, Logprob]]:
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
     return ranked[:k]
 
@@ -56,7 +56,7 @@ def chat_logprobs(completion: CompletionOutput, k: int) -> dict | None:
 
     content = []
     for token, entry in zip(completion.token_ids, completion.logprobs):
-        content.append({**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, token, k)]})
+        content.append({**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, k)]})
     return {"content": content}
 
 
@@ -72,7 +72,7 @@ def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset
         text = entry[token].decoded_token or ""
         tokens.append(text)
         token_logprobs.append(entry[token].logprob)
-        tops.append({lp.decoded_token: lp.logprob for _, lp in _top(entry, token, k)})
+        tops.append({lp.decoded_token: lp.logprob for _, lp in _top(entry, k)})
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
