@@ -11,10 +11,21 @@ from conftest import random_image
 from fovea import LLM, SamplingParams
 from fovea.engine.async_engine import AsyncLLM
 from fovea.engine.sampling_params import RequestOutputKind
-from test_engine_vs_hf import LOREM, assert_engine_idle
+from test_engine_vs_hf import LOREM
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_batched_tokens=128)
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+
+async def collect(engine, request_id, stop_after=None, **request):
+    tokens, chunks, reason = [], 0, None
+    async for out in engine.generate(sampling_params=PARAMS, request_id=request_id, **request):
+        tokens += out.outputs[0].token_ids
+        chunks += 1
+        reason = out.outputs[0].finish_reason
+        if stop_after and len(tokens) >= stop_after:
+            break
+    return tokens, chunks, reason
 
 
 def test_streams_run_concurrently_and_abort_on_early_exit(tiny_dirs):
@@ -23,21 +34,11 @@ def test_streams_run_concurrently_and_abort_on_early_exit(tiny_dirs):
                                                {"type": "text", "text": "What is it?"}]}]
     engine = AsyncLLM.from_args(model, **OPTIONS)
 
-    async def collect(request_id, stop_after=None, **request):
-        tokens, chunks, reason = [], 0, None
-        async for out in engine.generate(sampling_params=PARAMS, request_id=request_id, **request):
-            tokens += out.outputs[0].token_ids
-            chunks += 1
-            reason = out.outputs[0].finish_reason
-            if stop_after and len(tokens) >= stop_after:
-                break
-        return tokens, chunks, reason
-
     async def main():
-        first = asyncio.create_task(collect("a", prompt=LOREM * 3))
+        first = asyncio.create_task(collect(engine, "a", prompt=LOREM * 3))
         await asyncio.sleep(0.2)  # the engine is busy with "a" when the others arrive
-        leaving = asyncio.create_task(collect("b", stop_after=4, prompt=LOREM))
-        third = asyncio.create_task(collect("c", messages=image_chat))
+        leaving = asyncio.create_task(collect(engine, "b", stop_after=4, prompt=LOREM))
+        third = asyncio.create_task(collect(engine, "c", messages=image_chat))
         with pytest.raises(ValueError, match="a prompt must be"):
             async for _ in engine.generate(prompt=123):
                 pass
@@ -46,9 +47,9 @@ def test_streams_run_concurrently_and_abort_on_early_exit(tiny_dirs):
     try:
         (a, a_chunks, a_reason), (b, _, _), (c, _, c_reason) = asyncio.run(main())
         deadline = time.time() + 10
-        while engine.engine.requests and time.time() < deadline:  # the abort of "b" is applied by the engine thread
+        while engine.stats.num_running and time.time() < deadline:  # the engine process applies b's abort
             time.sleep(0.01)
-        assert_engine_idle(engine.engine)
+        assert (engine.stats.num_running, engine.stats.num_waiting, engine.stats.kv_used_blocks) == (0, 0, 0)
     finally:
         engine.shutdown()
     assert a_reason == c_reason == "length" and len(a) == len(c) == 20 and a_chunks > 1
@@ -57,3 +58,41 @@ def test_streams_run_concurrently_and_abort_on_early_exit(tiny_dirs):
     assert a == reference.generate(LOREM * 3, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert b == reference.generate(LOREM, greedy, use_tqdm=False)[0].outputs[0].token_ids[:len(b)]
     assert c == reference.chat(image_chat, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_failing_request_fails_alone(tiny_dirs):
+    """A bug hit while preparing one request (here: an injected exception) or a request the engine refuses
+    fails that request only; the server answers 500 / 400 for it and the other streams are unaffected."""
+    import httpx
+
+    from fovea.server.app import ServerOptions, build_app
+
+    engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+    process_chat = engine.inputs.process_chat
+
+    def faulty(messages, *args, **kwargs):
+        if messages[0]["content"] == "boom":
+            raise RuntimeError("injected failure")
+        return process_chat(messages, *args, **kwargs)
+
+    engine.inputs.process_chat = faulty
+    app = build_app(engine, ServerOptions(["tiny"]))
+
+    async def main():
+        running = asyncio.create_task(collect(engine, "long", prompt=LOREM))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fovea") as client:
+            def chat(text, **fields):
+                return client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": text}], "max_tokens": 3, **fields})
+            broken, refused, fine = await asyncio.gather(chat("boom"), chat("hi", n=400), chat("hi"))
+        return await running, broken, refused, fine
+
+    try:
+        (tokens, _, reason), broken, refused, fine = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert broken.status_code == 500 and "injected failure" in broken.json()["error"]["message"]
+    assert refused.status_code == 400 and "KV blocks" in refused.json()["error"]["message"]
+    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 3
+    assert reason == "length" and len(tokens) == 20

@@ -31,3 +31,18 @@ def test_tiny_command_and_errors(tmp_path):
     missing = run_fovea("demo", str(tmp_path / "nowhere"))
     assert missing.returncode != 0 and "neither a local directory nor a hub id" in missing.stderr
     assert run_fovea("--version").stdout.strip()
+
+
+def test_serve_flags_help_and_errors():
+    from fovea.server.cli import _json_arg
+
+    assert _json_arg('{"image": 4}') == _json_arg("image=4") == {"image": 4}
+    assert _json_arg("image=2, video=0") == {"image": 2, "video": 0}
+    shown = run_fovea("serve", "--help").stdout
+    for group, flag in (("server", "--served-model-name"), ("images", "--limit-mm-per-prompt"),
+                        ("engine", "--enable-prefix-caching")):
+        assert f"\n{group}:" in shown and flag in shown
+    bad_json = run_fovea("serve", "--limit-mm-per-prompt", "image:four")
+    assert bad_json.returncode == 2 and "--limit-mm-per-prompt: not valid JSON" in bad_json.stderr
+    tensor_parallel = run_fovea("serve", "--tensor-parallel-size", "4")
+    assert tensor_parallel.returncode != 0 and "tensor_parallel_size > 1 is not supported yet" in tensor_parallel.stderr

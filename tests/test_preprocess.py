@@ -138,33 +138,3 @@ def test_float32_rescale_equals_the_float64_reference_route():
     values = np.arange(256)
     reference_route = (values.astype(np.float64) * (1 / 255)).astype(np.float32)
     assert np.array_equal(values.astype(np.float32) / np.float32(255), reference_route)
-
-
-def test_http_image_urls_are_fetched():
-    import http.server
-    import threading
-
-    body = jpeg_bytes(random_image(90, 60, 3))
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path != "/cat.jpg":
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        assert np.array_equal(np.asarray(load_image(url + "/cat.jpg")), np.asarray(load_image(body)))
-        with pytest.raises(ValueError, match="HTTP 404"):
-            load_image(url + "/missing.jpg")
-    finally:
-        server.shutdown()

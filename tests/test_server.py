@@ -4,28 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
 from conftest import jpeg_bytes, random_image
+from serving import running_server
 from fovea import LLM
 
 KEY = "sk-fovea-test"
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=400)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,28 +26,13 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs, media_dir):
-    port = free_port()
-    cmd = [sys.executable, "-m", "fovea.cli", "serve", str(tiny_dirs["tiny-3b"]), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "2048", "--num-gpu-blocks-override", "400",
-           "--served-model-name", "tiny", "tiny-alias", "--api-key", KEY, "--allowed-local-media-path",
-           str(media_dir), "--uvicorn-log-level", "warning", "--trust-remote-code"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read()}")
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 0, output  # SIGTERM is a clean shutdown
-    assert "accepted and ignored: --trust-remote-code" in output
+    with running_server(tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "2048",
+                        "--num-gpu-blocks-override", "400", "--served-model-name", "tiny", "tiny-alias",
+                        "--api-key", KEY, "--allowed-local-media-path", str(media_dir),
+                        "--trust-remote-code") as (base, proc):
+        yield base
+    assert proc.returncode == 0, proc.output  # SIGTERM is a clean shutdown
+    assert "accepted and ignored: --trust-remote-code" in proc.output
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +56,12 @@ def image_message(url: str, text: str = "What is in the picture?"):
                                          {"type": "text", "text": text}]}]
 
 
+def data_url_of(raw: bytes) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(raw).decode()
+
+
 def data_url(path) -> str:
-    return "data:image/jpeg;base64," + base64.b64encode(path.read_bytes()).decode()
+    return data_url_of(path.read_bytes())
 
 
 def test_models_and_health(client, server):
@@ -101,6 +79,24 @@ def test_chat_with_images_equals_offline_greedy(client, llm, media_dir):
         assert reply.choices[0].message.content == expected.outputs[0].text
         assert reply.usage.completion_tokens == len(expected.outputs[0].token_ids)
         assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)  # image tokens counted
+
+
+def test_multi_image_multi_turn_chat_equals_offline_greedy(client, llm, media_dir):
+    other = data_url_of(jpeg_bytes(random_image(200, 260, 51)))
+    boat = data_url(media_dir / "boat.jpg")
+    messages = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": boat}},
+                                     {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A boat on the water."},
+        {"role": "user", "content": [{"type": "text", "text": "Compare it with"},
+                                     {"type": "image_url", "image_url": {"url": other}},
+                                     {"type": "text", "text": "and with"},
+                                     {"type": "image_url", "image_url": {"url": f"file://{media_dir / 'boat.jpg'}"}}]},
+    ]
+    expected = llm.chat(messages, greedy(llm, 12), use_tqdm=False)[0]
+    reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12)
+    assert reply.choices[0].message.content == expected.outputs[0].text
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
 def test_completions_equal_offline_greedy(client, llm):

@@ -10,6 +10,8 @@ import functools
 import itertools
 import time
 
+import torch
+
 from fovea.engine.block_manager import BlockManager
 from fovea.engine.config import EngineConfig
 from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -19,6 +21,7 @@ from fovea.engine.model_runner import ModelRunner, StepOutput
 from fovea.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus)
 from fovea.engine.sampling_params import RequestOutputKind
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
+from fovea.engine.stats import EngineStats, LatencyEvents
 
 
 class LLMEngine:
@@ -36,6 +39,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
         self._seq_ids = itertools.count()
+        self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         # logprob entries name their tokens; the same few thousand ids come back step after step
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
 
@@ -48,6 +52,9 @@ class LLMEngine:
         if blocks > self.blocks.num_blocks:
             raise ValueError(f"the prompt with n={request.params.n} needs {blocks} KV blocks but the cache has "
                              f"{self.blocks.num_blocks}")
+        # One RNG per sample when seeded (sample i draws from seed + i), so its tokens do not depend on the batch.
+        request.generators = [None if request.params.seed is None else torch.Generator(
+            device=self.config.device).manual_seed(request.params.seed + i) for i in range(request.params.n)]
         self.requests[request.request_id] = request
         self.scheduler.add(self._new_sequence(request, 0))
 
@@ -71,6 +78,7 @@ class LLMEngine:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)  # its KV blocks are free from now on
             request.metrics.finished_time = time.time()
+            self._record_finish(request)
             self.finished_outputs.append(self._output(request, final=True))
 
     def has_unfinished_requests(self) -> bool:
@@ -97,6 +105,7 @@ class LLMEngine:
             kind = request.params.output_kind
             if request.finished:
                 self.requests.pop(request.request_id, None)
+                self._record_finish(request)
             if request.finished or kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(request, final=request.finished))
         return outputs
@@ -134,9 +143,7 @@ class LLMEngine:
             batch.seqs[index].pending_forks = 0
         now = time.time()
         for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
-            metrics = seq.request.metrics
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
+            self._record_token_time(seq, now)
             entry, logprob = None, 0.0
             if sampled.logprobs is not None:
                 logprob = logprobs[row]
@@ -146,6 +153,36 @@ class LLMEngine:
             self._append_token(seq, token, entry, logprob)
             touched.add(seq.request)
         return touched
+
+    def _record_token_time(self, seq: Sequence, now: float) -> None:
+        metrics = seq.request.metrics
+        if self.events is not None:
+            if metrics.first_token_time is None:
+                self.events.time_to_first_token.append(now - metrics.arrival_time)
+            elif seq.last_token_time is not None:  # a fork's first token follows no token of its own
+                self.events.inter_token.append(now - seq.last_token_time)
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = seq.last_token_time = now
+
+    def _record_finish(self, request: Request) -> None:
+        if self.events is None:
+            return
+        events = self.events
+        events.end_to_end.append(time.time() - request.metrics.arrival_time)
+        events.finished["abort" if request.aborted else request.sequences[0].finish_reason] += 1
+        events.prompt_tokens += len(request.prompt_token_ids)
+        events.generation_tokens += sum(seq.num_output_tokens for seq in request.sequences)
+
+    def stats(self) -> EngineStats:
+        """The engine's state now, and the latency events since the previous call (the first call starts
+        the recording)."""
+        events, self.events = self.events or LatencyEvents(), LatencyEvents()
+        scheduler, encoder = self.scheduler, self.encoder_cache
+        return EngineStats(len({seq.request.request_id for seq in scheduler.running}),
+                           len({seq.request.request_id for seq in scheduler.waiting}),
+                           self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks,
+                           scheduler.prefix_cache_queries, scheduler.prefix_cache_hits,
+                           encoder.hits + encoder.encoded, encoder.hits, scheduler.num_preemptions, events)
 
     def _append_token(self, seq: Sequence, token: int, entry: dict | None, logprob: float) -> None:
         params = seq.params

@@ -94,5 +94,4 @@ class InputProcessor:
             start += image.num_tokens
         return Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
                        prompt=processed.text, arrival_time=arrival_time or time.time(),
-                       eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals),
-                       device=self.config.device)
+                       eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals))

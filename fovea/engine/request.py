@@ -61,7 +61,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  positions: np.ndarray | None = None, mrope_delta: int = 0, mm_items: list[MMItem] = (),
                  prompt: str | None = None, arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = (),
-                 arrival_index: int = 0, device: torch.device | str = "cpu"):
+                 arrival_index: int = 0):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -75,9 +75,7 @@ class Request:
         self.arrival_index = arrival_index  # FCFS order, also after preemption
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
-        # One RNG per sample when seeded (sample i draws from seed + i), so its tokens do not depend on the batch.
-        self.generators = [None if params.seed is None else
-                           torch.Generator(device=device).manual_seed(params.seed + i) for i in range(params.n)]
+        self.generators: list[torch.Generator | None] = []  # made by the engine, on its device
         self.metrics = RequestMetrics(arrival_time or time.time())
         self.sequences: list[Sequence] = []
         self.num_cached_tokens = 0
@@ -107,6 +105,7 @@ class Sequence:
         self.order = (request.arrival_index, index)
         self.pending_forks = request.params.n - 1 if index == 0 else 0  # samples to split off after the prefill
         self.cumulative_logprob = 0.0
+        self.last_token_time: float | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
         self.text = ""
         self.finish_reason: str | None = None

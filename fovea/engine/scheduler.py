@@ -42,6 +42,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, found in the cache
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,6 +99,8 @@ class Scheduler:
             if n == 0 or not self.blocks.can_allocate(prefix, start + n, self._fork_blocks(seq, start + n)):
                 break
             self.waiting.pop(0)
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += start
             seq.block_table = self.blocks.allocate(prefix, start + n)
             seq.num_computed_tokens = start
             seq.num_registered_blocks = len(prefix)

@@ -23,6 +23,11 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 MAX_FETCH_BYTES = 64 << 20
+MAX_IMAGE_PIXELS = int(os.environ.get("FOVEA_MAX_IMAGE_PIXELS", 8192 * 8192))  # decoded RGB: 200 MB at most
+
+
+class ImageTooLarge(ValueError):
+    """An image over the size limits (bytes or pixels); the server answers 413."""
 
 
 @dataclass(frozen=True)
@@ -122,30 +127,79 @@ def load_image(source) -> Image.Image:
     raise ValueError(f"cannot load an image from {type(source).__name__}")
 
 
-def fetch_url(url: str) -> bytes:
-    """Downloads an image, bounded in time (FOVEA_IMAGE_FETCH_TIMEOUT seconds, vLLM's default of 5) and size."""
-    import urllib.error
-    import urllib.request
+def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int = 3) -> bytes:
+    """Downloads an image, bounded in time (FOVEA_IMAGE_FETCH_TIMEOUT seconds, vLLM's default of 5) and size.
+    `check_url(url)` vets every URL including redirects; `check_address(ip)` vets the address actually
+    connected to, so a host that resolves differently the second time (DNS rebinding) is still caught."""
+    import http.client
+    from urllib.parse import urljoin, urlparse
 
     timeout = float(os.environ.get("FOVEA_IMAGE_FETCH_TIMEOUT", "5"))
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+    for _ in range(max_redirects + 1):
+        if check_url is not None:
+            check_url(url)
+        parsed = urlparse(url)
+        kind = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+        try:
+            connection = kind(parsed.hostname, parsed.port, timeout=timeout)
+        except (ValueError, http.client.HTTPException) as exc:
+            raise ValueError(f"cannot fetch image from {url!r}: {exc}") from None
+        try:
+            if check_address is not None:
+                connection._create_connection = _guarded_connect(check_address)
+            connection.request("GET", (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else ""),
+                               headers={"User-Agent": "fovea", "Accept": "image/*"})
+            response = connection.getresponse()
+            location = response.getheader("Location")
+            if response.status in (301, 302, 303, 307, 308) and location:
+                url = urljoin(url, location)
+                continue
+            if response.status != 200:
+                raise ValueError(f"could not fetch image {url}: HTTP {response.status}")
             data = response.read(MAX_FETCH_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        raise ValueError(f"could not fetch image {url}: HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ValueError(f"could not fetch image {url}: {getattr(exc, 'reason', exc)}") from None
-    if len(data) > MAX_FETCH_BYTES:
-        raise ValueError(f"image at {url} is larger than {MAX_FETCH_BYTES >> 20} MiB")
-    return data
+        except (OSError, http.client.HTTPException) as exc:
+            raise ValueError(f"could not fetch image {url}: {exc}") from None
+        finally:
+            connection.close()
+        if len(data) > MAX_FETCH_BYTES:
+            raise ImageTooLarge(f"image at {url} is larger than {MAX_FETCH_BYTES >> 20} MiB")
+        return data
+    raise ValueError(f"could not fetch image {url}: more than {max_redirects} redirects")
+
+
+def _guarded_connect(check_address):
+    import ipaddress
+    import socket
+
+    def connect(address, timeout, source_address=None):
+        host, port = address
+        last_error: OSError = OSError(f"cannot resolve {host}")
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            check_address(ipaddress.ip_address(sockaddr[0].split("%")[0]))
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(sockaddr)
+                return sock
+            except OSError as error:
+                sock.close()
+                last_error = error
+        raise last_error
+
+    return connect
 
 
 def _decode(fp, what: str) -> Image.Image:
     try:
         image = Image.open(fp)
+        if image.width * image.height > MAX_IMAGE_PIXELS:  # known from the header, before any decoding
+            raise ImageTooLarge(f"{what}: {image.width}x{image.height} is over the {MAX_IMAGE_PIXELS} pixels "
+                                "an image may have")
         image.load()
     except Image.DecompressionBombError as exc:
-        raise ValueError(f"{what}: image too large to decode safely ({exc})") from None
+        raise ImageTooLarge(f"{what}: image too large to decode safely ({exc})") from None
+    except ImageTooLarge:
+        raise
     except (OSError, SyntaxError, ValueError) as exc:
         raise ValueError(f"{what} is not a readable image ({exc})") from None
     return image

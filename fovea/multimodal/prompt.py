@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
+
 import numpy as np
 
 from fovea.config import ModelConfig
@@ -93,8 +95,11 @@ class PromptProcessor:
         if not template:
             raise ValueError("the model has no chat template; pass one with chat_template=")
         normalized, images = split_chat_images(messages)
-        text = self.tokenizer.apply_chat_template(normalized, chat_template=template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        try:
+            text = self.tokenizer.apply_chat_template(normalized, chat_template=template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as exc:  # a template's raise_exception, or a bad template sent with a request
+            raise ValueError(f"the chat template failed on these messages: {exc}") from None
         return text, images
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:

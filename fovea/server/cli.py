@@ -13,10 +13,14 @@ IGNORED_FLAGS = ["--trust-remote-code", "--disable-log-stats", "--enable-chunked
 
 
 def _json_arg(text: str) -> dict:
+    """A JSON object, or vLLM's older key=value[,key=value] form with integer values (image=4)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+        pairs = [item.partition("=") for item in text.split(",")]
+        if not all(sep and number.strip().isdigit() for _, sep, number in pairs):
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc}) nor key=value pairs") from None
+        return {key.strip(): int(number) for key, _, number in pairs}
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
@@ -34,6 +38,7 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-log-requests", action="store_true")
+    net.add_argument("--max-request-body-mb", type=int, default=64, help="larger bodies get 413 (fovea only)")
     media = serve.add_argument_group("images")
     media.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None, help='e.g. {"image": 4}')
     media.add_argument("--mm-processor-kwargs", type=_json_arg, default=None,
@@ -80,7 +85,8 @@ def run_serve(args: argparse.Namespace) -> None:
         num_gpu_blocks_override=args.num_gpu_blocks_override)
     policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                          [d.lower() for d in args.allowed_media_domains or []])
-    options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template, policy)
+    options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template, policy,
+                            args.max_request_body_mb << 20)
     app = build_app(engine, options)
     # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the handler found at start;
     # a no-op one turns that into a normal exit (status 0) after the engine is shut down below.

@@ -1,32 +1,58 @@
-"""Which image URLs a server request may use: data URLs always; http(s) only to public addresses (and only the
---allowed-media-domains when given); file:// only below --allowed-local-media-path. Checked before any fetch."""
+"""Which images a server request may use, and fetching the remote ones under those rules.
+
+data: URLs always; file:// only below --allowed-local-media-path; http(s) only from --allowed-media-domains when
+given, and never from loopback/private/link-local addresses unless the host is named there. The address rule is
+applied to the address each connection actually goes to (redirects included), so a name that resolves to a
+public address when checked and to a private one when fetched (DNS rebinding) is still refused.
+Runs in the front end's worker threads: the engine only ever sees downloaded bytes.
+"""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
+
+from fovea.multimodal.image import fetch_url
 
 
 @dataclass
 class MediaPolicy:
     allowed_local_media_path: Path | None = None
-    allowed_media_domains: list[str] = field(default_factory=list)
-    allow_private_addresses: bool = False  # loopback/private/link-local hosts: refused unless set
+    allowed_media_domains: list[str] = field(default_factory=list)  # when set, the only hosts; may be private
 
 
-def check_media(messages: list[dict], policy: MediaPolicy) -> None:
+def image_urls(messages: list[dict]) -> list[tuple[dict, str]]:
+    """(part, url) of every image_url part; other unknown part types are refused here."""
+    found = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
             if isinstance(part, dict) and part.get("type") == "image_url":
                 url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                check_url(url, policy)
+                found.append((part, url.get("url") if isinstance(url, dict) else url))
             elif isinstance(part, dict) and part.get("type") not in ("text", None):
                 raise ValueError(f"unsupported content part type {part.get('type')!r}; use text or image_url")
+    return found
+
+
+def fetch_media(messages: list[dict], policy: MediaPolicy, max_images: int | None = None) -> list[dict]:
+    """`messages` with every http(s) image downloaded (as bytes); raises ValueError for a refused URL."""
+    found = image_urls(messages)
+    if max_images is not None and len(found) > max_images:
+        raise ValueError(f"the prompt has {len(found)} images but limit_mm_per_prompt allows {max_images}")
+    for _, url in found:
+        check_url(url, policy)
+    downloaded = {id(part): fetch_url(url, functools.partial(check_url, policy=policy),
+                                      None if explicitly_allowed(url, policy) else check_address)
+                  for part, url in found if url.startswith(("http://", "https://"))}
+    if not downloaded:
+        return messages
+    return [{**message, "content": [{"type": "image", "image": downloaded[id(part)]} if id(part) in downloaded
+                                    else part for part in message["content"]]}
+            if isinstance(message.get("content"), list) else message for message in messages]
 
 
 def check_url(url, policy: MediaPolicy) -> None:
@@ -39,8 +65,7 @@ def check_url(url, policy: MediaPolicy) -> None:
         root = policy.allowed_local_media_path
         if root is None:
             raise ValueError("file:// image URLs are disabled; start the server with --allowed-local-media-path")
-        path = Path(parsed.path).resolve()
-        if not path.is_relative_to(root.resolve()):
+        if not Path(parsed.path).resolve().is_relative_to(root.resolve()):
             raise ValueError(f"file:// image URLs must be under {root}")
         return
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -48,13 +73,15 @@ def check_url(url, policy: MediaPolicy) -> None:
     host = parsed.hostname.lower()
     if policy.allowed_media_domains and host not in policy.allowed_media_domains:
         raise ValueError(f"image host {host} is not in --allowed-media-domains")
-    if policy.allow_private_addresses:
-        return
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except socket.gaierror:
-        raise ValueError(f"cannot resolve image host {host}") from None
-    for address in addresses:
-        ip = ipaddress.ip_address(address.split("%")[0])
-        if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_reserved or ip.is_unspecified:
-            raise ValueError(f"image host {host} resolves to a non-public address ({ip}); refused")
+
+
+def explicitly_allowed(url: str, policy: MediaPolicy) -> bool:
+    """A host named in --allowed-media-domains may be on a private network (an internal image store)."""
+    return (urlparse(url).hostname or "").lower() in policy.allowed_media_domains
+
+
+def check_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
+    if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_reserved or ip.is_unspecified \
+            or ip.is_multicast:
+        raise ValueError(f"image URL leads to a non-public address ({ip}); refused (name the host in "
+                         "--allowed-media-domains to allow it)")

@@ -172,3 +172,53 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
             task.cancel()
         for stream in streams:
             await stream.aclose()
+
+
+async def completion_response(first, merged, num_prompts: int, model: str, request_id: str, n: int,
+                              echo_prompts: bool, logprobs: int | None) -> dict:
+    """All prompts' final outputs (from `merge`) as one text_completion; choice i*n+j is prompt i's sample j."""
+    finals: dict[int, RequestOutput] = {}
+    index, output = first
+    while True:
+        finals[index] = output
+        if len(finals) == num_prompts:
+            break
+        index, output = await anext(merged)
+    usage = Usage()
+    choices = []
+    for i in range(num_prompts):
+        output = finals[i]
+        usage.add_prompt(output)
+        echo = output.prompt if echo_prompts else None
+        for c in output.outputs:
+            usage.completion_tokens += len(c.token_ids)
+            choices.append(completion_choice(output, c, i * n + c.index, echo, logprobs))
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage.as_dict()}
+
+
+async def completion_stream(first, merged, model: str, request_id: str, n: int, logprobs: int | None,
+                            include_usage: bool) -> AsyncIterator[str]:
+    usage = Usage()
+    created = int(time.time())
+
+    def chunk(choices: list[dict], **extra) -> str:
+        return sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices, **extra})
+
+    try:
+        item = first
+        while item is not None:
+            index, output = item
+            for c in output.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                if c.text or c.finish_reason:
+                    yield chunk([completion_choice(output, c, index * n + c.index, None, logprobs)])
+            if output.finished:
+                usage.add_prompt(output)
+            item = await anext(merged, None)
+        if include_usage:
+            yield chunk([], usage=usage.as_dict())
+        yield sse("[DONE]")
+    finally:
+        await merged.aclose()

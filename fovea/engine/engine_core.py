@@ -1,0 +1,59 @@
+"""The engine's own process: it owns the model, the KV cache and the scheduler, and does nothing but step.
+
+It shares no interpreter (and no GIL) with the HTTP front end, so nothing the front end does (parsing a large
+body, decoding a 3000x2000 JPEG, writing SSE chunks) can delay a step. Two one-way pipes connect them:
+
+  front end -> engine:  ("add", Request)  ("abort", [request ids])  ("shutdown", None)
+  engine -> front end:  ("ready", EngineConfig)  ("failed", traceback)  ("outputs", [RequestOutput], EngineStats)
+                        ("rejected", request id, message)  ("dead", traceback)
+
+A Request arrives fully prepared (token ids, positions, resized pixel arrays): the engine only copies it in.
+Between steps it takes every command waiting; with no work it blocks until one comes.
+"""
+
+from __future__ import annotations
+
+import traceback
+from multiprocessing.connection import Connection
+
+from fovea.engine.config import EngineConfig
+
+
+def run_engine_core(config: EngineConfig, commands: Connection, results: Connection, num_threads: int) -> None:
+    import torch
+
+    from fovea.engine.engine import LLMEngine
+
+    torch.set_num_threads(num_threads)
+    try:
+        engine = LLMEngine(config)
+    except BaseException:  # noqa: BLE001 - the front end reports why start-up failed
+        results.send(("failed", traceback.format_exc()))
+        return
+    results.send(("ready", engine.config))
+    engine.stats()  # starts recording latency events
+    try:
+        _serve(engine, commands, results)
+    except (EOFError, BrokenPipeError):
+        return  # the front end is gone
+    except BaseException:  # noqa: BLE001 - a failed step: every waiting caller must hear about it
+        results.send(("dead", traceback.format_exc()))
+
+
+def _serve(engine, commands: Connection, results: Connection) -> None:
+    while True:
+        wait = None if not engine.has_unfinished_requests() else 0  # idle: sleep until a command comes
+        while commands.poll(wait):
+            kind, payload = commands.recv()
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                try:
+                    engine.add_request(payload)
+                except ValueError as error:  # this request cannot run here; the others go on
+                    results.send(("rejected", payload.request_id, str(error)))
+            else:
+                engine.abort_request(payload)
+            wait = 0
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        results.send(("outputs", outputs, engine.stats()))

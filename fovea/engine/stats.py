@@ -1,0 +1,39 @@
+"""What the engine reports about itself: a snapshot of its state plus the latency events since the last one.
+
+The engine records events as they happen (a request's first token, each later token, a request finishing);
+`EngineStats` carries them out of the engine process with the gauges and running totals, and the server turns
+them into Prometheus metrics. Latencies are measured from the request's arrival at the front end.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LatencyEvents:
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token: list[float] = field(default_factory=list)
+    end_to_end: list[float] = field(default_factory=list)
+    finished: Counter = field(default_factory=Counter)  # finish reason -> requests
+    prompt_tokens: int = 0  # of finished requests
+    generation_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0  # requests with a sequence running
+    num_waiting: int = 0  # requests with a sequence waiting (for the first time, or again after preemption)
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, found cached
+    encoder_cache_queries: int = 0  # images the engine needed encoded, since start
+    encoder_cache_hits: int = 0  # of those, found already encoded
+    num_preemptions: int = 0
+    events: LatencyEvents = field(default_factory=LatencyEvents)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0

@@ -1,0 +1,81 @@
+"""GET /metrics: Prometheus metrics named like vLLM's, with the `fovea:` prefix.
+
+Fed by the engine's stats (EngineStats), which arrive with every step's outputs: gauges are set to the
+snapshot, totals advance by what changed since the previous one, latency events go into histograms.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fovea.engine.stats import EngineStats
+
+# the buckets vLLM uses, so dashboards built for it read the same
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+
+# running totals in EngineStats -> the counter each one feeds
+TOTALS = {
+    "prefix_cache_queries": ("fovea:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": ("fovea:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "encoder_cache_queries": ("fovea:encoder_cache_queries", "Images the engine needed encoder outputs for"),
+    "encoder_cache_hits": ("fovea:encoder_cache_hits", "Images whose encoder outputs were already cached"),
+    "num_preemptions": ("fovea:num_preemptions", "Sequences preempted for lack of KV blocks"),
+}
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        label = {"model_name": model_name}
+
+        def make(kind, name, documentation, labels=(), **kwargs):
+            metric = kind(name, documentation, ["model_name", *labels], registry=self.registry, **kwargs)
+            return metric if labels else metric.labels(**label)
+
+        self.finished = make(Counter, "fovea:request_success", "Finished requests by finish reason",
+                             ["finished_reason"])
+        self.finished_by_reason = lambda reason: self.finished.labels(finished_reason=reason, **label)
+        self.prompt_tokens = make(Counter, "fovea:prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = make(Counter, "fovea:generation_tokens", "Tokens generated for finished requests")
+        self.ttft = make(Histogram, "fovea:time_to_first_token_seconds", "From arrival to the first token",
+                         buckets=TTFT_BUCKETS)
+        self.inter_token = make(Histogram, "fovea:inter_token_latency_seconds", "Between a sequence's tokens",
+                                buckets=ITL_BUCKETS)
+        self.end_to_end = make(Histogram, "fovea:e2e_request_latency_seconds", "From arrival to finish",
+                               buckets=E2E_BUCKETS)
+        self.running = make(Gauge, "fovea:num_requests_running", "Requests in the running batch")
+        self.waiting = make(Gauge, "fovea:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = make(Gauge, "fovea:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.kv_used_blocks = make(Gauge, "fovea:kv_cache_used_blocks", "KV blocks held by sequences")
+        self.kv_total_blocks = make(Gauge, "fovea:kv_cache_total_blocks", "KV blocks in the cache")
+        self.totals = {key: make(Counter, name, doc) for key, (name, doc) in TOTALS.items()}
+        self.last = EngineStats()
+        for reason in ("stop", "length", "abort"):
+            self.finished_by_reason(reason)  # present at zero before the first request
+
+    def update(self, stats: EngineStats) -> None:
+        """Called from the thread that receives the engine's results (prometheus_client is thread-safe)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_used_blocks.set(stats.kv_used_blocks)
+        self.kv_total_blocks.set(stats.kv_total_blocks)
+        for key, counter in self.totals.items():
+            counter.inc(max(getattr(stats, key) - getattr(self.last, key), 0))
+        self.last = stats
+        events = stats.events
+        for value in events.time_to_first_token:
+            self.ttft.observe(value)
+        for value in events.inter_token:
+            self.inter_token.observe(value)
+        for value in events.end_to_end:
+            self.end_to_end.observe(value)
+        for reason, count in events.finished.items():
+            self.finished_by_reason(reason).inc(count)
+        self.prompt_tokens.inc(events.prompt_tokens)
+        self.generation_tokens.inc(events.generation_tokens)
