@@ -9,7 +9,7 @@ import pytest
 
 from conftest import random_image
 from fovea import LLM, SamplingParams
-from fovea.engine.async_engine import AsyncLLM
+from fovea.engine.async_engine import AsyncLLM, EngineDeadError
 from fovea.engine.sampling_params import RequestOutputKind
 from test_engine_vs_hf import LOREM
 
@@ -88,8 +88,20 @@ def test_a_failing_request_fails_alone(tiny_dirs):
             broken, refused, fine = await asyncio.gather(chat("boom"), chat("hi", n=400), chat("hi"))
         return await running, broken, refused, fine
 
+    async def engine_dies():
+        with pytest.raises(EngineDeadError, match="engine process exited"):
+            async for _ in engine.generate(prompt=LOREM, sampling_params=PARAMS.clone(max_tokens=1000)):
+                engine.process.kill()  # mid-stream
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "too late", prompt="hi")
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fovea") as client:
+            return (await client.get("/health")).status_code, (await client.post("/v1/completions", json={
+                "prompt": "hi"})).status_code
+
     try:
         (tokens, _, reason), broken, refused, fine = asyncio.run(main())
+        assert asyncio.run(engine_dies()) == (503, 503)  # in flight or new, callers hear it; /health says so
     finally:
         engine.shutdown()
     assert broken.status_code == 500 and "injected failure" in broken.json()["error"]["message"]
