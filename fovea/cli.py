@@ -38,9 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     demo.set_defaults(func=_demo)
 
+    from fovea.bench.cli import add_bench_parser
     from fovea.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
 
     tiny = sub.add_parser("tiny", help="write a tiny random-weight Qwen2.5-VL checkpoint (HF layout)")
     tiny.add_argument("out_dir")

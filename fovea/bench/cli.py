@@ -1,0 +1,129 @@
+"""`fovea bench serve`: vLLM's `bench serve` flags, workloads and result format."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks with vLLM's workloads and metric definitions")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    serve = kinds.add_parser("serve", help="measure an OpenAI-compatible server (fovea, vLLM, ...)")
+    target = serve.add_argument_group("server")
+    target.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (else --host/--port)")
+    target.add_argument("--host", default="127.0.0.1")
+    target.add_argument("--port", type=int, default=8000)
+    target.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    target.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    target.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    target.add_argument("--api-key", default=None)
+    data = serve.add_argument_group("workload")
+    data.add_argument("--dataset-name", default="random", choices=["random", "random-mm", "sharegpt", "jsonl"])
+    data.add_argument("--dataset-path", default=None, help="the sharegpt JSON or jsonl file")
+    data.add_argument("--num-prompts", type=int, default=1000)
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-prefix-len", type=int, default=0)
+    data.add_argument("--random-mm-base-items-per-request", type=int, default=1)
+    data.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-mm-limit-mm-per-prompt", type=json.loads, default=None, help='e.g. {"image": 4}')
+    data.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}")
+    data.add_argument("--sharegpt-output-len", type=int, default=None)
+    data.add_argument("--seed", type=int, default=0)
+    load = serve.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson")
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--ignore-eos", action="store_true")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--num-warmups", type=int, default=0)
+    out = serve.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms: ttft:500 tpot:50 e2el:5000")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl")
+    out.add_argument("--metric-percentiles", default="99")
+    out.add_argument("--save-result", action="store_true")
+    out.add_argument("--save-detailed", action="store_true", help="also per-request lengths, times and texts")
+    out.add_argument("--result-dir", default=".")
+    out.add_argument("--result-filename", default=None)
+    out.add_argument("--label", default=None)
+    out.add_argument("--metadata", nargs="*", default=[], help="KEY=VALUE pairs stored in the result")
+    out.add_argument("--disable-tqdm", action="store_true")
+    serve.set_defaults(func=run_bench_serve)
+
+
+def build_requests(args, tokenizer):
+    from fovea.bench import datasets
+
+    if args.dataset_name in ("sharegpt", "jsonl") and not args.dataset_path:
+        raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    if args.dataset_name == "sharegpt":
+        return datasets.sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len,
+                                          args.seed)
+    if args.dataset_name == "jsonl":
+        return datasets.jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.random_output_len)
+    common = dict(range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len, seed=args.seed)
+    if args.dataset_name == "random":
+        return datasets.random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                                        **common)
+    if args.endpoint != "/v1/chat/completions":
+        raise ValueError("--dataset-name random-mm needs --endpoint /v1/chat/completions")
+    limit = (args.random_mm_limit_mm_per_prompt or {}).get("image")
+    return datasets.random_mm_requests(
+        tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+        base_items=args.random_mm_base_items_per_request, items_range_ratio=args.random_mm_num_mm_items_range_ratio,
+        limit=limit, buckets=datasets.parse_bucket_config(args.random_mm_bucket_config), **common)
+
+
+def run_bench_serve(args: argparse.Namespace) -> dict:
+    import httpx
+    from transformers import AutoTokenizer
+
+    from fovea.bench import serve
+    from fovea.bench.metrics import compute_metrics, format_table, parse_goodput
+
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or httpx.get(base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    tokenizer_id = args.tokenizer or model
+    selected = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    unknown = set(selected) - {"ttft", "tpot", "itl", "e2el"}
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}; choose from ttft, tpot, itl, e2el")
+    percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+    goodput = parse_goodput(args.goodput)
+    metadata = dict(item.partition("=")[::2] for item in args.metadata)
+    requests = build_requests(args, AutoTokenizer.from_pretrained(tokenizer_id))  # before the clock starts
+    results, duration = asyncio.run(serve.run(
+        requests, base_url, args.endpoint, model, request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, temperature=args.temperature, ignore_eos=args.ignore_eos,
+        num_warmups=args.num_warmups, api_key=args.api_key, seed=args.seed, progress=not args.disable_tqdm))
+    metrics = compute_metrics(results, duration, goodput, selected, percentiles)
+    print(format_table(metrics, selected, percentiles, args.max_concurrency))
+    failures = [r.error for r in results if not r.success]
+    if failures:
+        print(f"first failure: {failures[0]}", file=sys.stderr)
+    rate = "inf" if args.request_rate == float("inf") else args.request_rate
+    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if "chat" in args.endpoint
+              else "openai", "label": args.label, "model_id": model, "tokenizer_id": tokenizer_id,
+              "num_prompts": args.num_prompts, "request_rate": rate, "burstiness": args.burstiness,
+              "max_concurrency": args.max_concurrency, **metadata, **metrics}
+    if args.save_detailed:
+        result.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
+                      start_times=[r.start_time for r in results], ttfts=[r.ttft for r in results],
+                      itls=[r.itl for r in results], generated_texts=[r.generated_text for r in results],
+                      errors=[r.error for r in results])
+    if args.save_result or args.save_detailed:
+        name = args.result_filename or (f"{args.label or 'fovea'}-{rate}qps"
+                                        f"{f'-concurrency{args.max_concurrency}' if args.max_concurrency else ''}-"
+                                        f"{Path(model).name}-{result['date']}.json")
+        path = Path(args.result_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"result written to {path}")
+    return result

@@ -1,0 +1,162 @@
+"""Benchmark workloads, built before the clock starts: random, random-mm, sharegpt and jsonl, as vLLM builds them.
+
+Random prompts are token ids drawn from the vocabulary without special tokens, decoded to text and adjusted until
+the text re-tokenizes to the asked length, so the server sees that many prompt tokens. random-mm adds
+random-noise JPEG images (sent as data URLs); as in vLLM, its input token counts cover the text only.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+@dataclass
+class BenchRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+    images: list[str] = field(default_factory=list)  # data URLs or http(s)/file URLs
+
+
+def length_range(mean: int, range_ratio: float) -> tuple[int, int]:
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    return int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
+
+
+class PromptMaker:
+    """Text that re-tokenizes to an exact number of tokens."""
+
+    def __init__(self, tokenizer, rng: np.random.Generator):
+        self.tokenizer = tokenizer
+        self.rng = rng
+        special = set(tokenizer.all_special_ids)
+        self.ordinary = np.array([t for t in range(len(tokenizer)) if t not in special])
+
+    def random_ids(self, count: int) -> list[int]:
+        return self.rng.choice(self.ordinary, size=count).tolist()
+
+    def text(self, ids: list[int], target: int) -> tuple[str, int]:
+        """Decodes `ids`, then trims or extends until the text encodes to `target` tokens (or close, after a
+        few tries: merges across the cut can shift the count by a token)."""
+        for _ in range(10):
+            text = self.tokenizer.decode(ids)
+            actual = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(actual) == target:
+                return text, target
+            ids = actual[:target] if len(actual) > target else actual + self.random_ids(target - len(actual))
+        return text, len(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                    prefix_len: int = 0, seed: int = 0) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tokenizer, rng)
+    prefix = maker.random_ids(prefix_len)
+    low, high = length_range(input_len, range_ratio)
+    input_lens = rng.integers(max(low, 1), max(high, 1) + 1, size=num_prompts)
+    low, high = length_range(output_len, range_ratio)
+    output_lens = rng.integers(max(low, 1), max(high, 1) + 1, size=num_prompts)
+    requests = []
+    for n_in, n_out in zip(input_lens, output_lens):
+        text, length = maker.text(prefix + maker.random_ids(int(n_in)), prefix_len + int(n_in))
+        requests.append(BenchRequest(text, length, int(n_out)))
+    return requests
+
+
+def parse_bucket_config(text: str) -> dict[tuple[int, int, int], float]:
+    """'{(256,256,1):0.5,(720,1280,1):0.5}' -> {(height, width, frames): probability}; probabilities are
+    normalized, frames must be 1 (images)."""
+    try:
+        raw = ast.literal_eval(text) if isinstance(text, str) else text
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--random-mm-bucket-config is not a dict literal: {text!r}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError("--random-mm-bucket-config must be a non-empty dict {(height, width, frames): weight}")
+    for key, weight in raw.items():
+        if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(v, int) and v > 0 for v in key)):
+            raise ValueError(f"bucket {key!r} must be (height, width, frames) of positive integers")
+        if key[2] != 1:
+            raise ValueError(f"bucket {key!r}: only images (frames = 1) are supported")
+        if not weight >= 0:
+            raise ValueError(f"bucket {key!r} has a negative weight")
+    total = sum(raw.values())
+    if total <= 0:
+        raise ValueError("--random-mm-bucket-config weights sum to zero")
+    return {key: weight / total for key, weight in raw.items()}
+
+
+def noise_jpeg_url(height: int, width: int, rng: np.random.Generator) -> str:
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def random_mm_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                       prefix_len: int = 0, base_items: int = 1, items_range_ratio: float = 0.0,
+                       limit: int | None = None, buckets: dict | None = None, seed: int = 0) -> list[BenchRequest]:
+    requests = random_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, prefix_len, seed)
+    rng = np.random.default_rng(seed + 1)
+    buckets = buckets or {(256, 256, 1): 0.5, (720, 1280, 1): 0.5}
+    shapes, weights = list(buckets), list(buckets.values())
+    low, high = int(math.floor(base_items * (1 - items_range_ratio))), int(math.ceil(base_items * (1 + items_range_ratio)))
+    if limit is not None:
+        if base_items > limit:
+            raise ValueError(f"--random-mm-base-items-per-request {base_items} is over the limit of {limit}")
+        high = min(high, limit)
+    for request in requests:
+        count = int(rng.integers(max(low, 0), high + 1))
+        for index in rng.choice(len(shapes), size=count, p=weights):
+            height, width, _ = shapes[index]
+            request.images.append(noise_jpeg_url(height, width, rng))
+    return requests
+
+
+def sharegpt_requests(path: str, tokenizer, num_prompts: int, output_len: int | None = None,
+                      seed: int = 0) -> list[BenchRequest]:
+    """First human turn as the prompt, the reply's length as the output length; vLLM's filters (prompt and
+    reply of at least 4 tokens, prompt at most 1024, both at most 2048)."""
+    conversations = [c for c in json.loads(Path(path).read_text()) if len(c.get("conversations", [])) >= 2]
+    order = np.random.default_rng(seed).permutation(len(conversations))
+    requests = []
+    for i in order:
+        turns = conversations[i]["conversations"]
+        prompt, reply = turns[0]["value"], turns[1]["value"]
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        wanted = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+        if prompt_len < 4 or wanted < 4 or prompt_len > 1024 or prompt_len + wanted > 2048:
+            continue
+        requests.append(BenchRequest(prompt, prompt_len, wanted))
+        if len(requests) == num_prompts:
+            break
+    if len(requests) < num_prompts:
+        raise ValueError(f"{path} has only {len(requests)} usable conversations for {num_prompts} prompts")
+    return requests
+
+
+def jsonl_requests(path: str, tokenizer, num_prompts: int, output_len: int) -> list[BenchRequest]:
+    """One JSON object per line: {"prompt": ..., "output_len"?: N, "images"?: [url, ...]}."""
+    requests = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{path}:{number}: each line must be an object with a string 'prompt'")
+        requests.append(BenchRequest(row["prompt"], len(tokenizer.encode(row["prompt"], add_special_tokens=False)),
+                                     int(row.get("output_len", output_len)), list(row.get("images", []))))
+        if len(requests) == num_prompts:
+            break
+    if not requests:
+        raise ValueError(f"{path} holds no prompts")
+    return requests

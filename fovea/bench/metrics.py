@@ -1,0 +1,136 @@
+"""Serving-benchmark metrics, defined as `vllm bench serve` defines them, so numbers compare one to one.
+
+Per request (client clock): TTFT = send -> first chunk carrying choices; ITL = gaps between later chunks;
+E2EL = send -> last chunk; TPOT = (E2EL - TTFT) / (output tokens - 1), for outputs of more than one token.
+Output tokens come from the stream's usage chunk. Throughputs divide totals by the benchmark's duration; peak
+output tokens/s and peak concurrency count chunks and running requests in 1-second buckets; goodput counts the
+requests meeting every SLO given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+METRIC_TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+                 "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int = 0
+    expected_output_len: int = 0
+    start_time: float = 0.0  # perf_counter at send
+    success: bool = False
+    ttft: float = 0.0  # seconds
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0  # E2EL, seconds
+    output_tokens: int | None = None  # from the usage chunk
+    generated_text: str = ""
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        tokens = self.output_tokens or 0
+        return (self.latency - self.ttft) / (tokens - 1) if tokens > 1 else None
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    slos = {}
+    for item in items or []:
+        name, sep, value = item.partition(":")
+        if not sep or name not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput value must be a number of milliseconds, got {item!r}") from None
+        if slos[name] < 0:
+            raise ValueError(f"--goodput value must not be negative, got {item!r}")
+    return slos
+
+
+def peaks(results: list[RequestResult]) -> tuple[float, float]:
+    """(most chunks in one 1-second bucket, most requests running in one bucket), buckets from the first send."""
+    done = [r for r in results if r.success]
+    if not done:
+        return 0.0, 0.0
+    first = min(r.start_time for r in done)
+    last = max(r.start_time + r.latency for r in done)
+    buckets = int(math.ceil(last - first)) + 1
+    chunks, running = np.zeros(buckets), np.zeros(buckets)
+    for r in done:
+        t = r.start_time + r.ttft
+        chunks[int(t - first)] += 1
+        for gap in r.itl:
+            t += gap
+            chunks[min(int(t - first), buckets - 1)] += 1
+        running[int(r.start_time - first):int(r.start_time + r.latency - first) + 1] += 1
+    return float(chunks.max()), float(running.max())
+
+
+def compute_metrics(results: list[RequestResult], duration: float, goodput: dict[str, float] | None = None,
+                    selected: tuple[str, ...] = ("ttft", "tpot", "itl"),
+                    percentiles: tuple[float, ...] = (99,)) -> dict:
+    """The result dict with vLLM's field names; latencies in milliseconds."""
+    done = [r for r in results if r.success]
+    values = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.tpot is not None],
+              "itl": [gap for r in done for gap in r.itl], "e2el": [r.latency for r in done]}
+    total_input = sum(r.prompt_len for r in done)
+    total_output = sum(r.output_tokens or 0 for r in done)
+    good = 0
+    if goodput:
+        for r in done:
+            mine = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.latency}
+            good += all(mine[name] * 1000 <= limit for name, limit in goodput.items())
+    peak_tokens, peak_running = peaks(results)
+    metrics = {"duration": duration, "completed": len(done), "failed": len(results) - len(done),
+               "total_input_tokens": total_input, "total_output_tokens": total_output,
+               "request_throughput": len(done) / duration, "request_goodput": good / duration if goodput else None,
+               "output_throughput": total_output / duration,
+               "total_token_throughput": (total_input + total_output) / duration,
+               "max_output_tokens_per_s": peak_tokens, "max_concurrent_requests": peak_running}
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        ms = np.asarray(values[name] or [0.0]) * 1000
+        metrics[f"mean_{name}_ms"] = float(ms.mean())
+        metrics[f"median_{name}_ms"] = float(np.median(ms))
+        metrics[f"std_{name}_ms"] = float(ms.std())
+        for p in percentiles if name in selected else ():
+            metrics[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p))
+    return metrics
+
+
+def format_table(metrics: dict, selected: tuple[str, ...], percentiles: tuple[float, ...],
+                 max_concurrency: int | None = None) -> str:
+    """The "Serving Benchmark Result" block, row for row as vLLM prints it."""
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
+
+    def row(name, value, digits=2):
+        lines.append(f"{name:<40} {value:<10.{digits}f}" if isinstance(value, float) else f"{name:<40} {value:<10}")
+
+    row("Successful requests:", metrics["completed"])
+    row("Failed requests:", metrics["failed"])
+    if max_concurrency is not None:
+        row("Maximum request concurrency:", max_concurrency)
+    row("Benchmark duration (s):", metrics["duration"])
+    row("Total input tokens:", metrics["total_input_tokens"])
+    row("Total generated tokens:", metrics["total_output_tokens"])
+    row("Request throughput (req/s):", metrics["request_throughput"])
+    if metrics["request_goodput"] is not None:
+        row("Request goodput (req/s):", metrics["request_goodput"])
+    row("Output token throughput (tok/s):", metrics["output_throughput"])
+    row("Peak output token throughput (tok/s):", metrics["max_output_tokens_per_s"])
+    row("Peak concurrent requests:", metrics["max_concurrent_requests"])
+    row("Total Token throughput (tok/s):", metrics["total_token_throughput"])
+    for name in selected:
+        title, short = METRIC_TITLES[name]
+        lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        row(f"Mean {short} (ms):", metrics[f"mean_{name}_ms"])
+        row(f"Median {short} (ms):", metrics[f"median_{name}_ms"])
+        for p in percentiles:
+            row(f"P{p:g} {short} (ms):", metrics[f"p{p:g}_{name}_ms"])
+    lines.append("=" * 50)
+    return "\n".join(lines)

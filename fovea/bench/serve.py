@@ -1,0 +1,128 @@
+"""`fovea bench serve`: drives any OpenAI-compatible server with a workload and measures it as vLLM does.
+
+Requests are sent at the configured arrival process (all at once for an infinite rate; otherwise gaps drawn from
+gamma(shape=burstiness, scale=1/(rate*burstiness)), burstiness 1 being Poisson), at most --max-concurrency at a
+time, each streamed with usage so its chunks can be timed. See metrics.py for what is computed from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+import numpy as np
+
+from fovea.bench.datasets import BenchRequest
+from fovea.bench.metrics import RequestResult
+
+
+def request_body(request: BenchRequest, endpoint: str, model: str, temperature: float, ignore_eos: bool) -> dict:
+    body = {"model": model, "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": ignore_eos}
+    if endpoint.endswith("/chat/completions"):
+        content = [{"type": "text", "text": request.prompt}]
+        content += [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
+        return {**body, "messages": [{"role": "user", "content": content}],
+                "max_completion_tokens": request.output_len}
+    if request.images:
+        raise ValueError("images need --endpoint /v1/chat/completions")
+    return {**body, "prompt": request.prompt, "max_tokens": request.output_len}
+
+
+async def send(session, url: str, body: dict, headers: dict, result: RequestResult) -> RequestResult:
+    """Streams one request, timing every chunk that carries choices."""
+    result.start_time = start = last = time.perf_counter()
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:500]}"
+                return result
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    continue
+                data = json.loads(payload)
+                now = time.perf_counter()
+                if data.get("choices"):
+                    choice = data["choices"][0]
+                    text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+                    if not result.ttft:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.generated_text += text or ""
+                elif data.get("usage"):
+                    result.output_tokens = data["usage"].get("completion_tokens")
+        result.latency = last - start
+        result.success = result.ttft > 0
+        if not result.success:
+            result.error = "the stream held no chunk with choices"
+    except Exception as error:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = f"{type(error).__name__}: {error}"
+    return result
+
+
+async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
+                   rng: np.random.Generator) -> AsyncIterator[BenchRequest]:
+    for request in requests:
+        yield request
+        if rate != float("inf"):
+            await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
+
+
+async def run(requests: list[BenchRequest], base_url: str, endpoint: str, model: str, *, request_rate: float,
+              burstiness: float = 1.0, max_concurrency: int | None = None, temperature: float = 0.0,
+              ignore_eos: bool = False, num_warmups: int = 0, api_key: str | None = None, seed: int = 0,
+              progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Sends `requests`; returns their results (in order) and the benchmark's duration in seconds."""
+    import aiohttp
+
+    if burstiness <= 0 or request_rate <= 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    url = base_url.rstrip("/") + endpoint
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    bodies = [request_body(r, endpoint, model, temperature, ignore_eos) for r in requests]
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
+    bar = _progress(len(requests)) if progress else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=True) as session:
+        warmups = [send(session, url, bodies[0], headers, RequestResult()) for _ in range(num_warmups)]
+        for warm in await asyncio.gather(*warmups):
+            if not warm.success:
+                raise RuntimeError(f"warm-up request failed: {warm.error}")
+
+        async def one(index: int) -> RequestResult:
+            result = RequestResult(requests[index].prompt_len, requests[index].output_len)
+            if limit is None:
+                await send(session, url, bodies[index], headers, result)
+            else:
+                async with limit:
+                    await send(session, url, bodies[index], headers, result)
+            if bar is not None:
+                bar.update(1)
+            return result
+
+        tasks = []
+        start = time.perf_counter()
+        index = 0
+        async for _ in arrivals(requests, request_rate, burstiness, np.random.default_rng(seed)):
+            tasks.append(asyncio.create_task(one(index)))
+            index += 1
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return list(results), duration
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Requests", dynamic_ncols=True)

@@ -1,0 +1,113 @@
+"""`fovea bench serve`: metric math against hand-computed values, workloads, and a run against a live server."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fovea.bench.datasets import parse_bucket_config, random_mm_requests, random_requests
+from fovea.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
+from fovea.cli import build_parser
+from serving import running_server
+
+FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+          "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+          "max_concurrent_requests"] + [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
+                                         for stat in ("mean", "median", "std")] + \
+    ["p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms"]  # percentiles for the default --percentile-metrics
+
+
+def synthetic_results() -> list[RequestResult]:
+    return [
+        RequestResult(10, 4, start_time=0.0, success=True, ttft=0.1, itl=[0.05, 0.05, 0.1], latency=0.3,
+                      output_tokens=4),
+        RequestResult(20, 2, start_time=0.5, success=True, ttft=0.2, itl=[0.1], latency=0.3, output_tokens=2),
+        RequestResult(5, 1, start_time=1.2, success=True, ttft=0.4, itl=[], latency=0.4, output_tokens=1),
+        RequestResult(7, 4, start_time=1.3, success=False, error="HTTP 500"),
+    ]
+
+
+def test_metrics_equal_hand_computed_values():
+    m = compute_metrics(synthetic_results(), duration=2.0, goodput={"ttft": 250, "tpot": 90},
+                        selected=("ttft", "tpot", "itl", "e2el"), percentiles=(50, 99))
+    expected = {
+        "completed": 3, "failed": 1, "total_input_tokens": 35, "total_output_tokens": 7,
+        "request_throughput": 1.5, "output_throughput": 3.5, "total_token_throughput": 21.0,
+        "request_goodput": 0.5,  # only the first request meets TTFT <= 250 ms and TPOT <= 90 ms
+        "max_output_tokens_per_s": 6, "max_concurrent_requests": 2,  # second 0: 6 chunks, 2 requests
+        "mean_ttft_ms": 233.3333, "median_ttft_ms": 200, "std_ttft_ms": 124.7219, "p99_ttft_ms": 396,
+        "p50_ttft_ms": 200,
+        "mean_tpot_ms": 83.3333, "median_tpot_ms": 83.3333, "p99_tpot_ms": 99.6667,  # 200/3 and 100 ms
+        "mean_itl_ms": 75, "median_itl_ms": 75, "p99_itl_ms": 100, "std_itl_ms": 25,
+        "mean_e2el_ms": 333.3333, "median_e2el_ms": 300, "p99_e2el_ms": 398,
+    }
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value, abs=1e-3), key
+    table = format_table(m, ("ttft", "tpot", "itl", "e2el"), (50, 99))
+    lines = [line.rstrip() for line in table.splitlines()]  # rows are padded to 10 columns, as in vLLM
+    assert lines[0] == "{:=^50}".format(" Serving Benchmark Result ") and lines[-1] == "=" * 50
+    # vLLM's layout: the name left-aligned in 40 columns, a space, the value
+    assert f"{'Successful requests:':<40} 3" in lines
+    assert f"{'Request goodput (req/s):':<40} 0.50" in lines
+    assert "{:-^50}".format("Time per Output Token (excl. 1st token)") in lines
+    assert f"{'P99 ITL (ms):':<40} 100.00" in lines
+
+
+def test_goodput_and_bucket_parsing():
+    assert parse_goodput(["ttft:500", "e2el:1e4"]) == {"ttft": 500.0, "e2el": 10000.0}
+    for bad in (["ttft500"], ["latency:5"], ["tpot:x"], ["tpot:-1"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput(bad)
+    assert parse_bucket_config("{(256,256,1):1,(720,1280,1):3}") == {(256, 256, 1): 0.25, (720, 1280, 1): 0.75}
+    for bad in ("{(256,256,2):1}", "[1,2]", "{(256,256):1}", "{(1,1,1):0}", "{oops"):
+        with pytest.raises(ValueError):
+            parse_bucket_config(bad)
+
+
+def test_random_prompts_retokenize_to_the_asked_length(tiny_dirs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["tiny-3b"]))
+    requests = random_requests(tokenizer, 12, 100, 20, range_ratio=0.5, prefix_len=10, seed=1)
+    special = set(tokenizer.all_special_ids)
+    for r in requests:
+        ids = tokenizer.encode(r.prompt, add_special_tokens=False)
+        assert len(ids) == r.prompt_len and abs(r.prompt_len - (10 + 100)) <= 50 + 1
+        assert not special & set(ids) and 10 <= r.output_len <= 30
+    assert len({r.prompt[:20] for r in requests}) == 1  # the shared random prefix
+    assert len({r.prompt_len for r in requests}) > 3  # lengths spread over the range
+    mm = random_mm_requests(tokenizer, 20, 16, 4, base_items=2, items_range_ratio=0.5, limit=2,
+                            buckets={(28, 56, 1): 1.0}, seed=2)
+    counts = [len(r.images) for r in mm]
+    assert min(counts) >= 1 and max(counts) == 2  # 2 +- 50 % capped at the limit of 2
+    assert all(url.startswith("data:image/jpeg;base64,") for r in mm for url in r.images)
+
+
+def bench(*flags):
+    args = build_parser().parse_args(["bench", "serve", *flags, "--disable-tqdm"])
+    return args.func(args)
+
+
+def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
+    model = str(tiny_dirs["tiny-3b"])
+    with running_server(model, "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override",
+                        "300", "--served-model-name", "tiny") as (base, _):
+        common = ["--base-url", base, "--tokenizer", model, "--ignore-eos", "--random-output-len", "6"]
+        result = bench(*common, "--num-prompts", "8", "--random-input-len", "40", "--request-rate", "10",
+                       "--burstiness", "100", "--save-detailed", "--result-dir", str(tmp_path), "--label", "t",
+                       "--metadata", "hardware=cpu", "--goodput", "e2el:60000", "--num-warmups", "1")
+        table = capsys.readouterr().out
+        mm = bench(*common, "--num-prompts", "3", "--random-input-len", "12", "--dataset-name", "random-mm",
+                   "--endpoint", "/v1/chat/completions", "--random-mm-bucket-config", "{(56, 84, 1): 1.0}",
+                   "--random-mm-base-items-per-request", "2")
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_output_tokens"] == 8 * 6 and result["output_lens"] == [6] * 8
+    assert result["total_input_tokens"] == 8 * 40 and result["request_goodput"] == result["request_throughput"]
+    saved = json.loads(next(tmp_path.glob("t-10.0qps-tiny-*.json")).read_text())
+    assert all(name in saved for name in FIELDS) and saved["hardware"] == "cpu" and saved["model_id"] == "tiny"
+    gaps = np.diff(sorted(saved["start_times"]))  # gamma(100) arrivals at 10/s: every gap close to 100 ms
+    assert len(gaps) == 7 and np.all((gaps > 0.06) & (gaps < 0.16)), gaps
+    assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table
+    assert mm["completed"] == 3 and mm["total_output_tokens"] == 18
