@@ -111,3 +111,24 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
     assert len(gaps) == 7 and np.all((gaps > 0.06) & (gaps < 0.16)), gaps
     assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table
     assert mm["completed"] == 3 and mm["total_output_tokens"] == 18
+
+
+def test_bench_throughput_compares_with_hf_and_latency_runs(tiny_dirs, tmp_path, capsys):
+    model = str(tiny_dirs["tiny-3b"])
+    common = ["--model", model, "--dtype", "float32", "--max-model-len", "1024"]
+    parser = build_parser()
+    args = parser.parse_args(["bench", "throughput", *common, "--compare", "hf", "--dataset-name", "random-mm",
+                              "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "5",
+                              "--random-mm-bucket-config", "{(56, 84, 1): 1.0}", "--random-mm-base-items-per-request",
+                              "1", "--output-json", str(tmp_path / "t.json")])
+    result = args.func(args)
+    printed = capsys.readouterr().out
+    assert "fovea  Throughput:" in printed and "hf     Throughput:" in printed and "fovea/hf:" in printed
+    assert result["fovea"]["output_tokens"] == result["hf"]["output_tokens"] == 30
+    assert result["identical_outputs"] == 6  # greedy, fp32: the same tokens as transformers
+    assert json.loads((tmp_path / "t.json").read_text())["ratio"] == pytest.approx(result["ratio"])
+    args = parser.parse_args(["bench", "latency", *common, "--input-len", "16", "--output-len", "4",
+                              "--batch-size", "2", "--num-iters", "3", "--num-iters-warmup", "1"])
+    latency = args.func(args)
+    assert len(latency["latencies"]) == 3 and set(latency["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert "Avg latency:" in capsys.readouterr().out

@@ -22,20 +22,7 @@ def add_bench_parser(sub) -> None:
     target.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     target.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     target.add_argument("--api-key", default=None)
-    data = serve.add_argument_group("workload")
-    data.add_argument("--dataset-name", default="random", choices=["random", "random-mm", "sharegpt", "jsonl"])
-    data.add_argument("--dataset-path", default=None, help="the sharegpt JSON or jsonl file")
-    data.add_argument("--num-prompts", type=int, default=1000)
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0)
-    data.add_argument("--random-prefix-len", type=int, default=0)
-    data.add_argument("--random-mm-base-items-per-request", type=int, default=1)
-    data.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
-    data.add_argument("--random-mm-limit-mm-per-prompt", type=json.loads, default=None, help='e.g. {"image": 4}')
-    data.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}")
-    data.add_argument("--sharegpt-output-len", type=int, default=None)
-    data.add_argument("--seed", type=int, default=0)
+    add_workload_args(serve)
     load = serve.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson")
@@ -55,6 +42,103 @@ def add_bench_parser(sub) -> None:
     out.add_argument("--metadata", nargs="*", default=[], help="KEY=VALUE pairs stored in the result")
     out.add_argument("--disable-tqdm", action="store_true")
     serve.set_defaults(func=run_bench_serve)
+
+    throughput = kinds.add_parser("throughput", help="offline throughput, in process (fovea or transformers)")
+    throughput.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
+    throughput.add_argument("--backend", default="fovea", choices=["fovea", "hf"])
+    throughput.add_argument("--compare", default=None, choices=["hf"], help="also run this backend; print both")
+    throughput.add_argument("--endpoint", default="/v1/chat/completions", help=argparse.SUPPRESS)
+    add_workload_args(throughput, default_prompts=64, datasets=["random", "random-mm"])
+    add_engine_args(throughput)
+    throughput.add_argument("--output-json", default=None)
+    throughput.set_defaults(func=run_bench_throughput)
+
+    latency = kinds.add_parser("latency", help="end-to-end latency of one offline batch")
+    latency.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
+    latency.add_argument("--input-len", type=int, default=32)
+    latency.add_argument("--output-len", type=int, default=128)
+    latency.add_argument("--batch-size", type=int, default=8)
+    latency.add_argument("--num-iters", type=int, default=30)
+    latency.add_argument("--num-iters-warmup", type=int, default=10)
+    add_engine_args(latency)
+    latency.add_argument("--output-json", default=None)
+    latency.set_defaults(func=run_bench_latency)
+
+
+def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "random-mm", "sharegpt", "jsonl")):
+    data = parser.add_argument_group("workload")
+    data.add_argument("--dataset-name", default="random", choices=list(datasets))
+    data.add_argument("--dataset-path", default=None, help="the sharegpt JSON or jsonl file")
+    data.add_argument("--num-prompts", type=int, default=default_prompts)
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-prefix-len", type=int, default=0)
+    data.add_argument("--random-mm-base-items-per-request", type=int, default=1)
+    data.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-mm-limit-mm-per-prompt", type=json.loads, default=None, help='e.g. {"image": 4}')
+    data.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}")
+    data.add_argument("--sharegpt-output-len", type=int, default=None)
+    data.add_argument("--seed", type=int, default=0)
+
+
+def add_engine_args(parser) -> None:
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    engine.add_argument("--mm-processor-kwargs", type=json.loads, default=None)
+
+
+def engine_args(args) -> dict:
+    return {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "mm_processor_kwargs": args.mm_processor_kwargs}
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))
+        print(f"result written to {path}")
+
+
+def run_bench_throughput(args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+
+    from fovea.bench.offline import throughput
+    from fovea.models.loader import resolve_model_dir
+
+    model = str(resolve_model_dir(args.model))
+    requests = build_requests(args, AutoTokenizer.from_pretrained(model))
+    backends = [args.backend] + ([args.compare] if args.compare and args.compare != args.backend else [])
+    runs = {name: throughput(model, requests, name, engine_args(args)) for name in backends}
+    for name, run in runs.items():
+        print(f"{name:<6} Throughput: {run['requests_per_second']:.2f} requests/s, {run['tokens_per_second']:.2f} "
+              f"total tokens/s, {run['output_tokens_per_second']:.2f} output tokens/s")
+    result = {"model": model, "num_prompts": args.num_prompts, "dataset_name": args.dataset_name,
+              **{name: {k: v for k, v in run.items() if k != "outputs"} for name, run in runs.items()}}
+    if len(runs) == 2:
+        first, second = (runs[name] for name in backends)
+        result["ratio"] = first["output_tokens_per_second"] / second["output_tokens_per_second"]
+        result["identical_outputs"] = sum(a == b for a, b in zip(first["outputs"], second["outputs"]))
+        print(f"{backends[0]}/{backends[1]}: {result['ratio']:.2f}x output tokens/s; identical greedy outputs "
+              f"{result['identical_outputs']}/{len(requests)}")
+    write_json(args.output_json, result)
+    return result
+
+
+def run_bench_latency(args: argparse.Namespace) -> dict:
+    from fovea.bench.offline import latency
+    from fovea.models.loader import resolve_model_dir
+
+    result = latency(str(resolve_model_dir(args.model)), args.input_len, args.output_len, args.batch_size,
+                     args.num_iters, args.num_iters_warmup, engine_args(args))
+    print(f"Avg latency: {result['avg_latency']:.4f} seconds")
+    for p, value in result["percentiles"].items():
+        print(f"{p}% percentile latency: {value:.4f} seconds")
+    write_json(args.output_json, result)
+    return result
 
 
 def build_requests(args, tokenizer):
@@ -122,8 +206,5 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
         name = args.result_filename or (f"{args.label or 'fovea'}-{rate}qps"
                                         f"{f'-concurrency{args.max_concurrency}' if args.max_concurrency else ''}-"
                                         f"{Path(model).name}-{result['date']}.json")
-        path = Path(args.result_dir) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        print(f"result written to {path}")
+        write_json(str(Path(args.result_dir) / name), result)
     return result

@@ -1,0 +1,108 @@
+"""`fovea bench throughput` and `fovea bench latency`: offline, in-process, as vLLM's offline benchmarks.
+
+throughput: one workload (random or random-mm prompts as single-turn chats, fixed output lengths, EOS ignored)
+run by fovea's `LLM.chat` or by transformers' `generate` on one padded batch; --compare runs both on the same
+prompts in one process and prints the ratio. Image preprocessing is inside the timed run on both sides.
+latency: end-to-end time of generating one batch of identical-length prompts, over --num-iters runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from fovea.bench.datasets import BenchRequest
+from fovea.multimodal.image import load_image
+
+
+def conversation(request: BenchRequest) -> list[dict]:
+    content = [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
+    return [{"role": "user", "content": content + [{"type": "text", "text": request.prompt}]}]
+
+
+def fovea_runner(model: str, requests: list[BenchRequest], engine_args: dict):
+    """A function that runs the whole workload once and returns each request's generated token ids."""
+    from fovea import LLM, SamplingParams
+
+    llm = LLM(model, **engine_args)
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    chats = [conversation(r) for r in requests]
+    llm.chat(chats[:1], params[:1], use_tqdm=False)  # warm-up
+    return lambda: [list(o.outputs[0].token_ids) for o in llm.chat(chats, params, use_tqdm=False)], \
+        llm.get_tokenizer()
+
+
+def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
+    """transformers' generate on one left-padded batch; every request must want the same output length."""
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    lengths = {r.output_len for r in requests}
+    if len(lengths) != 1:
+        raise ValueError("the hf backend needs one output length for all requests (--random-range-ratio 0)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+    processor = Qwen2VLImageProcessorPil.from_pretrained(model)
+    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=torch_dtype).to(device).eval()
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    hf.generation_config = GenerationConfig(do_sample=False, pad_token_id=tokenizer.pad_token_id or 151643)
+    templated = [tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}] * len(r.images) + [{"type": "text", "text": r.prompt}]}],
+        tokenize=False, add_generation_prompt=True) for r in requests]
+    urls = [url for r in requests for url in r.images]
+    new_tokens = lengths.pop()
+
+    @torch.no_grad()
+    def run():
+        texts = templated
+        extra = {}
+        if urls:
+            features = processor(images=[load_image(u) for u in urls], return_tensors="pt")
+            counts = iter((features["image_grid_thw"].prod(-1) // processor.merge_size ** 2).tolist())
+            texts = ["".join(part + "<|image_pad|>" * next(counts) for part in t.split("<|image_pad|>")[:-1])
+                     + t.split("<|image_pad|>")[-1] for t in templated]
+            extra = {"pixel_values": features["pixel_values"].to(device, hf.dtype),
+                     "image_grid_thw": features["image_grid_thw"].to(device)}
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        batch["mm_token_type_ids"] = (batch["input_ids"] == image_token).long()
+        out = hf.generate(**batch, **extra, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        return out[:, batch["input_ids"].shape[1]:].tolist()
+
+    return run
+
+
+def throughput(model: str, requests: list[BenchRequest], backend: str, engine_args: dict) -> dict:
+    run = (fovea_runner(model, requests, engine_args)[0] if backend == "fovea"
+           else hf_runner(model, requests, engine_args.get("dtype", "auto")))
+    start = time.perf_counter()
+    outputs = run()
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o) for o in outputs)
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    return {"backend": backend, "elapsed_time": elapsed, "num_requests": len(requests),
+            "total_num_tokens": prompt_tokens + output_tokens, "output_tokens": output_tokens,
+            "requests_per_second": len(requests) / elapsed, "tokens_per_second": (prompt_tokens + output_tokens)
+            / elapsed, "output_tokens_per_second": output_tokens / elapsed, "outputs": outputs}
+
+
+def latency(model: str, input_len: int, output_len: int, batch_size: int, num_iters: int, num_iters_warmup: int,
+            engine_args: dict) -> dict:
+    from fovea import LLM, SamplingParams
+
+    llm = LLM(model, **engine_args)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, 10000, size=input_len).tolist()} for _ in range(batch_size)]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for _ in range(num_iters_warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    latencies = []
+    for _ in range(num_iters):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        latencies.append(time.perf_counter() - start)
+    percentiles = {str(p): float(np.percentile(latencies, p)) for p in (10, 25, 50, 75, 90, 99)}
+    return {"avg_latency": float(np.mean(latencies)), "latencies": latencies, "percentiles": percentiles}
