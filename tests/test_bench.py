@@ -132,3 +132,14 @@ def test_bench_throughput_compares_with_hf_and_latency_runs(tiny_dirs, tmp_path,
     latency = args.func(args)
     assert len(latency["latencies"]) == 3 and set(latency["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert "Avg latency:" in capsys.readouterr().out
+
+
+def test_bench_mm_processor_checks_equal_patches(capsys):
+    args = build_parser().parse_args(["bench", "mm-processor", "--sizes", "112x84,300x200", "--iters", "1"])
+    rows = args.func(args)
+    assert [r["size"] for r in rows] == ["112x84", "300x200"] and rows[0]["patches"] == 48  # 8x6 patches of 14
+    assert all(r["fovea_median_ms"] > 0 and r["hf_median_ms"] > 0 for r in rows)
+    assert "speed-up" in capsys.readouterr().out
+    bad = build_parser().parse_args(["bench", "mm-processor", "--sizes", "big"])
+    with pytest.raises(ValueError, match="--sizes"):
+        bad.func(bad)

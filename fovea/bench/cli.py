@@ -64,6 +64,12 @@ def add_bench_parser(sub) -> None:
     latency.add_argument("--output-json", default=None)
     latency.set_defaults(func=run_bench_latency)
 
+    mm = kinds.add_parser("mm-processor", help="image preprocessing ms/image, fovea vs transformers")
+    mm.add_argument("--sizes", default="1280x720,640x480,3000x2000", help="WIDTHxHEIGHT,...")
+    mm.add_argument("--iters", type=int, default=30)
+    mm.add_argument("--output-json", default=None)
+    mm.set_defaults(func=run_bench_mm_processor)
+
 
 def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "random-mm", "sharegpt", "jsonl")):
     data = parser.add_argument_group("workload")
@@ -208,3 +214,16 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
                                         f"{Path(model).name}-{result['date']}.json")
         write_json(str(Path(args.result_dir) / name), result)
     return result
+
+
+def run_bench_mm_processor(args: argparse.Namespace) -> list[dict]:
+    from fovea.bench.mm_processor import compare, format_rows
+
+    try:
+        sizes = [tuple(int(v) for v in size.lower().split("x")) for size in args.sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--sizes takes WIDTHxHEIGHT[,WIDTHxHEIGHT...], got {args.sizes!r}") from None
+    rows = compare(sizes, args.iters)
+    print(format_rows(rows))
+    write_json(args.output_json, {"rows": rows})
+    return rows
