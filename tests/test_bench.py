@@ -97,7 +97,8 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
         common = ["--base-url", base, "--tokenizer", model, "--ignore-eos", "--random-output-len", "6"]
         result = bench(*common, "--num-prompts", "8", "--random-input-len", "40", "--request-rate", "10",
                        "--burstiness", "100", "--save-detailed", "--result-dir", str(tmp_path), "--label", "t",
-                       "--metadata", "hardware=cpu", "--goodput", "e2el:60000", "--num-warmups", "1")
+                       "--metadata", "hardware=cpu", "--goodput", "e2el:60000", "--num-warmups", "1",
+                       "--plot", str(tmp_path / "run.png"))
         table = capsys.readouterr().out
         mm = bench(*common, "--num-prompts", "3", "--random-input-len", "12", "--dataset-name", "random-mm",
                    "--endpoint", "/v1/chat/completions", "--random-mm-bucket-config", "{(56, 84, 1): 1.0}",
@@ -111,6 +112,7 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
     assert len(gaps) == 7 and np.all((gaps > 0.06) & (gaps < 0.16)), gaps
     assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table
     assert mm["completed"] == 3 and mm["total_output_tokens"] == 18
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_throughput_compares_with_hf_and_latency_runs(tiny_dirs, tmp_path, capsys):

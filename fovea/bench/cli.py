@@ -41,6 +41,7 @@ def add_bench_parser(sub) -> None:
     out.add_argument("--label", default=None)
     out.add_argument("--metadata", nargs="*", default=[], help="KEY=VALUE pairs stored in the result")
     out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT / ITL distributions, chunks/s over time")
     serve.set_defaults(func=run_bench_serve)
 
     throughput = kinds.add_parser("throughput", help="offline throughput, in process (fovea or transformers)")
@@ -195,6 +196,11 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
         num_warmups=args.num_warmups, api_key=args.api_key, seed=args.seed, progress=not args.disable_tqdm))
     metrics = compute_metrics(results, duration, goodput, selected, percentiles)
     print(format_table(metrics, selected, percentiles, args.max_concurrency))
+    if args.plot:
+        from fovea.bench.plot import plot
+
+        plot(results, args.plot, f"{model}: {args.dataset_name}, {args.num_prompts} prompts")
+        print(f"plot written to {args.plot}")
     failures = [r.error for r in results if not r.success]
     if failures:
         print(f"first failure: {failures[0]}", file=sys.stderr)

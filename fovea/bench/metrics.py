@@ -53,23 +53,26 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
+def chunks_per_second(results: list[RequestResult]) -> np.ndarray:
+    """Chunks received in each 1-second bucket from the first send."""
+    done = [r for r in results if r.success]
+    if not done:
+        return np.zeros(1)
+    first = min(r.start_time for r in done)
+    times = [t for r in done for t in r.start_time + r.ttft + np.cumsum([0.0, *r.itl])]
+    return np.bincount((np.asarray(times) - first).astype(int))
+
+
 def peaks(results: list[RequestResult]) -> tuple[float, float]:
     """(most chunks in one 1-second bucket, most requests running in one bucket), buckets from the first send."""
     done = [r for r in results if r.success]
     if not done:
         return 0.0, 0.0
     first = min(r.start_time for r in done)
-    last = max(r.start_time + r.latency for r in done)
-    buckets = int(math.ceil(last - first)) + 1
-    chunks, running = np.zeros(buckets), np.zeros(buckets)
+    running = np.zeros(int(math.ceil(max(r.start_time + r.latency for r in done) - first)) + 1)
     for r in done:
-        t = r.start_time + r.ttft
-        chunks[int(t - first)] += 1
-        for gap in r.itl:
-            t += gap
-            chunks[min(int(t - first), buckets - 1)] += 1
         running[int(r.start_time - first):int(r.start_time + r.latency - first) + 1] += 1
-    return float(chunks.max()), float(running.max())
+    return float(chunks_per_second(done).max()), float(running.max())
 
 
 def compute_metrics(results: list[RequestResult], duration: float, goodput: dict[str, float] | None = None,

@@ -81,8 +81,10 @@ async def run(requests: list[BenchRequest], base_url: str, endpoint: str, model:
               ignore_eos: bool = False, num_warmups: int = 0, api_key: str | None = None, seed: int = 0,
               progress: bool = True) -> tuple[list[RequestResult], float]:
     """Sends `requests`; returns their results (in order) and the benchmark's duration in seconds."""
-    import aiohttp
-
+    try:
+        import aiohttp
+    except ImportError:
+        raise ValueError("fovea bench serve needs aiohttp: pip install 'fovea[bench]'") from None
     if burstiness <= 0 or request_rate <= 0:
         raise ValueError("--request-rate and --burstiness must be positive")
     url = base_url.rstrip("/") + endpoint
