@@ -145,3 +145,34 @@ def test_bench_mm_processor_checks_equal_patches(capsys):
     bad = build_parser().parse_args(["bench", "mm-processor", "--sizes", "big"])
     with pytest.raises(ValueError, match="--sizes"):
         bad.func(bad)
+
+
+def test_sharegpt_and_jsonl_workloads(tiny_dirs, tmp_path):
+    from transformers import AutoTokenizer
+
+    from fovea.bench.datasets import jsonl_requests, sharegpt_requests
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["tiny-3b"]))
+    long_reply = "word " * 3000
+    conversations = [
+        {"conversations": [{"from": "human", "value": "Tell me about the harbour at dawn."},
+                           {"from": "gpt", "value": "The boats leave early and the gulls follow them out."}]},
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there, friend."}]},
+        {"conversations": [{"from": "human", "value": "Write a long story please."},
+                           {"from": "gpt", "value": long_reply}]},  # prompt + reply over 2048 tokens: skipped
+        {"conversations": [{"from": "human", "value": "Only one turn"}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    [request] = sharegpt_requests(str(path), tokenizer, 1)
+    assert request.prompt == "Tell me about the harbour at dawn."  # "Hi" has under 4 tokens
+    assert request.output_len == len(tokenizer.encode(conversations[0]["conversations"][1]["value"]))
+    with pytest.raises(ValueError, match="only 1 usable"):
+        sharegpt_requests(str(path), tokenizer, 2)
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"prompt": "a b c", "output_len": 7}\n\n{"prompt": "d", "images": ["data:image/png;base64,x"]}\n')
+    first, second = jsonl_requests(str(lines), tokenizer, 10, 5)
+    assert (first.output_len, second.output_len, second.images) == (7, 5, ["data:image/png;base64,x"])
+    lines.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="prompts.jsonl:1"):
+        jsonl_requests(str(lines), tokenizer, 10, 5)
