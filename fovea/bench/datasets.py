@@ -27,10 +27,11 @@ class BenchRequest:
     images: list[str] = field(default_factory=list)  # data URLs or http(s)/file URLs
 
 
-def length_range(mean: int, range_ratio: float) -> tuple[int, int]:
-    if not 0 <= range_ratio < 1:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
-    return int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
+def length_range(mean: int, range_ratio: float, flag: str = "--random-range-ratio") -> tuple[int, int]:
+    """[floor(mean * (1 - ratio)), ceil(mean * (1 + ratio))], as vLLM samples lengths and item counts."""
+    if not 0 <= range_ratio <= 1:
+        raise ValueError(f"{flag} must be in [0, 1], got {range_ratio}")
+    return math.floor(mean * (1 - range_ratio)), math.ceil(mean * (1 + range_ratio))
 
 
 class PromptMaker:
@@ -109,7 +110,7 @@ def random_mm_requests(tokenizer, num_prompts: int, input_len: int, output_len: 
     rng = np.random.default_rng(seed + 1)
     buckets = buckets or {(256, 256, 1): 0.5, (720, 1280, 1): 0.5}
     shapes, weights = list(buckets), list(buckets.values())
-    low, high = int(math.floor(base_items * (1 - items_range_ratio))), int(math.ceil(base_items * (1 + items_range_ratio)))
+    low, high = length_range(base_items, items_range_ratio, "--random-mm-num-mm-items-range-ratio")
     if limit is not None:
         if base_items > limit:
             raise ValueError(f"--random-mm-base-items-per-request {base_items} is over the limit of {limit}")

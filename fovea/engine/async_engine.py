@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing
 import queue
 import threading
@@ -152,7 +153,10 @@ class AsyncLLM:
                     for output in outputs:
                         self._deliver(output.request_id, output)
                     if self.on_stats is not None:
-                        self.on_stats(self.stats)
+                        try:
+                            self.on_stats(self.stats)
+                        except Exception:  # noqa: BLE001 - metrics must never stop the outputs
+                            logging.getLogger(__name__).exception("the stats callback failed")
                 elif message[0] == "rejected":
                     self._deliver(message[1], ValueError(message[2]))
                 else:  # "dead": a step failed
