@@ -53,13 +53,15 @@ class ClientDisconnected(Exception):
 async def unless_disconnected(request: Request, awaitable):
     """Awaits `awaitable`, unless the client leaves first: then it is cancelled, which aborts its request."""
     task = asyncio.ensure_future(awaitable)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise ClientDisconnected()
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        task.cancel()  # no-op once done; otherwise the client left, or this handler itself was cancelled
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
