@@ -1,0 +1,71 @@
+"""`fovea eval` building blocks: answer extraction on real-looking outputs, metrics equal to scikit-learn's."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from fovea.eval.answers import extract_answer
+from fovea.eval.metrics import classification_metrics
+
+BINARY = ["no", "yes"]
+OUTPUTS = [
+    ('{"answer": "yes"}', "yes"),
+    ('{"answer": "No"}', "no"),
+    ('```json\n{"answer": "yes"}\n```', "yes"),
+    ('Sure! Here is my answer:\n```json\n{\n  "answer": "no"\n}\n```\nThe tissue looks normal.', "no"),
+    ('{"label": "yes"}', "yes"),  # one field, another name
+    ('{"answer": "maybe"} Actually, yes.', "yes"),  # JSON with no option, then a bare word
+    ("yes", "yes"),
+    ("No.", "no"),
+    ("  YES  ", "yes"),
+    ("The answer is yes, there is metastatic tissue.", "yes"),
+    ("true", "yes"),  # synonyms
+    ("Negative for metastasis.", "no"),
+    ("Yes and no.", None),  # two options: ambiguous
+    ("I cannot tell from this image.", None),
+    ("", None),
+    ('{"answer": }', None),  # broken JSON, no option words
+    ("<|im_end|>", None),
+]
+
+
+@pytest.mark.parametrize("text, expected", OUTPUTS)
+def test_answer_extraction(text, expected):
+    assert extract_answer(text, BINARY) == expected
+
+
+def test_answer_extraction_with_several_options():
+    options = ["adipose", "lymphocytes", "tumor epithelium"]
+    assert extract_answer('{"answer": "Tumor epithelium"}', options) == "tumor epithelium"
+    assert extract_answer("It looks like tumor epithelium to me.", options) == "tumor epithelium"
+    assert extract_answer("adipose", options, synonyms={}) == "adipose"
+    assert extract_answer("fat cells", options, synonyms={"adipose": ["fat cells"]}) == "adipose"
+
+
+def test_metrics_equal_scikit_learn():
+    from sklearn import metrics as sklearn
+    rng = np.random.default_rng(0)
+    labels = ["a", "b", "c"]
+    targets = [labels[i] for i in rng.integers(0, 3, 200)]
+    predictions = [None if rng.random() < 0.1 else labels[i] for i in rng.integers(0, 3, 200)]
+    predictions[:40] = targets[:40]  # better than chance
+    ours = classification_metrics(targets, predictions, labels)
+    theirs_pred = ["<missing>" if p is None else p for p in predictions]
+    precision, recall, f1, _ = sklearn.precision_recall_fscore_support(targets, theirs_pred, labels=labels,
+                                                                        average="macro", zero_division=0)
+    assert ours["accuracy"] == pytest.approx(sklearn.accuracy_score(targets, theirs_pred))
+    with warnings.catch_warnings():  # sklearn may note the <missing> class that never occurs in the targets
+        warnings.simplefilter("ignore")
+        balanced = sklearn.balanced_accuracy_score(targets, theirs_pred)
+    assert ours["balanced_accuracy"] == pytest.approx(balanced)
+    assert (ours["macro_precision"], ours["macro_recall"], ours["macro_f1"]) == pytest.approx((precision, recall, f1))
+    assert ours["confusion_matrix"] == sklearn.confusion_matrix(targets, theirs_pred, labels=labels).tolist()
+    assert ours["num_missing"] == sum(p is None for p in predictions) == sum(ours["missing_per_label"])
+    never_predicted = classification_metrics(["a", "b"], ["a", "a"], ["a", "b", "c"])
+    precision, recall, f1, _ = sklearn.precision_recall_fscore_support(["a", "b"], ["a", "a"], labels=["a", "b", "c"],
+                                                                        average="macro", zero_division=0)
+    assert (never_predicted["macro_precision"], never_predicted["macro_recall"],
+            never_predicted["macro_f1"]) == pytest.approx((precision, recall, f1))
