@@ -69,3 +69,37 @@ def test_metrics_equal_scikit_learn():
                                                                         average="macro", zero_division=0)
     assert (never_predicted["macro_precision"], never_predicted["macro_recall"],
             never_predicted["macro_f1"]) == pytest.approx((precision, recall, f1))
+
+
+def make_image_folder(root, counts: dict[str, int]):
+    from conftest import random_image
+
+    for label, count in counts.items():
+        (root / label).mkdir(parents=True)
+        for i in range(count):
+            random_image(56, 56, seed=hash((label, i)) % 1000).save(root / label / f"{i}.png")
+
+
+def test_smallest_task_file_and_balanced_sampling(tmp_path):
+    from fovea.eval.tasks import Task
+
+    make_image_folder(tmp_path / "data", {"no": 5, "yes": 3})
+    (tmp_path / "t.yaml").write_text('name: t\ndataset: {type: image_folder, path: data}\n'
+                                     'question: "Is there a tumour?"\noptions: ["no", "yes"]\n')
+    task = Task.from_yaml(tmp_path / "t.yaml")
+    samples = task.samples()
+    assert [s.target for s in samples] == ["no"] * 5 + ["yes"] * 3 and len({s.id for s in samples}) == 8
+    content = task.messages(samples[0])[0]["content"]
+    assert content[0]["type"] == "image_url" and content[0]["image_url"]["url"].startswith("file://")
+    assert content[1]["text"].startswith("Is there a tumour?\n") and '{"answer": "no"}' in content[1]["text"]
+    task.samples_per_class, task.image_position = 2, "after"
+    first, again, other = task.samples(0), task.samples(0), task.samples(1)
+    assert [s.target for s in first] == ["no", "no", "yes", "yes"] and first == again and first != other
+    assert task.messages(first[0])[0]["content"][1]["type"] == "image_url"
+    (tmp_path / "bad.yaml").write_text("name: t\ndataset: {type: image_folder, path: data}\noptions: [a, b]\n")
+    with pytest.raises(ValueError, match="missing.*question"):
+        Task.from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text('name: t\ndataset: {type: image_folder, path: data}\nquestion: q\n'
+                                       'options: ["a", "b"]\n')
+    with pytest.raises(ValueError, match="label 'no' is not one of the options"):
+        Task.from_yaml(tmp_path / "bad.yaml").samples()
