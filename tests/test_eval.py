@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -103,3 +104,24 @@ def test_smallest_task_file_and_balanced_sampling(tmp_path):
                                        'options: ["a", "b"]\n')
     with pytest.raises(ValueError, match="label 'no' is not one of the options"):
         Task.from_yaml(tmp_path / "bad.yaml").samples()
+
+
+def test_in_process_run_writes_predictions_results_and_report(tiny_dirs, tmp_path):
+    from fovea import LLM
+    from fovea.eval.runner import evaluate
+    from fovea.eval.tasks import Task
+
+    make_image_folder(tmp_path / "data", {"no": 3, "yes": 2})
+    task = Task("t", {"type": "image_folder", "path": str(tmp_path / "data")}, "Is there a tumour?", ["no", "yes"],
+                runs=2)
+    llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024)
+    results = evaluate(llm, task, "tiny", tmp_path / "out", max_tokens=6)
+    predictions = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 10 and [p["target"] for p in predictions[:5]] == ["no"] * 3 + ["yes"] * 2
+    for run in results["runs"]:  # counts add up: every sample is in the matrix or missing
+        assert sum(map(sum, run["confusion_matrix"])) + run["num_missing"] == run["num_samples"] == 5
+    assert predictions[:5] == [{**p, "run": 0, "latency": q["latency"]} for p, q in zip(predictions[5:], predictions[:5])]
+    assert all(p["answer"] == extract_answer(p["output"], ["no", "yes"]) for p in predictions)
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["summary"]["accuracy"]["std"] == 0.0  # greedy: both runs answer the same
+    assert "| no |" in (tmp_path / "out" / "report.md").read_text()
