@@ -3,7 +3,8 @@
 64 prompts (half text-only, half with one image of varied size), greedy, a fixed number of new tokens each
 (EOS ignored), on a tiny random Qwen2.5-VL checkpoint. Then the engine's host overhead at batch 256: the time
 of a decode step spent outside the model forward (scheduling, input building, sampling, detokenizing).
-Both timings include image preprocessing; medians of --repeats alternated runs.
+Both timings include image decoding and preprocessing; medians of --repeats alternated runs. The two sides
+come from fovea/bench/offline.py (the runners `fovea bench throughput` uses).
 Run:  python benchmarks/offline_throughput.py [--model tiny-3b] [--prompts 64] [--max-tokens 32] [--repeats 3]
 Writes the raw figures as JSON to benchmarks/results/ (or --out).
 """
@@ -21,77 +22,28 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+
+from fovea.bench.datasets import BenchRequest, noise_jpeg_url
+from fovea.bench.offline import fovea_runner, hf_runner
 
 WORDS = "the sea boat red colour count gull mast harbour light wave stone sky cloud green net".split()
 
 
-def make_prompts(count: int, seed: int = 0):
+def make_requests(count: int, max_tokens: int, seed: int = 0) -> list[BenchRequest]:
+    """Half text-only, half with one noise image of a varied size (multiples of 28 from 112 to 308)."""
     rng = np.random.default_rng(seed)
-    prompts = []
+    requests = []
     for i in range(count):
         text = " ".join(rng.choice(WORDS, int(rng.integers(10, 120))))
-        image = None
-        if i % 2:
-            w, h = (int(v) * 28 for v in rng.integers(4, 12, 2))
-            image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-        prompts.append((text, image))
-    return prompts
-
-
-def chat_text(tokenizer, text: str, image) -> str:
-    content = ([{"type": "image"}] if image is not None else []) + [{"type": "text", "text": text}]
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+        images = [noise_jpeg_url(*(int(v) * 28 for v in rng.integers(4, 12, 2)), rng)] if i % 2 else []
+        requests.append(BenchRequest(text, 0, max_tokens, images))
+    return requests
 
 
 def timed(fn) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     tokens = fn()
     return time.perf_counter() - start, tokens
-
-
-def setup_fovea(model_dir, prompts, max_tokens: int):
-    from fovea import LLM, SamplingParams
-
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=4096)
-    tok = llm.get_tokenizer()
-    inputs = [{"prompt": chat_text(tok, text, image), **({"multi_modal_data": {"image": image}} if image else {})}
-              for text, image in prompts]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(inputs[:2], params, use_tqdm=False)  # warm-up
-    return lambda: [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params, use_tqdm=False)]
-
-
-def setup_hf(model_dir, prompts, max_tokens: int):
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
-    proc = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model.generation_config = GenerationConfig(do_sample=False, pad_token_id=151643)
-    images = [image for _, image in prompts if image is not None]
-    feats = proc(images=images, return_tensors="pt")
-    counts = iter((feats["image_grid_thw"].prod(-1) // 4).tolist())
-    texts = [chat_text(tok, text, image) for text, image in prompts]
-    texts = [t.replace("<|image_pad|>", "<|image_pad|>" * next(counts)) if image is not None else t
-             for t, (_, image) in zip(texts, prompts)]
-    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    batch["mm_token_type_ids"] = (batch["input_ids"] == 151655).long()
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens)
-
-    @torch.no_grad()
-    def run():
-        # preprocessing is inside the timed run for fovea too
-        feats = proc(images=images, return_tensors="pt")
-        out = model.generate(**batch, pixel_values=feats["pixel_values"], image_grid_thw=feats["image_grid_thw"],
-                             **kwargs)
-        return out[:, batch["input_ids"].shape[1]:].tolist()
-
-    with torch.no_grad():
-        model.generate(**{k: v[:1] for k, v in batch.items()}, max_new_tokens=2)  # warm-up (text-only row 0)
-    return run
 
 
 def host_overhead(model_dir, batch: int, steps: int) -> dict:
@@ -155,8 +107,9 @@ def main() -> None:
     model_dir = Path(args.model)
     if args.model in TINY_SHAPES:
         model_dir = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / args.model, args.model, seed=0)
-    prompts = make_prompts(args.prompts)
-    fovea_run, hf_run = setup_fovea(model_dir, prompts, args.max_tokens), setup_hf(model_dir, prompts, args.max_tokens)
+    requests = make_requests(args.prompts, args.max_tokens)
+    fovea_run = fovea_runner(str(model_dir), requests, {"dtype": "float32", "max_model_len": 4096})
+    hf_run = hf_runner(str(model_dir), requests, "float32")
     fovea_times, hf_times = [], []
     for _ in range(args.repeats):  # alternated, so both see the same machine noise
         fovea_s, fovea_tokens = timed(fovea_run)

@@ -60,6 +60,7 @@ def server(tiny_dirs, media):
                         "--max-request-body-mb", "1") as (base, proc):
         yield base
     assert proc.returncode == 0, proc.output
+    assert "Traceback" not in proc.output, proc.output  # bad input and dropped clients are not server errors
 
 
 def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
@@ -112,6 +113,8 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
         ("empty prompt list", completions, {"model": "tiny", "prompt": []}, 400, "prompt"),
         ("suffix", completions, {"model": "tiny", "prompt": "a", "suffix": "b"}, 400, "suffix"),
         ("not JSON", chat, b"{not json", 400, "JSON"),
+        ("tokenize under the media policy", "/tokenize", {"model": "tiny", "messages": [
+            {"role": "user", "content": [image(f"file://{media['outside']}"), TEXT]}]}, 400, "must be under"),
         ("detokenize bad id", "/detokenize", {"model": "tiny", "tokens": [-1]}, 400, "token ids must be"),
         ("tokenize with nothing", "/tokenize", {"model": "tiny"}, 400, "exactly one of prompt and messages"),
     ]

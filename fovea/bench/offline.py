@@ -8,6 +8,7 @@ latency: end-to-end time of generating one batch of identical-length prompts, ov
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -15,6 +16,8 @@ import torch
 
 from fovea.bench.datasets import BenchRequest
 from fovea.multimodal.image import load_image
+
+IMAGE_PAD = "<|image_pad|>"
 
 
 def conversation(request: BenchRequest) -> list[dict]:
@@ -30,8 +33,7 @@ def fovea_runner(model: str, requests: list[BenchRequest], engine_args: dict):
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     chats = [conversation(r) for r in requests]
     llm.chat(chats[:1], params[:1], use_tqdm=False)  # warm-up
-    return lambda: [list(o.outputs[0].token_ids) for o in llm.chat(chats, params, use_tqdm=False)], \
-        llm.get_tokenizer()
+    return lambda: [list(o.outputs[0].token_ids) for o in llm.chat(chats, params, use_tqdm=False)]
 
 
 def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
@@ -48,7 +50,7 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
     torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=torch_dtype).to(device).eval()
-    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    image_token = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     hf.generation_config = GenerationConfig(do_sample=False, pad_token_id=tokenizer.pad_token_id or 151643)
     templated = [tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}] * len(r.images) + [{"type": "text", "text": r.prompt}]}],
@@ -63,8 +65,8 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
         if urls:
             features = processor(images=[load_image(u) for u in urls], return_tensors="pt")
             counts = iter((features["image_grid_thw"].prod(-1) // processor.merge_size ** 2).tolist())
-            texts = ["".join(part + "<|image_pad|>" * next(counts) for part in t.split("<|image_pad|>")[:-1])
-                     + t.split("<|image_pad|>")[-1] for t in templated]
+            # one placeholder per image in the template; the model wants one per image token
+            texts = [re.sub(re.escape(IMAGE_PAD), lambda _: IMAGE_PAD * next(counts), t) for t in templated]
             extra = {"pixel_values": features["pixel_values"].to(device, hf.dtype),
                      "image_grid_thw": features["image_grid_thw"].to(device)}
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -76,7 +78,7 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
 
 
 def throughput(model: str, requests: list[BenchRequest], backend: str, engine_args: dict) -> dict:
-    run = (fovea_runner(model, requests, engine_args)[0] if backend == "fovea"
+    run = (fovea_runner(model, requests, engine_args) if backend == "fovea"
            else hf_runner(model, requests, engine_args.get("dtype", "auto")))
     start = time.perf_counter()
     outputs = run()

@@ -58,8 +58,7 @@ class AsyncLLM:
         # Sending a request with large pixel arrays can block until the engine reads it between steps: a thread
         # does it, not the event loop. Another thread hands results to the streams' event loops.
         threading.Thread(target=self._send_loop, name="fovea-engine-send", daemon=True).start()
-        self._reader = threading.Thread(target=self._receive_loop, name="fovea-engine-receive", daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._receive_loop, name="fovea-engine-receive", daemon=True).start()
 
     @classmethod
     def from_args(cls, model: str | None = None, on_stats=None, **engine_args) -> "AsyncLLM":

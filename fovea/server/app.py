@@ -61,7 +61,9 @@ async def unless_disconnected(request: Request, awaitable):
             if await request.is_disconnected():
                 raise ClientDisconnected()
     finally:
-        task.cancel()  # no-op once done; otherwise the client left, or this handler itself was cancelled
+        if not task.done():  # the client left, or this handler itself was cancelled
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let the request's generator abort and close
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
@@ -124,7 +126,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     @app.get("/health")
     async def health():
         if engine.error is not None:
-            return error(503, f"engine stopped: {engine.error!r}", "ServiceUnavailableError")
+            return error(503, f"engine stopped: {engine.error}", "ServiceUnavailableError")
         return JSONResponse({})
 
     @app.get("/version")
@@ -147,11 +149,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
                                  mm_processor_kwargs=body.mm_processor_kwargs,
                                  chat_template=body.chat_template or options.chat_template)
-        try:
-            first = await unless_disconnected(request, anext(stream))  # bad input fails here, before any 200
-        except BaseException:
-            await stream.aclose()
-            raise
+        first = await unless_disconnected(request, anext(stream))  # bad input fails here, before any 200
         top = body.top_logprobs or 0
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -186,7 +184,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
-            processed = await asyncio.to_thread(inputs.process_chat, body.messages,
+            messages = await asyncio.to_thread(fetch_media, body.messages, options.media, image_limit)
+            processed = await asyncio.to_thread(inputs.process_chat, messages,
                                                 add_generation_prompt=body.add_generation_prompt)
             tokens = processed.token_ids
         else:
