@@ -87,6 +87,9 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
         ("ftp url", chat, chat_with(image("ftp://example.com/a.png"), TEXT), 400, "must be a data:"),
         ("file outside the allowed path", chat, chat_with(image(f"file://{media['outside']}"), TEXT), 400,
          "must be under"),
+        ("file url escaping with %2e%2e", chat,  # the check must see the path the loader opens
+         chat_with(image(f"file://{media['root']}/%2e%2e/{media['outside'].parent.name}/secret.jpg"), TEXT), 400,
+         "must be under"),
         ("loopback http url", chat, chat_with(image("http://127.0.0.1:9/a.png"), TEXT), 400, "non-public address"),
         ("link-local http url", chat, chat_with(image("http://169.254.169.254/latest"), TEXT), 400,
          "non-public address"),

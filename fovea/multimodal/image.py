@@ -121,7 +121,9 @@ def load_image(source) -> Image.Image:
             raise ValueError(f"data URL holds invalid base64: {exc}") from None
         return _decode(io.BytesIO(raw), "data URL")
     if isinstance(source, str) and source.startswith("file://"):
-        return load_image(Path(source.removeprefix("file://")))
+        from urllib.parse import unquote, urlparse
+
+        return load_image(Path(unquote(urlparse(source).path)))  # as Path.as_uri() wrote it: %20 for a space
     if isinstance(source, str) and source.startswith(("http://", "https://")):
         return _decode(io.BytesIO(fetch_url(source)), source)
     raise ValueError(f"cannot load an image from {type(source).__name__}")
