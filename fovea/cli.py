@@ -39,10 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     from fovea.bench.cli import add_bench_parser
+    from fovea.eval.cli import add_eval_parser
     from fovea.server.cli import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_eval_parser(sub)
 
     tiny = sub.add_parser("tiny", help="write a tiny random-weight Qwen2.5-VL checkpoint (HF layout)")
     tiny.add_argument("out_dir")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 from fovea.engine.config import EngineConfig
 from fovea.engine.engine import LLMEngine
@@ -28,7 +28,7 @@ class LLM:
         return self.default_params.clone()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = True, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """`prompts`: one or a list of strings, token-id lists or {"prompt", "multi_modal_data", ...} dicts."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
@@ -37,7 +37,7 @@ class LLM:
         return self._run(processed, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -45,7 +45,7 @@ class LLM:
                                                      add_generation_prompt) for conversation in conversations]
         return self._run(processed, sampling_params, use_tqdm)
 
-    def _run(self, processed, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processed, sampling_params, use_tqdm) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.default_params
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(processed)
@@ -58,7 +58,7 @@ class LLM:
             self.engine.add_request(request)
         order = {request.request_id: i for i, request in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
-        bar = _progress_bar(len(requests)) if use_tqdm else None
+        bar = (use_tqdm if callable(use_tqdm) else _progress_bar)(total=len(requests)) if use_tqdm else None
         prompt_tokens = output_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
@@ -82,7 +82,7 @@ class LLM:
         return results
 
 
-def _progress_bar(total: int):
+def _progress_bar(total: int):  # use_tqdm may instead be a callable that makes the bar, as in vLLM
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -106,22 +106,138 @@ def test_smallest_task_file_and_balanced_sampling(tmp_path):
         Task.from_yaml(tmp_path / "bad.yaml").samples()
 
 
+def test_table_datasets_bytes_images_and_data_override(tmp_path, monkeypatch):
+    import pyarrow
+    import pyarrow.parquet
+
+    from conftest import random_image
+
+    from fovea.eval.tasks import Task
+
+    pngs = []
+    for i in range(4):
+        random_image(56, 56, seed=i).save(tmp_path / f"{i}.png")
+        pngs.append((tmp_path / f"{i}.png").read_bytes())
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(row) for row in [
+        {"image": "0.png", "answer": "yes"}, {"image": "1.png", "answer": "no"},
+        {"image": "2.png", "answer": "b", "question": "Which?", "options": ["a", "b"]}]) + "\n")
+    task = Task("t", {"type": "jsonl", "path": str(tmp_path / "d.jsonl")}, "Tumour?", ["no", "yes"])
+    samples = task.samples()
+    assert [(s.target, s.question, s.options) for s in samples] == [
+        ("yes", "Tumour?", ["no", "yes"]), ("no", "Tumour?", ["no", "yes"]), ("b", "Which?", ["a", "b"])]
+    assert samples[0].image == str(tmp_path / "0.png")  # relative to the file
+    assert '{"answer": "a"}' in task.messages(samples[2])[0]["content"][1]["text"]
+    (tmp_path / "d.csv").write_text("img,label\n3.png,1\n0.png,0\n")
+    task = Task("t", {"type": "csv", "path": str(tmp_path / "d.csv"), "image": "img", "answer": "label"},
+                "Tumour?", ["no", "yes"], label_map={"0": "no", "1": "yes"})
+    assert [(s.target, s.image) for s in task.samples()] == [("yes", str(tmp_path / "3.png")),
+                                                              ("no", str(tmp_path / "0.png"))]
+    # parquet as Hugging Face datasets writes it: image structs holding the bytes, boolean labels
+    table = pyarrow.table({"image": [{"bytes": raw, "path": None} for raw in pngs],
+                           "label": [False, True, True, False]})
+    pyarrow.parquet.write_table(table, tmp_path / "pcam.parquet")
+    monkeypatch.delenv("PCAM_DIR", raising=False)
+    shipped = Task.find("patch_camelyon")
+    with pytest.raises(ValueError, match="unset environment variable.*--data"):
+        shipped.samples()
+    samples = shipped.with_data(tmp_path / "pcam.parquet").samples()
+    assert [s.target for s in samples] == ["no", "yes", "yes", "no"] and samples[1].image == pngs[1]
+    url = shipped.messages(samples[1], system_prompt="You are a pathologist.")
+    assert url[0] == {"role": "system", "content": "You are a pathologist."}
+    assert url[1]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+    monkeypatch.setenv("PCAM_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="nowhere does not exist"):
+        Task.find("patch_camelyon").samples()
+    pyarrow.parquet.write_table(pyarrow.table({"image": pngs[:2], "label": [0, 1]}), tmp_path / "raw.parquet")
+    assert [s.image for s in Task.find("patch_camelyon").with_data(tmp_path / "raw.parquet").samples()] == pngs[:2]
+    (tmp_path / "bad.jsonl").write_text('{"image": "0.png", "answer": "no"}\n{"image": "1.png"}\n')
+    with pytest.raises(ValueError, match="row 2 needs the columns 'image' and 'answer'"):
+        Task("t", {"path": str(tmp_path / "bad.jsonl"), "type": "jsonl"}, "q", ["no", "yes"]).samples()
+    with pytest.raises(ValueError, match="cannot tell the dataset type"):
+        shipped.with_data(tmp_path / "0.png")
+    with pytest.raises(ValueError, match="no task file 'nope'.*patch_camelyon"):
+        Task.find("nope")
+
+
+def test_limit_spreads_over_classes(tmp_path):
+    from fovea.eval.tasks import Task
+
+    make_image_folder(tmp_path / "data", {"a": 6, "b": 6, "c": 6})
+    task = Task("t", {"type": "image_folder", "path": str(tmp_path / "data")}, "q", ["a", "b", "c"])
+    assert [s.target for s in task.samples(limit=3)] == ["a", "b", "c"]
+    assert len(task.samples(limit=100)) == 18
+
+
+def test_model_registry_yaml_decorator_and_defaults(tmp_path, monkeypatch):
+    from fovea.eval import registry
+
+    monkeypatch.setattr(registry, "MODELS", dict(registry.MODELS))
+    (tmp_path / "models.yaml").write_text(
+        "models:\n  my-vlm:\n    path: /ckpt/my-vlm\n    max_pixels: 401408\n"
+        "    engine_kwargs: {max_num_seqs: 8, mm_processor_kwargs: {min_pixels: 3136}}\n"
+        "    system_prompt: You are a pathologist.\n    max_tokens: 16\n")
+    registry.load_registry(tmp_path / "models.yaml")
+    entry = registry.find_model("my-vlm")
+    assert (entry.path, entry.system_prompt, entry.max_tokens, entry.temperature) == (
+        "/ckpt/my-vlm", "You are a pathologist.", 16, 0.0)
+    assert entry.llm_kwargs() == {"max_num_seqs": 8, "mm_processor_kwargs": {"min_pixels": 3136, "max_pixels": 401408}}
+    (tmp_path / "models.py").write_text("from fovea.eval.registry import register_model\n\n"
+                                        "@register_model('other')\ndef other():\n"
+                                        "    return {'path': '/ckpt/other', 'tensor_parallel_size': 2}\n")
+    registry.load_registry(tmp_path / "models.py")
+    assert registry.find_model("other").llm_kwargs() == {"tensor_parallel_size": 2}
+    plain = registry.find_model("/some/dir/ckpt")
+    assert (plain.name, plain.path, plain.llm_kwargs(), plain.temperature) == ("ckpt", "/some/dir/ckpt", {}, 0.0)
+    assert entry.sampling_params() == {"repetition_penalty": 1.0, "temperature": 0.0, "max_tokens": 16}
+    (tmp_path / "bad.yaml").write_text("models:\n  x: {path: /a, max_pixel: 3}\n")
+    with pytest.raises(ValueError, match="unknown keys \\['max_pixel'\\]"):
+        registry.load_registry(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text("models:\n  x: {path: /a, sampling: {top_p: 0.9, topk: 3}}\n")
+    with pytest.raises(ValueError, match="unknown sampling parameters \\['topk'\\]"):
+        registry.load_registry(tmp_path / "bad.yaml")
+
+
+# Published shapes (shared/reference/qwen2_5_vl-facts.md): hidden, layers, heads, kv heads, intermediate, vocab, tied
+QWEN_SHAPES = {"3b": (2048, 36, 16, 2, 11008, 151936, True), "7b": (3584, 28, 28, 4, 18944, 152064, False),
+               "32b": (5120, 64, 40, 8, 27648, 152064, False), "72b": (8192, 80, 64, 8, 29568, 152064, False)}
+
+
+def test_builtin_qwen_entries_fit_their_gpus():
+    from fovea.eval.registry import MODELS
+
+    for size, (hidden, layers, heads, kv_heads, intermediate, vocab, tied) in QWEN_SHAPES.items():
+        attention = hidden * 128 * (heads + 2 * kv_heads) + 128 * (heads + 2 * kv_heads) + heads * 128 * hidden
+        per_layer = attention + 3 * hidden * intermediate + 2 * hidden
+        params = layers * per_layer + vocab * hidden * (1 if tied else 2) + 675e6  # + the vision tower
+        weights_gb = 2 * params / 1e9  # bf16
+        fewest = next(tp for tp in (1, 2, 4, 8) if weights_gb / tp <= 0.6 * 80)
+        entry = MODELS[f"qwen2.5-vl-{size}"]
+        assert entry.tensor_parallel_size == fewest, (size, weights_gb)
+        assert entry.path == f"Qwen/Qwen2.5-VL-{size.upper()}-Instruct" and entry.temperature == 0
+        assert entry.llm_kwargs()["mm_processor_kwargs"]["max_pixels"] == 1280 * 28 * 28
+
+
 def test_in_process_run_writes_predictions_results_and_report(tiny_dirs, tmp_path):
-    from fovea import LLM
+    from fovea.eval.backends import InProcessBackend
+    from fovea.eval.registry import ModelEntry
     from fovea.eval.runner import evaluate
     from fovea.eval.tasks import Task
 
     make_image_folder(tmp_path / "data", {"no": 3, "yes": 2})
     task = Task("t", {"type": "image_folder", "path": str(tmp_path / "data")}, "Is there a tumour?", ["no", "yes"],
                 runs=2)
-    llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024)
-    results = evaluate(llm, task, "tiny", tmp_path / "out", max_tokens=6)
+    entry = ModelEntry("tiny", str(tiny_dirs["tiny-3b"]), max_tokens=6)
+    results = evaluate(InProcessBackend(entry, dtype="float32", max_model_len=1024), task, entry, tmp_path / "out")
     predictions = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 10 and [p["target"] for p in predictions[:5]] == ["no"] * 3 + ["yes"] * 2
     for run in results["runs"]:  # counts add up: every sample is in the matrix or missing
         assert sum(map(sum, run["confusion_matrix"])) + run["num_missing"] == run["num_samples"] == 5
-    assert predictions[:5] == [{**p, "run": 0, "latency": q["latency"]} for p, q in zip(predictions[5:], predictions[:5])]
+    assert predictions[:5] == [{**p, "run": 0, "latency": q["latency"]}
+                               for p, q in zip(predictions[5:], predictions[:5])]
     assert all(p["answer"] == extract_answer(p["output"], ["no", "yes"]) for p in predictions)
+    assert all(p["output_tokens"] == 6 and p["prompt_tokens"] > 4 and p["latency"] > 0 for p in predictions)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["summary"]["accuracy"]["std"] == 0.0  # greedy: both runs answer the same
+    assert saved["timings"]["output_tokens_per_s"] > 0 and saved["backend"] == "in-process"
     assert "| no |" in (tmp_path / "out" / "report.md").read_text()
+    assert (tmp_path / "out" / "confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,8 +1,9 @@
-"""Runs a task on a model in process (fovea's `LLM`) and writes what it found.
+"""Runs a task on a model through a backend and writes what it found.
 
-For each sample: the task's chat messages -> greedy answer -> extracted option (or missing). Outputs in
---output-dir: predictions.jsonl (id, target, raw output, parsed answer, latency), results.json (metrics per run,
-mean and std over runs, model, task, fovea version, timings, tokens/s) and report.md.
+For each run: the run's samples -> chat messages -> one completion each -> the extracted option (or missing) ->
+metrics. Outputs in the output directory: predictions.jsonl (run, id, target, raw output, parsed answer, latency,
+tokens, and the error where a sample could not be answered), results.json (metrics per run, mean and std over
+runs, model, task, backend, fovea version, timings, tokens/s) and report.md with confusion_matrix.png.
 """
 
 from __future__ import annotations
@@ -15,65 +16,63 @@ import numpy as np
 
 from fovea.eval.answers import extract_answer
 from fovea.eval.metrics import classification_metrics
-from fovea.eval.tasks import Sample, Task
+from fovea.eval.registry import ModelEntry
+from fovea.eval.report import write_report
+from fovea.eval.tasks import Task
 
 SUMMARY_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "macro_precision", "macro_recall")
 
 
-def predict_in_process(llm, task: Task, samples: list[Sample], max_tokens: int = 32) -> list[dict]:
-    from fovea import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    start = time.perf_counter()
-    outputs = llm.chat([task.messages(s) for s in samples], params)
-    elapsed = time.perf_counter() - start
-    return [{"id": s.id, "target": s.target, "output": o.outputs[0].text,
-             "answer": extract_answer(o.outputs[0].text, s.options, task.synonyms),
-             "latency": (o.metrics.finished_time - o.metrics.arrival_time) if o.metrics else elapsed / len(samples),
-             "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.outputs[0].token_ids)}
-            for s, o in zip(samples, outputs)]
-
-
-def evaluate(llm, task: Task, model_name: str, output_dir: str | Path, limit: int | None = None,
-             max_tokens: int = 32) -> dict:
+def evaluate(backend, task: Task, entry: ModelEntry, output_dir: str | Path, limit: int | None = None,
+             progress: bool = True) -> dict:
+    """`backend`: InProcessBackend, OpenAIBackend or RayBackend. Returns results.json's content; runs with more
+    missing answers than the task's max_missing allows are listed in its `failed_runs`."""
     from fovea import __version__
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    runs, all_predictions = [], []
-    start = time.perf_counter()
+    params = entry.sampling_params()
+    runs, predictions = [], []
     for run in range(task.runs):
-        samples = task.samples(run)[:limit]
-        predictions = predict_in_process(llm, task, samples, max_tokens)
-        metrics = classification_metrics([p["target"] for p in predictions], [p["answer"] for p in predictions],
-                                         task.options)
-        if metrics["num_missing"] > task.max_missing * len(predictions):
-            raise ValueError(f"run {run}: {metrics['num_missing']} of {len(predictions)} answers could not be "
-                             f"parsed (max_missing is {task.max_missing:.0%})")
-        runs.append(metrics)
-        all_predictions += [{"run": run, **p} for p in predictions]
-    elapsed = time.perf_counter() - start
-    output_tokens = sum(p["output_tokens"] for p in all_predictions)
-    summary = {name: {"mean": float(np.mean([r[name] for r in runs])), "std": float(np.std([r[name] for r in runs]))}
-               for name in SUMMARY_METRICS}
-    results = {"task": task.name, "model": model_name, "fovea_version": __version__, "runs": runs,
-               "summary": summary, "num_predictions": len(all_predictions), "elapsed_s": elapsed,
-               "output_tokens_per_s": output_tokens / elapsed if elapsed else 0.0}
+        samples = task.samples(run, limit)
+        if not samples:
+            raise ValueError(f"task {task.name} has no samples")
+        conversations = [task.messages(s, entry.system_prompt) for s in samples]
+        start = time.perf_counter()
+        desc = f"{task.name} run {run + 1}/{task.runs}" if progress else None
+        completions = backend.complete(conversations, params, desc)
+        elapsed = time.perf_counter() - start
+        run_predictions = [{"run": run, "id": s.id, "target": s.target, "output": c.text,
+                            "answer": extract_answer(c.text, s.options, task.synonyms), "latency": c.latency,
+                            "prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
+                            **({"error": c.error} if c.error else {})} for s, c in zip(samples, completions)]
+        labels = task.options + sorted({s.target for s in samples} - set(task.options))  # rows may bring options
+        metrics = classification_metrics([p["target"] for p in run_predictions],
+                                         [p["answer"] for p in run_predictions], labels)
+        runs.append({**metrics, "num_errors": sum("error" in p for p in run_predictions),
+                     **timings(run_predictions, elapsed)})
+        predictions += run_predictions
+    results = {
+        "task": task.name, "model": entry.name, "model_path": entry.path, "backend": backend.description,
+        "fovea_version": __version__, "num_predictions": len(predictions), "runs": runs,
+        "summary": {name: {"mean": float(np.mean(values)), "std": float(np.std(values))}
+                    for name in SUMMARY_METRICS for values in [[r[name] for r in runs]]},
+        "timings": timings(predictions, sum(r["elapsed_s"] for r in runs)),
+        "failed_runs": [i for i, r in enumerate(runs) if r["num_missing"] > task.max_missing * r["num_samples"]],
+        "max_missing": task.max_missing,
+    }
     with (output_dir / "predictions.jsonl").open("w") as f:
-        for prediction in all_predictions:
-            f.write(json.dumps(prediction) + "\n")
+        f.writelines(json.dumps(p) + "\n" for p in predictions)
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-    (output_dir / "report.md").write_text(report(results))
+    write_report(results, output_dir)
     return results
 
 
-def report(results: dict) -> str:
-    lines = [f"# {results['task']} on {results['model']}", "", "| metric | mean | std |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {v['mean']:.4f} | {v['std']:.4f} |" for name, v in results["summary"].items()]
-    last = results["runs"][-1]
-    lines += ["", f"Confusion matrix (last run; rows: target, columns: prediction; {last['num_missing']} missing):",
-              "", "| target \\ prediction | " + " | ".join(last["labels"]) + " | missing |",
-              "| --- |" + " --- |" * (len(last["labels"]) + 1)]
-    lines += [f"| {label} | " + " | ".join(map(str, row)) + f" | {missing} |"
-              for label, row, missing in zip(last["labels"], last["confusion_matrix"], last["missing_per_label"])]
-    return "\n".join(lines) + "\n"
+def timings(predictions: list[dict], elapsed: float) -> dict:
+    latencies = [p["latency"] for p in predictions]
+    per_s = (lambda n: n / elapsed) if elapsed > 0 else (lambda n: 0.0)
+    return {"elapsed_s": elapsed, "samples_per_s": per_s(len(predictions)),
+            "prompt_tokens_per_s": per_s(sum(p["prompt_tokens"] for p in predictions)),
+            "output_tokens_per_s": per_s(sum(p["output_tokens"] for p in predictions)),
+            "latency_mean_s": float(np.mean(latencies)), "latency_p50_s": float(np.percentile(latencies, 50)),
+            "latency_p99_s": float(np.percentile(latencies, 99))}

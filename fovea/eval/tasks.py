@@ -5,27 +5,31 @@ The smallest task file:
     dataset: {type: image_folder, path: DIR}     # one sub-folder per class; labels = sub-folder names
     question: "Does this image show metastatic breast tissue?"
     options: ["no", "yes"]
-Everything else has a default (see Task). jsonl / csv datasets give one sample per row: an image path (relative
-to the file) in `image`, the answer in `answer`, and optionally a per-row `question` and `options`.
+Everything else has a default (see Task); the dataset sources are described in fovea/eval/datasets.py. A dataset
+path may use ~ and $VARIABLES and is relative to the task file. Shipped tasks live in fovea/eval/task_files/ and
+are named by their file's stem (`--task patch_camelyon`).
 """
 
 from __future__ import annotations
 
-import csv
-import json
-from dataclasses import dataclass, field, fields
+import base64
+import io
+import os
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".gif"}
+from fovea.eval.datasets import DATASET_TYPES, guess_type, read_rows
+
+SHIPPED_TASKS = Path(__file__).parent / "task_files"
 DEFAULT_INSTRUCTION = 'Answer with JSON only, for example {{"answer": "{first}"}}, choosing one of: {options}.'
 
 
 @dataclass
 class Sample:
     id: str
-    image: str  # a path or URL
+    image: str | bytes  # a path, a URL, or encoded image bytes
     target: str
     question: str
     options: list[str]
@@ -45,6 +49,7 @@ class Task:
     seed: int = 0
     runs: int = 1  # repeated runs (sampled differently when seeded sampling applies) for mean and std
     max_missing: float = 1.0  # fraction of unparseable answers above which the run fails
+    _samples: list[Sample] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Task":
@@ -53,7 +58,7 @@ class Task:
         raw = yaml.safe_load(Path(path).read_text())
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a task file must be a mapping")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"{path}: unknown task keys {sorted(unknown)}")
@@ -61,39 +66,57 @@ class Task:
         if missing:
             raise ValueError(f"{path}: task is missing {sorted(missing)}")
         task = cls(**raw)
-        dataset_path = Path(task.dataset.get("path", ""))
-        if not dataset_path.is_absolute():  # relative to the task file
-            task.dataset = {**task.dataset, "path": str(Path(path).parent / dataset_path)}
+        if not isinstance(task.dataset, dict) or "path" not in task.dataset:
+            raise ValueError(f"{path}: dataset needs a path")
+        dataset_path = os.path.expandvars(os.path.expanduser(str(task.dataset["path"])))
+        if "$" not in dataset_path:  # an unset variable is reported when the data is read (--data may replace it)
+            dataset_path = str(Path(path).parent / dataset_path)  # an absolute path stays as it is
+        task.dataset = {**task.dataset, "path": dataset_path}
         task.validate()
         return task
+
+    @classmethod
+    def find(cls, name_or_path: str) -> "Task":
+        """A task file's path, or the name of a shipped task."""
+        path = Path(name_or_path)
+        if path.is_file():
+            return cls.from_yaml(path)
+        shipped = SHIPPED_TASKS / f"{name_or_path}.yaml"
+        if shipped.is_file():
+            return cls.from_yaml(shipped)
+        names = sorted(p.stem for p in SHIPPED_TASKS.glob("*.yaml"))
+        raise ValueError(f"no task file {name_or_path!r} and no shipped task of that name (shipped: {names})")
+
+    def with_data(self, path: str | Path) -> "Task":
+        """The same task on another copy of its data (`--data`): a class folder or a .jsonl/.csv/.parquet file."""
+        return replace(self, dataset={**self.dataset, "path": str(path), "type": guess_type(path)})
 
     def validate(self) -> None:
         if self.image_position not in ("before", "after"):
             raise ValueError(f"image_position must be before or after, got {self.image_position!r}")
         if len(self.options) < 2 or len(set(self.options)) != len(self.options):
             raise ValueError("options must hold at least two distinct answers")
-        if self.dataset.get("type") not in ("image_folder", "jsonl", "csv"):
-            raise ValueError(f"dataset type must be image_folder, jsonl or csv, got {self.dataset.get('type')!r}")
+        if self.dataset.get("type", "image_folder") not in DATASET_TYPES:
+            raise ValueError(f"dataset type must be one of {', '.join(DATASET_TYPES)}, got {self.dataset['type']!r}")
+        if not 0 <= self.max_missing <= 1:
+            raise ValueError(f"max_missing is a fraction between 0 and 1, got {self.max_missing}")
+        if self.runs < 1 or (self.samples_per_class is not None and self.samples_per_class < 1):
+            raise ValueError("runs and samples_per_class must be at least 1")
 
     def prompt(self, sample: Sample) -> str:
         instruction = self.instruction.format(first=sample.options[0], options=", ".join(sample.options))
         return f"{sample.question}\n{instruction}"
 
-    def messages(self, sample: Sample) -> list[dict]:
-        image = {"type": "image_url", "image_url": {"url": _as_url(sample.image)}}
+    def messages(self, sample: Sample, system_prompt: str | None = None) -> list[dict]:
+        image = {"type": "image_url", "image_url": {"url": image_url(sample.image)}}
         text = {"type": "text", "text": self.prompt(sample)}
-        return [{"role": "user", "content": [image, text] if self.image_position == "before" else [text, image]}]
+        user = {"role": "user", "content": [image, text] if self.image_position == "before" else [text, image]}
+        return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [user]
 
-    def samples(self, run: int = 0) -> list[Sample]:
-        kind, root = self.dataset["type"], Path(self.dataset["path"])
-        rows = _image_folder(root) if kind == "image_folder" else _table(root, kind)
-        samples = []
-        for i, (image, label, question, options) in enumerate(rows):
-            target = self.label_map.get(label, label)
-            options = options or self.options
-            if target not in options:
-                raise ValueError(f"{root}: label {label!r} is not one of the options {options} (use label_map)")
-            samples.append(Sample(f"{i:06d}", image, target, question or self.question, options))
+    def samples(self, run: int = 0, limit: int | None = None) -> list[Sample]:
+        """The samples of one run, in dataset order: all, or `samples_per_class` of each class drawn with seed +
+        run; then, with `limit`, that many spread evenly over them (so every class still shows up)."""
+        samples = self._all_samples()
         if self.samples_per_class:
             rng = np.random.default_rng(self.seed + run)
             chosen = []
@@ -102,34 +125,34 @@ class Task:
                 take = min(self.samples_per_class, len(members))
                 chosen += [members[j] for j in sorted(rng.choice(len(members), size=take, replace=False))]
             samples = sorted(chosen, key=lambda s: s.id)
+        if limit is not None and limit < len(samples):
+            samples = [samples[i] for i in np.linspace(0, len(samples) - 1, limit).round().astype(int)]
         return samples
 
+    def _all_samples(self) -> list[Sample]:
+        if self._samples is None:
+            self._samples = []
+            for i, row in enumerate(read_rows(self.dataset)):
+                target = self.label_map.get(row.label, row.label)
+                options = row.options or self.options
+                if target not in options:
+                    raise ValueError(f"{self.dataset['path']}: label {row.label!r} is not one of the options "
+                                     f"{options} (map it with label_map)")
+                self._samples.append(Sample(f"{i:06d}", row.image, target, row.question or self.question, options))
+        return self._samples
 
-def _as_url(image: str) -> str:
+
+def image_url(image: str | bytes) -> str:
+    if isinstance(image, bytes):
+        return data_url(image)
     return image if "://" in image or image.startswith("data:") else Path(image).resolve().as_uri()
 
 
-def _image_folder(root: Path):
-    if not root.is_dir():
-        raise ValueError(f"image folder {root} does not exist")
-    for label_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        for image in sorted(p for p in label_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES):
-            yield str(image), label_dir.name, None, None
+def data_url(raw: bytes) -> str:
+    from PIL import Image
 
-
-def _table(path: Path, kind: str):
-    if not path.is_file():
-        raise ValueError(f"dataset file {path} does not exist")
-    if kind == "jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    else:
-        with path.open(newline="") as f:
-            rows = list(csv.DictReader(f))
-    for number, row in enumerate(rows, start=1):
-        if "image" not in row or "answer" not in row:
-            raise ValueError(f"{path}:{number}: each row needs 'image' and 'answer'")
-        options = row.get("options")
-        if isinstance(options, str):
-            options = json.loads(options)
-        image = row["image"] if "://" in row["image"] else str(path.parent / row["image"])
-        yield image, str(row["answer"]), row.get("question"), options
+    try:
+        kind = (Image.open(io.BytesIO(raw)).format or "png").lower()
+    except Exception:  # undecodable: the engine reports it with the sample
+        kind = "png"
+    return f"data:image/{kind};base64," + base64.b64encode(raw).decode()

@@ -1,0 +1,109 @@
+"""Named models for `fovea eval --model NAME`: where the weights are, how to start the engine, how to ask.
+
+Entries come from three places: the built-in Qwen2.5-VL sizes below, YAML files, and Python files that use the
+decorator. `--registry FILE` (repeatable) loads either kind:
+
+    # models.yaml                                   # models.py
+    models:                                         from fovea.eval.registry import register_model
+      my-vlm:
+        path: /checkpoints/my-vlm                   @register_model("my-vlm")
+        max_pixels: 401408                          def my_vlm():
+        engine_kwargs: {max_num_seqs: 64}               return {"path": "/checkpoints/my-vlm", "max_tokens": 32}
+        system_prompt: You are a pathologist.
+
+Any other `--model` value (a model directory, a hub id in the local cache, the name a server serves) gets the
+defaults: greedy decoding, no system prompt, the engine's own settings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+QWEN_MAX_PIXELS = 1280 * 28 * 28  # the Qwen2.5-VL model card's suggested cap: at most 1280 visual tokens per image
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    path: str  # a model directory or hub id; with --base-url, the model name sent to the server
+    tensor_parallel_size: int = 1  # GPUs per engine replica
+    max_pixels: int | None = None  # image resize cap (the processor's max_pixels)
+    engine_kwargs: dict = field(default_factory=dict)  # any other LLM(...) argument: max_num_seqs, max_model_len
+    system_prompt: str | None = None
+    temperature: float = 0.0
+    max_tokens: int = 64
+    sampling: dict = field(default_factory=dict)  # other sampling parameters: top_p, repetition_penalty, seed...
+
+    def sampling_params(self) -> dict:
+        """What every backend asks with. Plain greedy unless the entry says otherwise: a server would otherwise
+        apply the checkpoint's generation_config (Qwen2.5-VL's has repetition_penalty 1.05), in-process would not."""
+        return {"repetition_penalty": 1.0, "temperature": self.temperature, "max_tokens": self.max_tokens,
+                **self.sampling}
+
+    def llm_kwargs(self) -> dict:
+        kwargs = dict(self.engine_kwargs)
+        if self.tensor_parallel_size != 1:
+            kwargs["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.max_pixels:
+            kwargs["mm_processor_kwargs"] = {**kwargs.get("mm_processor_kwargs", {}), "max_pixels": self.max_pixels}
+        return kwargs
+
+
+MODELS: dict[str, ModelEntry] = {}
+
+
+def register_model(name: str) -> Callable:
+    """Decorates a function returning a ModelEntry, or a dict of its fields (`name` comes from here)."""
+    def register(make: Callable) -> Callable:
+        made = make()
+        MODELS[name] = made if isinstance(made, ModelEntry) else _entry(name, made, f"@register_model({name!r})")
+        return make
+    return register
+
+
+def _entry(name: str, values, where: str) -> ModelEntry:
+    if not isinstance(values, dict) or "path" not in values:
+        raise ValueError(f"{where}: model {name!r} needs a mapping with at least a path")
+    unknown = set(values) - {f.name for f in fields(ModelEntry)}
+    if unknown:
+        raise ValueError(f"{where}: model {name!r} has unknown keys {sorted(unknown)}")
+    from fovea import SamplingParams
+
+    unknown = set(values.get("sampling") or {}) - {f.name for f in fields(SamplingParams)}
+    if unknown:
+        raise ValueError(f"{where}: model {name!r} has unknown sampling parameters {sorted(unknown)}")
+    return ModelEntry(**{"name": name, **values})
+
+
+def load_registry(path: str | Path) -> None:
+    """Adds the entries of a YAML file (a `models:` mapping of name -> fields) or a Python file's decorators."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"registry file {path} does not exist")
+    if path.suffix == ".py":
+        spec = importlib.util.spec_from_file_location(f"fovea_registry_{path.stem}", path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        return
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("models"), dict):
+        raise ValueError(f"{path}: a registry file holds a `models:` mapping of name -> settings")
+    for name, values in raw["models"].items():
+        MODELS[str(name)] = _entry(str(name), values, str(path))
+
+
+def find_model(name_or_path: str) -> ModelEntry:
+    return MODELS.get(name_or_path) or ModelEntry(name=Path(name_or_path).name or name_or_path, path=name_or_path)
+
+
+# Built-in entries. Tensor-parallel size: the fewest GPUs (a power of two) that keep each 80 GB GPU's share of the
+# bf16 weights under 60% of it, leaving the rest to the KV cache and activations: 3B (7.5 GB) and 7B (16.6 GB) on
+# one, 32B (67 GB) on two, 72B (147 GB) on four.
+for _size, _tp in (("3B", 1), ("7B", 1), ("32B", 2), ("72B", 4)):
+    MODELS[f"qwen2.5-vl-{_size.lower()}"] = ModelEntry(
+        name=f"qwen2.5-vl-{_size.lower()}", path=f"Qwen/Qwen2.5-VL-{_size}-Instruct", tensor_parallel_size=_tp,
+        max_pixels=QWEN_MAX_PIXELS, engine_kwargs={"max_model_len": 8192})
