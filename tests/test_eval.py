@@ -104,6 +104,19 @@ def test_smallest_task_file_and_balanced_sampling(tmp_path):
                                        'options: ["a", "b"]\n')
     with pytest.raises(ValueError, match="label 'no' is not one of the options"):
         Task.from_yaml(tmp_path / "bad.yaml").samples()
+    (tmp_path / "bad.yaml").write_text("name: t\ndataset: {path: data}\nquestion: q\noptions: [no, yes]\n")
+    with pytest.raises(ValueError, match="unquoted yes/no"):
+        Task.from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text("name: t\ndataset: {path: data\n")
+    with pytest.raises(ValueError, match="bad.yaml is not valid YAML"):
+        Task.from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text("name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\n"
+                                       "label_map: {no: a, yes: b}\n")
+    with pytest.raises(ValueError, match="unquoted yes/no"):
+        Task.from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "ok.yaml").write_text("name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\n"
+                                      "label_map: {'no': a, 'yes': b}\n")
+    assert [s.target for s in Task.from_yaml(tmp_path / "ok.yaml").samples()] == ["a"] * 5 + ["b"] * 3
 
 
 def test_table_datasets_bytes_images_and_data_override(tmp_path, monkeypatch):

@@ -89,7 +89,10 @@ def load_registry(path: str | Path) -> None:
         return
     import yaml
 
-    raw = yaml.safe_load(path.read_text())
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("models"), dict):
         raise ValueError(f"{path}: a registry file holds a `models:` mapping of name -> settings")
     for name, values in raw["models"].items():

@@ -55,7 +55,10 @@ class Task:
     def from_yaml(cls, path: str | Path) -> "Task":
         import yaml
 
-        raw = yaml.safe_load(Path(path).read_text())
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a task file must be a mapping")
         known = {f.name for f in fields(cls) if f.init}
@@ -94,6 +97,11 @@ class Task:
     def validate(self) -> None:
         if self.image_position not in ("before", "after"):
             raise ValueError(f"image_position must be before or after, got {self.image_position!r}")
+        if any(isinstance(o, bool) for o in [*self.options, *self.label_map, *self.label_map.values()]):
+            raise ValueError("options and label_map hold booleans: YAML reads unquoted yes/no/true/false as such; "
+                             'quote them ("no", "yes")')
+        self.options = [str(o) for o in self.options]
+        self.label_map = {str(k): str(v) for k, v in self.label_map.items()}  # labels are read as strings
         if len(self.options) < 2 or len(set(self.options)) != len(self.options):
             raise ValueError("options must hold at least two distinct answers")
         if self.dataset.get("type", "image_folder") not in DATASET_TYPES:
