@@ -33,6 +33,7 @@ class EngineConfig:
     mm_processor_kwargs: dict | None = None
     seed: int = 0
     enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # overrides the gpu_memory_utilization sizing
     num_gpu_blocks_override: int | None = None
@@ -75,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         config = cls(model_dir=Path(model_dir), model=model, dtype=torch_dtype, device=torch.device(device),
                      max_model_len=max_model_len, **options)
+        if config.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")

@@ -32,12 +32,23 @@ class StepOutput:
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)
 
 
+def make_attention_backend(config: EngineConfig) -> AttentionBackend:
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if config.device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    from fovea.kernels.paged_attention import TritonAttention
+
+    return TritonAttention()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, backend: AttentionBackend | None = None):
         self.config = config
         self.device = config.device
         self.model, _ = load_model(config.model_dir, dtype=config.dtype, device=config.device)
-        self.backend = backend or TorchAttention()
+        self.backend = backend or make_attention_backend(config)
         self.sampler = Sampler(config.seed)
         self.layers = [layer.self_attn for layer in self.model.model.layers]
         self.num_blocks = self._count_kv_blocks()

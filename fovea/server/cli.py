@@ -55,6 +55,8 @@ def add_serve_parser(sub) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="auto: our Triton kernels on CUDA, the PyTorch reference elsewhere")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
     for flag in IGNORED_FLAGS:
@@ -81,7 +83,8 @@ def run_serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs, seed=args.seed,
-        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
         num_gpu_blocks_override=args.num_gpu_blocks_override)
     policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                          [d.lower() for d in args.allowed_media_domains or []])

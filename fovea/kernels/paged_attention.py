@@ -1,0 +1,147 @@
+"""Paged attention in Triton: the engine's attention backend on NVIDIA GPUs.
+
+Two kernels, both over the flat batch described in fovea/layers/paged_attention.py:
+- `_store_kv`: one program per new token copies its K and V into the token's cache slot (slot -1 = padding, as in
+  a CUDA-graph batch larger than the real one, is skipped).
+- `_attention`: one program per (tile of query tokens of one sequence, KV head). The rows of a tile are its
+  query tokens times the query heads sharing that KV head (GQA), so each K/V tile is loaded once for all of them.
+  The program walks the sequence's context in tiles of BLOCK_N keys through the block table, with an online
+  softmax in fp32, and stops at the last key its last query may see (causal over cached prefix + new tokens).
+  Prefill, chunked prefill over a cached prefix and decode are the same code with different query lengths.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1), which is how CI checks them; the
+bf16 dot products themselves are only exercised on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata
+
+# Triton's interpreter multiplies bf16 tiles as raw integers in tl.dot (triton 3.9): there, dots run in fp32.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _store_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, cache_stride_kv, cache_stride_slot,
+              ROW: tl.constexpr, ROW_P2: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        cols = tl.arange(0, ROW_P2)
+        keep = cols < ROW
+        k = tl.load(k_ptr + token * k_stride + cols, mask=keep)
+        v = tl.load(v_ptr + token * v_stride + cols, mask=keep)
+        tl.store(cache_ptr + slot * cache_stride_slot + cols, k, mask=keep)
+        tl.store(cache_ptr + cache_stride_kv + slot * cache_stride_slot + cols, v, mask=keep)
+
+
+@triton.jit
+def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr,
+               block_tables_ptr, scale, q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+               cache_stride_kv, cache_stride_block, cache_stride_offset, cache_stride_head, block_tables_stride,
+               GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_first_ptr + tile)  # the tile's first query, counted within the sequence's new tokens
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len  # keys cached before this step
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    query = first + rows // GROUP_P2
+    head = kv_head * GROUP + rows % GROUP_P2
+    row_ok = (query < query_len) & (rows % GROUP_P2 < GROUP)
+    position = context_len + query  # the row's place in the context: it sees keys 0..position
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    token = (query_start + query).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * q_stride_token + head[:, None] * q_stride_head + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    best = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, HEAD_DIM_P2], tl.float32)
+    last_key = context_len + tl.minimum(first + BLOCK_Q, query_len)  # one past the last key any row sees
+    cache_head = cache_ptr + kv_head * cache_stride_head
+    for start in range(0, last_key, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < last_key
+        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        offsets = block.to(tl.int64) * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(cache_head + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(cache_head + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= position[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        safe_best = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that sees nothing yet stays at 0
+        weights = tl.exp(scores - safe_best[:, None])
+        rescale = tl.exp(best - safe_best)
+        total = total * rescale + tl.sum(weights, 1)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        best = new_best
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + token[:, None] * out_stride_token + head[:, None] * out_stride_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def _tiles(query_start_loc: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, first query) of every tile of `block_q` new tokens."""
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    tiles_per_seq = (query_lens + block_q - 1) // block_q
+    tile_seq = torch.repeat_interleave(torch.arange(query_lens.numel(), device=query_lens.device), tiles_per_seq)
+    tile_starts = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
+    first = (torch.arange(tile_seq.numel(), device=tile_seq.device) - tile_starts[tile_seq]) * block_q
+    return tile_seq.to(torch.int32), first.to(torch.int32)
+
+
+class TritonAttention(AttentionBackend):
+    """Rows per program: 16 for decode (at least what tl.dot takes), 64 for steps with prefill."""
+
+    def __init__(self, block_n: int = 16):
+        self.block_n = block_n
+
+    def prepare(self, meta: PagedAttentionMetadata) -> None:
+        meta.plan["query_start_loc"] = meta.query_start_loc
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        num_tokens, q_heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        k, v = k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)
+        row = kv_heads * head_dim
+        _store_kv[(num_tokens,)](k, v, kv_cache, meta.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
+                                 kv_cache.stride(2), ROW=row, ROW_P2=triton.next_power_of_2(row))
+        group = q_heads // kv_heads
+        group_p2 = triton.next_power_of_2(group)
+        rows = 16 if meta.max_query_len == 1 else 64
+        block_q = max(1, rows // group_p2)
+        key = ("tiles", block_q)
+        if key not in meta.plan:  # shared by all layers of the step
+            meta.plan[key] = _tiles(meta.query_start_loc, block_q)
+        tile_seq, tile_first = meta.plan[key]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _attention[(tile_seq.numel(), kv_heads)](
+            q, kv_cache, out, tile_seq, tile_first, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
+            GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=self.block_n, HEAD_DIM=head_dim,
+            HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact; tf32 = no-op for bf16
+            UPCAST=INTERPRETED)
+        return out

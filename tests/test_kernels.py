@@ -1,0 +1,121 @@
+"""Our Triton paged-attention backend against the PyTorch reference backend, on random ragged batches.
+
+Without a GPU the kernels run under Triton's interpreter (set before triton is imported); on a GPU the same tests
+run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fovea.kernels.paged_attention import TritonAttention  # noqa: E402
+from fovea.layers.paged_attention import PagedAttentionMetadata, TorchAttention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ragged_batch(specs, q_heads, kv_heads, head_dim, block_size, dtype, seed=0):
+    """specs: (cached tokens, new tokens) per sequence. Blocks are handed out in a shuffled order, so every
+    block table jumps around the cache (holes between a sequence's blocks), and rows are padded with block 0."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [cached + new for cached, new in specs]
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 5
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(specs), max(blocks_needed) + 1, dtype=torch.int32)
+    slots = []
+    for i, ((cached, new), need) in enumerate(zip(specs, blocks_needed)):
+        tables[i, :need] = torch.tensor([order.pop() for _ in range(need)], dtype=torch.int32)
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(cached, cached + new)]
+    query_lens = [new for _, new in specs]
+    starts = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    n = sum(query_lens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    cache = rand(2, num_blocks, block_size, kv_heads, head_dim)  # the cached prefixes hold random K/V
+    q, k, v = rand(n, q_heads, head_dim), rand(n, kv_heads, head_dim), rand(n, kv_heads, head_dim)
+
+    def meta(backend):
+        return PagedAttentionMetadata(backend, torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+                                      starts.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                                      tables.to(DEVICE), max(query_lens), max(seq_lens), block_size)
+    return q, k, v, cache, meta
+
+
+def run(backend, q, k, v, cache, meta):
+    cache = cache.clone()
+    m = meta(backend)
+    backend.prepare(m)
+    return backend.forward(q, k, v, cache, m, scale=q.shape[-1] ** -0.5), cache
+
+
+MIXED = [(0, 37), (20, 1), (45, 1), (16, 17), (0, 1), (70, 5)]  # prefill, decode, chunk over a cached prefix
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_size", [
+    (4, 2, 16, 16),   # like tiny-3b
+    (4, 1, 24, 32),   # like tiny-7b: head_dim not a power of two
+    (14, 2, 32, 16),  # 7 query heads per KV head, as in Qwen2.5-VL-7B
+    (8, 8, 16, 48),   # no GQA; block_size a multiple of 16 but not a power of two
+])
+def test_triton_attention_matches_reference_fp32(q_heads, kv_heads, head_dim, block_size):
+    q, k, v, cache, meta = ragged_batch(MIXED, q_heads, kv_heads, head_dim, block_size, torch.float32)
+    expected, expected_cache = run(TorchAttention(), q, k, v, cache, meta)
+    got, got_cache = run(TritonAttention(), q, k, v, cache, meta)
+    torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("specs", [[(30, 1), (0, 1), (63, 1), (5, 1)], [(0, 50)], [(33, 31), (0, 2)]],
+                         ids=["decode", "prefill", "chunked"])
+def test_triton_attention_bf16_within_bf16_tolerance(specs):
+    q, k, v, cache, meta = ragged_batch(specs, 4, 2, 32, 16, torch.bfloat16, seed=1)
+    expected, _ = run(TorchAttention(), q.float(), k.float(), v.float(), cache.float(), meta)
+    got, got_cache = run(TritonAttention(), q, k, v, cache, meta)
+    assert got.dtype == torch.bfloat16 and got_cache.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_padding_slots_are_not_written():
+    q, k, v, cache, meta = ragged_batch([(0, 3)], 2, 1, 16, 16, torch.float32)
+    m = meta(TritonAttention())
+    padded = int(m.slot_mapping[1])
+    m.slot_mapping[1] = -1  # a CUDA-graph batch pads with such tokens
+    written = cache.clone()
+    TritonAttention().forward(q, k, v, written, m, scale=0.25)
+    flat = written.view(2, -1, 1, 16)
+    assert torch.equal(flat[0, int(m.slot_mapping[0])], k[0]) and torch.equal(flat[1, int(m.slot_mapping[2])], v[2])
+    changed_slots = (written != cache).view(2, -1, 16).any(-1)  # (K or V, slot)
+    assert changed_slots.sum() == 4 and not changed_slots[:, padded].any()  # tokens 0 and 2 only
+
+
+def test_engine_with_triton_backend_generates_the_reference_tokens(tiny_dirs):
+    """Whole engine: prefill, chunked prefill (small token budget), prefix-cache hits and decode, text and image
+    prompts, GQA (tiny-3b) and one KV head (tiny-7b, head_dim 24)."""
+    from conftest import random_image
+    from fovea import LLM, SamplingParams
+
+    image = random_image(84, 56, seed=3)
+    conversations = [
+        [{"role": "user", "content": "Tell me a story about a boat."}],
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "What?"}]}],
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "Why?"}]}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for name in ("tiny-3b", "tiny-7b"):
+        outputs = {}
+        for backend in ("torch", "triton"):
+            llm = LLM(str(tiny_dirs[name]), dtype="float32", max_model_len=512, max_num_batched_tokens=32,
+                      attention_backend=backend, block_size=16)
+            expected_type = TorchAttention if backend == "torch" else TritonAttention
+            assert type(llm.engine.runner.backend) is expected_type
+            outputs[backend] = [o.outputs[0].token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
+        assert outputs["triton"] == outputs["torch"], name
