@@ -33,7 +33,7 @@ class EngineConfig:
     mm_processor_kwargs: dict | None = None
     seed: int = 0
     enforce_eager: bool = False
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
+    attention_backend: str = "auto"  # auto (torch until the Triton kernels are checked on a GPU), torch or triton
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # overrides the gpu_memory_utilization sizing
     num_gpu_blocks_override: int | None = None

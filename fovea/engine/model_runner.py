@@ -34,8 +34,8 @@ class StepOutput:
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
     name = config.attention_backend
-    if name == "auto":
-        name = "triton" if config.device.type == "cuda" else "torch"
+    if name == "auto":  # the Triton kernels become the CUDA default once a GPU run has checked and measured them
+        name = "torch"
     if name == "torch":
         return TorchAttention()
     from fovea.kernels.paged_attention import TritonAttention

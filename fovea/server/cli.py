@@ -56,7 +56,7 @@ def add_serve_parser(sub) -> None:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--enforce-eager", action="store_true")
     engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                        help="auto: our Triton kernels on CUDA, the PyTorch reference elsewhere")
+                        help="triton: our kernels (opt-in until checked on a GPU); auto: the PyTorch reference")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
     for flag in IGNORED_FLAGS:
