@@ -1,6 +1,20 @@
 """fovea: fast serving and evaluation of vision-language models."""
 
+import logging
+import os
+import sys
+
 __version__ = "0.1.0"
+
+# Like vLLM, fovea says what it sized and chose (KV cache, ...) at INFO on stderr unless the application set up
+# the "fovea" logger itself; FOVEA_LOGGING_LEVEL changes the level.
+_logger = logging.getLogger("fovea")
+if not _logger.handlers:
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("%(levelname)s fovea: %(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(os.environ.get("FOVEA_LOGGING_LEVEL", "INFO").upper())
+    _logger.propagate = False
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 

@@ -209,3 +209,21 @@ def test_logprobs_zero_gives_only_the_chosen_token_and_others_none(llm):
     entries = with_lp.outputs[0].logprobs
     assert [list(e) for e in entries] == [[t] for t in with_lp.outputs[0].token_ids]
     assert without.outputs[0].logprobs is None and without.outputs[0].cumulative_logprob is None
+
+
+def test_kv_cache_too_small_for_max_model_len_fails_at_start_with_advice(tiny_dirs, caplog):
+    import logging
+
+    fovea_logger = logging.getLogger("fovea")
+    fovea_logger.addHandler(caplog.handler)  # fovea's logger does not propagate to the root logger
+    try:
+        with pytest.raises(ValueError, match=r"max_model_len 1024 needs .* only 160 tokens .* Lower max_model_len "
+                                             r"\(to at most 160\), max_num_batched_tokens, max_pixels"):
+            LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024, num_gpu_blocks_override=10)
+        with caplog.at_level(logging.INFO, logger="fovea"):
+            fits = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", num_gpu_blocks_override=10)  # model's length
+    finally:
+        fovea_logger.removeHandler(caplog.handler)
+    assert fits.engine.config.max_model_len == 160
+    assert "KV cache: 160 tokens, max concurrency 1.00x for max_model_len 160" in caplog.text
+    assert "lowered from the model's 128000" in caplog.text

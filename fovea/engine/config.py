@@ -33,6 +33,7 @@ class EngineConfig:
     mm_processor_kwargs: dict | None = None
     seed: int = 0
     enforce_eager: bool = False
+    max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it
     attention_backend: str = "auto"  # auto (torch until the Triton kernels are checked on a GPU), torch or triton
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # overrides the gpu_memory_utilization sizing
@@ -70,12 +71,13 @@ class EngineConfig:
         if torch.device(device).type == "cpu" and torch_dtype == torch.float16:
             torch_dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
         limit = model.text.max_position_embeddings
-        if max_model_len is None:
+        max_model_len_from_model = max_model_len is None
+        if max_model_len_from_model:
             max_model_len = limit
         elif max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         config = cls(model_dir=Path(model_dir), model=model, dtype=torch_dtype, device=torch.device(device),
-                     max_model_len=max_model_len, **options)
+                     max_model_len=max_model_len, max_model_len_from_model=max_model_len_from_model, **options)
         if config.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

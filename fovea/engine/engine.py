@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 
 import torch
@@ -23,14 +24,14 @@ from fovea.engine.sampling_params import RequestOutputKind
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
 from fovea.engine.stats import EngineStats, LatencyEvents
 
+logger = logging.getLogger("fovea")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         self.config = config
         self.runner = runner or ModelRunner(config)
-        capacity = self.runner.num_blocks * config.block_size
-        if capacity < config.max_model_len:
-            config.max_model_len = capacity  # a sequence longer than the whole cache could never run
+        self._check_kv_capacity(self.runner.num_blocks * config.block_size)
         self.inputs = InputProcessor(config)
         self.tokenizer = self.inputs.tokenizer
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -42,6 +43,24 @@ class LLMEngine:
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         # logprob entries name their tokens; the same few thousand ids come back step after step
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
+
+    def _check_kv_capacity(self, capacity: int) -> None:
+        """Fail now, not while serving, when one sequence of the asked max_model_len cannot fit the cache."""
+        config = self.config
+        if capacity < config.max_model_len:
+            if not config.max_model_len_from_model:
+                gib = self.runner.kv_cache_bytes / capacity / 2**30  # per token
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} needs {config.max_model_len * gib:.2f} GiB of KV cache, "
+                    f"but only {capacity} tokens ({capacity * gib:.2f} GiB) fit. Lower max_model_len (to at most "
+                    f"{capacity}), max_num_batched_tokens, max_pixels (mm_processor_kwargs) or limit_mm_per_prompt; "
+                    "raise gpu_memory_utilization (or kv_cache_memory_bytes / num_gpu_blocks_override); or use a "
+                    "GPU with more memory.")
+            logger.info("max_model_len lowered from the model's %d to the %d tokens the KV cache holds",
+                        config.max_model_len, capacity)
+            config.max_model_len = capacity  # a sequence longer than the whole cache could never run
+        logger.info("KV cache: %d tokens, max concurrency %.2fx for max_model_len %d", capacity,
+                    capacity / config.max_model_len, config.max_model_len)
 
     # ------------------------------------------------------------------------------------------- requests
 

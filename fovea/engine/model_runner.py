@@ -56,6 +56,7 @@ class ModelRunner:
         shape = (2, self.num_blocks, config.block_size, text.num_kv_heads, text.head_dim)
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would still be NaN
         self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in self.layers]
+        self.kv_cache_bytes = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
         for attn, cache in zip(self.layers, self.kv_caches):
             attn.kv_cache = cache
 
