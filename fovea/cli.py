@@ -24,6 +24,17 @@ def _tiny(args: argparse.Namespace) -> None:
     print(f"wrote a random-weight {args.config} checkpoint to {out}")
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from fovea.engine.memory_plan import format_plan, plan_memory
+    from fovea.models.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    plan = plan_memory(model_dir, args.gpu_memory, args.dtype, args.max_model_len, args.max_num_batched_tokens,
+                       args.max_num_seqs, args.gpu_memory_utilization, args.tensor_parallel_size, args.max_pixels)
+    print(format_plan(plan, f"{model_dir}: {args.dtype}, {args.gpu_memory:g} GiB x {args.gpu_memory_utilization:g}"
+                            f" per GPU, tensor_parallel_size {args.tensor_parallel_size}"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fovea", description="Fast serving of vision-language models.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -45,6 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
+
+    plan = sub.add_parser("plan", help="what fits on a GPU (weights, activations, KV cache), from config.json alone")
+    plan.add_argument("model", help="model directory (config.json is enough) or hub id in the local HF cache")
+    plan.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU, e.g. 80")
+    plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    plan.add_argument("--max-model-len", type=int, default=None)
+    plan.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    plan.add_argument("--max-num-seqs", type=int, default=256)
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    plan.add_argument("--max-pixels", type=int, default=None, help="image resize cap (default: the checkpoint's)")
+    plan.set_defaults(func=_plan)
 
     tiny = sub.add_parser("tiny", help="write a tiny random-weight Qwen2.5-VL checkpoint (HF layout)")
     tiny.add_argument("out_dir")

@@ -93,3 +93,40 @@ def hf_inputs(model_dir, messages, images, max_pixels=None):
     out["input_ids"] = ids
     out["mm_token_type_ids"] = (ids == IMAGE_TOKEN_ID).long()
     return out
+
+
+# Published shapes (shared/reference/qwen2_5_vl-facts.md): hidden, layers, heads, kv heads, intermediate, vocab, tied
+QWEN_SHAPES = {"3b": (2048, 36, 16, 2, 11008, 151936, True), "7b": (3584, 28, 28, 4, 18944, 152064, False),
+               "32b": (5120, 64, 40, 8, 27648, 152064, False), "72b": (8192, 80, 64, 8, 29568, 152064, False)}
+
+
+def published_param_count(size: str) -> int:
+    """Parameters of a published Qwen2.5-VL size, counted from the facts: LM (QKV bias, RMSNorms) + vision tower
+    (depth 32, hidden 1280, intermediate 3420, patch 1176 values, merger 5120 -> 5120 -> LM hidden)."""
+    hidden, layers, heads, kv_heads, intermediate, vocab, tied = QWEN_SHAPES[size]
+    qkv = 128 * (heads + 2 * kv_heads)
+    lm_layer = hidden * qkv + qkv + heads * 128 * hidden + 3 * hidden * intermediate + 2 * hidden
+    lm = layers * lm_layer + vocab * hidden * (1 if tied else 2) + hidden
+    v_hidden, v_inter, merged = 1280, 3420, 1280 * 4
+    v_block = 2 * v_hidden + v_hidden * 3 * v_hidden + 3 * v_hidden + v_hidden * v_hidden + v_hidden \
+        + 2 * (v_hidden * v_inter + v_inter) + v_inter * v_hidden + v_hidden
+    vision = 1176 * v_hidden + 32 * v_block + v_hidden + merged * merged + merged + merged * hidden + hidden
+    return lm + vision
+
+
+def published_shape_dir(root, tiny_dir, size: str):
+    """A model directory holding only the config.json of a published size (no weights)."""
+    import json
+    import shutil
+
+    hidden, layers, heads, kv_heads, intermediate, vocab, tied = QWEN_SHAPES[size]
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tiny_dir / "preprocessor_config.json", root / "preprocessor_config.json")
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  intermediate_size=intermediate, vocab_size=vocab, tie_word_embeddings=tied, torch_dtype="bfloat16",
+                  rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
+    config["vision_config"].update(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                   out_hidden_size=hidden, fullatt_block_indexes=[7, 15, 23, 31])
+    (root / "config.json").write_text(json.dumps(config))
+    return root

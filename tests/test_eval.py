@@ -210,19 +210,12 @@ def test_model_registry_yaml_decorator_and_defaults(tmp_path, monkeypatch):
         registry.load_registry(tmp_path / "bad.yaml")
 
 
-# Published shapes (shared/reference/qwen2_5_vl-facts.md): hidden, layers, heads, kv heads, intermediate, vocab, tied
-QWEN_SHAPES = {"3b": (2048, 36, 16, 2, 11008, 151936, True), "7b": (3584, 28, 28, 4, 18944, 152064, False),
-               "32b": (5120, 64, 40, 8, 27648, 152064, False), "72b": (8192, 80, 64, 8, 29568, 152064, False)}
-
-
 def test_builtin_qwen_entries_fit_their_gpus():
+    from conftest import QWEN_SHAPES, published_param_count
     from fovea.eval.registry import MODELS
 
-    for size, (hidden, layers, heads, kv_heads, intermediate, vocab, tied) in QWEN_SHAPES.items():
-        attention = hidden * 128 * (heads + 2 * kv_heads) + 128 * (heads + 2 * kv_heads) + heads * 128 * hidden
-        per_layer = attention + 3 * hidden * intermediate + 2 * hidden
-        params = layers * per_layer + vocab * hidden * (1 if tied else 2) + 675e6  # + the vision tower
-        weights_gb = 2 * params / 1e9  # bf16
+    for size in QWEN_SHAPES:
+        weights_gb = 2 * published_param_count(size) / 1e9  # bf16
         fewest = next(tp for tp in (1, 2, 4, 8) if weights_gb / tp <= 0.6 * 80)
         entry = MODELS[f"qwen2.5-vl-{size}"]
         assert entry.tensor_parallel_size == fewest, (size, weights_gb)

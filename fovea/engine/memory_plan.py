@@ -1,0 +1,90 @@
+"""`fovea plan MODEL --gpu-memory GiB`: what fits on a GPU, worked out from config.json alone (no GPU, no weights).
+
+Weights: the model's exact parameter count (it is built on the meta device) times the dtype's size. KV cache per
+token: layers x KV heads x head_dim x 2 (K and V) x the dtype's size. Activations are estimates for eager PyTorch:
+the widest moment of a layer is its MLP (gate, up and their product: 3 x intermediate per token, plus a few
+hidden-size rows), for the language model over one step's max_num_batched_tokens and for the vision tower over the
+patches of the largest image the limits allow (4 patches per image token); sampling adds fp32 logits and
+probabilities for max_num_seqs rows. What is left of gpu_memory x utilization goes to the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fovea.config import ModelConfig, resolve_dtype
+
+IMAGE_SIZES = [(448, 448), (1280, 720), (1920, 1080), (3840, 2160)]  # width x height, as a user would send them
+GIB = 2**30
+
+
+@dataclass
+class MemoryPlan:
+    weights_bytes: int
+    kv_bytes_per_token: int
+    lm_activation_bytes: int
+    images: list[tuple[int, int, int, int]]  # width, height, image tokens, vision-tower activation bytes
+    kv_tokens: int
+    max_model_len: int
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.kv_tokens / self.max_model_len
+
+
+def count_parameters(config: ModelConfig) -> int:
+    from fovea.models.loader import ARCHITECTURES
+
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.architecture](config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_model_len: int | None = None,
+                max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
+                tensor_parallel_size: int = 1, max_pixels: int | None = None) -> MemoryPlan:
+    from fovea.multimodal.image import ImageProcessorConfig, smart_resize
+
+    config = ModelConfig.from_dir(model_dir)
+    text, vision = config.text, config.vision
+    size = resolve_dtype(dtype).itemsize
+    weights = count_parameters(config) * size // tensor_parallel_size
+    kv_per_token = text.num_layers * text.num_kv_heads * text.head_dim * 2 * size // tensor_parallel_size
+    lm = max_num_batched_tokens * (3 * text.intermediate_size + 4 * text.hidden_size) * size // tensor_parallel_size
+    lm += max_num_seqs * text.vocab_size * 4 * 2
+    processor = ImageProcessorConfig.from_dir(model_dir).with_overrides({"max_pixels": max_pixels}
+                                                                         if max_pixels else None)
+    factor = processor.patch_size * processor.merge_size
+    images = []
+    for width, height in IMAGE_SIZES + [(_largest_side(processor.max_pixels, factor),) * 2]:
+        h, w = smart_resize(height, width, factor, processor.min_pixels, processor.max_pixels)
+        tokens = (h // factor) * (w // factor)
+        patches = tokens * processor.merge_size**2
+        activations = patches * (3 * vision.intermediate_size + 4 * vision.hidden_size) * size
+        activations += patches * vision.patch_dim * 4 + tokens * vision.out_hidden_size * size  # pixels, output
+        images.append((width, height, tokens, activations))
+    peak = max(lm, max(a for *_, a in images))
+    budget = gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak
+    max_model_len = max_model_len or text.max_position_embeddings
+    return MemoryPlan(weights, kv_per_token, lm, images, max(0, int(budget // kv_per_token)), max_model_len)
+
+
+def _largest_side(max_pixels: int, factor: int) -> int:
+    """The side of the largest square image max_pixels allows (what the limits let one image cost)."""
+    return int(max_pixels**0.5) // factor * factor
+
+
+def format_plan(plan: MemoryPlan, title: str) -> str:
+    lines = [title, f"{'weights':<34}{plan.weights_bytes / GIB:>10.2f} GiB",
+             f"{'KV cache per token':<34}{plan.kv_bytes_per_token / 1024:>10.1f} KiB",
+             f"{'LM step activations (estimate)':<34}{plan.lm_activation_bytes / GIB:>10.2f} GiB",
+             "", f"{'image (w x h)':<16}{'tokens':>8}{'vision activations (estimate)':>34}"]
+    lines += [f"{f'{w}x{h}':<16}{tokens:>8}{activations / GIB:>30.2f} GiB" for w, h, tokens, activations in plan.images]
+    lines += ["", f"KV cache: {plan.kv_tokens} tokens, max concurrency {plan.max_concurrency:.2f}x for max_model_len "
+                  f"{plan.max_model_len}"]
+    if plan.kv_tokens < plan.max_model_len:
+        lines.append("does not fit: lower max_model_len, max_num_batched_tokens, max_pixels or limit_mm_per_prompt; "
+                     "raise gpu_memory_utilization; or use more GPUs (--tensor-parallel-size)")
+    return "\n".join(lines)
