@@ -97,23 +97,19 @@ def test_smallest_task_file_and_balanced_sampling(tmp_path):
     first, again, other = task.samples(0), task.samples(0), task.samples(1)
     assert [s.target for s in first] == ["no", "no", "yes", "yes"] and first == again and first != other
     assert task.messages(first[0])[0]["content"][1]["type"] == "image_url"
-    (tmp_path / "bad.yaml").write_text("name: t\ndataset: {type: image_folder, path: data}\noptions: [a, b]\n")
-    with pytest.raises(ValueError, match="missing.*question"):
-        Task.from_yaml(tmp_path / "bad.yaml")
-    (tmp_path / "bad.yaml").write_text('name: t\ndataset: {type: image_folder, path: data}\nquestion: q\n'
-                                       'options: ["a", "b"]\n')
-    with pytest.raises(ValueError, match="label 'no' is not one of the options"):
-        Task.from_yaml(tmp_path / "bad.yaml").samples()
-    (tmp_path / "bad.yaml").write_text("name: t\ndataset: {path: data}\nquestion: q\noptions: [no, yes]\n")
-    with pytest.raises(ValueError, match="unquoted yes/no"):
-        Task.from_yaml(tmp_path / "bad.yaml")
-    (tmp_path / "bad.yaml").write_text("name: t\ndataset: {path: data\n")
-    with pytest.raises(ValueError, match="bad.yaml is not valid YAML"):
-        Task.from_yaml(tmp_path / "bad.yaml")
-    (tmp_path / "bad.yaml").write_text("name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\n"
-                                       "label_map: {no: a, yes: b}\n")
-    with pytest.raises(ValueError, match="unquoted yes/no"):
-        Task.from_yaml(tmp_path / "bad.yaml")
+    bad_files = [
+        ("name: t\ndataset: {type: image_folder, path: data}\noptions: [a, b]\n", "missing.*question"),
+        ('name: t\ndataset: {type: image_folder, path: data}\nquestion: q\noptions: ["a", "b"]\n',
+         "label 'no' is not one of the options"),
+        ("name: t\ndataset: {path: data}\nquestion: q\noptions: [no, yes]\n", "unquoted yes/no"),
+        ("name: t\ndataset: {path: data\n", "bad.yaml is not valid YAML"),
+        ("name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\nlabel_map: {no: a, yes: b}\n",
+         "unquoted yes/no"),
+    ]
+    for text, message in bad_files:
+        (tmp_path / "bad.yaml").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            Task.from_yaml(tmp_path / "bad.yaml").samples()
     (tmp_path / "ok.yaml").write_text("name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\n"
                                       "label_map: {'no': a, 'yes': b}\n")
     assert [s.target for s in Task.from_yaml(tmp_path / "ok.yaml").samples()] == ["a"] * 5 + ["b"] * 3
