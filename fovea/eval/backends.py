@@ -13,11 +13,10 @@ import random
 import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from fovea.eval.registry import ModelEntry
 from fovea.eval.tasks import data_url
+from fovea.multimodal.image import file_url_path
 
 
 @dataclass
@@ -50,12 +49,12 @@ class InProcessBackend:
         bar = partial(_progress, desc) if desc is not None else False
         try:
             outputs = self.llm.chat(conversations, sampling, use_tqdm=bar)
-        except ValueError:  # some conversation is bad: find which, answer the rest
-            return self._complete_good_ones(conversations, params)
+        except ValueError as exc:  # some conversation is bad: find which, answer the rest
+            return self._complete_good_ones(conversations, params, exc)
         return [Completion(o.outputs[0].text, o.metrics.finished_time - o.metrics.arrival_time,
                            len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outputs]
 
-    def _complete_good_ones(self, conversations, params) -> list[Completion]:
+    def _complete_good_ones(self, conversations, params, failure: ValueError) -> list[Completion]:
         errors = {}
         for i, conversation in enumerate(conversations):
             try:
@@ -63,7 +62,7 @@ class InProcessBackend:
             except ValueError as exc:
                 errors[i] = str(exc)
         if not errors:  # not one conversation's fault
-            raise
+            raise failure
         good = [c for i, c in enumerate(conversations) if i not in errors]
         answered = iter(self.complete(good, params) if good else [])
         return [Completion("", 0.0, error=errors[i]) if i in errors else next(answered)
@@ -153,6 +152,6 @@ def inline_local_images(conversation: list[dict]) -> list[dict]:
         url = part.get("image_url", {}).get("url", "") if part.get("type") == "image_url" else ""
         if not url.startswith("file://"):
             return part
-        return {**part, "image_url": {"url": data_url(Path(unquote(urlparse(url).path)).read_bytes())}}
+        return {**part, "image_url": {"url": data_url(file_url_path(url).read_bytes())}}
     return [{**m, "content": [inline(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
             for m in conversation]

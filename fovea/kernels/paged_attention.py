@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata
+from fovea.layers.paged_attention import AttentionBackend
 
 # Triton's interpreter multiplies bf16 tiles as raw integers in tl.dot (triton 3.9): there, dots run in fp32.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -114,9 +114,6 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, block_n: int = 16):
         self.block_n = block_n
-
-    def prepare(self, meta: PagedAttentionMetadata) -> None:
-        meta.plan["query_start_loc"] = meta.query_start_loc
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         if q.stride(2) != 1:

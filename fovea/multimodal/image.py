@@ -121,12 +121,18 @@ def load_image(source) -> Image.Image:
             raise ValueError(f"data URL holds invalid base64: {exc}") from None
         return _decode(io.BytesIO(raw), "data URL")
     if isinstance(source, str) and source.startswith("file://"):
-        from urllib.parse import unquote, urlparse
-
-        return load_image(Path(unquote(urlparse(source).path)))  # as Path.as_uri() wrote it: %20 for a space
+        return load_image(file_url_path(source))
     if isinstance(source, str) and source.startswith(("http://", "https://")):
         return _decode(io.BytesIO(fetch_url(source)), source)
     raise ValueError(f"cannot load an image from {type(source).__name__}")
+
+
+def file_url_path(url: str) -> Path:
+    """The path a file:// URL names, percent-decoded as Path.as_uri() encodes it (%20 for a space). The server's
+    media policy checks this same path, so an encoded `..` cannot slip past it."""
+    from urllib.parse import unquote, urlparse
+
+    return Path(unquote(urlparse(url).path))
 
 
 def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int = 3) -> bytes:

@@ -13,9 +13,9 @@ import functools
 import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
-from fovea.multimodal.image import fetch_url
+from fovea.multimodal.image import fetch_url, file_url_path
 
 
 @dataclass
@@ -65,7 +65,7 @@ def check_url(url, policy: MediaPolicy) -> None:
         root = policy.allowed_local_media_path
         if root is None:
             raise ValueError("file:// image URLs are disabled; start the server with --allowed-local-media-path")
-        if not Path(unquote(parsed.path)).resolve().is_relative_to(root.resolve()):  # the path load_image opens
+        if not file_url_path(url).resolve().is_relative_to(root.resolve()):
             raise ValueError(f"file:// image URLs must be under {root}")
         return
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
