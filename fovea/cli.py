@@ -20,7 +20,7 @@ def _tiny(args: argparse.Namespace) -> None:
     from fovea.models.tiny import write_tiny_checkpoint
 
     out = write_tiny_checkpoint(args.out_dir, args.config, seed=args.seed, layout=args.layout, shards=args.shards,
-                                dtype=args.dtype)
+                                dtype=args.dtype, device=args.device)
     print(f"wrote a random-weight {args.config} checkpoint to {out}")
 
 
@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny", help="write a tiny random-weight Qwen2.5-VL checkpoint (HF layout)")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--config", default="tiny-3b", choices=["tiny-3b", "tiny-7b"])
+    tiny.add_argument("--config", default="tiny-3b", choices=["tiny-3b", "tiny-7b", "qwen2.5-vl-7b"],
+                      help="qwen2.5-vl-7b: the published 7B shapes (16 GB in bf16; use --device cuda)")
+    tiny.add_argument("--device", default="cpu", help="where the random weights are drawn")
     tiny.add_argument("--layout", default="published", choices=["published", "transformers5"])
     tiny.add_argument("--shards", type=int, default=1)
     tiny.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])

@@ -130,3 +130,17 @@ def published_shape_dir(root, tiny_dir, size: str):
                                    out_hidden_size=hidden, fullatt_block_indexes=[7, 15, 23, 31])
     (root / "config.json").write_text(json.dumps(config))
     return root
+
+
+@pytest.fixture
+def fovea_log(caplog):
+    """caplog, with INFO records of the `fovea` logger (which does not propagate to the root logger)."""
+    import logging
+
+    logger = logging.getLogger("fovea")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="fovea"):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -211,19 +211,69 @@ def test_logprobs_zero_gives_only_the_chosen_token_and_others_none(llm):
     assert without.outputs[0].logprobs is None and without.outputs[0].cumulative_logprob is None
 
 
-def test_kv_cache_too_small_for_max_model_len_fails_at_start_with_advice(tiny_dirs, caplog):
-    import logging
-
-    fovea_logger = logging.getLogger("fovea")
-    fovea_logger.addHandler(caplog.handler)  # fovea's logger does not propagate to the root logger
-    try:
-        with pytest.raises(ValueError, match=r"max_model_len 1024 needs .* only 160 tokens .* Lower max_model_len "
-                                             r"\(to at most 160\), max_num_batched_tokens, max_pixels"):
-            LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024, num_gpu_blocks_override=10)
-        with caplog.at_level(logging.INFO, logger="fovea"):
-            fits = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", num_gpu_blocks_override=10)  # model's length
-    finally:
-        fovea_logger.removeHandler(caplog.handler)
+def test_kv_cache_too_small_for_max_model_len_fails_at_start_with_advice(tiny_dirs, fovea_log):
+    with pytest.raises(ValueError, match=r"max_model_len 1024 needs .* only 160 tokens .* Lower max_model_len "
+                                         r"\(to at most 160\), max_num_batched_tokens, max_pixels"):
+        LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024, num_gpu_blocks_override=10)
+    fits = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", num_gpu_blocks_override=10)  # the model's length
     assert fits.engine.config.max_model_len == 160
-    assert "KV cache: 160 tokens, max concurrency 1.00x for max_model_len 160" in caplog.text
-    assert "lowered from the model's 128000" in caplog.text
+    assert "KV cache: 160 tokens, max concurrency 1.00x for max_model_len 160" in fovea_log.text
+    assert "lowered from the model's 128000" in fovea_log.text
+
+
+@pytest.mark.parametrize("flags", [{}, {"fp32_softmax": True}, {"fp32_softmax_vision": True}])
+def test_fp32_softmax_flags_reach_the_attention(tiny_dirs, monkeypatch, flags):
+    """A bf16 model: --fp32-softmax runs the language model's attention in fp32, --fp32-softmax-vision the vision
+    tower's; the other stays in bf16. The answer still comes back."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+
+    import fovea.layers.attention as vision_attention
+    import fovea.layers.paged_attention as paged_attention
+
+    seen = {"lm": set(), "vision": set()}
+
+    def recorder(name):
+        def sdpa(q, *args, **kwargs):
+            seen[name].add(q.dtype)
+            return F.scaled_dot_product_attention(q, *args, **kwargs)
+        return SimpleNamespace(scaled_dot_product_attention=sdpa)
+
+    monkeypatch.setattr(paged_attention, "F", recorder("lm"))
+    monkeypatch.setattr(vision_attention, "F", recorder("vision"))
+    llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="bfloat16", max_model_len=256, **flags)
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(56, 56)},
+                                         {"type": "text", "text": "What?"}]}]
+    out = llm.chat([chat], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert seen["lm"] == {torch.float32 if flags.get("fp32_softmax") else torch.bfloat16}
+    assert seen["vision"] == {torch.float32 if flags.get("fp32_softmax_vision") else torch.bfloat16}
+
+
+def test_default_dtype_is_bf16_on_gpus(tiny_dirs, tmp_path):
+    """dtype auto: the checkpoint's dtype, except that an fp32 checkpoint serves in bf16 on a GPU (and fp16 runs
+    in fp32 on the CPU). Only the configuration is built here, so no GPU is needed."""
+    import json
+    import shutil
+
+    import torch
+
+    from fovea.engine.config import EngineConfig
+
+    def config_dir(dtype: str):
+        target = tmp_path / dtype
+        shutil.copytree(tiny_dirs["tiny-3b"], target)
+        raw = json.loads((target / "config.json").read_text())
+        raw["torch_dtype"] = raw["dtype"] = dtype
+        (target / "config.json").write_text(json.dumps(raw))
+        return target
+
+    cases = {("float32", "cuda"): torch.bfloat16, ("float32", "cpu"): torch.float32,
+             ("bfloat16", "cuda"): torch.bfloat16, ("float16", "cuda"): torch.float16,
+             ("float16", "cpu"): torch.float32}
+    for (checkpoint, device), expected in cases.items():
+        assert EngineConfig.build(config_dir(checkpoint), device=device).dtype == expected, (checkpoint, device)
+        shutil.rmtree(tmp_path / checkpoint)
+    assert EngineConfig.build(config_dir("float32"), dtype="float32", device="cuda").dtype == torch.float32

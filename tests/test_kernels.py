@@ -119,3 +119,27 @@ def test_engine_with_triton_backend_generates_the_reference_tokens(tiny_dirs):
             assert type(llm.engine.runner.backend) is expected_type
             outputs[backend] = [o.outputs[0].token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
         assert outputs["triton"] == outputs["torch"], name
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_vision_varlen_kernel_matches_reference(dtype, tol):
+    """Windows of 64, a ragged edge window, a 4-patch segment and a whole image longer than one tile; q/k/v are
+    strided views of one qkv tensor as in the model; the tile table has unused zero-length rows."""
+    from fovea.kernels.varlen_attention import tile_table, varlen_attention_triton
+    from fovea.layers.attention import AttentionMetadata, varlen_attention
+
+    lengths = [64, 64, 36, 4, 140]
+    n, heads, head_dim = sum(lengths), 3, 20
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(n, 3, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.unbind(1)
+    meta = AttentionMetadata.from_lengths(lengths, DEVICE)
+    expected = varlen_attention(q.float(), k.float(), v.float(), meta.cu_seqlens, meta.max_seqlen, causal=False,
+                                scale=0.3)
+    tiles = tile_table(lengths, 12).to(DEVICE)
+    assert int((tiles[:, 1] > 0).sum()) == 7  # one tile each, 3 for the 140; 5 rows left empty
+    got = varlen_attention_triton(q, k, v, tiles, scale=0.3)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="do not fit"):
+        tile_table(lengths, 6)

@@ -9,6 +9,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from fovea.server.cli import add_fast_path_args, fast_path_args
+
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks with vLLM's workloads and metric definitions")
@@ -96,11 +98,14 @@ def add_engine_args(parser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
     engine.add_argument("--mm-processor-kwargs", type=json.loads, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    add_fast_path_args(engine)
 
 
 def engine_args(args) -> dict:
     return {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "mm_processor_kwargs": args.mm_processor_kwargs}
+            "max_num_batched_tokens": args.max_num_batched_tokens, "mm_processor_kwargs": args.mm_processor_kwargs,
+            "gpu_memory_utilization": args.gpu_memory_utilization, **fast_path_args(args)}
 
 
 def write_json(path: str | None, result: dict) -> None:

@@ -34,10 +34,20 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it
-    attention_backend: str = "auto"  # auto (torch until the Triton kernels are checked on a GPU), torch or triton
+    attention_backend: str = "auto"  # auto, torch (the PyTorch reference) or triton (our kernels)
+    fp32_softmax: bool = False  # language-model attention scores and softmax in fp32 (Triton kernels always are)
+    fp32_softmax_vision: bool = False  # the same for the vision tower
+    mm_buckets: list[int] = field(default_factory=list)  # vision encoder patch counts (--mm-buckets)
+    skip_warmup: bool = False  # capture encoder buckets on first use instead of at start-up
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # overrides the gpu_memory_utilization sizing
     num_gpu_blocks_override: int | None = None
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """auto stays on the PyTorch reference until our Triton kernels (and the decode CUDA graphs, which need
+        them) have been checked and measured on a GPU; then it becomes triton on CUDA."""
+        return "torch" if self.attention_backend == "auto" else self.attention_backend
 
     @property
     def encoder_budget(self) -> int:
@@ -62,12 +72,15 @@ class EngineConfig:
     @classmethod
     def build(cls, model_dir: Path, dtype: str | torch.dtype = "auto", device: str = "auto",
               max_model_len: int | None = None, **options) -> "EngineConfig":
+        from fovea.engine.encoder_buckets import parse_buckets
         from fovea.multimodal.image import ImageProcessorConfig
 
         model = ModelConfig.from_dir(model_dir)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = model.torch_dtype if dtype == "auto" else resolve_dtype(dtype)
+        if dtype == "auto" and torch.device(device).type == "cuda" and torch_dtype == torch.float32:
+            torch_dtype = torch.bfloat16  # an fp32 checkpoint serves in bf16 on a GPU, as published ones are
         if torch.device(device).type == "cpu" and torch_dtype == torch.float16:
             torch_dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
         limit = model.text.max_position_embeddings
@@ -78,6 +91,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         config = cls(model_dir=Path(model_dir), model=model, dtype=torch_dtype, device=torch.device(device),
                      max_model_len=max_model_len, max_model_len_from_model=max_model_len_from_model, **options)
+        config.mm_buckets = parse_buckets(config.mm_buckets, model.vision.spatial_merge_size ** 2)
         if config.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -14,7 +14,10 @@ import numpy as np
 import torch
 
 from fovea.engine.config import EngineConfig
+from fovea.engine.cuda_graphs import DecodeGraphs
+from fovea.engine.encoder_buckets import EncoderBuckets
 from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.memory_profile import profile_kv_budget
 from fovea.engine.sampler import Sampler, SampleRow, SamplerOutput, top_logprobs
 from fovea.engine.scheduler import ScheduledBatch
 from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata, TorchAttention
@@ -33,14 +36,12 @@ class StepOutput:
 
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
-    name = config.attention_backend
-    if name == "auto":  # the Triton kernels become the CUDA default once a GPU run has checked and measured them
-        name = "torch"
-    if name == "torch":
-        return TorchAttention()
+    if config.resolved_attention_backend == "torch":
+        return TorchAttention(config.fp32_softmax)
     from fovea.kernels.paged_attention import TritonAttention
 
-    return TritonAttention()
+    text = config.model.text
+    return TritonAttention(group=text.num_heads // text.num_kv_heads)
 
 
 class ModelRunner:
@@ -49,8 +50,20 @@ class ModelRunner:
         self.device = config.device
         self.model, _ = load_model(config.model_dir, dtype=config.dtype, device=config.device)
         self.backend = backend or make_attention_backend(config)
-        self.sampler = Sampler(config.seed)
+        for block in self.model.visual.blocks:
+            block.attn.fp32_softmax = config.fp32_softmax_vision
         self.layers = [layer.self_attn for layer in self.model.model.layers]
+        for attn in self.layers:
+            attn.fp32_softmax = config.fp32_softmax  # the uncached path (start-up profile); Triton is always fp32
+        gpu_kernels = self.device.type == "cuda" and config.resolved_attention_backend == "triton"
+        self.model.visual.use_kernel = gpu_kernels
+        self.encoder_buckets = None
+        if config.mm_buckets:  # before the memory profile: captured graphs keep their memory
+            self.encoder_buckets = EncoderBuckets(self.model.visual, config.mm_buckets, config.dtype, self.device,
+                                                  capture=gpu_kernels and not config.enforce_eager)
+            if not config.skip_warmup:
+                self.encoder_buckets.warm_up()
+        self.sampler = Sampler(config.seed)
         self.num_blocks = self._count_kv_blocks()
         text = config.model.text
         shape = (2, self.num_blocks, config.block_size, text.num_kv_heads, text.head_dim)
@@ -59,6 +72,11 @@ class ModelRunner:
         self.kv_cache_bytes = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
         for attn, cache in zip(self.layers, self.kv_caches):
             attn.kv_cache = cache
+        self.graphs: DecodeGraphs | None = None
+        if gpu_kernels and not config.enforce_eager:
+            # the reference backend sizes its tensors from the batch, so only our kernels can be captured
+            self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
+                                       config.block_size, self.device, capture=True)
 
     def _count_kv_blocks(self) -> int:
         cfg, text = self.config, self.config.model.text
@@ -68,16 +86,14 @@ class ModelRunner:
         if cfg.kv_cache_memory_bytes:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # keep (1 - utilization) of the card for others, and room for activations and logits
-            activations = cfg.max_num_batched_tokens * text.hidden_size * 64 + cfg.max_num_seqs * text.vocab_size * 16
-            budget = free - total * (1 - cfg.gpu_memory_utilization) - activations
+            budget = profile_kv_budget(self.model, cfg)
         else:
             budget = min(CPU_KV_CACHE_BYTES, block_bytes * cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size))
         blocks = int(budget // block_bytes)
         if blocks < 1:
-            raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
-                             "gpu_memory_utilization / kv_cache_memory_bytes")
+            raise ValueError("no memory left for the KV cache after the weights and the heaviest step; lower "
+                             "max_num_batched_tokens, max_pixels (mm_processor_kwargs) or limit_mm_per_prompt, raise "
+                             "gpu_memory_utilization (or kv_cache_memory_bytes), or use more GPUs")
         return blocks
 
     @torch.inference_mode()
@@ -88,8 +104,11 @@ class ModelRunner:
         self._encode_images(batch, encoder_cache)
         ids, positions, meta, mm_embeds, mm_mask, sample_rows, owners, logprob_spans = self._prepare(batch,
                                                                                                     encoder_cache)
-        self.backend.prepare(meta)
-        hidden = self.model(ids, positions, meta, mm_embeds, mm_mask)
+        if self.graphs and meta.max_query_len == 1 and mm_embeds is None and self.graphs.bucket(len(batch)):
+            hidden = self.graphs.run(ids, positions, meta)
+        else:
+            self.backend.prepare(meta)
+            hidden = self.model(ids, positions, meta, mm_embeds, mm_mask)
         out = StepOutput(row_owners=owners)
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows], device=self.device)])
@@ -102,9 +121,14 @@ class ModelRunner:
     def _encode_images(self, batch: ScheduledBatch, encoder_cache: EncoderCache) -> None:
         if not batch.encode:
             return
-        pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in batch.encode]))
-        pixels = pixels.to(self.device, self.config.dtype)
-        embeddings = self.model.encode_images(pixels, [item.grid_thw for item in batch.encode])
+        pixels = np.concatenate([item.pixel_values for item in batch.encode])
+        grids = [item.grid_thw for item in batch.encode]
+        bucket = self.encoder_buckets and self.encoder_buckets.bucket(pixels.shape[0])
+        if bucket:
+            merged = self.encoder_buckets.encode(pixels, grids, bucket)
+            embeddings = merged.split([t * h * w // self.encoder_buckets.unit for t, h, w in grids])
+        else:
+            embeddings = self.model.encode_images(torch.from_numpy(pixels).to(self.device, self.config.dtype), grids)
         for item, rows in zip(batch.encode, embeddings):
             encoder_cache.put(item.content_hash, rows)
 

@@ -99,8 +99,18 @@ def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_st
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def _tiles(query_start_loc: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_q(meta, group_p2: int) -> int:
+    """Query tokens per program: 16 rows for decode (at least what tl.dot takes), 64 for steps with prefill."""
+    return max(1, (16 if meta.max_query_len == 1 else 64) // group_p2)
+
+
+def _tiles(meta, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence, first query) of every tile of `block_q` new tokens."""
+    query_start_loc = meta.query_start_loc
+    if meta.max_query_len == 1:  # decode: a tile per sequence, sized without reading the GPU (CUDA graphs)
+        num_seqs = meta.seq_lens.numel()
+        return (torch.arange(num_seqs, dtype=torch.int32, device=query_start_loc.device),
+                torch.zeros(num_seqs, dtype=torch.int32, device=query_start_loc.device))
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     tiles_per_seq = (query_lens + block_q - 1) // block_q
     tile_seq = torch.repeat_interleave(torch.arange(query_lens.numel(), device=query_lens.device), tiles_per_seq)
@@ -110,10 +120,13 @@ def _tiles(query_start_loc: torch.Tensor, block_q: int) -> tuple[torch.Tensor, t
 
 
 class TritonAttention(AttentionBackend):
-    """Rows per program: 16 for decode (at least what tl.dot takes), 64 for steps with prefill."""
-
-    def __init__(self, block_n: int = 16):
+    def __init__(self, block_n: int = 16, group: int = 1):
         self.block_n = block_n
+        self.group_p2 = triton.next_power_of_2(group)  # the model's query heads per KV head
+
+    def prepare(self, meta):
+        block_q = _block_q(meta, self.group_p2)
+        meta.plan[("tiles", block_q)] = _tiles(meta, block_q)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         if q.stride(2) != 1:
@@ -126,11 +139,10 @@ class TritonAttention(AttentionBackend):
                                  kv_cache.stride(2), ROW=row, ROW_P2=triton.next_power_of_2(row))
         group = q_heads // kv_heads
         group_p2 = triton.next_power_of_2(group)
-        rows = 16 if meta.max_query_len == 1 else 64
-        block_q = max(1, rows // group_p2)
+        block_q = _block_q(meta, group_p2)
         key = ("tiles", block_q)
-        if key not in meta.plan:  # shared by all layers of the step
-            meta.plan[key] = _tiles(meta.query_start_loc, block_q)
+        if key not in meta.plan:  # layers with another GQA group than prepare() planned for
+            meta.plan[key] = _tiles(meta, block_q)
         tile_seq, tile_first = meta.plan[key]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _attention[(tile_seq.numel(), kv_heads)](

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 class AttentionMetadata:
     cu_seqlens: torch.Tensor  # (num_seqs + 1,) int32 offsets into the flat token dimension
     max_seqlen: int
+    tiles: torch.Tensor | None = None  # work table of our Triton kernel (fovea/kernels/varlen_attention.py)
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
@@ -27,8 +28,11 @@ class AttentionMetadata:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, causal: bool, scale: float) -> torch.Tensor:
-    """q: (N, Hq, D), k/v: (N, Hkv, D) with Hq a multiple of Hkv (GQA). Returns (N, Hq, D)."""
+                     max_seqlen: int, causal: bool, scale: float, fp32: bool = False) -> torch.Tensor:
+    """q: (N, Hq, D), k/v: (N, Hkv, D) with Hq a multiple of Hkv (GQA). Returns (N, Hq, D).
+    fp32: scores, softmax and weighted sum in fp32 whatever the inputs' dtype (--fp32-softmax*)."""
+    if fp32 and q.dtype != torch.float32:
+        return varlen_attention(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, causal, scale).to(q.dtype)
     num_seqs = cu_seqlens.numel() - 1
     gqa = q.shape[1] != k.shape[1]
     if num_seqs == 1:

@@ -51,6 +51,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 class TorchAttention(AttentionBackend):
+    def __init__(self, fp32_softmax: bool = False):
+        self.fp32_softmax = fp32_softmax  # scores and softmax in fp32 for bf16/fp16 models
+
     def prepare(self, meta: PagedAttentionMetadata) -> None:
         device = meta.slot_mapping.device
         num_seqs = meta.seq_lens.numel()
@@ -78,17 +81,18 @@ class TorchAttention(AttentionBackend):
         _, num_blocks, block_size, heads, dim = kv_cache.shape
         flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
         slots = meta.plan["key_slots"]
-        keys, values = flat[0][slots].to(q.dtype), flat[1][slots].to(q.dtype)  # (B, max_k, Hkv, D)
+        dtype = torch.float32 if self.fp32_softmax else q.dtype
+        keys, values = flat[0][slots].to(dtype), flat[1][slots].to(dtype)  # (B, max_k, Hkv, D)
         num_seqs = slots.shape[0]
         if meta.max_query_len == 1:
-            queries = q[:, None]  # pure decode: one query per sequence, already in order
+            queries = q[:, None].to(dtype)  # pure decode: one query per sequence, already in order
         else:
-            queries = q.new_zeros(num_seqs, meta.max_query_len, *q.shape[1:])
-            queries[meta.plan["seq_idx"], meta.plan["pos_idx"]] = q
+            queries = q.new_zeros(num_seqs, meta.max_query_len, *q.shape[1:], dtype=dtype)
+            queries[meta.plan["seq_idx"], meta.plan["pos_idx"]] = q.to(dtype)
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=meta.plan["mask"], scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
-        out = out.transpose(1, 2)
+        out = out.transpose(1, 2).to(q.dtype)
         if meta.max_query_len == 1:
             return out[:, 0]
         return out[meta.plan["seq_idx"], meta.plan["pos_idx"]]

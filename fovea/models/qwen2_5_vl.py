@@ -38,6 +38,8 @@ class VisionPatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    fp32_softmax = False  # set by the engine (--fp32-softmax-vision)
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
@@ -47,7 +49,14 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.qkv.num_heads, self.head_dim).unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=False, scale=self.head_dim ** -0.5)
+        scale = self.head_dim ** -0.5
+        if meta.tiles is not None:
+            from fovea.kernels.varlen_attention import varlen_attention_triton
+
+            out = varlen_attention_triton(q, k, v, meta.tiles, scale, fp32=self.fp32_softmax)
+        else:
+            out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=False, scale=scale,
+                                   fp32=self.fp32_softmax)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -91,13 +100,15 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.group_dim))
 
 
-def vision_layout(grids: list[tuple[int, int, int]], merge: int, window: int) -> dict[str, torch.Tensor]:
+def vision_layout(grids: list[tuple[int, int, int]], merge: int, window: int, kernel: bool = False,
+                  tile_rows: int | None = None) -> dict[str, torch.Tensor]:
     """Index bookkeeping for a batch of images/videos given their patch grids (t, h, w).
 
     Patches arrive with each merge group (merge x merge patches) contiguous, groups in row-major order per frame.
     Window layers attend within squares of `window` x `window` merge groups (edge windows are smaller), so the
     groups are reordered window by window; `window_index[new] = old` group index. Full-attention layers attend
-    over each frame. Rotary (h, w) positions are given per patch, in the original order.
+    over each frame. Rotary (h, w) positions are given per patch, in the original order. `kernel` adds the tile
+    tables our Triton attention kernel reads, padded to `tile_rows` rows (a fixed size for CUDA graphs).
     """
     window_index, window_lens, frame_lens, rope_pos = [], [], [], []
     offset = 0
@@ -119,15 +130,18 @@ def vision_layout(grids: list[tuple[int, int, int]], merge: int, window: int) ->
         wpos = torch.arange(w)[None, :].expand(h, w).reshape(mh, merge, mw, merge).permute(0, 2, 1, 3).flatten()
         rope_pos.append(torch.stack([hpos, wpos]).repeat(1, t))
     window_lens = torch.cat(window_lens).tolist()
-    return {
-        "window_index": torch.cat(window_index),
-        "rope_pos": torch.cat(rope_pos, dim=1),
-        "window_meta": AttentionMetadata.from_lengths(window_lens),
-        "frame_meta": AttentionMetadata.from_lengths(frame_lens),
-    }
+    window_meta, frame_meta = AttentionMetadata.from_lengths(window_lens), AttentionMetadata.from_lengths(frame_lens)
+    if kernel:
+        from fovea.kernels.varlen_attention import tile_table
+
+        window_meta.tiles, frame_meta.tiles = tile_table(window_lens, tile_rows), tile_table(frame_lens, tile_rows)
+    return {"window_index": torch.cat(window_index), "rope_pos": torch.cat(rope_pos, dim=1),
+            "window_meta": window_meta, "frame_meta": frame_meta}
 
 
 class VisionTransformer(nn.Module):
+    use_kernel = False  # our Triton attention instead of the PyTorch reference (set by the engine on GPUs)
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
@@ -138,8 +152,14 @@ class VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: (num_patches, patch_dim) of all items -> (num_patches / merge^2, out_hidden_size)."""
+        return self.run(pixel_values, self.layout(grids))
+
+    def layout(self, grids: list[tuple[int, int, int]], tile_rows: int | None = None) -> dict:
+        return vision_layout(grids, self.cfg.spatial_merge_size, self.cfg.window_merged, self.use_kernel, tile_rows)
+
+    def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
+        """The forward over a ready layout; with the layout's tensors in static buffers, it can be captured."""
         unit = self.cfg.spatial_merge_size ** 2
-        layout = vision_layout(grids, self.cfg.spatial_merge_size, self.cfg.window_merged)
         device = pixel_values.device
         index = layout["window_index"].to(device)
 
@@ -148,7 +168,8 @@ class VisionTransformer(nn.Module):
 
         x = to_windows(self.patch_embed(pixel_values))
         cos, sin = self.rotary.cos_sin(to_windows(layout["rope_pos"].t().to(device)).t())
-        window_meta, frame_meta = (AttentionMetadata(m.cu_seqlens.to(device), m.max_seqlen)
+        window_meta, frame_meta = (AttentionMetadata(m.cu_seqlens.to(device), m.max_seqlen,
+                                                     None if m.tiles is None else m.tiles.to(device))
                                    for m in (layout["window_meta"], layout["frame_meta"]))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frame_meta if i in self.cfg.fullatt_block_indexes else window_meta)
@@ -159,6 +180,8 @@ class VisionTransformer(nn.Module):
 
 
 class Qwen2Attention(nn.Module):
+    fp32_softmax = False  # set by the engine (--fp32-softmax); the paged backends take it at construction
+
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
@@ -179,7 +202,8 @@ class Qwen2Attention(nn.Module):
         if isinstance(meta, PagedAttentionMetadata):
             out = meta.backend.forward(q, k, v, self.kv_cache, meta, scale)
         else:  # whole prompts, no cache (reference checks, the demo)
-            out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=True, scale=scale)
+            out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=True, scale=scale,
+                                   fp32=self.fp32_softmax)
         return self.o_proj(out.reshape(n, -1))
 
 

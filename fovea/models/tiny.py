@@ -33,6 +33,9 @@ TINY_SHAPES = {
                     v_hidden=32, v_inter=64, v_depth=3, v_heads=2, v_full=[2]),
     "tiny-7b": dict(hidden=96, inter=160, layers=3, heads=4, kv=1, mrope=[4, 4, 4], vocab=152064, tied=False,
                     v_hidden=48, v_inter=80, v_depth=4, v_heads=4, v_full=[1, 3]),
+    # Qwen2.5-VL-7B's exact shapes (random weights): what the GPU benchmarks serve, no download being possible
+    "qwen2.5-vl-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv=4, mrope=[16, 24, 24], vocab=152064,
+                          tied=False, v_hidden=1280, v_inter=3420, v_depth=32, v_heads=16, v_full=[7, 15, 23, 31]),
 }
 
 
@@ -111,21 +114,23 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
-    """Norm weights near 1, matrices scaled by 1/sqrt(fan_in) so activations stay O(1) through the layers."""
-    gen = torch.Generator().manual_seed(seed)
+def random_weights(shapes: dict[str, tuple[int, ...]], seed: int, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Norm weights near 1, matrices scaled by 1/sqrt(fan_in) so activations stay O(1) through the layers.
+    Drawn on `device` (a GPU makes a 7B-sized checkpoint in seconds), returned on the CPU in `dtype`."""
+    gen = torch.Generator(device).manual_seed(seed)
     out = {}
     for name, shape in shapes.items():
+        t = torch.randn(shape, generator=gen, device=device)
         if "norm" in name or "ln_q" in name:
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            t = 1.0 + 0.1 * t
         elif name.endswith("bias"):
-            t = 0.02 * torch.randn(shape, generator=gen)
+            t = 0.02 * t
         elif "embed_tokens" in name or name == "lm_head.weight":
-            t = (0.02 if "embed_tokens" in name else 0.5) * torch.randn(shape, generator=gen)
+            t = (0.02 if "embed_tokens" in name else 0.5) * t
         else:
-            fan_in = int(torch.tensor(shape[1:]).prod())
-            t = torch.randn(shape, generator=gen) / fan_in ** 0.5
-        out[name] = t.contiguous()
+            t = t / int(torch.tensor(shape[1:]).prod()) ** 0.5
+        out[name] = t.to(dtype).cpu().contiguous()
     return out
 
 
@@ -182,7 +187,8 @@ def write_tokenizer_files(out_dir: Path) -> None:
 
 
 def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: int = 0,
-                          layout: str = "published", shards: int = 1, dtype: str = "float32") -> Path:
+                          layout: str = "published", shards: int = 1, dtype: str = "float32",
+                          device: str = "cpu") -> Path:
     """Writes a complete random-weight checkpoint; layout is "published" or "transformers5"."""
     if layout not in ("published", "transformers5"):
         raise ValueError(f"layout must be 'published' or 'transformers5', got {layout!r}")
@@ -191,8 +197,7 @@ def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: i
     flat = tiny_config(name, dtype)
     config = flat if layout == "published" else to_transformers5_config(flat)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    weights = random_weights(weight_shapes(flat), seed)
-    weights = {k: v.to(getattr(torch, dtype)) for k, v in weights.items()}
+    weights = random_weights(weight_shapes(flat), seed, getattr(torch, dtype), device)
     save_weights(weights if layout == "published" else to_transformers5_names(weights), out, shards)
     write_tokenizer_files(out)
     (out / "preprocessor_config.json").write_text(json.dumps({

@@ -54,14 +54,28 @@ def add_serve_parser(sub) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--enforce-eager", action="store_true")
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                        help="triton: our kernels (opt-in until checked on a GPU); auto: the PyTorch reference")
+    add_fast_path_args(engine)
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
     for flag in IGNORED_FLAGS:
         engine.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=run_serve)
+
+
+def add_fast_path_args(group) -> None:
+    """GPU fast-path flags, shared by `fovea serve` and the offline benchmarks."""
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                       help="triton: our kernels (opt-in until checked on a GPU); auto: the PyTorch reference")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    group.add_argument("--mm-buckets", default=None, help="vision encoder patch-count buckets, e.g. 1024,4096,16384")
+    group.add_argument("--skip-warmup", action="store_true", help="capture encoder buckets on first use")
+    group.add_argument("--fp32-softmax", action="store_true", help="language-model attention softmax in fp32")
+    group.add_argument("--fp32-softmax-vision", action="store_true", help="vision-tower attention softmax in fp32")
+
+
+def fast_path_args(args: argparse.Namespace) -> dict:
+    names = ["attention_backend", "enforce_eager", "mm_buckets", "skip_warmup", "fp32_softmax", "fp32_softmax_vision"]
+    return {name: getattr(args, name) for name in names}
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -83,9 +97,8 @@ def run_serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs, seed=args.seed,
-        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
-        num_gpu_blocks_override=args.num_gpu_blocks_override)
+        num_gpu_blocks_override=args.num_gpu_blocks_override, **fast_path_args(args))
     policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                          [d.lower() for d in args.allowed_media_domains or []])
     options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template, policy,

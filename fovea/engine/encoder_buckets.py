@@ -1,0 +1,98 @@
+"""Encoder shape buckets (--mm-buckets): the vision tower only ever runs on a few patch counts.
+
+One step's images are encoded together; their patches are padded up to the smallest bucket that holds them with
+a blank filler image (grid 1 x 2 x pad/2) that is its own attention segment in every layer, so the real images'
+embeddings do not change; the filler's rows are dropped. Each bucket is warmed up at start-up and, on a GPU with
+our kernels, captured as a CUDA graph whose inputs (pixels, window order, rotary positions, tile tables) live in
+static buffers. Steps with more patches than the largest bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("fovea")
+
+
+def parse_buckets(text: str | list[int] | None, merge_unit: int) -> list[int]:
+    """'1024,4096' or [1024, 4096] -> sorted patch counts, each a positive multiple of merge_unit (4 patches
+    make one image token)."""
+    if not text:
+        return []
+    values = [int(v) for v in text.split(",")] if isinstance(text, str) else [int(v) for v in text]
+    bad = [v for v in values if v <= 0 or v % merge_unit]
+    if bad:
+        raise ValueError(f"mm_buckets must be positive multiples of {merge_unit} patches, got {bad}")
+    return sorted(set(values))
+
+
+class EncoderBuckets:
+    def __init__(self, visual: torch.nn.Module, buckets: list[int], dtype: torch.dtype, device: torch.device,
+                 capture: bool):
+        self.visual, self.buckets, self.dtype, self.device, self.capture = visual, buckets, dtype, device, capture
+        self.unit = visual.cfg.spatial_merge_size ** 2
+        self.tile_rows = {}  # bucket -> rows of the kernel's tile tables (a fixed launch grid per bucket)
+        if visual.use_kernel:
+            from fovea.kernels.varlen_attention import max_tiles
+
+            self.tile_rows = {size: max_tiles(size, self.unit) for size in buckets}
+        self.inputs: dict[int, tuple[torch.Tensor, dict]] = {}  # bucket -> the static buffers a graph reads
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None  # one memory pool for all buckets' graphs: replays never overlap, outputs are copied out
+
+    def bucket(self, num_patches: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, num_patches)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def warm_up(self) -> None:
+        """Runs (and on a GPU captures) every bucket once, so no shape is compiled while serving."""
+        for size in reversed(self.buckets):  # largest first, so the smaller graphs fit in its pool
+            start = time.perf_counter()
+            self.encode(np.zeros((0, self.visual.cfg.patch_dim), dtype=np.float32), [], size)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            logger.info("vision encoder bucket %d patches: %s in %.2f s", size,
+                        "captured" if size in self.graphs else "warmed up", time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def encode(self, pixels: np.ndarray, grids: list[tuple[int, int, int]], size: int) -> torch.Tensor:
+        """Merged embeddings (num_patches / 4, hidden) of `grids`, computed at bucket `size`."""
+        real = pixels.shape[0]
+        pad = size - real
+        layout_grids = list(grids) + ([(1, 2, pad // 2)] if pad else [])
+        layout = self.visual.layout(layout_grids, self.tile_rows.get(size))
+        padded = np.zeros((size, pixels.shape[1]), dtype=pixels.dtype)
+        padded[:real] = pixels
+        values = torch.from_numpy(padded).to(self.device, self.dtype)
+        if not (self.capture and self.visual.use_kernel):
+            return self.visual.run(values, layout)[:real // self.unit]
+        if size not in self.graphs:
+            self._capture(size, values, layout)
+        static_values, static_layout = self.inputs[size]
+        static_values.copy_(values)
+        for key in ("window_index", "rope_pos"):
+            static_layout[key].copy_(layout[key])
+        for key in ("window_meta", "frame_meta"):
+            static_layout[key].tiles.copy_(layout[key].tiles)
+        self.graphs[size].replay()
+        return self.outputs[size][:real // self.unit].clone()
+
+    def _capture(self, size: int, values: torch.Tensor, layout: dict) -> None:
+        static = {key: layout[key].to(self.device) for key in ("window_index", "rope_pos")}
+        for key in ("window_meta", "frame_meta"):
+            meta = layout[key]
+            static[key] = type(meta)(meta.cu_seqlens.to(self.device), meta.max_seqlen, meta.tiles.to(self.device))
+        values = values.clone()
+        self.visual.run(values, static)  # compiles the kernels before recording
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = self.visual.run(values, static)
+        self.inputs[size], self.graphs[size] = (values, static), graph

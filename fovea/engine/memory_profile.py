@@ -1,0 +1,78 @@
+"""Start-up memory profile: run the heaviest step the limits allow once, then give what is left to the KV cache.
+
+The heaviest step is max_num_batched_tokens prompt tokens through the language model, plus one step's worth of
+the largest image the limits allow through the vision tower (copies of it up to the encoder budget), plus fp32
+logits for max_num_seqs rows. On a GPU its peak allocation above the resident weights is measured; the KV cache
+gets gpu_memory_utilization x the card, less everything in use (weights, CUDA context, other processes), less
+that peak and the encoder cache. It runs before the KV cache exists, so a limit that cannot fit fails at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fovea.engine.config import EngineConfig
+from fovea.layers.attention import AttentionMetadata
+
+logger = logging.getLogger("fovea")
+GIB = 2**30
+
+
+def largest_image_grid(config: EngineConfig) -> tuple[int, int, int]:
+    """(t, h, w) patches of the largest square image max_pixels allows."""
+    from fovea.multimodal.image import ImageProcessorConfig
+
+    image = ImageProcessorConfig.from_dir(config.model_dir).with_overrides(config.mm_processor_kwargs)
+    factor = image.patch_size * image.merge_size
+    side = max(factor, int(image.max_pixels**0.5) // factor * factor) // image.patch_size
+    return 1, side, side
+
+
+def dummy_step(model: torch.nn.Module, config: EngineConfig) -> list[tuple[int, int, int]]:
+    """Runs the heaviest step once (random weights' output is thrown away); returns the image grids encoded."""
+    device, vision = config.device, config.model.vision
+    grid = largest_image_grid(config)
+    patches = grid[0] * grid[1] * grid[2]
+    copies = max(1, config.encoder_budget // (patches // vision.spatial_merge_size**2))
+    grids = [grid] * copies if config.model.image_token_id is not None else []
+    with torch.inference_mode():
+        if grids:
+            pixels = torch.randn(patches * copies, vision.patch_dim, device=device, dtype=config.dtype)
+            model.encode_images(pixels, grids)
+            del pixels
+        tokens = config.max_num_batched_tokens
+        ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        positions = torch.arange(tokens, device=device).expand(3, tokens)
+        hidden = model(ids, positions, AttentionMetadata.from_lengths([tokens], device))
+        rows = hidden[:min(config.max_num_seqs, tokens)]
+        model.compute_logits(rows).float().softmax(-1)  # the sampler works on fp32 probabilities
+    return grids
+
+
+def kv_cache_budget(total: int, free: int, utilization: float, peak_extra: int, reserved: int) -> int:
+    """Bytes for the KV cache: the allowed share of the card, less what is in use now, the step's peak above
+    that, and `reserved` (the encoder cache)."""
+    used = total - free
+    return int(total * utilization - used - peak_extra - reserved)
+
+
+def profile_kv_budget(model: torch.nn.Module, config: EngineConfig) -> int:
+    device = config.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    resident = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    dummy_step(model, config)
+    torch.cuda.synchronize(device)
+    peak_extra = torch.cuda.max_memory_allocated(device) - resident
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    text = config.model.text
+    encoder_cache = config.encoder_cache_size * text.hidden_size * config.dtype.itemsize
+    budget = kv_cache_budget(total, free, config.gpu_memory_utilization, peak_extra, encoder_cache)
+    logger.info("memory profile: %.2f GiB in use (weights %.2f GiB), step peak %.2f GiB, encoder cache %.2f GiB, "
+                "KV cache %.2f GiB of %.2f GiB x %.2f", (total - free) / GIB, resident / GIB, peak_extra / GIB,
+                encoder_cache / GIB, budget / GIB, total / GIB, config.gpu_memory_utilization)
+    return budget
