@@ -131,7 +131,7 @@ def start_server(model: str, port: int, extra: list[str], log: Path) -> subproce
 
 def bench_serve(model: str, port: int, name: str, flags: list[str], out: Path, quick: bool) -> dict:
     if quick:
-        flags = [QUICK.get(prev, flag) if prev in QUICK else flag for prev, flag in zip([""] + flags, flags)]
+        flags = [QUICK.get(prev, flag) for prev, flag in zip([""] + flags, flags)]  # values after QUICK's flags
     cmd = [sys.executable, "-m", "fovea.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
            "--tokenizer", model, "--ignore-eos", "--save-result", "--result-dir", str(out), "--result-filename",
            f"{name}.json", "--label", name, "--disable-tqdm"] + flags

@@ -4,8 +4,7 @@ A decode step of a 7B model is ~28 layers x ~10 kernels of a few microseconds ea
 costs more than running them. A graph records the launches once per batch size and replays them with one call.
 Replays read their inputs from static buffers, so a step copies its token ids, M-RoPE positions (all three axes),
 KV slots, context lengths and block tables into the first rows of those buffers and pads the batch up to the
-nearest captured size: padding rows write nowhere (slot -1) and attend to one key of block 0; their outputs are
-dropped. Prefill steps, steps with images and batches larger than the largest bucket run eagerly.
+nearest captured size: padding rows write nowhere (slot -1) and attend to one key; their outputs are dropped. Prefill steps, steps with images and batches larger than the largest bucket run eagerly.
 
 Without a GPU (`capture=False`) the same buffers and padding run the forward eagerly, which is how CI checks that
 a padded static-buffer step gives the tokens an eager step gives.
@@ -87,8 +86,8 @@ class DecodeGraphs:
         self.slots[n:size].fill_(-1)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.seq_lens[n:size].fill_(1)
+        # padding rows keep an earlier step's table: any block id there is a valid one to read one key from
         self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        self.block_tables[n:size, 0].fill_(0)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

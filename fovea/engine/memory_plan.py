@@ -58,7 +58,7 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
                                                                          if max_pixels else None)
     factor = processor.patch_size * processor.merge_size
     images = []
-    for width, height in IMAGE_SIZES + [(_largest_side(processor.max_pixels, factor),) * 2]:
+    for width, height in IMAGE_SIZES + [(largest_side(processor.max_pixels, factor),) * 2]:
         h, w = smart_resize(height, width, factor, processor.min_pixels, processor.max_pixels)
         tokens = (h // factor) * (w // factor)
         patches = tokens * processor.merge_size**2
@@ -71,7 +71,7 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
     return MemoryPlan(weights, kv_per_token, lm, images, max(0, int(budget // kv_per_token)), max_model_len)
 
 
-def _largest_side(max_pixels: int, factor: int) -> int:
+def largest_side(max_pixels: int, factor: int) -> int:
     """The side of the largest square image max_pixels allows (what the limits let one image cost)."""
     return int(max_pixels**0.5) // factor * factor
 

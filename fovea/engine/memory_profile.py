@@ -22,11 +22,12 @@ GIB = 2**30
 
 def largest_image_grid(config: EngineConfig) -> tuple[int, int, int]:
     """(t, h, w) patches of the largest square image max_pixels allows."""
+    from fovea.engine.memory_plan import largest_side
     from fovea.multimodal.image import ImageProcessorConfig
 
     image = ImageProcessorConfig.from_dir(config.model_dir).with_overrides(config.mm_processor_kwargs)
     factor = image.patch_size * image.merge_size
-    side = max(factor, int(image.max_pixels**0.5) // factor * factor) // image.patch_size
+    side = max(factor, largest_side(image.max_pixels, factor)) // image.patch_size
     return 1, side, side
 
 
@@ -36,12 +37,9 @@ def dummy_step(model: torch.nn.Module, config: EngineConfig) -> list[tuple[int, 
     grid = largest_image_grid(config)
     patches = grid[0] * grid[1] * grid[2]
     copies = max(1, config.encoder_budget // (patches // vision.spatial_merge_size**2))
-    grids = [grid] * copies if config.model.image_token_id is not None else []
+    grids = [grid] * copies
     with torch.inference_mode():
-        if grids:
-            pixels = torch.randn(patches * copies, vision.patch_dim, device=device, dtype=config.dtype)
-            model.encode_images(pixels, grids)
-            del pixels
+        model.encode_images(torch.randn(patches * copies, vision.patch_dim, device=device, dtype=config.dtype), grids)
         tokens = config.max_num_batched_tokens
         ids = torch.zeros(tokens, dtype=torch.long, device=device)
         positions = torch.arange(tokens, device=device).expand(3, tokens)

@@ -125,8 +125,7 @@ class ModelRunner:
         grids = [item.grid_thw for item in batch.encode]
         bucket = self.encoder_buckets and self.encoder_buckets.bucket(pixels.shape[0])
         if bucket:
-            merged = self.encoder_buckets.encode(pixels, grids, bucket)
-            embeddings = merged.split([t * h * w // self.encoder_buckets.unit for t, h, w in grids])
+            embeddings = self.model.split_by_item(self.encoder_buckets.encode(pixels, grids, bucket), grids)
         else:
             embeddings = self.model.encode_images(torch.from_numpy(pixels).to(self.device, self.config.dtype), grids)
         for item, rows in zip(batch.encode, embeddings):

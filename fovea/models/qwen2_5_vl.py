@@ -255,7 +255,9 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """Runs the vision tower once over several items; returns one (num_tokens_i, hidden) tensor per item."""
-        merged = self.visual(pixel_values, grids)
+        return self.split_by_item(self.visual(pixel_values, grids), grids)
+
+    def split_by_item(self, merged: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         unit = self.config.vision.spatial_merge_size ** 2
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
