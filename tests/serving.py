@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -20,14 +22,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, *flags: str, startup_s: float = 120):
+def running_server(model_dir, *flags: str, startup_s: float = 120, env: dict | None = None):
     """Yields (base URL, process); on exit sends SIGTERM and checks the exit is clean. The output is kept in
     `process.output` once it has stopped."""
     port = free_port()
     cmd = [sys.executable, "-m", "fovea.cli", "serve", str(model_dir), "--port", str(port),
            "--uvicorn-log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + startup_s
     while True:
@@ -56,3 +58,33 @@ def metric(base: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+@contextlib.contextmanager
+def drip_host(interval_s: float):
+    """An image host that sends headers, then one byte every `interval_s` for as long as the client stays.
+    Yields (base URL, an event set when a client hangs up)."""
+    closed = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000000")
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b"\xff")
+                    self.wfile.flush()
+                    time.sleep(interval_s)
+            except OSError:
+                closed.set()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", closed
+    finally:
+        server.shutdown()

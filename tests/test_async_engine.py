@@ -88,23 +88,109 @@ def test_a_failing_request_fails_alone(tiny_dirs):
             broken, refused, fine = await asyncio.gather(chat("boom"), chat("hi", n=400), chat("hi"))
         return await running, broken, refused, fine
 
-    async def engine_dies():
-        with pytest.raises(EngineDeadError, match="engine process exited"):
+    async def engine_dies_and_comes_back():
+        old_pid = engine.process.pid
+        with pytest.raises(EngineDeadError, match="stopped unexpectedly"):
             async for _ in engine.generate(prompt=LOREM, sampling_params=PARAMS.clone(max_tokens=1000)):
                 engine.process.kill()  # mid-stream
-        with pytest.raises(EngineDeadError):
-            await collect(engine, "too late", prompt="hi")
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://fovea") as client:
-            return (await client.get("/health")).status_code, (await client.post("/v1/completions", json={
-                "prompt": "hi"})).status_code
+            deadline = time.time() + 120
+            while (await client.get("/health")).status_code != 200 and time.time() < deadline:
+                await asyncio.sleep(0.2)  # 503 while the new engine starts
+            reply = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        return engine.process.pid != old_pid, reply.status_code, reply.json()
 
     try:
         (tokens, _, reason), broken, refused, fine = asyncio.run(main())
-        assert asyncio.run(engine_dies()) == (503, 503)  # in flight or new, callers hear it; /health says so
+        restarted, status, reply = asyncio.run(engine_dies_and_comes_back())
+        assert restarted and status == 200 and reply["usage"]["completion_tokens"] == 3, reply
+        assert engine.restarts and engine.error is None
     finally:
         engine.shutdown()
     assert broken.status_code == 500 and "injected failure" in broken.json()["error"]["message"]
-    assert refused.status_code == 400 and "KV blocks" in refused.json()["error"]["message"]
+    assert refused.status_code == 400 and "max_num_seqs" in refused.json()["error"]["message"]
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 3
+    assert reason == "length" and len(tokens) == 20
+
+
+def test_an_engine_that_keeps_dying_is_given_up(tiny_dirs):
+    """Past its restart budget the engine stays down: callers get 503 without a traceback, and on_fatal tells
+    the server to exit (fovea serve then exits non-zero)."""
+    import httpx
+
+    from fovea.engine.config import EngineConfig
+    from fovea.server.app import ServerOptions, build_app
+
+    engine = AsyncLLM(EngineConfig.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS), max_restarts=0)
+    fatal = []
+    engine.on_fatal = lambda: fatal.append(True)
+    app = build_app(engine, ServerOptions(["tiny"]))
+
+    async def main():
+        engine.process.kill()
+        deadline = time.time() + 30
+        while not fatal and time.time() < deadline:
+            await asyncio.sleep(0.05)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fovea") as client:
+            return await client.get("/health"), await client.post("/v1/completions", json={"prompt": "hi"})
+
+    try:
+        health, completion = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert fatal == [True]
+    for response in (health, completion):
+        assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
+        assert "Traceback" not in response.text and ".py" not in response.text
+
+
+def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
+    """When the engine reports that a step failed for a request, a streaming client gets an OpenAI-shaped error
+    event and [DONE] (not a cut connection), a waiting one a 500; the other requests go on."""
+    import json
+
+    import httpx
+
+    from fovea.server.app import ServerOptions, build_app
+
+    engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+    app = build_app(engine, ServerOptions(["tiny"]))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True}
+
+    async def fail_the_newest_request(after_s=0.0):
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            fresh = [rid for rid in engine._streams if rid not in seen]
+            if fresh:
+                seen.update(fresh)
+                await asyncio.sleep(after_s)  # > 0: once tokens are streaming
+                engine._on_message(("error", fresh, "RuntimeError: injected"))  # as engine_core sends it
+                return
+            await asyncio.sleep(0.01)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fovea", timeout=60) as client:
+            bystander = asyncio.create_task(collect(engine, "bystander", prompt=LOREM))
+            await asyncio.sleep(0.2)
+            seen.add("bystander")
+            failing = asyncio.create_task(fail_the_newest_request(0.5))  # the transport hands over whole bodies
+            async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+            await failing
+            waiting, _ = await asyncio.gather(client.post("/v1/chat/completions", json=body),
+                                              fail_the_newest_request())
+            return events, waiting, await bystander
+
+    seen: set[str] = set()
+    try:
+        events, waiting, (tokens, _, reason) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    error = json.loads(events[-2][6:])["error"]
+    assert events[-1] == "data: [DONE]" and error["code"] == 500 and "injected" in error["message"], events[-3:]
+    assert len(events) > 4 and all('"content"' in e for e in events[1:-2])  # it was streaming tokens
+    assert waiting.status_code == 500 and "injected" in waiting.json()["error"]["message"]
     assert reason == "length" and len(tokens) == 20

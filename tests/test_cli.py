@@ -31,6 +31,8 @@ def test_tiny_command_and_errors(tmp_path):
     missing = run_fovea("demo", str(tmp_path / "nowhere"))
     assert missing.returncode != 0 and "neither a local directory nor a hub id" in missing.stderr
     assert run_fovea("--version").stdout.strip()
+    as_module = subprocess.run([sys.executable, "-m", "fovea", "--version"], capture_output=True, text=True)
+    assert as_module.returncode == 0 and as_module.stdout.strip() == run_fovea("--version").stdout.strip()
 
 
 def test_serve_flags_help_and_errors():
@@ -39,7 +41,8 @@ def test_serve_flags_help_and_errors():
     assert _json_arg('{"image": 4}') == _json_arg("image=4") == {"image": 4}
     assert _json_arg("image=2, video=0") == {"image": 2, "video": 0}
     shown = run_fovea("serve", "--help").stdout
-    for group, flag in (("server", "--served-model-name"), ("images", "--limit-mm-per-prompt"),
+    for group, flag in (("server", "--served-model-name"), ("server", "--trust-request-chat-template"),
+                        ("images", "--limit-mm-per-prompt"),
                         ("engine", "--enable-prefix-caching")):
         assert f"\n{group}:" in shown and flag in shown
     bad_json = run_fovea("serve", "--limit-mm-per-prompt", "image:four")

@@ -3,6 +3,7 @@ address actually connected to."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import socket
 import threading
@@ -12,7 +13,13 @@ import pytest
 
 from conftest import jpeg_bytes, random_image
 from fovea.multimodal.image import load_image
-from fovea.server.media import MediaPolicy, fetch_media
+from serving import drip_host
+from fovea.server.media import MediaPolicy
+from fovea.server.media import fetch_media as fetch_media_async
+
+
+def fetch_media(*args, **kwargs):
+    return asyncio.run(fetch_media_async(*args, **kwargs))
 
 PICTURE = jpeg_bytes(random_image(90, 60, 3))
 
@@ -70,7 +77,7 @@ def test_load_image_fetches_http_urls(image_host):
 
 
 def test_private_addresses_are_refused_where_the_connection_goes(image_host, names_resolve_to_loopback):
-    with pytest.raises(ValueError, match=r"non-public address \(127.0.0.1\)"):
+    with pytest.raises(ValueError, match="non-public address"):
         fetch_media(chat(f"http://images.test:{image_host}/cat.jpg"), MediaPolicy())
     with pytest.raises(ValueError, match="non-public address"):
         fetch_media(chat(f"http://[::1]:{image_host}/cat.jpg"), MediaPolicy())
@@ -87,3 +94,100 @@ def test_allowed_domains_may_be_private_and_bind_redirects_too(image_host, names
         fetch_media(chat(f"http://images.test:{image_host}/away"), policy)
     with pytest.raises(ValueError, match="limit_mm_per_prompt allows 1"):
         fetch_media(chat(data_url, data_url), policy, max_images=1)
+
+
+@pytest.mark.parametrize("address,public", [
+    ("8.8.8.8", True), ("2606:4700:4700::1111", True), ("2002:808:808::", True), ("64:ff9b::808:808", True),
+    ("127.0.0.1", False), ("10.1.2.3", False), ("169.254.169.254", False), ("100.64.0.1", False),
+    ("100.100.100.200", False), ("198.18.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
+    ("::1", False), ("::ffff:127.0.0.1", False), ("::ffff:10.0.0.1", False), ("2002:7f00:1::", False),
+    ("2002:a00:1::", False), ("64:ff9b::a9fe:a9fe", False), ("fc00::1", False), ("fe80::1", False),
+])
+def test_only_public_addresses_pass(address, public):
+    """Carrier-grade NAT (Alibaba Cloud's metadata service sits at 100.100.100.200) and IPv6 forms that carry a
+    private IPv4 address (mapped, 6to4, NAT64) are refused like the private ranges themselves."""
+    import ipaddress
+
+    from fovea.server.media import check_address
+
+    if public:
+        check_address(ipaddress.ip_address(address))
+    else:
+        with pytest.raises(ValueError, match="non-public address"):
+            check_address(ipaddress.ip_address(address))
+
+
+@pytest.fixture
+def slow_host():
+    with drip_host(0.2) as (url, closed):
+        yield int(url.rsplit(":", 1)[1]), closed
+
+
+def test_downloads_have_one_deadline_and_stop_when_cancelled(slow_host, monkeypatch):
+    import time
+
+    port, closed = slow_host
+    monkeypatch.setenv("FOVEA_IMAGE_FETCH_TIMEOUT", "1")
+    policy = MediaPolicy(allowed_media_domains=["127.0.0.1"])
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="could not fetch image"):  # bytes keep coming: no read ever times out
+        fetch_media(chat(f"http://127.0.0.1:{port}/a.jpg", f"http://127.0.0.1:{port}/b.jpg"), policy)
+    assert time.monotonic() - start < 3  # one deadline for all of them, not 1 s per read or per image
+
+    monkeypatch.setenv("FOVEA_IMAGE_FETCH_TIMEOUT", "60")
+    closed.clear()
+
+    async def client_leaves():
+        task = asyncio.ensure_future(fetch_media_async(chat(f"http://127.0.0.1:{port}/c.jpg"), policy))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    start = time.monotonic()
+    asyncio.run(client_leaves())
+    assert closed.wait(5) and time.monotonic() - start < 5  # the download was cut, not left to run 60 s
+
+
+def test_upstream_failures_all_read_the_same(image_host):
+    """The server's messages do not tell a missing file from a closed port (or any other upstream state)."""
+    policy = MediaPolicy(allowed_media_domains=["127.0.0.1"])
+    closed_port = socket.socket()
+    closed_port.bind(("127.0.0.1", 0))
+    urls = [f"http://127.0.0.1:{image_host}/missing.jpg", f"http://127.0.0.1:{closed_port.getsockname()[1]}/a.jpg"]
+    messages = []
+    for url in urls:
+        with pytest.raises(ValueError) as error:
+            fetch_media(chat(url), policy)
+        messages.append(str(error.value).replace(url, "URL"))
+    closed_port.close()
+    assert messages == ["could not fetch image URL"] * 2
+
+
+def test_local_files_cannot_escape_by_swapping_a_path(tmp_path, monkeypatch):
+    """The path is checked, then a directory on it is swapped for a symlink to outside before the open: the
+    check on the opened descriptor refuses it (the old check-then-open read the outside file)."""
+    import os
+
+    from fovea.multimodal.fetch import read_local_file
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "dir").mkdir(parents=True)
+    outside.mkdir()
+    (root / "dir" / "cat.jpg").write_bytes(PICTURE)
+    (outside / "cat.jpg").write_bytes(b"secret")
+    assert read_local_file(root / "dir" / "cat.jpg", root) == PICTURE
+    real_open = os.open
+
+    def swapped_open(path, *args, **kwargs):
+        (root / "dir").rename(root / "old")
+        (root / "dir").symlink_to(outside)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swapped_open)
+    with pytest.raises(ValueError, match="must be under"):
+        read_local_file(root / "dir" / "cat.jpg", root)
+    monkeypatch.undo()
+    fifo = root / "pipe.jpg"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):  # opening it does not block
+        read_local_file(fifo, root)

@@ -119,3 +119,72 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
 def test_invalid_parameters_are_rejected_with_their_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
         SamplingParams(**bad)
+
+
+def mixed_rows(vocab: int):
+    """Logits and rows of every kind the sampler distinguishes: peaked and flat rows, top_k small and beyond the
+    candidate limit, top_p alone (settled among the candidates or not), min_p, and combinations."""
+    torch.manual_seed(3)
+    peaked = torch.randn(vocab)
+    peaked[torch.randperm(vocab)[:20]] += 12  # the mass sits in 20 tokens, as in a language model
+    flat = torch.randn(vocab) * 0.1  # no 256 tokens cover 90 %
+    cases = [(peaked, dict(top_p=0.9)), (flat, dict(top_p=0.9)), (flat, dict(top_k=7)),
+             (peaked, dict(top_k=50, top_p=0.5)), (flat, dict(top_k=3000, top_p=0.95)),
+             (peaked, dict(min_p=0.1, top_p=0.99)), (peaked, dict(top_k=5, min_p=0.3)), (flat, dict(top_k=1))]
+    logits = torch.stack([row for row, _ in cases])
+    return logits, [SampleRow(SamplingParams(temperature=0.8, **kw), [1, 2], 1, None, ()) for _, kw in cases]
+
+
+def test_candidate_filters_equal_the_whole_vocabulary_filters():
+    from fovea.engine.sampler import MAX_CANDIDATE_TOP_K, filter_candidates, filter_logits
+
+    vocab = 5000
+    logits, batch = mixed_rows(vocab)
+    temperature = torch.full((len(batch),), 0.8)
+    reference = filter_logits(logits / 0.8, batch).softmax(-1)
+    narrowed = [i for i, r in enumerate(batch) if r.params.top_k <= MAX_CANDIDATE_TOP_K and r.params.top_k
+                or r.params.top_p < 1 and not r.params.top_k]
+    values, ids, settled = filter_candidates(logits[narrowed], temperature[narrowed], [batch[i] for i in narrowed])
+    assert settled.tolist() == [True, False, True, True, True, True, True]  # both outcomes happen
+    for row, (i, ok) in enumerate(zip(narrowed, settled.tolist())):
+        if ok:
+            probs = torch.zeros(vocab).index_put_((ids[row],), values[row].softmax(-1), accumulate=True)
+            assert torch.allclose(probs, reference[i], atol=1e-6), i
+
+
+def test_seeded_rows_draw_the_same_token_on_either_path():
+    """A seeded row draws a whole vocabulary of noise from its generator on the candidate path too, so its
+    tokens are those of the plain whole-vocabulary draw (the path taken may depend on the batch)."""
+    from fovea.engine.sampler import filter_logits
+
+    vocab = 5000
+    logits, batch = mixed_rows(vocab)
+    for i in range(len(batch)):
+        row = SampleRow(batch[i].params.clone(seed=11), [1, 2], 1, torch.Generator().manual_seed(11), ())
+        mirror = torch.Generator().manual_seed(11)
+        probs = filter_logits(logits[i:i + 1] / 0.8, [row]).softmax(-1)[0]
+        sampler = Sampler()
+        for _ in range(5):
+            token = int(sampler(logits[i:i + 1], [row]).token_ids[0])
+            expected = int((probs / torch.empty(vocab).exponential_(generator=mirror)).argmax())
+            assert token == expected, i
+
+
+def test_sparse_penalties_equal_dense_ones():
+    torch.manual_seed(5)
+    vocab = 300
+    logits = torch.randn(4, vocab) * 3
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2),
+              SamplingParams(repetition_penalty=0.7), SamplingParams(), SamplingParams(frequency_penalty=1.0)]
+    batch = [SampleRow(p, torch.randint(0, vocab, (50,)).tolist(), 30, None, ()) for p in params]
+    got = apply_penalties_and_bias(logits, batch)
+    for row, (r, expected) in enumerate(zip(batch, logits.clone())):  # the definitions, written out per token
+        p = r.params
+        outputs = r.output_ids
+        for token in set(r.token_ids):
+            value = expected[token]
+            value = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+            count = outputs.count(token)
+            expected[token] = value - p.frequency_penalty * count - p.presence_penalty * (count > 0)
+        assert torch.allclose(got[row], expected, atol=1e-6), row
+    assert not torch.equal(got, logits)  # the input is left alone

@@ -105,9 +105,54 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
          "limit_mm_per_prompt"),
         ("unknown mm_processor_kwargs", chat, chat_with(image(good), TEXT, mm_processor_kwargs={"size": 3}), 400,
          "unsupported mm_processor_kwargs"),
-        ("chat template raises", chat, {"model": "tiny", "messages": HELLO,
-                                        "chat_template": "{{ raise_exception('no system role here') }}"}, 400,
-         "no system role here"),
+        ("request chat template without the trust flag", chat,
+         {"model": "tiny", "messages": HELLO, "chat_template": "{{ messages }}"}, 400, "--trust-request-chat-template"),
+        # one request must never kill the engine: everything is checked at admission
+        ("n above max_num_seqs", chat, {"model": "tiny", "messages": HELLO, "n": 257}, 400, "max_num_seqs"),
+        ("n above max_num_seqs (completions)", completions, {"model": "tiny", "prompt": "hi", "n": 257}, 400,
+         "max_num_seqs"),
+        ("top_k beyond int64", chat, {"model": "tiny", "messages": HELLO, "top_k": 10 ** 20}, 400, "64-bit"),
+        ("seed beyond int64", chat, {"model": "tiny", "messages": HELLO, "seed": 2 ** 64}, 400, "seed"),
+        ("stop_token_ids out of vocabulary", chat, {"model": "tiny", "messages": HELLO, "temperature": 0,
+                                                    "stop_token_ids": [1000000], "min_tokens": 2}, 400,
+         "stop_token_ids has token id 1000000"),
+        ("logit_bias id out of vocabulary", chat, {"model": "tiny", "messages": HELLO,
+                                                   "logit_bias": {"1000000": 1}}, 400, "logit_bias has token id"),
+        # cheap rejections: a 12-megapixel photo over max_model_len is refused from its header alone (this PNG
+        # holds no pixel data: decoding it would fail), as are mm_processor_kwargs beyond the server's max_pixels
+        ("12 MP photo longer than max_model_len", chat, chat_with(image(data_url(png(4000, 3000))), TEXT), 400,
+         "maximum model length"),
+        ("min_pixels blow-up on a 1x1 image", chat, chat_with(image(data_url(png(1, 1, b"\x00" * 4))), TEXT,
+                                                              mm_processor_kwargs={"min_pixels": 40_000_000}), 400,
+         "maximum model length"),
+        ("max_pixels 1e12 on an 8192x8192 image", chat, chat_with(image(data_url(png(8192, 8192))), TEXT,
+                                                                   mm_processor_kwargs={"max_pixels": 10 ** 12}), 400,
+         "maximum model length"),
+        ("text beyond the character bound", chat, {"model": "tiny", "messages": [
+            {"role": "user", "content": "x" * 70_000}]}, 400, "(length at least"),
+        ("tokenize beyond the character bound", "/tokenize", {"model": "tiny", "prompt": "x" * 70_000}, 400,
+         "maximum model length"),
+        ("non-string role", chat, {"model": "tiny", "messages": [{"role": 5, "content": "hi"}]}, 400, "role"),
+        ("non-string text part", chat, chat_with({"type": "text", "text": 5}), 400, "'text' must be a string"),
+        ("lone surrogate", chat, b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+         "surrogate"),
+        ("NaN logit_bias", chat, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                 b'"logit_bias": {"5": NaN}}', 400, "finite"),
+        ("infinite temperature", chat, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                       b'"temperature": 1e999}', 400, "finite"),
+        ("too many stop strings", chat, {"model": "tiny", "messages": HELLO, "stop": [str(i) for i in range(65)]}, 400,
+         "at most 64"),
+        ("stop string too long", chat, {"model": "tiny", "messages": HELLO, "stop": ["x" * 1001]}, 400, "characters"),
+        ("too many stop_token_ids", chat, {"model": "tiny", "messages": HELLO, "stop_token_ids": list(range(1025))},
+         400, "at most 1024"),
+        ("too many prompts", completions, {"model": "tiny", "prompt": ["a"] * 1025}, 400, "at most 1024"),
+        ("carrier-grade NAT address (cloud metadata)", chat, chat_with(image("http://100.100.100.200/latest"), TEXT),
+         400, "non-public address"),
+        ("IPv4-mapped loopback", chat, chat_with(image("http://[::ffff:127.0.0.1]:9/a.png"), TEXT), 400,
+         "non-public address"),
+        ("6to4 loopback", chat, chat_with(image("http://[2002:7f00:1::]:9/a.png"), TEXT), 400, "non-public address"),
+        ("detokenize more than max_model_len ids", "/detokenize", {"model": "tiny", "tokens": [1] * 513}, 400,
+         "max_model_len"),
         ("body over --max-request-body-mb", chat, {"model": "tiny", "messages": HELLO, "pad": "x" * (1 << 20)}, 413,
          "larger than"),
         ("prompt longer than max_model_len", completions, {"model": "tiny", "prompt": list(range(1, 600))}, 400,
@@ -135,11 +180,17 @@ def test_bad_input_table(server, media):
         if response.status_code != status or message not in str(error.get("message")) \
                 or set(error) != {"message", "type", "param", "code"} or error.get("code") != status:
             failures.append(f"{name}: {response.status_code} {response.text[:300]}")
+        if ".py" in response.text or "Traceback" in response.text:  # no source paths, no tracebacks
+            failures.append(f"{name} names source files: {response.text[:300]}")
     assert not failures, "\n".join(failures)
-    for headers in ({}, {"Authorization": "Bearer wrong"}):  # every /v1 route wants the key
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):  # every /v1 route, /tokenize and /detokenize want the key
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                             ("POST", "/tokenize"), ("POST", "/detokenize")):
             response = httpx.request(method, server + path, headers=headers, json={})
             assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError"
+    for method, path, status in (("GET", "/v1/chat/completions", 405), ("POST", "/v1/nothing", 404)):
+        error = httpx.request(method, server + path, headers=AUTH).json()["error"]
+        assert error["code"] == status and error["type"] in ("MethodNotAllowedError", "NotFoundError"), error
     chunked = httpx.post(server + "/v1/chat/completions", headers=AUTH,  # no Content-Length: counted as it comes
                          content=(b"x" * (1 << 16) for _ in range(20)))
     assert chunked.status_code == 413
@@ -214,3 +265,10 @@ def test_metrics_report_requests_latencies_and_caches(server):
     assert metric(server, 'fovea:request_success_total{finished_reason="length",model_name="tiny"}') == stopped + 3
     assert 0 <= value("fovea:kv_cache_usage_perc") <= 1 and value("fovea:kv_cache_total_blocks") == 200
     assert value("fovea:num_requests_waiting") == 0
+
+
+def test_logit_bias_is_clamped_to_openais_range():
+    from fovea.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(messages=HELLO, logit_bias={"5": 1000, "6": -250.5, "7": 3})
+    assert body.to_sampling_params({}).logit_bias == {5: 100.0, 6: -100.0, 7: 3.0}

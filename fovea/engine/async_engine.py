@@ -1,169 +1,208 @@
 """The engine as a server uses it: the engine steps in its own process while asyncio callers add, stream and
 abort requests from this one.
 
-`generate()` prepares the request here, in a worker thread (chat template, tokenization, image download,
-decoding and resizing), so neither the event loop nor the engine waits for it; then ships the ready Request to
-the engine process (engine_core) and yields the request's outputs as they come back. Leaving the iteration
-early (a client disconnects) aborts the request, which frees its KV blocks. If the engine process dies, every
-waiting caller gets EngineDeadError and /health says so.
+`generate()` prepares the request here, in a small pool of worker threads (chat template, tokenization, image
+decoding and resizing; one job per API request, so a request with many prompts takes one thread, not all), then
+ships the ready Request to the engine process and yields its outputs as they come back. Leaving the iteration
+early (a client disconnects) aborts the request, which frees its KV blocks.
+
+Failures stay as small as they can: a request the engine refuses raises ValueError in its own stream; a step
+that fails raises RequestFailed in the streams of the requests it ran; if the engine process dies, every stream
+in flight gets EngineDeadError and a new process is started (at most `max_restarts` in `RESTART_WINDOW_S`; after
+that `on_fatal` is called so that the server can exit instead of answering 503 forever). Callers see short
+messages; tracebacks go to the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
 import itertools
 import logging
-import multiprocessing
-import queue
-import threading
+import os
 import time
 from typing import AsyncIterator, Callable
 
 from fovea.engine.config import EngineConfig
-from fovea.engine.engine_core import run_engine_core
+from fovea.engine.engine_process import EngineProcess
 from fovea.engine.input_processor import InputProcessor
-from fovea.engine.request import RequestOutput
+from fovea.engine.request import Request, RequestOutput
 from fovea.engine.sampling_params import SamplingParams, default_sampling_params
 from fovea.engine.stats import EngineStats
 
+logger = logging.getLogger("fovea")
+RESTART_WINDOW_S = 600.0
+
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine is not running (it died and is restarting, or gave up): 503."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine hit an error while running this request (a bug or a device error): 500."""
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, on_stats: Callable[[EngineStats], None] | None = None,
-                 startup_timeout: float = 600.0):
-        import torch
-
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of threads or CUDA state
-        command_reader, self._commands = context.Pipe(duplex=False)
-        self._results, result_writer = context.Pipe(duplex=False)
-        self.process = context.Process(target=run_engine_core, name="fovea-engine", daemon=True,
-                                       args=(config, command_reader, result_writer, torch.get_num_threads()))
-        self.process.start()
-        command_reader.close()
-        result_writer.close()
-        self.config = self._wait_until_ready(startup_timeout)  # max_model_len may have shrunk to the KV cache
+                 startup_timeout: float = 600.0, max_restarts: int = 3, prepare_threads: int | None = None):
+        self._start_config, self._startup_timeout = config, startup_timeout
+        self._engine = EngineProcess(config, self._on_message, self._on_exit, startup_timeout)
+        self.config = self._engine.config
         self.inputs = InputProcessor(self.config)
         self.tokenizer = self.inputs.tokenizer
         self.default_params = default_sampling_params(self.config.model_dir)
         self.stats = EngineStats()
         self.on_stats = on_stats
-        self.error: str | None = None
+        self.on_fatal: Callable[[], None] | None = None  # the engine cannot be brought back
+        self.error: str | None = None  # why the engine is not serving now, in words for clients
+        self.max_restarts = max_restarts
+        self.restarts: list[float] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Python's default pool size: decoding and resizing images release the GIL, so threads help up to the cores
+        threads = prepare_threads or min(32, (os.cpu_count() or 1) + 4)
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(threads, "fovea-prepare")
         self._stopped = False
-        # Sending a request with large pixel arrays can block until the engine reads it between steps: a thread
-        # does it, not the event loop. Another thread hands results to the streams' event loops.
-        threading.Thread(target=self._send_loop, name="fovea-engine-send", daemon=True).start()
-        threading.Thread(target=self._receive_loop, name="fovea-engine-receive", daemon=True).start()
+        # runs before multiprocessing's own exit handler ends the engine process, which would look like a death
+        atexit.register(self.shutdown)
 
     @classmethod
-    def from_args(cls, model: str | None = None, on_stats=None, **engine_args) -> "AsyncLLM":
-        return cls(EngineConfig.from_args(model, **engine_args), on_stats)
+    def from_args(cls, model: str | None = None, on_stats=None, max_restarts: int = 3, **engine_args) -> "AsyncLLM":
+        return cls(EngineConfig.from_args(model, **engine_args), on_stats, max_restarts=max_restarts)
 
-    def _wait_until_ready(self, timeout: float) -> EngineConfig:
-        deadline = time.monotonic() + timeout
-        while not self._results.poll(0.2):
-            if not self.process.is_alive() or time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError(f"the engine process did not start (exit code {self.process.exitcode})")
-        kind, payload = self._results.recv()
-        if kind != "ready":
-            self.process.join(timeout=10)
-            raise RuntimeError(f"the engine failed to start:\n{payload}")
-        return payload
+    @property
+    def process(self):
+        return self._engine.process
+
+    async def run_in_pool(self, fn, *args):
+        """Runs front-end preparation work (templating, tokenizing, decoding images) in the bounded pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
 
     async def generate(self, prompt=None, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, messages: list[dict] | None = None,
-                       mm_processor_kwargs: dict | None = None,
-                       chat_template: str | None = None) -> AsyncIterator[RequestOutput]:
+                       mm_processor_kwargs: dict | None = None, chat_template: str | None = None,
+                       add_generation_prompt: bool = True) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request: `prompt` in any form LLM.generate takes, or chat `messages`.
         Bad input raises ValueError here, before anything reaches the engine."""
         self._check_alive()
         arrival = time.time()  # latencies count the preparation below
-        request_id = request_id or f"req-{next(self._ids)}"
+        request = await self.run_in_pool(self._make_request, request_id or f"req-{next(self._ids)}", prompt,
+                                         messages, sampling_params, mm_processor_kwargs, chat_template,
+                                         add_generation_prompt, arrival)
+        async for output in self.stream(request):
+            yield output
+
+    async def prepare_many(self, prompts: list, sampling_params: SamplingParams, request_id: str,
+                           mm_processor_kwargs: dict | None = None) -> list[Request]:
+        """Requests `{request_id}-{i}` for several prompts, prepared in one pool job; prompt i waits behind the
+        first prompts of requests that arrive later (fair_rank)."""
+        self._check_alive()
+        arrival = time.time()
+
+        def make_all():
+            return [self._make_request(f"{request_id}-{i}", prompt, None, sampling_params, mm_processor_kwargs,
+                                       None, True, arrival, i) for i, prompt in enumerate(prompts)]
+
+        return await self.run_in_pool(make_all)
+
+    def _make_request(self, request_id, prompt, messages, params, mm_processor_kwargs, chat_template,
+                      add_generation_prompt, arrival, fair_rank=0) -> Request:
+        processed = (self.inputs.process_chat(messages, mm_processor_kwargs, chat_template, add_generation_prompt)
+                     if messages is not None else self.inputs.process(prompt, mm_processor_kwargs))
+        return self.inputs.make_request(request_id, processed, params or self.default_params, arrival, fair_rank)
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Sends a prepared request to the engine and yields its outputs; leaving early aborts it."""
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        request = await asyncio.to_thread(self._make_request, request_id, prompt, messages,
-                                          sampling_params or self.default_params, mm_processor_kwargs,
-                                          chat_template, arrival)
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._outbox.put(("add", request))
         finished = False
+        engine = self._engine
         try:
-            self._check_alive()  # after registering: a death from now on reaches this stream
+            # in this order: a death noticed before the registration makes the check fail, one after it reaches
+            # this stream; and the request goes to the engine that is current after the check
+            self._check_alive()
+            engine = self._engine
+            engine.send(("add", request))
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
-                    finished = True  # nothing left to abort
                     raise item
                 finished = item.finished
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self.abort(request_id)
-
-    def _make_request(self, request_id, prompt, messages, params, mm_processor_kwargs, chat_template, arrival):
-        processed = (self.inputs.process_chat(messages, mm_processor_kwargs, chat_template) if messages is not None
-                     else self.inputs.process(prompt, mm_processor_kwargs))
-        return self.inputs.make_request(request_id, processed, params, arrival)
+                engine.send(("abort", [request_id]))  # harmless if the engine never had it
 
     def abort(self, request_id: str) -> None:
-        self._outbox.put(("abort", [request_id]))
+        self._engine.send(("abort", [request_id]))
 
     def _check_alive(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self.error}")
+            raise EngineDeadError(self.error)
 
     def shutdown(self) -> None:
         """Aborts what is running and stops the engine process."""
         if self._stopped:
             return
         self._stopped = True
-        self._outbox.put(("shutdown", None))
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self._engine.stop()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------------------------------ pipe threads
+    # ------------------------------------------------------------------- messages from the engine process
 
-    def _send_loop(self) -> None:
-        while True:
-            message = self._outbox.get()
-            try:
-                self._commands.send(message)
-            except (BrokenPipeError, OSError):
-                return  # the engine is gone; the receive loop reports it
-            if message[0] == "shutdown":
-                return
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            _, outputs, self.stats = message
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            if self.on_stats is not None:
+                try:
+                    self.on_stats(self.stats)
+                except Exception:  # noqa: BLE001 - metrics must never stop the outputs
+                    logger.exception("the stats callback failed")
+        elif kind == "rejected":
+            self._deliver(message[1], ValueError(message[2]))
+        elif kind == "error":
+            for request_id in message[1]:
+                self._deliver(request_id, RequestFailed(f"the engine failed while running this request "
+                                                        f"({message[2]}); see the server log"))
 
-    def _receive_loop(self) -> None:
+    def _on_exit(self, engine: EngineProcess, reason: str) -> None:
+        """Runs in the dead engine's receive thread: fails the streams in flight, then starts a new engine."""
+        if engine is not self._engine or self._stopped:
+            return
+        logger.error("the engine process stopped: %s", reason)
+        self.error = "the engine stopped unexpectedly and is restarting; retry shortly"
+        self._fail_all(EngineDeadError("the engine stopped unexpectedly; this request was not completed"))
+        self._on_message(("outputs", [], EngineStats()))  # nothing runs now: the gauges say so
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        if len(self.restarts) >= self.max_restarts:
+            return self._give_up(f"the engine stopped {len(self.restarts) + 1} times in {RESTART_WINDOW_S:.0f} s")
+        self.restarts.append(now)
         try:
-            while True:
-                message = self._results.recv()
-                if message[0] == "outputs":
-                    _, outputs, self.stats = message
-                    for output in outputs:
-                        self._deliver(output.request_id, output)
-                    if self.on_stats is not None:
-                        try:
-                            self.on_stats(self.stats)
-                        except Exception:  # noqa: BLE001 - metrics must never stop the outputs
-                            logging.getLogger(__name__).exception("the stats callback failed")
-                elif message[0] == "rejected":
-                    self._deliver(message[1], ValueError(message[2]))
-                else:  # "dead": a step failed
-                    self._fail_all(message[1])
-                    return
-        except (EOFError, OSError):
-            if not self._stopped:
-                self._fail_all(f"the engine process exited (code {self.process.exitcode})")
+            engine = EngineProcess(self._start_config, self._on_message, self._on_exit, self._startup_timeout)
+        except Exception:  # noqa: BLE001 - logged; the server is told to exit
+            logger.exception("the engine could not be restarted")
+            return self._give_up("the engine could not be restarted")
+        if self._stopped:  # shut down while the new engine was starting
+            return engine.stop()
+        self._engine = engine
+        self.error = None
+        logger.warning("engine restarted (%d of at most %d in %.0f s)", len(self.restarts), self.max_restarts,
+                       RESTART_WINDOW_S)
+
+    def _give_up(self, why: str) -> None:
+        logger.error("%s; giving up", why)
+        self.error = "the engine is not running; the server is shutting down"
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -174,7 +213,6 @@ class AsyncLLM:
             except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
                 self._streams.pop(request_id, None)
 
-    def _fail_all(self, reason: str) -> None:
-        self.error = reason
+    def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._streams):
-            self._deliver(request_id, EngineDeadError(f"the engine stopped: {reason}"))
+            self._deliver(request_id, error)

@@ -17,6 +17,11 @@ IGNORED_VLLM_ARGS = {"tokenizer", "tokenizer_mode", "trust_remote_code", "revisi
                      "load_format", "quantization", "compilation_config", "worker_cls", "distributed_executor_backend"}
 
 
+# Images a prompt may hold unless limit_mm_per_prompt says otherwise: each may need a full-size decode (up to
+# 8192x8192) in the front end, so an unbounded count is a CPU and memory lever for a single request.
+DEFAULT_IMAGES_PER_PROMPT = 16
+
+
 @dataclass
 class EngineConfig:
     model_dir: Path
@@ -29,7 +34,7 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 0  # embedding rows; 0 = the largest image plus one step's budget
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": DEFAULT_IMAGES_PER_PROMPT})
     mm_processor_kwargs: dict | None = None
     seed: int = 0
     enforce_eager: bool = False
@@ -66,7 +71,7 @@ class EngineConfig:
         if tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         args = {k: v for k, v in args.items() if k in known and v is not None}
-        args["limit_mm_per_prompt"] = dict(args.get("limit_mm_per_prompt") or {})
+        args["limit_mm_per_prompt"] = {"image": DEFAULT_IMAGES_PER_PROMPT, **(args.get("limit_mm_per_prompt") or {})}
         return cls.build(resolve_model_dir(model), **args)
 
     @classmethod

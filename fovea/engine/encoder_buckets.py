@@ -86,8 +86,7 @@ class EncoderBuckets:
     def _capture(self, size: int, values: torch.Tensor, layout: dict) -> None:
         static = {key: layout[key].to(self.device) for key in ("window_index", "rope_pos")}
         for key in ("window_meta", "frame_meta"):
-            meta = layout[key]
-            static[key] = type(meta)(meta.cu_seqlens.to(self.device), meta.max_seqlen, meta.tiles.to(self.device))
+            static[key] = layout[key].to(self.device)
         values = values.clone()
         self.visual.run(values, static)  # compiles the kernels before recording
         torch.cuda.synchronize(self.device)

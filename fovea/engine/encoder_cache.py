@@ -48,6 +48,14 @@ class EncoderCache:
         if key not in self.refs:  # reserved for a sequence that did not get scheduled after all: evictable
             self.unreferenced[key] = None
 
+    def drop_unfilled(self) -> None:
+        """Forgets reservations whose encoder run never finished (a failed step), so that no later request
+        takes them for computed embeddings."""
+        for key in [key for key in self.sizes if key not in self.embeddings]:
+            del self.sizes[key]
+            self.refs.pop(key, None)
+            self.unreferenced.pop(key, None)
+
     def get(self, key: str) -> torch.Tensor:
         return self.embeddings[key]
 

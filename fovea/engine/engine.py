@@ -2,6 +2,7 @@
 
 step() = schedule -> run the model -> for each sampled token: record it (forking n > 1 requests after their
 prompt), detokenize, check stop conditions, free finished sequences -> build the outputs callers asked for.
+A step that raises fails only the requests it ran (StepFailed names them); the engine stays consistent and goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from fovea.engine.scheduler import ScheduledBatch, Scheduler
 from fovea.engine.stats import EngineStats, LatencyEvents
 
 logger = logging.getLogger("fovea")
+
+
+class StepFailed(RuntimeError):
+    """A step raised: the requests it ran were failed and freed (the cause is chained); the engine goes on."""
+
+    def __init__(self, request_ids: list[str], message: str):
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 class LLMEngine:
@@ -67,6 +76,9 @@ class LLMEngine:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        if request.params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={request.params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences "
+                             "can run at once")
         blocks = self.blocks.blocks_needed(len(request.prompt_token_ids) + 1) + request.params.n - 1
         if blocks > self.blocks.num_blocks:
             raise ValueError(f"the prompt with n={request.params.n} needs {blocks} KV blocks but the cache has "
@@ -109,17 +121,23 @@ class LLMEngine:
         outputs, self.finished_outputs = self.finished_outputs, []
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("the scheduler cannot admit the next waiting request even with the engine idle")
+            if self.scheduler.waiting and not self.scheduler.running:  # cannot happen after admission checks
+                self.finished_outputs = outputs
+                stuck = self.scheduler.waiting[0].request
+                raise self._fail({stuck}, RuntimeError("the request cannot be scheduled even with the engine idle"))
             return outputs
-        now = time.time()
-        for seq in batch.seqs:
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
-        result = self.runner.execute(batch, self.encoder_cache)
-        self.scheduler.step_done(batch)
-        self._record_prompt_logprobs(batch, result)
-        touched = self._record_samples(batch, result)
+        try:
+            now = time.time()
+            for seq in batch.seqs:
+                if seq.request.metrics.first_scheduled_time is None:
+                    seq.request.metrics.first_scheduled_time = now
+            result = self.runner.execute(batch, self.encoder_cache)
+            self.scheduler.step_done(batch)
+            self._record_prompt_logprobs(batch, result)
+            touched = self._record_samples(batch, result)
+        except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
+            self.finished_outputs = outputs
+            raise self._fail(self._requests_in(batch), error) from error
         for request in touched:
             kind = request.params.output_kind
             if request.finished:
@@ -128,6 +146,26 @@ class LLMEngine:
             if request.finished or kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(request, final=request.finished))
         return outputs
+
+    def _requests_in(self, batch: ScheduledBatch) -> set[Request]:
+        """The batch's requests, and those whose forked blocks this step was to copy."""
+        copied_to = {dst for _, dst in batch.block_copies}
+        forks = [seq for seq in self.scheduler.running if copied_to.intersection(seq.block_table)]
+        return {seq.request for seq in batch.seqs + forks}
+
+    def _fail(self, requests: set[Request], error: Exception) -> StepFailed:
+        """Frees `requests` (finish reason "error") and forgets half-made encoder outputs."""
+        logger.error("a step failed; failing its %d request(s)", len(requests), exc_info=error)
+        for request in requests:
+            self.requests.pop(request.request_id, None)
+            for seq in request.sequences:
+                if seq.status != SequenceStatus.FINISHED:
+                    seq.finish_reason = "error"
+                    self.scheduler.finish(seq)
+            request.metrics.finished_time = time.time()
+            self._record_finish(request)
+        self.encoder_cache.drop_unfilled()
+        return StepFailed(sorted(r.request_id for r in requests), f"{type(error).__name__}: {error}"[:500])
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, result: StepOutput) -> None:
         for index, (chosen, ranks, top_ids, top_values) in result.prompt_logprobs.items():
@@ -201,7 +239,8 @@ class LLMEngine:
                            len({seq.request.request_id for seq in scheduler.waiting}),
                            self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks,
                            scheduler.prefix_cache_queries, scheduler.prefix_cache_hits,
-                           encoder.hits + encoder.encoded, encoder.hits, scheduler.num_preemptions, events)
+                           encoder.hits + encoder.encoded, encoder.hits, scheduler.num_preemptions,
+                           encoder.num_references(), events)
 
     def _append_token(self, seq: Sequence, token: int, entry: dict | None, logprob: float) -> None:
         params = seq.params

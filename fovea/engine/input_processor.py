@@ -16,7 +16,7 @@ from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
 from fovea.engine.sampling_params import SamplingParams
 from fovea.multimodal.image import ProcessedImage
-from fovea.multimodal.prompt import ProcessedPrompt, PromptProcessor
+from fovea.multimodal.prompt import ProcessedPrompt, PromptProcessor, prompt_too_long
 
 
 def image_content_hash(image: ProcessedImage) -> str:
@@ -58,30 +58,41 @@ class InputProcessor:
         if not isinstance(prompt, (str, list)):
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         self._check_image_count(len(images))
-        return self.prompts.process(prompt, images, mm_processor_kwargs or None)
+        return self.prompts.process(prompt, images, mm_processor_kwargs or None, self.config.max_model_len)
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
                      chat_template: str | None = None, add_generation_prompt: bool = True) -> ProcessedPrompt:
-        text, images = self.prompts.render_chat(messages, add_generation_prompt, chat_template)
+        text, images = self.prompts.render_chat(messages, add_generation_prompt, chat_template,
+                                                self.config.max_model_len)
         self._check_image_count(len(images))
-        return self.prompts.process(text, images, mm_processor_kwargs)
+        return self.prompts.process(text, images, mm_processor_kwargs, self.config.max_model_len)
 
     def _check_image_count(self, count: int) -> None:
         limit = self.config.limit_mm_per_prompt.get("image")
         if limit is not None and count > limit:
             raise ValueError(f"the prompt has {count} images but limit_mm_per_prompt allows {limit}")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: ids against the vocabulary, n against max_num_seqs."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences can run "
+                             "at once")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]}, out of vocabulary (size {self.vocab_size})")
+
     def make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, fair_rank: int = 0) -> Request:
         ids = processed.token_ids
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) > self.config.max_model_len:
-            raise ValueError(f"the prompt (length {len(ids)}) is longer than the maximum model length of "
-                             f"{self.config.max_model_len}")
+            raise prompt_too_long(len(ids), self.config.max_model_len)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        self.check_params(params)
         items, start = [], 0
         for image in processed.images:
             if image.num_tokens > self.config.encoder_cache_size:
@@ -94,4 +105,5 @@ class InputProcessor:
             start += image.num_tokens
         return Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
                        prompt=processed.text, arrival_time=arrival_time or time.time(),
-                       eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals))
+                       eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals),
+                       fair_rank=fair_rank)

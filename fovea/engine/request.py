@@ -61,7 +61,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  positions: np.ndarray | None = None, mrope_delta: int = 0, mm_items: list[MMItem] = (),
                  prompt: str | None = None, arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = (),
-                 arrival_index: int = 0):
+                 arrival_index: int = 0, fair_rank: int = 0):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -73,6 +73,9 @@ class Request:
         self.mm_items = list(mm_items)
         self.mm_spans = [item.span for item in self.mm_items]
         self.arrival_index = arrival_index  # FCFS order, also after preemption
+        # the i-th prompt of one API request waits behind the first prompts of later requests: a request with
+        # thousands of prompts cannot hold everyone else behind it (0 for single-prompt requests)
+        self.fair_rank = fair_rank
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
         self.generators: list[torch.Generator | None] = []  # made by the engine, on its device
@@ -102,7 +105,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
-        self.order = (request.arrival_index, index)
+        self.order = (request.fair_rank, request.arrival_index, index)
         self.pending_forks = request.params.n - 1 if index == 0 else 0  # samples to split off after the prefill
         self.cumulative_logprob = 0.0
         self.last_token_time: float | None = None

@@ -5,6 +5,10 @@ tokens banned), repetition/frequency/presence penalties; greedy rows take the ar
 their temperature, filtered by top_k, top_p and min_p, and drawn with the exponential-race trick
 (argmax(p / E), E ~ Exp(1)), which needs one noise tensor instead of a multinomial per row. A request with a
 seed draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
+
+Two things keep a step cheap with a 150k vocabulary: penalties touch only the tokens a row has seen, and top_k /
+top_p are resolved among each row's best `CANDIDATES` tokens (one topk instead of a sort of the whole vocabulary);
+only a row whose top_p cut falls outside them sorts its full row.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from fovea.engine.sampling_params import SamplingParams
+
+CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first
+MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path
 
 
 @dataclass
@@ -51,50 +58,68 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
     return chosen, ranks, (top.indices if top else None), (top.values if top else None)
 
 
-def _padded(rows: list[list[int]], fill: int, device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-
-
 def _column(rows: list[SampleRow], getter, dtype, device) -> torch.Tensor:
     return torch.tensor([getter(r.params) for r in rows], dtype=dtype, device=device)
 
 
+def _penalized(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
+
+
 def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    num_rows, vocab = logits.shape
+    """`logits` with logit_bias, min_tokens bans and the penalties applied (a copy when anything applies)."""
+    vocab = logits.shape[1]
     device = logits.device
-    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if 0 <= t < vocab]
+    bias = [(i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
+            if 0 <= t < vocab]
+    banned = [i * vocab + t for i, r in enumerate(rows) if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
+              for t in r.stop_ids if 0 <= t < vocab]
+    penalized = [i for i, r in enumerate(rows) if _penalized(r.params)]
+    if not (bias or banned or penalized):
+        return logits
+    logits = logits.clone()
+    flat = logits.view(-1)
     if bias:
-        i, t, b = zip(*bias)
-        logits = logits.index_put((torch.tensor(i, device=device), torch.tensor(t, device=device)),
-                                  torch.tensor(b, dtype=logits.dtype, device=device), accumulate=True)
-    banned = [(i, t) for i, r in enumerate(rows) if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens for t in r.stop_ids]
+        keys, values = zip(*bias)
+        flat.index_put_((torch.tensor(keys, device=device),), torch.tensor(values, dtype=logits.dtype,
+                                                                          device=device), accumulate=True)
     if banned:
-        i, t = zip(*banned)
-        logits = logits.index_put((torch.tensor(i, device=device), torch.tensor(t, device=device)),
-                                  torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
-    params = [r.params for r in rows]
-    if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
-        # counts over a spare column `vocab` that padding lands in, cut off afterwards
-        outputs = _padded([r.output_ids for r in rows], vocab, device)
-        counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=device)
-        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=logits.dtype))
-        counts = counts[:, :vocab]
-        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
-        seen.scatter_(1, _padded([r.prompt_ids for r in rows], vocab, device), True)
-        seen = seen[:, :vocab] | (counts > 0)
-        rep = _column(rows, lambda p: p.repetition_penalty, logits.dtype, device)[:, None]
-        penalized = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalized, logits)
-        logits = logits - _column(rows, lambda p: p.frequency_penalty, logits.dtype, device)[:, None] * counts
-        logits = logits - _column(rows, lambda p: p.presence_penalty, logits.dtype, device)[:, None] * (counts > 0)
+        flat[torch.tensor(banned, device=device)] = float("-inf")
+    if not penalized:
+        return logits
+    # (row * vocab + token) keys of every prompt and generated token of the penalized rows
+    prompt_keys, output_keys = [], []
+    for i in penalized:
+        ids = torch.tensor(rows[i].token_ids, dtype=torch.long)
+        ids = ids.where((ids >= 0) & (ids < vocab), 0) + i * vocab
+        prompt_keys.append(ids[:rows[i].num_prompt_tokens])
+        output_keys.append(ids[rows[i].num_prompt_tokens:])
+    prompt_keys, output_keys = torch.cat(prompt_keys), torch.cat(output_keys)
+    seen, inverse = torch.unique(torch.cat([prompt_keys, output_keys]), return_inverse=True)
+    counts = torch.zeros(seen.numel(), dtype=logits.dtype).index_add_(
+        0, inverse[prompt_keys.numel():], torch.ones(output_keys.numel(), dtype=logits.dtype))
+    seen, counts, row_of = seen.to(device), counts.to(device), (seen // vocab).to(device)
+    values = flat[seen]
+    rep = _column(rows, lambda p: p.repetition_penalty, logits.dtype, device)[row_of]
+    values = torch.where(values > 0, values / rep, values * rep)
+    values -= _column(rows, lambda p: p.frequency_penalty, logits.dtype, device)[row_of] * counts
+    values -= _column(rows, lambda p: p.presence_penalty, logits.dtype, device)[row_of] * (counts > 0)
+    flat[seen] = values
     return logits
 
 
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    if not bool((min_p > 0).any()):
+        return logits
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+
+
 def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """top_k, top_p and min_p, each a no-op for rows that leave it at its default."""
+    """top_k, top_p and min_p over whole rows (sorting the vocabulary when top_p is set): the reference the
+    candidate path below must agree with, and the path of rows it cannot resolve."""
     device, vocab = logits.device, logits.shape[1]
-    top_k = _column(rows, lambda p: p.top_k or vocab, torch.long, device).clamp(max=vocab)
+    top_k = _column(rows, lambda p: min(p.top_k or vocab, vocab), torch.long, device)  # any int, clamped first
     top_p = _column(rows, lambda p: p.top_p, logits.dtype, device)
     if bool((top_p < 1).any()):
         ordered, order = logits.sort(dim=-1, descending=True)
@@ -107,11 +132,34 @@ def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     elif bool((top_k < vocab).any()):
         kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    min_p = _column(rows, lambda p: p.min_p, logits.dtype, device)
-    if bool((min_p > 0).any()):
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
-    return logits
+    return _apply_min_p(logits, _column(rows, lambda p: p.min_p, logits.dtype, device))
+
+
+def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: list[SampleRow]):
+    """The same filters among each row's best K tokens of `logits` (not yet divided by `temperature`, which keeps
+    their order): (filtered values / temperature (R, K), their token ids (R, K), which rows this settled). A row
+    is settled when its top_k is at most K, or when its best K tokens already cover its top_p (every token after
+    them would be dropped anyway)."""
+    device, vocab = logits.device, logits.shape[1]
+    top_k = [min(r.params.top_k or vocab, vocab) for r in rows]
+    width = min(vocab, max(k if k < vocab else CANDIDATES for k in top_k))
+    values, ids = logits.topk(width, dim=-1)
+    values = values / temperature[:, None]
+    rank = torch.arange(width, device=device)[None, :]
+    values = values.masked_fill(rank >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
+    has_top_k = torch.tensor([k <= width for k in top_k], device=device)
+    # probabilities before top_p: over the top_k survivors, or over the whole vocabulary without a top_k
+    normalizer = values.logsumexp(-1)
+    if not bool(has_top_k.all()):  # a whole-row reduction, only for the rows that need it
+        whole = (~has_top_k).nonzero()[:, 0]
+        normalizer[whole] = (logits[whole] / temperature[whole, None]).logsumexp(-1)
+    probs = (values - normalizer[:, None]).exp()
+    top_p = _column(rows, lambda p: p.top_p, logits.dtype, device)
+    settled = has_top_k | (probs.sum(-1) >= top_p)
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    values = _apply_min_p(values.masked_fill(drop, float("-inf")), _column(rows, lambda p: p.min_p, logits.dtype,
+                                                                           device))
+    return values, ids, settled
 
 
 class Sampler:
@@ -119,30 +167,65 @@ class Sampler:
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}  # unseeded requests share one per device
 
-    def _noise(self, shape, rows: list[SampleRow], device) -> torch.Tensor:
+    def _noise(self, shape, rows: list[SampleRow], vocab: int, device, ids: torch.Tensor | None = None):
+        """Exp(1) noise; a seeded row always draws a whole vocabulary's worth from its own generator (gathered at
+        `ids` on the candidate path), so which path its row takes cannot change its tokens."""
         if device not in self.generators:
             self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         noise = torch.empty(shape, device=device).exponential_(generator=self.generators[device])
         for i, row in enumerate(rows):
             if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
+                own = torch.empty(vocab, device=device).exponential_(generator=row.generator)
+                noise[i] = own if ids is None else own[ids[i]]
         return noise
 
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Tokens for sampled (non-greedy) rows."""
+        device, vocab = logits.device, logits.shape[1]
+        temperature = _column(rows, lambda p: p.temperature, logits.dtype, device)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+        top_k = [min(r.params.top_k or vocab, vocab) for r in rows]
+        narrowed = [i for i, (k, r) in enumerate(zip(top_k, rows))
+                    if k < vocab and k <= MAX_CANDIDATE_TOP_K or r.params.top_p < 1 and k == vocab]
+        rest = [i for i in range(len(rows)) if i not in set(narrowed)]
+        if narrowed:
+            index = torch.tensor(narrowed, device=device)
+            values, ids, settled = filter_candidates(_take(logits, narrowed, index), temperature[index],
+                                                     [rows[i] for i in narrowed])
+            keep = [j for j, ok in enumerate(settled.tolist()) if ok]
+            rest += [narrowed[j] for j, ok in enumerate(settled.tolist()) if not ok]
+            if keep:
+                keep_index = torch.tensor(keep, device=device)
+                subset, ids = [rows[narrowed[j]] for j in keep], ids[keep_index]
+                probs = values[keep_index].softmax(-1)
+                chosen = (probs / self._noise(probs.shape, subset, vocab, device, ids)).argmax(-1, keepdim=True)
+                tokens[index[keep_index]] = ids.gather(1, chosen)[:, 0]
+        if rest:
+            index = torch.tensor(sorted(rest), device=device)
+            subset = [rows[i] for i in sorted(rest)]
+            probs = filter_logits(_take(logits, rest, index) / temperature[index, None], subset).softmax(-1)
+            tokens[index] = (probs / self._noise(probs.shape, subset, vocab, device)).argmax(-1)
+        return tokens
+
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        logits = logits.float()
+        logits = logits.float().contiguous()
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
         logits = apply_penalties_and_bias(logits, rows)
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(sampled) < len(rows):
             tokens = logits.argmax(-1)
         else:
-            temperature = _column(rows, lambda p: p.temperature if not p.greedy else 1.0, logits.dtype, logits.device)
-            probs = filter_logits(logits / temperature[:, None], rows).softmax(-1)
-            tokens = (probs / self._noise(probs.shape, rows, logits.device)).argmax(-1)
-            if any(greedy):
-                tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), tokens)
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = self._draw(_take(logits, sampled, index), [rows[i] for i in sampled])
         if raw_logprobs is None:
             return SamplerOutput(tokens)
         return SamplerOutput(tokens, *top_logprobs(raw_logprobs, tokens, max_logprobs))
+
+
+def _take(logits: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:
+    """logits[index], without the copy when that is every row in order."""
+    return logits if rows == list(range(logits.shape[0])) else logits[index]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 MAX_LOGPROBS = 20  # top_logprobs per token, as OpenAI's API allows
+INT64_MAX = 2 ** 63 - 1  # seeds (plus the sample index) become torch generator seeds
 
 
 class RequestOutputKind(enum.Enum):
@@ -56,6 +58,12 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            check(math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
+        check(all(math.isfinite(b) for b in (self.logit_bias or {}).values()), "logit_bias values must be finite")
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+            value = getattr(self, name)
+            check(value is None or abs(value) <= INT64_MAX, f"{name} must fit in a 64-bit integer, got {value}")
         check(self.n >= 1, f"n must be at least 1, got {self.n}")
         check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2.0 <= self.frequency_penalty <= 2.0,
@@ -74,6 +82,8 @@ class SamplingParams:
             check(value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         check(all(self.stop_strings), "stop strings must not be empty")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        check(self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX - self.n,
+              f"seed must be within the 64-bit integer range, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

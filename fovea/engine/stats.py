@@ -32,6 +32,7 @@ class EngineStats:
     encoder_cache_queries: int = 0  # images the engine needed encoded, since start
     encoder_cache_hits: int = 0  # of those, found already encoded
     num_preemptions: int = 0
+    encoder_cache_references: int = 0  # image embeddings held for running sequences (0 when idle)
     events: LatencyEvents = field(default_factory=LatencyEvents)
 
     @property

@@ -56,7 +56,7 @@ class VisionAttention(nn.Module):
             out = varlen_attention_triton(q, k, v, meta.tiles, scale, fp32=self.fp32_softmax)
         else:
             out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=False, scale=scale,
-                                   fp32=self.fp32_softmax)
+                                   fp32=self.fp32_softmax, lengths=meta.lengths)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -168,9 +168,7 @@ class VisionTransformer(nn.Module):
 
         x = to_windows(self.patch_embed(pixel_values))
         cos, sin = self.rotary.cos_sin(to_windows(layout["rope_pos"].t().to(device)).t())
-        window_meta, frame_meta = (AttentionMetadata(m.cu_seqlens.to(device), m.max_seqlen,
-                                                     None if m.tiles is None else m.tiles.to(device))
-                                   for m in (layout["window_meta"], layout["frame_meta"]))
+        window_meta, frame_meta = layout["window_meta"].to(device), layout["frame_meta"].to(device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frame_meta if i in self.cfg.fullatt_block_indexes else window_meta)
         return self.merger(x)[torch.argsort(index)]
@@ -203,7 +201,7 @@ class Qwen2Attention(nn.Module):
             out = meta.backend.forward(q, k, v, self.kv_cache, meta, scale)
         else:  # whole prompts, no cache (reference checks, the demo)
             out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=True, scale=scale,
-                                   fp32=self.fp32_softmax)
+                                   fp32=self.fp32_softmax, lengths=meta.lengths)
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -1,4 +1,6 @@
-"""Qwen2-VL image preprocessing with Pillow and numpy: load -> RGB -> smart_resize -> normalize -> patches.
+"""Qwen2-VL image preprocessing with Pillow and numpy: open -> plan the size -> decode -> RGB -> resize ->
+normalize -> patches. Opening reads only the header, so a prompt's image tokens are known (and can be refused)
+before any pixels are decoded.
 
 The output equals transformers' `Qwen2VLImageProcessorPil` bit for bit (same PIL bicubic resize on uint8, same
 float32 arithmetic) but takes less than half its time: the pixels are put in patch order while still uint8,
@@ -19,15 +21,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from fovea.multimodal.fetch import MAX_FETCH_BYTES, ImageTooLarge, fetch_url, file_url_path  # noqa: F401 (re-exported)
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
-MAX_FETCH_BYTES = 64 << 20
 MAX_IMAGE_PIXELS = int(os.environ.get("FOVEA_MAX_IMAGE_PIXELS", 8192 * 8192))  # decoded RGB: 200 MB at most
-
-
-class ImageTooLarge(ValueError):
-    """An image over the size limits (bytes or pixels); the server answers 413."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,9 @@ class ImageProcessorConfig:
             merge_size=raw.get("merge_size", 2),
             image_mean=tuple(raw.get("image_mean", CLIP_MEAN)), image_std=tuple(raw.get("image_std", CLIP_STD)))
 
-    def with_overrides(self, overrides: dict | None) -> "ImageProcessorConfig":
-        """Per-call `mm_processor_kwargs` such as {"min_pixels": ..., "max_pixels": ...}."""
+    def with_overrides(self, overrides: dict | None, capped: bool = False) -> "ImageProcessorConfig":
+        """`mm_processor_kwargs` such as {"min_pixels": ..., "max_pixels": ...}. `capped` (per request): neither
+        may go above this config's max_pixels, which the engine sized its memory and encoder cache for."""
         if not overrides:
             return self
         unknown = set(overrides) - {"min_pixels", "max_pixels"}
@@ -62,7 +62,22 @@ class ImageProcessorConfig:
         for key, value in overrides.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive integer, got {value!r}")
+        if capped:
+            overrides = {key: min(value, self.max_pixels) for key, value in overrides.items()}
         return replace(self, **overrides)  # min > max is allowed: max_pixels wins, as in the reference
+
+
+@dataclass
+class PlannedImage:
+    """An opened image (header read, pixels not decoded yet) and the size it will be resized to."""
+    image: Image.Image
+    config: ImageProcessorConfig
+    height: int
+    width: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.height * self.width // (self.config.patch_size * self.config.merge_size) ** 2
 
 
 @dataclass
@@ -99,18 +114,23 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
 
 
 def load_image(source) -> Image.Image:
-    """A PIL image from a PIL image, raw bytes, a path, or a `file://`, `http(s)://` or
+    """A decoded PIL image from a PIL image, raw bytes, a path, or a `file://`, `http(s)://` or
     `data:image/...;base64,` URL."""
+    return decode_pixels(open_image(source))
+
+
+def open_image(source) -> Image.Image:
+    """Like load_image, but only the header is read (and its size checked); decode_pixels decodes."""
     if isinstance(source, Image.Image):
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return _decode(io.BytesIO(bytes(source)), "image bytes")
+        return _open(io.BytesIO(bytes(source)), "image bytes")
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "://" not in source
                                             and not source.startswith("data:")):
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"image file not found: {path}")
-        return _decode(path, str(path))
+        return _open(io.BytesIO(path.read_bytes()), str(path))
     if isinstance(source, str) and source.startswith("data:"):
         header, sep, payload = source.partition(",")
         if not sep or not header.endswith(";base64"):
@@ -119,97 +139,33 @@ def load_image(source) -> Image.Image:
             raw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise ValueError(f"data URL holds invalid base64: {exc}") from None
-        return _decode(io.BytesIO(raw), "data URL")
+        return _open(io.BytesIO(raw), "data URL")
     if isinstance(source, str) and source.startswith("file://"):
-        return load_image(file_url_path(source))
+        return open_image(file_url_path(source))
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        return _decode(io.BytesIO(fetch_url(source)), source)
+        return _open(io.BytesIO(fetch_url(source)), source)
     raise ValueError(f"cannot load an image from {type(source).__name__}")
 
 
-def file_url_path(url: str) -> Path:
-    """The path a file:// URL names, percent-decoded as Path.as_uri() encodes it (%20 for a space). The server's
-    media policy checks this same path, so an encoded `..` cannot slip past it."""
-    from urllib.parse import unquote, urlparse
-
-    return Path(unquote(urlparse(url).path))
-
-
-def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int = 3) -> bytes:
-    """Downloads an image, bounded in time (FOVEA_IMAGE_FETCH_TIMEOUT seconds, vLLM's default of 5) and size.
-    `check_url(url)` vets every URL including redirects; `check_address(ip)` vets the address actually
-    connected to, so a host that resolves differently the second time (DNS rebinding) is still caught."""
-    import http.client
-    from urllib.parse import urljoin, urlparse
-
-    timeout = float(os.environ.get("FOVEA_IMAGE_FETCH_TIMEOUT", "5"))
-    for _ in range(max_redirects + 1):
-        if check_url is not None:
-            check_url(url)
-        parsed = urlparse(url)
-        kind = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
-        try:
-            connection = kind(parsed.hostname, parsed.port, timeout=timeout)
-        except (ValueError, http.client.HTTPException) as exc:
-            raise ValueError(f"cannot fetch image from {url!r}: {exc}") from None
-        try:
-            if check_address is not None:
-                connection._create_connection = _guarded_connect(check_address)
-            connection.request("GET", (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else ""),
-                               headers={"User-Agent": "fovea", "Accept": "image/*"})
-            response = connection.getresponse()
-            location = response.getheader("Location")
-            if response.status in (301, 302, 303, 307, 308) and location:
-                url = urljoin(url, location)
-                continue
-            if response.status != 200:
-                raise ValueError(f"could not fetch image {url}: HTTP {response.status}")
-            data = response.read(MAX_FETCH_BYTES + 1)
-        except (OSError, http.client.HTTPException) as exc:
-            raise ValueError(f"could not fetch image {url}: {exc}") from None
-        finally:
-            connection.close()
-        if len(data) > MAX_FETCH_BYTES:
-            raise ImageTooLarge(f"image at {url} is larger than {MAX_FETCH_BYTES >> 20} MiB")
-        return data
-    raise ValueError(f"could not fetch image {url}: more than {max_redirects} redirects")
-
-
-def _guarded_connect(check_address):
-    import ipaddress
-    import socket
-
-    def connect(address, timeout, source_address=None):
-        host, port = address
-        last_error: OSError = OSError(f"cannot resolve {host}")
-        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-            check_address(ipaddress.ip_address(sockaddr[0].split("%")[0]))
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.settimeout(timeout)
-                sock.connect(sockaddr)
-                return sock
-            except OSError as error:
-                sock.close()
-                last_error = error
-        raise last_error
-
-    return connect
-
-
-def _decode(fp, what: str) -> Image.Image:
+def _open(fp, what: str) -> Image.Image:
     try:
         image = Image.open(fp)
-        if image.width * image.height > MAX_IMAGE_PIXELS:  # known from the header, before any decoding
-            raise ImageTooLarge(f"{what}: {image.width}x{image.height} is over the {MAX_IMAGE_PIXELS} pixels "
-                                "an image may have")
-        image.load()
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"{what}: image too large to decode safely ({exc})") from None
-    except ImageTooLarge:
-        raise
     except (OSError, SyntaxError, ValueError) as exc:
         raise ValueError(f"{what} is not a readable image ({exc})") from None
+    if image.width * image.height > MAX_IMAGE_PIXELS:  # known from the header, before any decoding
+        raise ImageTooLarge(f"{what}: {image.width}x{image.height} is over the {MAX_IMAGE_PIXELS} pixels "
+                            "an image may have")
+    image.fovea_source = what  # named in decode errors
+    return image
+
+
+def decode_pixels(image: Image.Image) -> Image.Image:
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ValueError(f"{getattr(image, 'fovea_source', 'image')} is not a readable image ({exc})") from None
     return image
 
 
@@ -229,13 +185,22 @@ class ImageProcessor:
         self._std = np.asarray(self.config.image_std, dtype=np.float32)[None, :, None, None]
 
     def __call__(self, source, mm_processor_kwargs: dict | None = None) -> ProcessedImage:
-        cfg = self.config.with_overrides(mm_processor_kwargs)
-        image = to_rgb(load_image(source))
+        return self.process(self.plan(source, mm_processor_kwargs))
+
+    def plan(self, source, mm_processor_kwargs: dict | None = None) -> PlannedImage:
+        """Opens the image (header only) and works out its resized size; `mm_processor_kwargs` are capped at
+        this processor's max_pixels."""
+        cfg = self.config.with_overrides(mm_processor_kwargs, capped=True)
+        image = open_image(source)
         factor = cfg.patch_size * cfg.merge_size
         height, width = smart_resize(image.height, image.width, factor, cfg.min_pixels, cfg.max_pixels)
-        if (width, height) != image.size:
-            image = image.resize((width, height), resample=Image.BICUBIC)
-        return self._patchify(np.asarray(image), cfg)
+        return PlannedImage(image, cfg, height, width)
+
+    def process(self, planned: PlannedImage) -> ProcessedImage:
+        image = to_rgb(decode_pixels(planned.image))
+        if (planned.width, planned.height) != image.size:
+            image = image.resize((planned.width, planned.height), resample=Image.BICUBIC)
+        return self._patchify(np.asarray(image), planned.config)
 
     def _patchify(self, pixels: np.ndarray, cfg: ImageProcessorConfig) -> ProcessedImage:
         p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size

@@ -2,11 +2,17 @@
 
 chat messages (OpenAI content parts) -> the checkpoint's chat template -> token ids -> each image's single
 `<|image_pad|>` expanded to its t*h*w/4 placeholder tokens -> M-RoPE positions.
+
+Given a token limit (max_model_len), too-long prompts are refused as cheaply as possible: by their character
+count before templating or tokenizing (no token is longer than the vocabulary's longest string), by counting
+tokens chunk by chunk with an early stop (a tokenizer call holds the GIL, so one huge call would freeze the whole
+front end), and by the images' token counts before their pixels are decoded.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +23,19 @@ import numpy as np
 from fovea.config import ModelConfig
 from fovea.models.mrope_positions import VisionSpan, mrope_positions
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, ProcessedImage
+
+COUNT_CHUNK_CHARS = 16384  # text longer than this is counted chunk by chunk before it is tokenized whole
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def prompt_too_long(length: int, limit: int, at_least: bool = False) -> ValueError:
+    return ValueError(f"the prompt (length {'at least ' if at_least else ''}{length}) is longer than the maximum "
+                      f"model length of {limit}")
+
+
+def check_text(text: str) -> None:
+    if not text.isascii() and SURROGATE.search(text):
+        raise ValueError("the prompt holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode")
 
 
 @dataclass
@@ -53,8 +72,8 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
     """
     images, normalized = [], []
     for message in messages:
-        if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"each chat message needs a 'role', got {message!r}")
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError("each chat message needs a 'role' that is a string")
         content = message.get("content")
         if content is None or isinstance(content, str):
             normalized.append({**message, "content": content or ""})
@@ -65,6 +84,8 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
+                if not isinstance(part.get("text", ""), str):
+                    raise ValueError("a text content part's 'text' must be a string")
                 parts.append({"type": "text", "text": part.get("text", "")})
             elif kind in ("image_url", "image_pil", "image"):
                 source = part.get(kind)
@@ -80,6 +101,15 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
     return normalized, images
 
 
+def text_length(messages: list[dict]) -> int:
+    """Characters of text in (normalized) chat messages."""
+    total = 0
+    for message in messages:
+        content = message["content"]
+        total += len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
+    return total
+
+
 class PromptProcessor:
     def __init__(self, model_dir: str | Path, config: ModelConfig, chat_template: str | None = None,
                  mm_processor_kwargs: dict | None = None):
@@ -88,13 +118,44 @@ class PromptProcessor:
         self.chat_template = chat_template or find_chat_template(model_dir, self.tokenizer)
         image_cfg = ImageProcessorConfig.from_dir(model_dir).with_overrides(mm_processor_kwargs)
         self.image_processor = ImageProcessor(image_cfg)
+        # an upper bound on the characters of one token (byte-level strings are at least as long as their text)
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`; with `max_tokens`, a text that clearly has more is refused before it is
+        tokenized whole."""
+        check_text(text)
+        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+            raise prompt_too_long(-(-len(text) // self.max_token_chars), max_tokens, at_least=True)
+        if max_tokens is not None and len(text) > COUNT_CHUNK_CHARS:
+            self._count_up_to(text, max_tokens)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _count_up_to(self, text: str, limit: int) -> int:
+        """Counts tokens chunk by chunk (the GIL is free between chunks), refusing the text once past `limit`. Chunks
+        end before a space that follows a non-space, which word-level pre-tokenizers also split at; a cut
+        elsewhere (one huge word) may add tokens, so the limit grows by the longest token per such cut."""
+        count, slack, start = 0, 0, 0
+        while start < len(text):
+            end = text.find(" ", start + COUNT_CHUNK_CHARS, start + 2 * COUNT_CHUNK_CHARS)
+            while end > 0 and text[end - 1].isspace():
+                end = text.find(" ", end + 1, start + 2 * COUNT_CHUNK_CHARS)
+            if end < 0:
+                end = start + COUNT_CHUNK_CHARS
+                slack += self.max_token_chars if end < len(text) else 0
+            slack += 1  # a tokenizer that marks the start of its input (a prefix space) may add one per chunk
+            count += len(self.tokenizer.encode(text[start:end], add_special_tokens=False))
+            if count > limit + slack:
+                raise prompt_too_long(count - slack, limit, at_least=True)
+            start = end
+        return count
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> tuple[str, list]:
+                    chat_template: str | None = None, max_tokens: int | None = None) -> tuple[str, list]:
         template = chat_template or self.chat_template
         if not template:
             raise ValueError("the model has no chat template; pass one with chat_template=")
-        normalized, images = split_chat_images(messages)
+        normalized, images = self.normalize_chat(messages, max_tokens)
         try:
             text = self.tokenizer.apply_chat_template(normalized, chat_template=template, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
@@ -102,18 +163,28 @@ class PromptProcessor:
             raise ValueError(f"the chat template failed on these messages: {exc}") from None
         return text, images
 
+    def normalize_chat(self, messages: list[dict], max_tokens: int | None = None) -> tuple[list[dict], list]:
+        """split_chat_images, refusing (before any templating) text too long for `max_tokens` tokens."""
+        normalized, images = split_chat_images(messages)
+        length = text_length(normalized)
+        if max_tokens is not None and length > max_tokens * self.max_token_chars:
+            raise prompt_too_long(-(-length // self.max_token_chars), max_tokens, at_least=True)
+        return normalized, images
+
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
         text, images = self.render_chat(messages)
         return self.process(text, images, mm_processor_kwargs)
 
-    def process(self, prompt: str | list[int], images: list = (),
-                mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
-        """`prompt` holds one `<|image_pad|>` per image (as the chat template writes it), or is token ids."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)
-        processed = [self.image_processor(image, mm_processor_kwargs) for image in images]
+    def process(self, prompt: str | list[int], images: list = (), mm_processor_kwargs: dict | None = None,
+                max_tokens: int | None = None) -> ProcessedPrompt:
+        """`prompt` holds one `<|image_pad|>` per image (as the chat template writes it), or is token ids.
+        With `max_tokens`, a longer prompt is refused before its images' pixels are decoded."""
+        ids = self.encode(prompt, max_tokens) if isinstance(prompt, str) else list(prompt)
+        planned = [self.image_processor.plan(image, mm_processor_kwargs) for image in images]
+        length = len(ids) + sum(p.num_tokens - 1 for p in planned)
+        if max_tokens is not None and length > max_tokens:
+            raise prompt_too_long(length, max_tokens)
+        processed = [self.image_processor.process(p) for p in planned]
         result = self.expand(ids, processed)
         result.text = prompt if isinstance(prompt, str) else None
         return result

@@ -1,9 +1,11 @@
 """The HTTP front end: OpenAI routes over an AsyncLLM, API key check, OpenAI-shaped errors.
 
-A request's path: body size check -> API key -> route -> body validated (pydantic) -> sampling params -> remote
-images fetched under the media policy (worker thread) -> AsyncLLM.generate (templating, tokenization and image
-preprocessing in a worker thread, then the engine process) -> response or SSE stream (openai_serving).
-Errors become OpenAI-shaped bodies: 400 bad input, 401 key, 404 model, 413 too large, 500 a bug, 503 engine down.
+A request's path: body size check -> API key -> route -> body validated (pydantic) -> sampling params and the
+per-request limits (cheap checks first) -> images fetched under the media policy (their own thread pool) ->
+AsyncLLM.generate (templating, tokenization and image preprocessing in the preparation pool, then the engine
+process) -> response or SSE stream (openai_serving). A client that leaves at any point cancels what is left.
+Errors become OpenAI-shaped bodies: 400 bad input, 401 key, 404 model or route, 405 method, 413 too large,
+500 a failure while running the request, 503 engine down (restarting). Tracebacks go to the log, never out.
 """
 
 from __future__ import annotations
@@ -16,19 +18,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fovea import __version__
-from fovea.engine.async_engine import AsyncLLM, EngineDeadError
+from fovea.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailed
 from fovea.engine.sampling_params import generation_config_defaults
-from fovea.server import openai_serving as serving
 from fovea.multimodal.image import ImageTooLarge
+from fovea.server import openai_serving as serving
 from fovea.server.guards import APIKeyCheck, BodyLimit
 from fovea.server.media import MediaPolicy, fetch_media
 from fovea.server.metrics import ServerMetrics
-from fovea.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                   error_body)
+from fovea.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
+                                   TokenizeRequest, error_body)
 
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+HTTP_ERROR_KINDS = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError"}
 
 
 class APIError(Exception):
@@ -44,6 +48,8 @@ class ServerOptions:
     chat_template: str | None = None
     media: MediaPolicy = field(default_factory=MediaPolicy)
     max_body_bytes: int = 64 << 20
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    trust_request_chat_template: bool = False  # vLLM's flag: client chat templates, in the sandbox
 
 
 class ClientDisconnected(Exception):
@@ -71,10 +77,17 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     names = options.served_model_names or [str(engine.config.model_dir)]
     defaults = generation_config_defaults(engine.config.model_dir)
     image_limit = engine.config.limit_mm_per_prompt.get("image")
+    max_len = engine.config.max_model_len
     started = int(time.time())
     metrics = ServerMetrics(names[0])
     metrics.update(engine.stats)
     engine.on_stats = metrics.update
+    sandbox = None
+    if options.trust_request_chat_template:
+        from fovea.server.template_sandbox import TemplateSandbox
+
+        sandbox = TemplateSandbox(str(engine.config.model_dir), max_len * engine.inputs.prompts.max_token_chars)
+    app.state.template_sandbox = sandbox  # closed by whoever runs the app
 
     def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
         return JSONResponse(error_body(message, kind, status, param), status_code=status)
@@ -87,8 +100,12 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     async def on_invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:])
-        return error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc),
-                     "BadRequestError", where or None)
+        message = str(first.get("msg", "invalid request"))  # never str(exc): it names our source files
+        return error(400, f"{where}: {message}" if where else message, "BadRequestError", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), HTTP_ERROR_KINDS.get(exc.status_code, "BadRequestError"))
 
     @app.exception_handler(ValueError)
     async def on_value_error(_, exc: ValueError):
@@ -102,6 +119,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     async def on_dead(_, exc: EngineDeadError):
         return error(503, str(exc), "ServiceUnavailableError")
 
+    @app.exception_handler(RequestFailed)
+    async def on_failed(_, exc: RequestFailed):
+        return error(500, str(exc), "InternalServerError")
+
     @app.exception_handler(ClientDisconnected)
     async def on_disconnected(_, exc: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it; the request is already aborted
@@ -109,7 +130,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     @app.exception_handler(Exception)
     async def on_unexpected(_, exc: Exception):
         # a bug hit while handling this request: it fails alone (uvicorn logs the traceback), the server goes on
-        return error(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+        return error(500, f"internal error: {type(exc).__name__}: {exc}"[:1000], "InternalServerError")
 
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
     app.add_middleware(APIKeyCheck, api_key=options.api_key)  # added last: runs first
@@ -119,6 +140,13 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             return requested or names[0]
         raise APIError(404, f"The model `{requested}` does not exist.", "NotFoundError", "model")
 
+    def checked_params(body):
+        """The request's SamplingParams, after every check that needs no downloads, templating or tokens."""
+        options.limits.check(body)
+        params = body.to_sampling_params(defaults)
+        engine.inputs.check_params(params)
+        return params
+
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -126,7 +154,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     @app.get("/health")
     async def health():
         if engine.error is not None:
-            return error(503, f"engine stopped: {engine.error}", "ServiceUnavailableError")
+            return error(503, engine.error, "ServiceUnavailableError")
         return JSONResponse({})
 
     @app.get("/version")
@@ -137,19 +165,35 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     async def models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": started, "owned_by": "fovea",
-             "root": str(engine.config.model_dir), "max_model_len": engine.config.max_model_len}
+             "root": str(engine.config.model_dir), "max_model_len": max_len}
             for name in names]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = model_name(body.model)
-        params = body.to_sampling_params(defaults)
-        messages = await asyncio.to_thread(fetch_media, body.messages, options.media, image_limit)
+        params = checked_params(body)
+        if body.chat_template is not None and sandbox is None:
+            raise APIError(400, "chat_template in a request needs the server to run with "
+                                "--trust-request-chat-template", param="chat_template")
         request_id = serving.new_id("chatcmpl")
-        stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
-                                 mm_processor_kwargs=body.mm_processor_kwargs,
-                                 chat_template=body.chat_template or options.chat_template)
-        first = await unless_disconnected(request, anext(stream))  # bad input fails here, before any 200
+
+        async def start():
+            messages = await fetch_media(body.messages, options.media, image_limit)
+            if body.chat_template is None:
+                stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
+                                         mm_processor_kwargs=body.mm_processor_kwargs,
+                                         chat_template=options.chat_template,
+                                         add_generation_prompt=body.add_generation_prompt)
+            else:
+                normalized, images = engine.inputs.prompts.normalize_chat(messages, max_len)
+                text = await asyncio.to_thread(sandbox.render, normalized, body.chat_template,
+                                               body.add_generation_prompt)
+                stream = engine.generate(prompt={"prompt": text, "multi_modal_data": {"image": images}},
+                                         sampling_params=params, request_id=request_id,
+                                         mm_processor_kwargs=body.mm_processor_kwargs)
+            return stream, await anext(stream)  # bad input fails here, before any 200
+
+        stream, first = await unless_disconnected(request, start())
         top = body.top_logprobs or 0
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -161,13 +205,16 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model = model_name(body.model)
-        params = body.to_sampling_params(defaults)
+        prompts = body.prompts(options.limits.max_prompts)
+        params = checked_params(body)
         request_id = serving.new_id("cmpl")
-        prompts = body.prompts()
-        merged = serving.merge([engine.generate(prompt=p, sampling_params=params, request_id=f"{request_id}-{i}",
-                                                mm_processor_kwargs=body.mm_processor_kwargs)
-                                for i, p in enumerate(prompts)])
-        first = await unless_disconnected(request, anext(merged))
+
+        async def start():
+            requests = await engine.prepare_many(prompts, params, request_id, body.mm_processor_kwargs)
+            merged = serving.merge([engine.stream(r) for r in requests])
+            return merged, await anext(merged)
+
+        merged, first = await unless_disconnected(request, start())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs,
@@ -179,24 +226,29 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             await merged.aclose()
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        inputs = engine.inputs
+    async def tokenize(body: TokenizeRequest, request: Request):
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages")
-        if body.messages is not None:
-            messages = await asyncio.to_thread(fetch_media, body.messages, options.media, image_limit)
-            processed = await asyncio.to_thread(inputs.process_chat, messages,
-                                                add_generation_prompt=body.add_generation_prompt)
-            tokens = processed.token_ids
-        else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.config.max_model_len}
+
+        async def count():
+            if body.messages is not None:
+                messages = await fetch_media(body.messages, options.media, image_limit)
+                processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None,
+                                                     options.chat_template, body.add_generation_prompt)
+                return processed.token_ids
+            ids = await engine.run_in_pool(engine.inputs.prompts.encode, body.prompt, max_len)
+            return engine.tokenizer.build_inputs_with_special_tokens(ids) if body.add_special_tokens else ids
+
+        tokens = await unless_disconnected(request, count())
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         vocab = engine.config.model.text.vocab_size
+        if len(body.tokens) > max_len:
+            raise APIError(400, f"at most max_model_len={max_len} token ids can be detokenized", param="tokens")
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await engine.run_in_pool(engine.tokenizer.decode, body.tokens)}
 
     return app

@@ -35,10 +35,15 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--served-model-name", nargs="+", default=None, help="names clients may use (several allowed)")
     net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     net.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    net.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept chat_template in requests (rendered in sandboxed worker processes)")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-log-requests", action="store_true")
     net.add_argument("--max-request-body-mb", type=int, default=64, help="larger bodies get 413 (fovea only)")
+    net.add_argument("--max-engine-restarts", type=int, default=3,
+                     help="engine processes restarted after dying within 10 minutes before the server exits "
+                          "non-zero (fovea only)")
     media = serve.add_argument_group("images")
     media.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None, help='e.g. {"image": 4}')
     media.add_argument("--mm-processor-kwargs", type=_json_arg, default=None,
@@ -93,22 +98,31 @@ def run_serve(args: argparse.Namespace) -> None:
     if template and Path(template).is_file():
         template = Path(template).read_text()
     engine = AsyncLLM.from_args(
-        args.model, dtype=dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        args.model, max_restarts=args.max_engine_restarts, dtype=dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         num_gpu_blocks_override=args.num_gpu_blocks_override, **fast_path_args(args))
-    policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-                         [d.lower() for d in args.allowed_media_domains or []])
-    options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template, policy,
-                            args.max_request_body_mb << 20)
-    app = build_app(engine, options)
-    # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the handler found at start;
-    # a no-op one turns that into a normal exit (status 0) after the engine is shut down below.
-    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    access_log=not args.disable_log_requests, timeout_graceful_shutdown=30)
+        policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+                             [d.lower() for d in args.allowed_media_domains or []])
+        options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template,
+                                policy, args.max_request_body_mb << 20,
+                                trust_request_chat_template=args.trust_request_chat_template)
+        app = build_app(engine, options)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.uvicorn_log_level,
+                                               access_log=not args.disable_log_requests, timeout_graceful_shutdown=30))
+        # an engine that cannot be brought back: stop serving and exit non-zero rather than answer 503 forever
+        engine.on_fatal = lambda: setattr(server, "should_exit", True)
+        # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the handler found at
+        # start; a no-op one turns that into a normal exit (status 0) after the engine is shut down below.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        server.run()
+        if app.state.template_sandbox is not None:
+            app.state.template_sandbox.close()
     finally:
         engine.shutdown()
+    if engine.error is not None:
+        sys.exit(f"fovea serve: {engine.error}")

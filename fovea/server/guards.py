@@ -3,6 +3,7 @@ hide client disconnects from the routes): the API key, and the body size limit."
 
 from __future__ import annotations
 
+import hmac
 import json
 
 from fovea.server.protocol import error_body
@@ -19,16 +20,20 @@ async def send_error(send, status: int, message: str, kind: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize")  # /tokenize fetches images and runs the template too
+
+
 class APIKeyCheck:
-    """With a key set, every /v1 route wants `Authorization: Bearer KEY` (401 otherwise)."""
+    """With a key set, every /v1 route and /tokenize, /detokenize want `Authorization: Bearer KEY` (401
+    otherwise). The key is compared in constant time."""
 
     def __init__(self, app, api_key: str | None):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected and scope["type"] == "http" and scope["path"].startswith("/v1") \
-                and dict(scope["headers"]).get(b"authorization") != self.expected:
+        if self.expected and scope["type"] == "http" and scope["path"].startswith(PROTECTED_PATHS) \
+                and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected):
             return await send_error(send, 401, "invalid or missing API key", "AuthenticationError")
         return await self.app(scope, receive, send)
 

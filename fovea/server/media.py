@@ -1,21 +1,35 @@
-"""Which images a server request may use, and fetching the remote ones under those rules.
+"""Which images a server request may use, and getting the remote and local ones under those rules.
 
 data: URLs always; file:// only below --allowed-local-media-path; http(s) only from --allowed-media-domains when
-given, and never from loopback/private/link-local addresses unless the host is named there. The address rule is
-applied to the address each connection actually goes to (redirects included), so a name that resolves to a
-public address when checked and to a private one when fetched (DNS rebinding) is still refused.
-Runs in the front end's worker threads: the engine only ever sees downloaded bytes.
+given, and never from non-public addresses (loopback, private, link-local, carrier-grade NAT, reserved, and
+IPv6 forms that embed such an IPv4 address) unless the host is named there. The address rule is applied to the
+address each connection actually goes to (redirects included), so a name that resolves to a public address when
+checked and to a private one when fetched (DNS rebinding) is still refused.
+
+Downloads and file reads run in their own bounded thread pool (a slow image host cannot hold up templating or
+tokenizing for anyone), a request's images in parallel under one deadline (FOVEA_IMAGE_FETCH_TIMEOUT, 5 s), and
+they are cancelled as soon as the request fails or its client leaves. Upstream failures all read the same.
+The engine only ever sees the bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import ipaddress
+import logging
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from fovea.multimodal.image import fetch_url, file_url_path
+from fovea.multimodal.fetch import Cancellation, fetch_url, file_url_path, read_local_file
+
+logger = logging.getLogger("fovea")
+DOWNLOADS = concurrent.futures.ThreadPoolExecutor(int(os.environ.get("FOVEA_MEDIA_THREADS", "16")), "fovea-media")
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 @dataclass
@@ -38,21 +52,43 @@ def image_urls(messages: list[dict]) -> list[tuple[dict, str]]:
     return found
 
 
-def fetch_media(messages: list[dict], policy: MediaPolicy, max_images: int | None = None) -> list[dict]:
-    """`messages` with every http(s) image downloaded (as bytes); raises ValueError for a refused URL."""
+async def fetch_media(messages: list[dict], policy: MediaPolicy, max_images: int | None = None) -> list[dict]:
+    """`messages` with every http(s) and file:// image replaced by its bytes; raises ValueError for a refused
+    URL or a failed download (the request's other downloads are then cancelled)."""
     found = image_urls(messages)
     if max_images is not None and len(found) > max_images:
         raise ValueError(f"the prompt has {len(found)} images but limit_mm_per_prompt allows {max_images}")
     for _, url in found:
         check_url(url, policy)
-    downloaded = {id(part): fetch_url(url, functools.partial(check_url, policy=policy),
-                                      None if explicitly_allowed(url, policy) else check_address)
-                  for part, url in found if url.startswith(("http://", "https://"))}
-    if not downloaded:
+    remote = [(part, url) for part, url in found if not url.startswith("data:")]
+    if not remote:
         return messages
-    return [{**message, "content": [{"type": "image", "image": downloaded[id(part)]} if id(part) in downloaded
+    cancel, deadline = Cancellation(), time.monotonic() + float(os.environ.get("FOVEA_IMAGE_FETCH_TIMEOUT", "5"))
+    loop = asyncio.get_running_loop()
+    jobs = [loop.run_in_executor(DOWNLOADS, _get, url, policy, deadline, cancel) for _, url in remote]
+    try:
+        contents = await asyncio.gather(*jobs)
+    finally:
+        cancel.cancel()  # a failure, or the client left: whatever still runs stops now
+        await asyncio.gather(*jobs, return_exceptions=True)
+    replaced = {id(part): data for (part, _), data in zip(remote, contents)}
+    return [{**message, "content": [{"type": "image", "image": replaced[id(part)]} if id(part) in replaced
                                     else part for part in message["content"]]}
             if isinstance(message.get("content"), list) else message for message in messages]
+
+
+def _get(url: str, policy: MediaPolicy, deadline: float, cancel: Cancellation) -> bytes:
+    if cancel.cancelled:
+        raise ValueError(f"could not fetch image {url}")
+    if url.startswith("file://"):
+        return read_local_file(file_url_path(url), policy.allowed_local_media_path)
+    try:
+        return fetch_url(url, functools.partial(check_url, policy=policy),
+                         None if explicitly_allowed(url, policy) else check_address, deadline=deadline,
+                         cancel=cancel, explain=False)
+    except ValueError as error:
+        logger.info("image fetch failed: %s (%s)", url, error.__cause__ or error)
+        raise
 
 
 def check_url(url, policy: MediaPolicy) -> None:
@@ -81,7 +117,13 @@ def explicitly_allowed(url: str, policy: MediaPolicy) -> bool:
 
 
 def check_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
-    if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_reserved or ip.is_unspecified \
-            or ip.is_multicast:
-        raise ValueError(f"image URL leads to a non-public address ({ip}); refused (name the host in "
+    """Only globally routable unicast addresses; IPv6 addresses that carry an IPv4 one (mapped, 6to4, NAT64)
+    are judged by it too."""
+    candidates = [ip]
+    if ip.version == 6:
+        candidates += [a for a in (ip.ipv4_mapped, ip.sixtofour) if a is not None]
+        if ip in NAT64:
+            candidates.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    if any(not a.is_global or a.is_multicast for a in candidates):
+        raise ValueError("image URL leads to a non-public address; refused (name the host in "
                          "--allowed-media-domains to allow it)")

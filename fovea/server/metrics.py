@@ -53,9 +53,11 @@ class ServerMetrics:
         self.kv_usage = make(Gauge, "fovea:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
         self.kv_used_blocks = make(Gauge, "fovea:kv_cache_used_blocks", "KV blocks held by sequences")
         self.kv_total_blocks = make(Gauge, "fovea:kv_cache_total_blocks", "KV blocks in the cache")
+        self.encoder_references = make(Gauge, "fovea:encoder_cache_references",
+                                       "Image embeddings held in the encoder cache for running sequences")
         self.totals = {key: make(Counter, name, doc) for key, (name, doc) in TOTALS.items()}
         self.last = EngineStats()
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.finished_by_reason(reason)  # present at zero before the first request
 
     def update(self, stats: EngineStats) -> None:
@@ -65,8 +67,10 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_usage)
         self.kv_used_blocks.set(stats.kv_used_blocks)
         self.kv_total_blocks.set(stats.kv_total_blocks)
+        self.encoder_references.set(stats.encoder_cache_references)
         for key, counter in self.totals.items():
-            counter.inc(max(getattr(stats, key) - getattr(self.last, key), 0))
+            now, before = getattr(stats, key), getattr(self.last, key)
+            counter.inc(now - before if now >= before else now)  # a restarted engine counts from 0 again
         self.last = stats
         events = stats.events
         for value in events.time_to_first_token:

@@ -1,7 +1,8 @@
 """Engine outputs to OpenAI responses: chat completions and completions, whole or as server-sent events.
 
 Streams follow what OpenAI sends: (chat) a first chunk with the assistant role, content deltas, a chunk carrying
-each choice's finish_reason, an optional usage chunk with no choices, then `data: [DONE]`.
+each choice's finish_reason, an optional usage chunk with no choices, then `data: [DONE]`. A request that fails
+mid-stream (its step failed, the engine died) sends an OpenAI-shaped `{"error": ...}` event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import time
 import uuid
 from typing import AsyncIterator
 
+from fovea.engine.async_engine import EngineDeadError
 from fovea.engine.request import CompletionOutput, Logprob, RequestOutput
+from fovea.server.protocol import error_body
 
 
 def new_id(prefix: str) -> str:
@@ -21,6 +24,16 @@ def new_id(prefix: str) -> str:
 
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def error_event(error: Exception) -> str:
+    if isinstance(error, EngineDeadError):
+        status, kind = 503, "ServiceUnavailableError"
+    elif isinstance(error, ValueError):
+        status, kind = 400, "BadRequestError"
+    else:  # RequestFailed, or a bug
+        status, kind = 500, "InternalServerError"
+    return sse(error_body(str(error)[:1000], kind, status))
 
 
 class Usage:
@@ -124,9 +137,11 @@ async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], 
             output = await anext(rest)
         if include_usage:
             yield chunk([], usage.as_dict())
-        yield sse("[DONE]")
+    except Exception as error:  # noqa: BLE001 - the client hears why its stream ends early
+        yield error_event(error)
     finally:
         await rest.aclose()  # a client that left mid-stream aborts the request here
+    yield sse("[DONE]")
 
 
 def completion_choice(output: RequestOutput, c: CompletionOutput, index: int, echo_text: str | None,
@@ -219,6 +234,8 @@ async def completion_stream(first, merged, model: str, request_id: str, n: int, 
             item = await anext(merged, None)
         if include_usage:
             yield chunk([], usage=usage.as_dict())
-        yield sse("[DONE]")
+    except Exception as error:  # noqa: BLE001 - the client hears why its stream ends early
+        yield error_event(error)
     finally:
         await merged.aclose()
+    yield sse("[DONE]")

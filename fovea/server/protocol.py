@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI API (plus vLLM's sampling extras), validated by pydantic, and their mapping to
-SamplingParams. Fields a request leaves out take the checkpoint's generation_config defaults, as in vLLM."""
+SamplingParams. Fields a request leaves out take the checkpoint's generation_config defaults, as in vLLM.
+Numbers must be finite (JSON's NaN and Infinity are refused); lists that cost work per generated token (stop
+strings, stop token ids, logit_bias) and the prompts of one completions request have limits (`RequestLimits`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,12 +13,31 @@ from pydantic import BaseModel, ConfigDict, Field
 from fovea.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
+@dataclass
+class RequestLimits:
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1000
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024  # entries
+    max_prompts: int = 1024  # prompts in one /v1/completions request
+
+    def check(self, fields: "SamplingFields") -> None:
+        stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop or []
+        for name, count, limit in (("stop", len(stop), self.max_stop_strings),
+                                   ("stop_token_ids", len(fields.stop_token_ids or ()), self.max_stop_token_ids),
+                                   ("logit_bias", len(fields.logit_bias or {}), self.max_logit_bias)):
+            if count > limit:
+                raise ValueError(f"{name} has {count} entries; at most {limit} are allowed")
+        if any(len(s) > self.max_stop_string_chars for s in stop):
+            raise ValueError(f"stop strings may have at most {self.max_stop_string_chars} characters")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as vLLM does
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # unknown fields are ignored, as vLLM does
 
     model: str | None = None
     n: int = 1
@@ -47,13 +69,13 @@ class SamplingFields(BaseModel):
         """`defaults`: the generation_config fields; an omitted max_tokens means up to max_model_len."""
         fields = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
                                                          "repetition_penalty") if getattr(self, name) is not None}
-        try:
-            bias = {int(token): value for token, value in (self.logit_bias or {}).items()} or None
+        try:  # values are clamped to OpenAI's range [-100, 100], as vLLM does
+            bias = {int(token): min(100.0, max(-100.0, value)) for token, value in (self.logit_bias or {}).items()}
         except ValueError:
             raise ValueError("logit_bias keys must be token ids") from None
         base = {name: value for name, value in defaults.items() if name != "max_tokens"}
         return SamplingParams(**{**base, **fields}, **{
-            "n": self.n, "stop": self.stop, "seed": self.seed, "logit_bias": bias, "logprobs": logprobs,
+            "n": self.n, "stop": self.stop, "seed": self.seed, "logit_bias": bias or None, "logprobs": logprobs,
             "max_tokens": max_tokens if max_tokens is not None else defaults.get("max_tokens"),
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
@@ -92,7 +114,7 @@ class CompletionRequest(SamplingFields):
         return self.sampling_params(defaults, self.max_tokens, self.logprobs,
                                     prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None)
 
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self, max_prompts: int) -> list[str | list[int]]:
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
@@ -100,10 +122,14 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
+        if len(prompt) > max_prompts:
+            raise ValueError(f"the request has {len(prompt)} prompts; at most {max_prompts} are allowed")
         return list(prompt)
 
 
 class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None

@@ -1,0 +1,93 @@
+"""One engine-core process as the front end sees it: started, waited for, spoken to through two pipe threads.
+
+Sending a request with large pixel arrays can block until the engine reads it between steps, so a thread sends,
+not the event loop; another thread receives and hands every message to `on_message`. When the process stops
+without being asked to (it died, or gave up after failing steps), `on_exit` hears why, once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from typing import Callable
+
+from fovea.engine.config import EngineConfig
+from fovea.engine.engine_core import run_engine_core
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None],
+                 on_exit: Callable[["EngineProcess", str], None], startup_timeout: float = 600.0):
+        import torch
+
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of threads or CUDA state
+        command_reader, self._commands = context.Pipe(duplex=False)
+        self._results, result_writer = context.Pipe(duplex=False)
+        self.process = context.Process(target=run_engine_core, name="fovea-engine", daemon=True,
+                                       args=(config, command_reader, result_writer, torch.get_num_threads()))
+        self.process.start()
+        command_reader.close()
+        result_writer.close()
+        self.config = self._wait_until_ready(startup_timeout)  # max_model_len may have shrunk to the KV cache
+        self._on_message, self._on_exit = on_message, on_exit
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopped = False
+        threading.Thread(target=self._send_loop, name="fovea-engine-send", daemon=True).start()
+        threading.Thread(target=self._receive_loop, name="fovea-engine-receive", daemon=True).start()
+
+    def _wait_until_ready(self, timeout: float) -> EngineConfig:
+        deadline = time.monotonic() + timeout
+        while not self._results.poll(0.2):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"the engine process did not start (exit code {self.process.exitcode})")
+        kind, payload = self._results.recv()
+        if kind != "ready":
+            self.process.join(timeout=10)
+            raise RuntimeError(f"the engine failed to start:\n{payload}")
+        return payload
+
+    def send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def stop(self) -> None:
+        """Asks the process to finish (what runs is dropped) and waits for it; kills it if it does not go."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self._outbox.put(("shutdown", None))
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def _send_loop(self) -> None:
+        while True:
+            message = self._outbox.get()
+            try:
+                self._commands.send(message)
+            except (BrokenPipeError, OSError):
+                return  # the engine is gone; the receive loop reports it
+            if message[0] == "shutdown":
+                return
+
+    def _receive_loop(self) -> None:
+        try:
+            while True:
+                message = self._results.recv()
+                if message[0] == "dead":
+                    reason = f"it gave up after failing steps:\n{message[1]}"
+                    break
+                self._on_message(message)
+        except (EOFError, OSError):
+            self.process.join(timeout=5)
+            reason = f"the engine process exited (code {self.process.exitcode})"
+        if not self.stopped:
+            self.stopped = True
+            self._outbox.put(("shutdown", None))  # lets the send thread end
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+            self._on_exit(self, reason)

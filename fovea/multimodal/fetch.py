@@ -1,0 +1,165 @@
+"""Getting image bytes from where a URL points: http(s) downloads bounded in size and total time, with the
+address each connection goes to vetted by the caller, cancellable from another thread; and local files read
+through one descriptor that is checked after opening, so a path swapped between check and read cannot escape.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+MAX_FETCH_BYTES = 64 << 20
+
+
+class ImageTooLarge(ValueError):
+    """An image over the size limits (bytes or pixels); the server answers 413."""
+
+
+def file_url_path(url: str) -> Path:
+    """The path a file:// URL names, percent-decoded as Path.as_uri() encodes it (%20 for a space). The server's
+    media policy checks this same path, so an encoded `..` cannot slip past it."""
+    from urllib.parse import unquote, urlparse
+
+    return Path(unquote(urlparse(url).path))
+
+
+class Cancellation:
+    """Set when nobody wants the downloads any more (the request failed or its client left): callbacks run then,
+    such as shutting down a socket that a download is blocked on."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._callbacks: list = []
+        self.cancelled = False
+
+    def on_cancel(self, callback) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled, callbacks, self._callbacks = True, self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int = 3, deadline: float | None = None,
+              cancel: Cancellation | None = None, explain: bool = True) -> bytes:
+    """Downloads an image, bounded in size and in total time: FOVEA_IMAGE_FETCH_TIMEOUT seconds (vLLM's default
+    of 5) for everything, redirects included, unless `deadline` (time.monotonic()) says otherwise. `check_url(url)`
+    vets every URL including redirects; `check_address(ip)` vets the address actually connected to, so a host
+    that resolves differently the second time (DNS rebinding) is still caught. `explain=False` (the server)
+    gives every upstream failure the same message, so that errors cannot be used to probe other hosts."""
+    import http.client
+    import socket
+    from urllib.parse import urljoin, urlparse
+
+    deadline = deadline or time.monotonic() + float(os.environ.get("FOVEA_IMAGE_FETCH_TIMEOUT", "5"))
+    cancel = cancel or Cancellation()
+
+    def failed(why: str) -> ValueError:
+        return ValueError(f"could not fetch image {url}" + (f": {why}" if explain else ""))
+
+    for _ in range(max_redirects + 1):
+        if check_url is not None:
+            check_url(url)
+        parsed = urlparse(url)
+        kind = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+        try:
+            connection = kind(parsed.hostname, parsed.port, timeout=max(deadline - time.monotonic(), 0.001))
+        except (ValueError, http.client.HTTPException) as exc:
+            raise failed(str(exc)) from None
+        try:
+            if check_address is not None:
+                connection._create_connection = _guarded_connect(check_address)
+            connection.request("GET", (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else ""),
+                               headers={"User-Agent": "fovea", "Accept": "image/*"})
+            sock = connection.sock  # the response reads from it; the connection may drop its own reference
+            cancel.on_cancel(lambda: _shut(sock, socket))
+            response = connection.getresponse()
+            location = response.getheader("Location")
+            if response.status in (301, 302, 303, 307, 308) and location:
+                url = urljoin(url, location)
+                continue
+            if response.status != 200:
+                raise failed(f"HTTP {response.status}")
+            data = bytearray()
+            while len(data) <= MAX_FETCH_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0 or cancel.cancelled:
+                    raise failed("cancelled" if cancel.cancelled else "timed out")
+                sock.settimeout(left)  # each read waits at most until the deadline
+                chunk = response.read1(1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+        except (OSError, http.client.HTTPException) as exc:
+            raise failed("cancelled" if cancel.cancelled else str(exc)) from None
+        finally:
+            connection.close()
+        if len(data) > MAX_FETCH_BYTES:
+            raise ImageTooLarge(f"image at {url} is larger than {MAX_FETCH_BYTES >> 20} MiB")
+        return bytes(data)
+    raise failed(f"more than {max_redirects} redirects")
+
+
+def _shut(sock, socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a read blocked on it in another thread
+    except OSError:
+        pass
+
+
+def _guarded_connect(check_address):
+    import socket
+
+    def connect(address, timeout, source_address=None):
+        host, port = address
+        last_error: OSError = OSError(f"cannot resolve {host}")
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            check_address(ipaddress.ip_address(sockaddr[0].split("%")[0]))
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(sockaddr)
+                return sock
+            except OSError as error:
+                sock.close()
+                last_error = error
+        raise last_error
+
+    return connect
+
+
+def read_local_file(path: Path, root: Path) -> bytes:
+    """The bytes of `path`, which must be a regular file below `root`, checked on the opened descriptor (a
+    symlink or directory swapped in after a path check cannot lead outside `root`; a FIFO cannot block)."""
+    root = root.resolve()
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root):
+        raise ValueError(f"file:// image URLs must be under {root}")
+    try:
+        fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        raise ValueError(f"image file not found or not readable: {path}") from None
+    try:
+        info = os.fstat(fd)
+        link = f"/proc/self/fd/{fd}"  # Linux names the file the descriptor really is
+        opened = Path(os.readlink(link)) if os.path.exists(link) else resolved
+        if not opened.is_relative_to(root):
+            raise ValueError(f"file:// image URLs must be under {root}")
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"image file is not a regular file: {path}")
+        if info.st_size > MAX_FETCH_BYTES:
+            raise ImageTooLarge(f"image file {path} is larger than {MAX_FETCH_BYTES >> 20} MiB")
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            return file.read(MAX_FETCH_BYTES + 1)
+    finally:
+        os.close(fd)

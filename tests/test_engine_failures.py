@@ -1,0 +1,144 @@
+"""The engine survives any request: a failing step fails only the requests it ran and leaves the caches
+consistent, the engine process goes on after it, one request with many prompts cannot hold everyone behind it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+
+from conftest import random_image
+from fovea import LLM, SamplingParams
+from fovea.engine.engine import StepFailed
+from fovea.engine.sampling_params import RequestOutputKind
+from test_engine_vs_hf import LOREM, assert_engine_idle
+
+OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_batched_tokens=512)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dirs):
+    return LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+
+
+def image_prompt(image):
+    return {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe.", "multi_modal_data": {"image": image}}
+
+
+def request(llm, request_id, prompt, params=GREEDY, fair_rank=0):
+    return llm.engine.inputs.make_request(request_id, llm.engine.inputs.process(prompt), params, fair_rank=fair_rank)
+
+
+def run(engine):
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    return outputs
+
+
+def test_a_failing_step_fails_its_requests_and_nothing_else(llm, tiny_dirs, monkeypatch):
+    engine = llm.engine
+    picture = random_image(200, 150, 61)
+    alone = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS).generate([image_prompt(picture), LOREM], GREEDY, use_tqdm=False)
+    real_encode = engine.runner._encode_images
+
+    def encoder_breaks(batch, cache):  # fails after the scheduler reserved the image's encoder-cache entry
+        raise RuntimeError("injected encoder failure")
+
+    monkeypatch.setattr(engine.runner, "_encode_images", encoder_breaks)
+    engine.add_request(request(llm, "broken", image_prompt(picture)))
+    with pytest.raises(StepFailed, match="injected encoder failure") as failed:
+        engine.step()
+    assert failed.value.request_ids == ["broken"]
+    assert_engine_idle(engine)  # its KV blocks and encoder-cache references are back
+    monkeypatch.setattr(engine.runner, "_encode_images", real_encode)
+    # the same picture again: the half-made encoder entry was dropped, so it is encoded afresh
+    engine.add_request(request(llm, "again", image_prompt(picture)))
+    engine.add_request(request(llm, "text", LOREM))
+    outputs = run(engine)
+    assert outputs["again"].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert outputs["text"].outputs[0].token_ids == alone[1].outputs[0].token_ids
+
+    # a failure in the model: every request of that step fails, a request added afterwards runs normally
+    engine.add_request(request(llm, "first", LOREM))
+    engine.step()
+    engine.add_request(request(llm, "second", "Hello there"))
+    real_execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda *a: (_ for _ in ()).throw(RuntimeError("device error")))
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert failed.value.request_ids == ["first", "second"]
+    assert_engine_idle(engine)
+    monkeypatch.setattr(engine.runner, "execute", real_execute)
+    engine.add_request(request(llm, "after", LOREM))
+    assert run(engine)["after"].outputs[0].token_ids == alone[1].outputs[0].token_ids
+    assert_engine_idle(engine)
+
+
+def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
+    """engine_core._serve answers a failed step with ("error", ids, message) and keeps serving; only several
+    failed steps in a row end it (the front end then starts a new engine process)."""
+    from fovea.engine.engine_core import MAX_FAILED_STEPS_IN_A_ROW, _serve
+
+    engine = llm.engine
+    real_execute = engine.runner.execute
+
+    def execute(batch, cache):
+        if any(seq.request.request_id.startswith("boom") for seq in batch.seqs):
+            raise RuntimeError("injected step failure")
+        return real_execute(batch, cache)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    command_reader, commands = multiprocessing.Pipe(duplex=False)
+    results, result_writer = multiprocessing.Pipe(duplex=False)
+    stopped = []
+
+    def serve():
+        try:
+            _serve(engine, command_reader, result_writer)
+        except RuntimeError as error:
+            stopped.append(error)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def until(kind):
+        while True:
+            message = results.recv()
+            if message[0] == kind:
+                return message
+
+    commands.send(("add", request(llm, "boom-1", LOREM)))
+    assert until("error")[1:] == (["boom-1"], "RuntimeError: injected step failure")
+    commands.send(("add", request(llm, "fine", "Hello", GREEDY.clone(max_tokens=3))))
+    while not any(o.request_id == "fine" and o.finished for o in until("outputs")[1]):
+        pass
+    for i in range(MAX_FAILED_STEPS_IN_A_ROW):
+        commands.send(("add", request(llm, f"boom-again-{i}", LOREM)))
+    thread.join(timeout=60)
+    assert stopped and "injected step failure" in str(stopped[0])
+    engine.abort_request(list(engine.requests))
+    engine.finished_outputs.clear()
+    assert_engine_idle(engine)
+
+
+def test_a_request_with_many_prompts_does_not_hold_the_others_back(tiny_dirs):
+    """Prompt i of one API request waits behind the first prompts of requests that arrive after it."""
+    llm = LLM(str(tiny_dirs["tiny-3b"]), **{**OPTIONS, "max_num_seqs": 2})
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(request(llm, f"many-{i}", LOREM, fair_rank=i))
+    engine.add_request(request(llm, "later", "Hello"))
+    engine.step()
+    assert sorted(seq.request.request_id for seq in engine.scheduler.running) == ["later", "many-0"]
+    outputs = run(engine)
+    assert len(outputs) == 5 and all(o.outputs[0].finish_reason == "length" for o in outputs.values())
+
+
+def test_n_above_max_num_seqs_is_refused_offline(tiny_dirs):
+    llm = LLM(str(tiny_dirs["tiny-3b"]), **{**OPTIONS, "max_num_seqs": 4})
+    with pytest.raises(ValueError, match="n=5 is more than max_num_seqs=4"):
+        llm.generate("Hi", SamplingParams(n=5), use_tqdm=False)
+    assert_engine_idle(llm.engine)

@@ -1,0 +1,61 @@
+"""Chat templates sent by clients run only with --trust-request-chat-template, in worker processes bounded in
+time, memory and output; the chat template options of a request are honoured."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from serving import running_server
+
+HELLO = [{"role": "user", "content": "hello"}]
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+EATS_MEMORY = "{% set s = 'x' * 100000 %}{% for i in range(100000) %}{{ s }}{% endfor %}"  # 10 GB of output
+WRITES_TOO_MUCH = "{{ 'x' * 5000000 }}"  # 5 MB: fits the memory cap, not 1024 tokens x 128 characters
+PLAIN = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs):
+    with running_server(tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "1024",
+                        "--num-gpu-blocks-override", "200", "--trust-request-chat-template") as (base, proc):
+        yield base
+    assert proc.returncode == 0, proc.output
+
+
+def chat(base: str, **fields) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", timeout=60,
+                      json={"messages": HELLO, "max_tokens": 2, "temperature": 0, **fields})
+
+
+def test_client_templates_are_bounded(server, tiny_dirs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["tiny-3b"]))
+    cases = [("{{ raise_exception('no system role here') }}", "no system role here"),
+             (LOOPS, "did not finish within"), (EATS_MEMORY, "more memory than allowed"),
+             (WRITES_TOO_MUCH, "more than the")]
+    for template, message in cases:
+        start = time.monotonic()
+        reply = chat(server, chat_template=template)
+        assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
+        assert time.monotonic() - start < 10, template  # the worker's limit (2 s) bounds every case
+    # the workers that overran are replaced; a plain template and the server's own still work
+    deadline = time.monotonic() + 60
+    while (reply := chat(server, chat_template=PLAIN)).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("hello"))
+    assert chat(server).status_code == 200
+
+
+def test_add_generation_prompt_is_honoured(server, tiny_dirs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["tiny-3b"]))
+    for flag in (True, False):
+        expected = tokenizer.apply_chat_template(HELLO, add_generation_prompt=flag, tokenize=False)
+        reply = chat(server, add_generation_prompt=flag).json()
+        assert reply["usage"]["prompt_tokens"] == len(tokenizer.encode(expected)), flag
