@@ -115,8 +115,10 @@ def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
     commands.send(("add", request(llm, "fine", "Hello", GREEDY.clone(max_tokens=3))))
     while not any(o.request_id == "fine" and o.finished for o in until("outputs")[1]):
         pass
-    for i in range(MAX_FAILED_STEPS_IN_A_ROW):
+    for i in range(MAX_FAILED_STEPS_IN_A_ROW):  # one failing step after another
         commands.send(("add", request(llm, f"boom-again-{i}", LOREM)))
+        if i < MAX_FAILED_STEPS_IN_A_ROW - 1:
+            assert until("error")[1] == [f"boom-again-{i}"]
     thread.join(timeout=60)
     assert stopped and "injected step failure" in str(stopped[0])
     engine.abort_request(list(engine.requests))

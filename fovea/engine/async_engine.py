@@ -47,11 +47,6 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, on_stats: Callable[[EngineStats], None] | None = None,
                  startup_timeout: float = 600.0, max_restarts: int = 3, prepare_threads: int | None = None):
         self._start_config, self._startup_timeout = config, startup_timeout
-        self._engine = EngineProcess(config, self._on_message, self._on_exit, startup_timeout)
-        self.config = self._engine.config
-        self.inputs = InputProcessor(self.config)
-        self.tokenizer = self.inputs.tokenizer
-        self.default_params = default_sampling_params(self.config.model_dir)
         self.stats = EngineStats()
         self.on_stats = on_stats
         self.on_fatal: Callable[[], None] | None = None  # the engine cannot be brought back
@@ -64,8 +59,14 @@ class AsyncLLM:
         threads = prepare_threads or min(32, (os.cpu_count() or 1) + 4)
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(threads, "fovea-prepare")
         self._stopped = False
+        # everything the engine's messages touch exists before it starts: they may come at once
+        self._engine = EngineProcess(config, self._on_message, self._on_exit, startup_timeout)
         # runs before multiprocessing's own exit handler ends the engine process, which would look like a death
         atexit.register(self.shutdown)
+        self.config = self._engine.config
+        self.inputs = InputProcessor(self.config)
+        self.tokenizer = self.inputs.tokenizer
+        self.default_params = default_sampling_params(self.config.model_dir)
 
     @classmethod
     def from_args(cls, model: str | None = None, on_stats=None, max_restarts: int = 3, **engine_args) -> "AsyncLLM":

@@ -7,6 +7,7 @@ without being asked to (it died, or gave up after failing steps), `on_exit` hear
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import queue
 import threading
@@ -15,6 +16,8 @@ from typing import Callable
 
 from fovea.engine.config import EngineConfig
 from fovea.engine.engine_core import run_engine_core
+
+logger = logging.getLogger("fovea")
 
 
 class EngineProcess:
@@ -80,7 +83,10 @@ class EngineProcess:
                 if message[0] == "dead":
                     reason = f"it gave up after failing steps:\n{message[1]}"
                     break
-                self._on_message(message)
+                try:
+                    self._on_message(message)
+                except Exception:  # noqa: BLE001 - a failing handler must not stop the outputs of everyone
+                    logger.exception("handling a message from the engine failed")
         except (EOFError, OSError):
             self.process.join(timeout=5)
             reason = f"the engine process exited (code {self.process.exitcode})"
