@@ -29,7 +29,8 @@ def running_server(model_dir, *flags: str, startup_s: float = 120, env: dict | N
     cmd = [sys.executable, "-m", "fovea.cli", "serve", str(model_dir), "--port", str(port),
            "--uvicorn-log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            start_new_session=True)  # its own process group, as under a terminal or systemd
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + startup_s
     while True:

@@ -125,4 +125,8 @@ def test_hostile_traffic_beside_normal_traffic(tiny_dirs, drip):
         # the second round left no more threads or memory behind than the first (pools are bounded)
         assert status_of(server.pid, "Threads:") <= threads + 2
         assert status_of(server.pid, "VmRSS:") <= rss + 150_000  # kB
+        # SIGTERM to the whole process group (systemd, `timeout`, Ctrl-C do that): a clean stop, no restart
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
     assert server.returncode == 0, server.output
+    assert server.output.count("the engine process stopped") == 1, server.output  # only the deliberate kill

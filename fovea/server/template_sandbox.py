@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 
 logger = logging.getLogger("fovea")
@@ -22,13 +23,20 @@ def _worker_main(model_dir: str, conn, memory_bytes: int, max_chars: int) -> Non
 
     from transformers import AutoTokenizer  # the same tokenizer call the server's own template goes through
 
+    # the server stops its workers (or they see the pipe close); signals to the whole group are not for them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with open("/proc/self/statm") as statm:  # pages of virtual memory in use now, tokenizer loaded
         in_use = int(statm.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (in_use + memory_bytes, in_use + memory_bytes))
     conn.send("ready")
     while True:
-        messages, template, add_generation_prompt = conn.recv()
+        try:
+            messages, template, add_generation_prompt = conn.recv()
+        except EOFError:  # the server is gone
+            return
         try:
             text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
