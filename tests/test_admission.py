@@ -38,7 +38,8 @@ class CountingTokenizer:
 
 def varied_text(chars: int, seed: int = 0) -> str:
     rng = random.Random(seed)
-    words = ["the", "Cat", "naïve", "東京", "x=3.14;", "(quoted)", "don't", "\n\n", "  ", "1234567", "😀", "--", "\t"]
+    words = ["the", "Cat", "naïve", "東京", "x=3.14;", "(quoted)", "don't", "\n\n", "  ", "1234567", "😀", "--",
+             "\t"]
     out, size = [], 0
     while size < chars:
         word = rng.choice(words)

@@ -16,7 +16,7 @@ from functools import partial
 
 from fovea.eval.registry import ModelEntry
 from fovea.eval.tasks import data_url
-from fovea.multimodal.image import file_url_path
+from fovea.multimodal.fetch import file_url_path
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fovea.multimodal.fetch import MAX_FETCH_BYTES, ImageTooLarge, fetch_url, file_url_path  # noqa: F401 (re-exported)
+from fovea.multimodal.fetch import ImageTooLarge, fetch_url, file_url_path
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -125,15 +125,19 @@ class PromptProcessor:
         """Token ids of `text`; with `max_tokens`, a text that clearly has more is refused before it is
         tokenized whole."""
         check_text(text)
-        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
-            raise prompt_too_long(-(-len(text) // self.max_token_chars), max_tokens, at_least=True)
+        self._check_characters(len(text), max_tokens)
         if max_tokens is not None and len(text) > COUNT_CHUNK_CHARS:
             self._count_up_to(text, max_tokens)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def _check_characters(self, length: int, max_tokens: int | None) -> None:
+        """Text of `length` characters has at least length / max_token_chars tokens."""
+        if max_tokens is not None and length > max_tokens * self.max_token_chars:
+            raise prompt_too_long(-(-length // self.max_token_chars), max_tokens, at_least=True)
+
     def _count_up_to(self, text: str, limit: int) -> int:
-        """Counts tokens chunk by chunk (the GIL is free between chunks), refusing the text once past `limit`. Chunks
-        end before a space that follows a non-space, which word-level pre-tokenizers also split at; a cut
+        """Counts tokens chunk by chunk (the GIL is free between chunks), refusing the text once past `limit`.
+        Chunks end before a space that follows a non-space, which word-level pre-tokenizers also split at; a cut
         elsewhere (one huge word) may add tokens, so the limit grows by the longest token per such cut."""
         count, slack, start = 0, 0, 0
         while start < len(text):
@@ -166,9 +170,7 @@ class PromptProcessor:
     def normalize_chat(self, messages: list[dict], max_tokens: int | None = None) -> tuple[list[dict], list]:
         """split_chat_images, refusing (before any templating) text too long for `max_tokens` tokens."""
         normalized, images = split_chat_images(messages)
-        length = text_length(normalized)
-        if max_tokens is not None and length > max_tokens * self.max_token_chars:
-            raise prompt_too_long(-(-length // self.max_token_chars), max_tokens, at_least=True)
+        self._check_characters(text_length(normalized), max_tokens)
         return normalized, images
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:

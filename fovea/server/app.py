@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fovea import __version__
 from fovea.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailed
 from fovea.engine.sampling_params import generation_config_defaults
-from fovea.multimodal.image import ImageTooLarge
+from fovea.multimodal.fetch import ImageTooLarge
 from fovea.server import openai_serving as serving
 from fovea.server.guards import APIKeyCheck, BodyLimit
 from fovea.server.media import MediaPolicy, fetch_media

@@ -70,7 +70,8 @@ class _Worker:
 class TemplateSandbox:
     def __init__(self, model_dir: str, max_chars: int, workers: int = 2, timeout_s: float = 2.0,
                  memory_bytes: int = 512 << 20):
-        self.model_dir, self.max_chars, self.timeout_s, self.memory_bytes = model_dir, max_chars, timeout_s, memory_bytes
+        self.model_dir, self.max_chars = model_dir, max_chars
+        self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
         self._idle: queue.Queue[_Worker] = queue.Queue()
         for _ in range(workers):
             self._idle.put(self._new_worker())
