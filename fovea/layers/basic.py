@@ -55,5 +55,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; shares its weight with the embedding when the checkpoint ties them."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight)
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return F.linear(hidden_states, self.weight)
+        return torch.mm(hidden_states, self.weight.t(), out=out)

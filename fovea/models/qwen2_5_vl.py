@@ -280,8 +280,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         """input_ids: (N,), positions: (3, N) -> final hidden states (N, hidden)."""
         return self.model(self.embed(input_ids, mm_embeds, mm_mask), positions, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(hidden_states, out)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
         """Checkpoint tensor name -> (our parameter name, shard id), or None for tensors we do not use.
