@@ -277,3 +277,21 @@ def test_default_dtype_is_bf16_on_gpus(tiny_dirs, tmp_path):
         assert EngineConfig.build(config_dir(checkpoint), device=device).dtype == expected, (checkpoint, device)
         shutil.rmtree(tmp_path / checkpoint)
     assert EngineConfig.build(config_dir("float32"), dtype="float32", device="cuda").dtype == torch.float32
+
+
+def test_streamed_outputs_carry_the_prompt_only_first_and_last(llm):
+    """DELTA outputs (what a server streams) keep a step at batch 256 cheap to send: the prompt fields travel
+    with a request's first and final output; usage can still be counted from either."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    request = engine.inputs.make_request("delta", engine.inputs.process(LOREM), params)
+    engine.add_request(request)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == "delta"]
+    assert len(outputs) == 5 and outputs[-1].finished
+    for i, output in enumerate(outputs):
+        carries = output.prompt_token_ids == request.prompt_token_ids and output.prompt == LOREM
+        assert carries == (i in (0, len(outputs) - 1)), i
+        assert len(output.outputs[0].token_ids) == 1
+    assert_engine_idle(engine)

@@ -301,5 +301,8 @@ class LLMEngine:
                 seq.finish_reason, seq.stop_reason))
             seq.sent_tokens, seq.sent_text = seq.num_output_tokens, text_end
         completions.sort(key=lambda c: c.index)
+        if delta and request.prompt_sent and not final:  # streaming: the prompt travels with the first and last
+            return RequestOutput(request.request_id, None, [], None, completions, final, request.num_cached_tokens)
+        request.prompt_sent = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, request.prompt_logprobs,
                              completions, final, request.num_cached_tokens, request.metrics)

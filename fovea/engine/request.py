@@ -85,6 +85,7 @@ class Request:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.aborted = False
+        self.prompt_sent = False  # a DELTA output carried the prompt already
 
     @property
     def finished(self) -> bool:
@@ -150,6 +151,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """What a request has produced. DELTA outputs (streaming) carry the prompt fields (prompt, its token ids and
+    logprobs, metrics) only in the first and the final output, so that a step at batch 256 stays cheap to send."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
