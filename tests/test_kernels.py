@@ -143,3 +143,27 @@ def test_vision_varlen_kernel_matches_reference(dtype, tol):
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="do not fit"):
         tile_table(lengths, 6)
+
+
+def test_the_reference_builds_no_queries_by_keys_mask(monkeypatch):
+    """Decode rows share one SDPA with a mask over padded keys (one query row each); prefill chunks run alone,
+    causal (lower-right over a cached prefix): no (queries x keys) mask for a batch, on any device."""
+    import types
+
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import CausalBias
+
+    import fovea.layers.paged_attention as reference
+
+    masks = []
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    batch = ragged_batch(MIXED, 4, 2, 16, 16, torch.float32)
+    run(TorchAttention(), *batch)
+    assert len(masks) == 1 + 3  # the decodes together, then each of the three prefill chunks
+    for mask in masks:
+        assert mask is None or isinstance(mask, CausalBias) or mask.shape[-2] == 1, mask.shape

@@ -6,8 +6,10 @@ flat: the new tokens of every scheduled sequence concatenated (prefill chunks an
 A backend writes the new tokens' K/V into their slots, then lets each query attend to its sequence's whole
 context: the cached prefix, earlier chunks and the causal part of its own chunk.
 
-`TorchAttention` gathers each sequence's context into a padded batch and runs SDPA with a mask: slow, but
-simple enough to be the ground truth the GPU kernels are tested against.
+`TorchAttention` gathers each sequence's context from the cache and runs SDPA: the decode rows together, with a
+mask over padded keys only; each prefill chunk on its own, causal (lower-right when a cached prefix precedes the
+chunk), so no (queries x keys) mask is built for a batch. Slow, but simple enough to be the ground truth the GPU
+kernels are tested against.
 """
 
 from __future__ import annotations
@@ -56,43 +58,51 @@ class TorchAttention(AttentionBackend):
 
     def prepare(self, meta: PagedAttentionMetadata) -> None:
         device = meta.slot_mapping.device
-        num_seqs = meta.seq_lens.numel()
-        q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
-        seq_lens = meta.seq_lens.long()
-        key_pos = torch.arange(meta.max_seq_len, device=device)
-        # flat cache slot of every context position of every sequence (padding points at slot 0, masked)
-        blocks = meta.block_tables.long().gather(1, (key_pos // meta.block_size).expand(num_seqs, -1)
-                                                 .clamp(max=meta.block_tables.shape[1] - 1))
-        slots = blocks * meta.block_size + key_pos % meta.block_size
-        valid = key_pos[None, :] < seq_lens[:, None]
-        meta.plan["key_slots"] = torch.where(valid, slots, 0)
-        # query i of a sequence sits at context position seq_len - q_len + i and sees keys up to there
-        query_pos = torch.arange(meta.max_query_len, device=device)
-        last_visible = (seq_lens - q_lens)[:, None] + query_pos[None, :]  # (B, max_q)
-        mask = valid[:, None, :] & (key_pos[None, None, :] <= last_visible[:, :, None])
-        meta.plan["mask"] = mask[:, None]  # (B, 1, max_q, max_k)
-        if meta.max_query_len > 1:
-            seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-            meta.plan["seq_idx"] = seq_idx
-            meta.plan["pos_idx"] = torch.arange(seq_idx.numel(), device=device) - meta.query_start_loc[:-1].long()[seq_idx]
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        tables = meta.block_tables.long()
+        bs = meta.block_size
+
+        def key_slots(index: int, length: int) -> torch.Tensor:  # flat cache slot of each context position
+            positions = torch.arange(length, device=device)
+            return tables[index, positions // bs] * bs + positions % bs
+
+        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        if decodes:
+            index = torch.tensor(decodes, device=device)
+            lengths = meta.seq_lens[index].long()
+            positions = torch.arange(max(seq_lens[i] for i in decodes), device=device)
+            blocks = tables[index].gather(1, (positions // bs).clamp(max=tables.shape[1] - 1).expand(len(decodes), -1))
+            valid = positions[None, :] < lengths[:, None]
+            slots = torch.where(valid, blocks * bs + positions % bs, 0)  # padding reads slot 0, masked
+            meta.plan["decode"] = (meta.query_start_loc[index].long(), slots,
+                                   valid[:, None, None, :])  # (D, 1, 1, keys): padded keys hidden
+        meta.plan["prefill"] = [(starts[i], starts[i + 1] - starts[i], key_slots(i, seq_lens[i]))
+                                for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
 
     def forward(self, q, k, v, kv_cache, meta, scale):
+        from torch.nn.attention.bias import causal_lower_right
+
         write_kv(k, v, kv_cache, meta.slot_mapping)
         _, num_blocks, block_size, heads, dim = kv_cache.shape
         flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-        slots = meta.plan["key_slots"]
         dtype = torch.float32 if self.fp32_softmax else q.dtype
-        keys, values = flat[0][slots].to(dtype), flat[1][slots].to(dtype)  # (B, max_k, Hkv, D)
-        num_seqs = slots.shape[0]
-        if meta.max_query_len == 1:
-            queries = q[:, None].to(dtype)  # pure decode: one query per sequence, already in order
-        else:
-            queries = q.new_zeros(num_seqs, meta.max_query_len, *q.shape[1:], dtype=dtype)
-            queries[meta.plan["seq_idx"], meta.plan["pos_idx"]] = q.to(dtype)
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=meta.plan["mask"], scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        out = out.transpose(1, 2).to(q.dtype)
-        if meta.max_query_len == 1:
-            return out[:, 0]
-        return out[meta.plan["seq_idx"], meta.plan["pos_idx"]]
+        gqa = q.shape[1] != k.shape[1]
+        out = torch.empty_like(q)
+
+        def attend(queries, slots, mask=None, causal=False):  # queries (B, Lq, Hq, D), slots (B, Lk)
+            keys, values = flat[0][slots].to(dtype), flat[1][slots].to(dtype)
+            result = F.scaled_dot_product_attention(queries.to(dtype).transpose(1, 2), keys.transpose(1, 2),
+                                                    values.transpose(1, 2), attn_mask=mask, is_causal=causal,
+                                                    scale=scale, enable_gqa=gqa)
+            return result.transpose(1, 2).to(q.dtype)
+
+        if "decode" in meta.plan:
+            rows, slots, valid = meta.plan["decode"]
+            out[rows] = attend(q[rows][:, None], slots, valid)[:, 0]
+        for start, length, slots in meta.plan["prefill"]:
+            context = slots.numel()
+            mask = None if context == length else causal_lower_right(length, context)
+            out[start:start + length] = attend(q[start:start + length][None], slots[None], mask,
+                                               causal=context == length)[0]
+        return out
