@@ -149,6 +149,7 @@ def test_an_engine_that_keeps_dying_is_given_up(tiny_dirs):
 def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
     """When the engine reports that a step failed for a request, a streaming client gets an OpenAI-shaped error
     event and [DONE] (not a cut connection), a waiting one a 500; the other requests go on."""
+    import collections
     import json
 
     import httpx
@@ -159,16 +160,26 @@ def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
     app = build_app(engine, ServerOptions(["tiny"]))
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True}
 
-    async def fail_the_newest_request(after_s=0.0):
+    delivered = collections.Counter()
+    deliver = engine._deliver
+
+    def counting_deliver(request_id, item):
+        delivered[request_id] += 1
+        deliver(request_id, item)
+
+    engine._deliver = counting_deliver
+
+    async def fail_the_newest_request(after_outputs=0):
         deadline = time.time() + 30
         while time.time() < deadline:
             fresh = [rid for rid in engine._streams if rid not in seen]
             if fresh:
                 seen.update(fresh)
-                await asyncio.sleep(after_s)  # > 0: once tokens are streaming
+                while delivered[fresh[0]] < after_outputs and time.time() < deadline:  # tokens are streaming
+                    await asyncio.sleep(0.005)
                 engine._on_message(("error", fresh, "RuntimeError: injected"))  # as engine_core sends it
                 return
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.005)
 
     async def main():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -176,7 +187,7 @@ def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
             bystander = asyncio.create_task(collect(engine, "bystander", prompt=LOREM))
             await asyncio.sleep(0.2)
             seen.add("bystander")
-            failing = asyncio.create_task(fail_the_newest_request(0.5))  # the transport hands over whole bodies
+            failing = asyncio.create_task(fail_the_newest_request(3))  # the transport hands over whole bodies
             async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
                 events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
             await failing

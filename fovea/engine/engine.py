@@ -253,10 +253,11 @@ class LLMEngine:
             piece = seq.detokenizer.decode(token)
             seq.text += piece
             new_chars = len(piece)
-        may_stop = seq.num_output_tokens >= params.min_tokens
+        num_tokens = len(seq.token_ids)
+        may_stop = num_tokens - seq.num_prompt_tokens >= params.min_tokens
         if may_stop and token in seq.request.eos_token_ids:
             self._finish(seq, "stop", None)
-        elif may_stop and token in params.stop_token_ids:
+        elif may_stop and token in seq.request.stop_token_set:
             self._finish(seq, "stop", token)
         elif may_stop and params.stop_strings and new_chars:
             found = find_stop_string(seq.text, new_chars, params.stop_strings)
@@ -265,8 +266,8 @@ class LLMEngine:
                 seq.text = seq.text[:index + len(stop) if params.include_stop_str_in_output else index]
                 self._finish(seq, "stop", stop)
         if seq.status != SequenceStatus.FINISHED and (
-                (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
-                or seq.num_tokens >= self.config.max_model_len):
+                (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens)
+                or num_tokens >= self.config.max_model_len):
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
@@ -287,7 +288,7 @@ class LLMEngine:
 
     def _output(self, request: Request, final: bool) -> RequestOutput:
         delta = request.params.output_kind == RequestOutputKind.DELTA
-        holdback = 0 if final else max((len(s) - 1 for s in request.params.stop_strings), default=0)
+        holdback = 0 if final else request.params.stop_holdback  # a stop string may still be forming
         completions = []
         for seq in request.sequences:
             done = seq.status == SequenceStatus.FINISHED
@@ -295,12 +296,13 @@ class LLMEngine:
             token_start = seq.sent_tokens if delta else 0
             text_start = min(seq.sent_text, text_end) if delta else 0
             completions.append(CompletionOutput(
-                seq.index, seq.text[text_start:text_end], seq.output_token_ids[token_start:],
+                seq.index, seq.text[text_start:text_end], seq.token_ids[seq.num_prompt_tokens + token_start:],
                 seq.cumulative_logprob if seq.logprobs is not None else None,
                 seq.logprobs[token_start:] if seq.logprobs is not None else None,
                 seq.finish_reason, seq.stop_reason))
-            seq.sent_tokens, seq.sent_text = seq.num_output_tokens, text_end
-        completions.sort(key=lambda c: c.index)
+            seq.sent_tokens, seq.sent_text = len(seq.token_ids) - seq.num_prompt_tokens, text_end
+        if len(completions) > 1:
+            completions.sort(key=lambda c: c.index)
         if delta and request.prompt_sent and not final:  # streaming: the prompt travels with the first and last
             return RequestOutput(request.request_id, None, [], None, completions, final, request.num_cached_tokens)
         request.prompt_sent = True

@@ -8,6 +8,7 @@ for prompt rows whose log-probabilities were asked for.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,15 @@ from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadat
 from fovea.models.loader import load_model
 
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU backend sizes its cache by a fixed space too (VLLM_CPU_KVCACHE_SPACE)
+
+
+def block_table_array(tables: list[list[int]]) -> np.ndarray:
+    """The block tables as one (sequences, longest table) int32 array padded with 0, filled in one go."""
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    array = np.zeros((len(tables), int(lengths.max())), dtype=np.int32)
+    array[np.arange(array.shape[1])[None, :] < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
+    return array
 
 
 @dataclass
@@ -143,18 +153,18 @@ class ModelRunner:
         ids: list[int] = []
         positions = np.empty((3, total), dtype=np.int64)
         slots = np.empty(total, dtype=np.int64)
-        tables = np.zeros((len(batch), max(len(s.block_table) for s in batch.seqs)), dtype=np.int32)
         mm_embeds, mm_mask = [], np.zeros(total, dtype=bool)
         sample_rows, owners, logprob_spans = [], [], {}
+        decode_rows, decode_positions, decode_slots = [], [], []  # written into the arrays once, below
         offset = 0
         for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             request = seq.request
             ids += seq.token_ids[start:end]
-            tables[index, :len(seq.block_table)] = seq.block_table
             if n == 1 and start >= seq.num_prompt_tokens:  # decode: the common case, kept cheap
-                positions[:, offset] = start + request.mrope_delta
-                slots[offset] = seq.block_table[start // bs] * bs + start % bs
+                decode_rows.append(offset)
+                decode_positions.append(start + request.mrope_delta)
+                decode_slots.append(seq.block_table[start // bs] * bs + start % bs)
             else:
                 prompt_end = min(end, seq.num_prompt_tokens)
                 positions[:, offset:offset + max(prompt_end - start, 0)] = request.positions[:, start:prompt_end]
@@ -180,7 +190,10 @@ class ModelRunner:
                     sample_rows.append((offset + n - 1, SampleRow(seq.params, seq.token_ids, seq.num_prompt_tokens,
                                                                   generator, request.stop_ids)))
             offset += n
-        meta = self._metadata(batch, slots, tables)
+        if decode_rows:
+            positions[:, decode_rows] = decode_positions
+            slots[decode_rows] = decode_slots
+        meta = self._metadata(batch, slots, block_table_array([seq.block_table for seq in batch.seqs]))
         return (torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device), meta,
                 torch.cat(mm_embeds) if mm_embeds else None, torch.from_numpy(mm_mask).to(self.device),
                 sample_rows, owners, logprob_spans)

@@ -78,6 +78,7 @@ class Request:
         self.fair_rank = fair_rank
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
+        self.stop_token_set = frozenset(params.stop_token_ids)
         self.generators: list[torch.Generator | None] = []  # made by the engine, on its device
         self.metrics = RequestMetrics(arrival_time or time.time())
         self.sequences: list[Sequence] = []
@@ -86,11 +87,12 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         self.aborted = False
         self.prompt_sent = False  # a DELTA output carried the prompt already
+        self.num_finished_sequences = 0  # kept by the scheduler
 
     @property
     def finished(self) -> bool:
-        return all(seq.status == SequenceStatus.FINISHED for seq in self.sequences) and (
-            len(self.sequences) == self.params.n or self.aborted)
+        # every sample finished (an aborted request never forks the samples it has not reached yet)
+        return self.num_finished_sequences == (len(self.sequences) if self.aborted else self.params.n)
 
 
 class Sequence:

@@ -43,9 +43,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+    stop_holdback: int = field(init=False, repr=False, default=0)  # characters a stream holds back
 
     def __post_init__(self) -> None:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_holdback = max((len(s) - 1 for s in self.stop_strings), default=0)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if self.top_k == -1:
             self.top_k = 0

@@ -57,17 +57,20 @@ class Scheduler:
         self.pending_copies = []
         budget = self.config.max_num_batched_tokens
         preempted = False
-        decodes = [s for s in self.running if not s.is_prefill]
-        prefills = [s for s in self.running if s.is_prefill]
+        decodes, prefills = [], []
+        for seq in self.running:
+            (prefills if seq.is_prefill else decodes).append(seq)
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             start = seq.num_computed_tokens
-            n = self._fit_encoder(seq, start, min(seq.num_tokens - start, budget), batch)
-            if n == 0:
-                continue
+            n = min(seq.num_tokens - start, budget)
+            if seq.request.mm_items:
+                n = self._fit_encoder(seq, start, n, batch)
+                if n == 0:
+                    continue
             extra = self._fork_blocks(seq, start + n)
             while not self.blocks.can_append(seq.block_table, start + n, extra):
                 victim = self._pick_victim(batch)
@@ -165,11 +168,13 @@ class Scheduler:
 
     def step_done(self, batch: ScheduledBatch) -> None:
         """Records that the batch's KV is written: caches full blocks, drops images the sequences are past."""
+        block_size = self.blocks.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.request.mm_spans)
-            seq.num_registered_blocks = self.blocks.mark_computed(
-                seq.block_table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered_blocks)
+            if seq.num_computed_tokens // block_size > seq.num_registered_blocks:  # a block filled up
+                extend_block_hashes(seq.block_hashes, seq.token_ids, block_size, seq.request.mm_spans)
+                seq.num_registered_blocks = self.blocks.mark_computed(
+                    seq.block_table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered_blocks)
             for item in seq.request.mm_items:
                 if item.end <= seq.num_computed_tokens:
                     self.encoder_cache.release(item.content_hash, seq.seq_id)
@@ -186,9 +191,12 @@ class Scheduler:
         bisect.insort(self.running, child, key=lambda s: s.order)
 
     def finish(self, seq: Sequence) -> None:
+        if seq.status == SequenceStatus.FINISHED:
+            return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._free(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.request.num_finished_sequences += 1
