@@ -55,6 +55,11 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @property
+    def frame_patch_dim(self) -> int:
+        """Values in one patch of one frame (3*14*14 = 588): what a still image sends, see VisionPatchEmbed."""
+        return self.in_channels * self.patch_size ** 2
+
+    @property
     def window_merged(self) -> int:
         """Side of an attention window counted in merged tokens (112 px / 14 / 2 = 4)."""
         return self.window_size // self.patch_size // self.spatial_merge_size

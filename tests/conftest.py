@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import warnings
 
 import numpy as np
@@ -11,6 +12,8 @@ import torch
 from PIL import Image
 
 torch.set_num_threads(1)  # the CI machine has 2 shared cores; more threads thrash
+if not torch.cuda.is_available():  # our Triton kernels run under the interpreter; set before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 IMAGE_TOKEN_ID = 151655
@@ -53,6 +56,15 @@ def our_model(model_dir):
         model, _ = load_model(model_dir, dtype="float32")
         _OURS_CACHE[key] = (model, PromptProcessor(model_dir, model.config))
     return _OURS_CACHE[key]
+
+
+def image_patches(images, frames: int = 1) -> torch.Tensor:
+    """The vision tower's input for processed images, made as the engine makes it (frames=1); frames=2 is the
+    layout transformers' processor hands over (the still image repeated)."""
+    from fovea.multimodal.image import ImageProcessorConfig
+    from fovea.multimodal.patchify import patchify
+
+    return torch.cat([patchify(torch.from_numpy(im.pixels), ImageProcessorConfig(), frames) for im in images])
 
 
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:

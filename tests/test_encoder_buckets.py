@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import random_image  # noqa: E402
+from conftest import image_patches, random_image  # noqa: E402
 
 from fovea import LLM, SamplingParams  # noqa: E402
 from fovea.engine.encoder_buckets import EncoderBuckets, parse_buckets  # noqa: E402
@@ -36,10 +35,10 @@ def test_padded_bucket_gives_the_unpadded_embeddings(tiny_dirs, kernel):
     model, _ = load_model(tiny_dirs["tiny-7b"], dtype="float32")
     processor = ImageProcessor()
     images = [processor(random_image(w, h, seed=i)) for i, (w, h) in enumerate([(84, 56), (112, 84), (56, 56)])]
-    pixels = np.concatenate([im.pixel_values for im in images])
+    pixels = image_patches(images)
     grids = [im.grid_thw for im in images]
     assert pixels.shape[0] == 88
-    expected = model.visual(torch.from_numpy(pixels), grids)
+    expected = model.visual(pixels, grids)
     model.visual.use_kernel = kernel
     buckets = EncoderBuckets(model.visual, [64, 128, 512], torch.float32, torch.device("cpu"), capture=False)
     assert buckets.bucket(88) == 128 and buckets.bucket(513) is None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hf_inputs, hf_model, our_model, random_image
+from conftest import hf_inputs, hf_model, image_patches, our_model, random_image
 from fovea.layers.attention import AttentionMetadata
 from fovea.models.mrope_positions import decode_positions
 
@@ -21,7 +21,7 @@ def generate_greedy(model, prompt, max_new_tokens: int,
     device = model.lm_head.weight.device
     mm_embeds = None
     if prompt.images:
-        pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in prompt.images])).to(device)
+        pixels = image_patches(prompt.images).to(device)
         mm_embeds = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prompt.images]))
     tokens = list(prompt.token_ids)
     generated: list[int] = []
@@ -85,8 +85,7 @@ def our_logits(model, prompt, extra_tokens=()):
                                 decode_positions(len(prompt.token_ids), len(extra_tokens), prompt.mrope_delta)], 1)
     mm = None
     if prompt.images:
-        pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in prompt.images]))
-        mm = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prompt.images]))
+        mm = torch.cat(model.encode_images(image_patches(prompt.images), [im.grid_thw for im in prompt.images]))
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.from_numpy(positions), AttentionMetadata.from_lengths([len(ids)]), mm)
         return model.compute_logits(hidden)
@@ -108,8 +107,8 @@ def test_logits_and_greedy_match_transformers(tiny_dirs, config, name):
     # the prompt we build equals the reference's, token for token and pixel for pixel
     assert prompt.token_ids == ref_inputs["input_ids"][0].tolist()
     if images:
-        ours_pixels = np.concatenate([im.pixel_values for im in prompt.images])
-        assert np.abs(ours_pixels - ref_inputs["pixel_values"].numpy()).max() <= 1e-5
+        # bit for bit: uint8 pixels patchified as the engine does, in transformers' two-frame layout
+        assert torch.equal(image_patches(prompt.images, frames=2), ref_inputs["pixel_values"])
         assert [list(im.grid_thw) for im in prompt.images] == ref_inputs["image_grid_thw"].tolist()
 
     hf = hf_model(model_dir)
@@ -136,8 +135,7 @@ def test_flattened_varlen_batch_equals_each_prompt_alone(tiny_dirs, config):
     prompts = [processor.process_chat(our_messages(*case(name)[:2])) for name in ("one_image", "text", "two_images")]
     solo = [our_logits(model, p) for p in prompts]
     images = [im for p in prompts for im in p.images]
-    pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in images]))
-    mm = torch.cat(model.encode_images(pixels, [im.grid_thw for im in images]))
+    mm = torch.cat(model.encode_images(image_patches(images), [im.grid_thw for im in images]))
     ids = torch.tensor([t for p in prompts for t in p.token_ids])
     positions = torch.from_numpy(np.concatenate([p.positions for p in prompts], axis=1))
     meta = AttentionMetadata.from_lengths([len(p.token_ids) for p in prompts])
@@ -145,3 +143,16 @@ def test_flattened_varlen_batch_equals_each_prompt_alone(tiny_dirs, config):
         batched = model.compute_logits(model(ids, positions, meta, mm))
     for rows, alone in zip(batched.split([len(p.token_ids) for p in prompts]), solo):
         assert rel_err(rows, alone) <= 1e-5
+
+
+@pytest.mark.parametrize("config", ["tiny-3b", "tiny-7b"])
+def test_one_frame_embeds_like_two_identical_frames(tiny_dirs, config):
+    """A still image crosses as one frame and meets the conv's two temporal halves summed; the checkpoint's
+    two-frame input gives the same embeddings (in fp32 up to rounding)."""
+    model, processor = our_model(tiny_dirs[config])
+    images = processor.process_chat(our_messages(*case("two_images")[:2])).images
+    grids = [im.grid_thw for im in images]
+    one, two = image_patches(images), image_patches(images, frames=2)
+    assert two.shape[1] == 2 * one.shape[1]
+    with torch.no_grad():
+        assert rel_err(model.visual(one, grids), model.visual(two, grids)) <= 1e-6

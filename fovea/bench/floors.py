@@ -32,7 +32,7 @@ def vision_flops(config: ModelConfig, patches: int) -> float:
     """One image of `patches` patches through the vision tower (8x8-patch windows, full attention elsewhere)."""
     v = config.vision
     e, blocks = v.hidden_size, v.depth
-    per_patch = v.patch_dim * e + blocks * (4 * e * e + 3 * e * v.intermediate_size)
+    per_patch = v.frame_patch_dim * e + blocks * (4 * e * e + 3 * e * v.intermediate_size)  # a still image: 1 frame
     per_patch += (4 * e * 4 * e + 4 * e * v.out_hidden_size) / 4  # merger, per merged group of 4
     full = len(v.fullatt_block_indexes)
     attention = 4 * e * patches * (full * patches + (blocks - full) * 64)

@@ -13,7 +13,6 @@ import bisect
 import logging
 import time
 
-import numpy as np
 import torch
 
 logger = logging.getLogger("fovea")
@@ -54,22 +53,23 @@ class EncoderBuckets:
         """Runs (and on a GPU captures) every bucket once, so no shape is compiled while serving."""
         for size in reversed(self.buckets):  # largest first, so the smaller graphs fit in its pool
             start = time.perf_counter()
-            self.encode(np.zeros((0, self.visual.cfg.patch_dim), dtype=np.float32), [], size)
+            self.encode(torch.zeros(0, self.visual.cfg.frame_patch_dim, dtype=self.dtype, device=self.device), [],
+                        size)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             logger.info("vision encoder bucket %d patches: %s in %.2f s", size,
                         "captured" if size in self.graphs else "warmed up", time.perf_counter() - start)
 
     @torch.inference_mode()
-    def encode(self, pixels: np.ndarray, grids: list[tuple[int, int, int]], size: int) -> torch.Tensor:
-        """Merged embeddings (num_patches / 4, hidden) of `grids`, computed at bucket `size`."""
-        real = pixels.shape[0]
+    def encode(self, patches: torch.Tensor, grids: list[tuple[int, int, int]], size: int) -> torch.Tensor:
+        """Merged embeddings (num_patches / 4, hidden) of `grids` (patches on the device), computed at bucket
+        `size`."""
+        real = patches.shape[0]
         pad = size - real
         layout_grids = list(grids) + ([(1, 2, pad // 2)] if pad else [])
         layout = self.visual.layout(layout_grids, self.tile_rows.get(size))
-        padded = np.zeros((size, pixels.shape[1]), dtype=pixels.dtype)
-        padded[:real] = pixels
-        values = torch.from_numpy(padded).to(self.device, self.dtype)
+        values = torch.zeros(size, patches.shape[1], dtype=self.dtype, device=self.device)
+        values[:real] = patches
         if not (self.capture and self.visual.use_kernel):
             return self.visual.run(values, layout)[:real // self.unit]
         if size not in self.graphs:

@@ -7,7 +7,6 @@ request happens here, before the engine sees it.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 
@@ -15,16 +14,7 @@ from fovea.engine.block_manager import MMSpan
 from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
 from fovea.engine.sampling_params import SamplingParams
-from fovea.multimodal.image import ProcessedImage
 from fovea.multimodal.prompt import ProcessedPrompt, PromptProcessor, prompt_too_long
-
-
-def image_content_hash(image: ProcessedImage) -> str:
-    """Identifies an image by the encoder's exact input, so resize settings are part of its identity."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr(tuple(image.grid_thw)).encode())
-    digest.update(image.pixel_values.tobytes())
-    return digest.hexdigest()
 
 
 class InputProcessor:
@@ -100,8 +90,8 @@ class InputProcessor:
                                  f"({self.config.encoder_cache_size} tokens); lower max_pixels or raise "
                                  "encoder_cache_size")
             start = ids.index(self.config.model.image_token_id, start)
-            items.append(MMItem(MMSpan(start, image.num_tokens, image_content_hash(image)), tuple(image.grid_thw),
-                                image.pixel_values))
+            items.append(MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw),
+                                image.pixels))
             start += image.num_tokens
         return Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
                        prompt=processed.text, arrival_time=arrival_time or time.time(),

@@ -63,7 +63,7 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
         tokens = (h // factor) * (w // factor)
         patches = tokens * processor.merge_size**2
         activations = patches * (3 * vision.intermediate_size + 4 * vision.hidden_size) * size
-        activations += patches * vision.patch_dim * 4 + tokens * vision.out_hidden_size * size  # pixels, output
+        activations += patches * vision.frame_patch_dim * 4 + tokens * vision.out_hidden_size * size  # patches, output
         images.append((width, height, tokens, activations))
     peak = max(lm, max(a for *_, a in images))
     budget = gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak

@@ -39,7 +39,8 @@ def dummy_step(model: torch.nn.Module, config: EngineConfig) -> list[tuple[int, 
     copies = max(1, config.encoder_budget // (patches // vision.spatial_merge_size**2))
     grids = [grid] * copies
     with torch.inference_mode():
-        model.encode_images(torch.randn(patches * copies, vision.patch_dim, device=device, dtype=config.dtype), grids)
+        model.encode_images(torch.randn(patches * copies, vision.frame_patch_dim, device=device, dtype=config.dtype),
+                            grids)
         tokens = config.max_num_batched_tokens
         ids = torch.zeros(tokens, dtype=torch.long, device=device)
         positions = torch.arange(tokens, device=device).expand(3, tokens)

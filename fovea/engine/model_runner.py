@@ -23,6 +23,8 @@ from fovea.engine.sampler import Sampler, SampleRow, SamplerOutput, top_logprobs
 from fovea.engine.scheduler import ScheduledBatch
 from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata, TorchAttention
 from fovea.models.loader import load_model
+from fovea.multimodal.image import ImageProcessorConfig
+from fovea.multimodal.patchify import patchify
 
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU backend sizes its cache by a fixed space too (VLLM_CPU_KVCACHE_SPACE)
 
@@ -59,6 +61,7 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         self.model, _ = load_model(config.model_dir, dtype=config.dtype, device=config.device)
+        self.image_config = ImageProcessorConfig.from_dir(config.model_dir)  # mean, std, patch and merge sizes
         self.backend = backend or make_attention_backend(config)
         for block in self.model.visual.blocks:
             block.attn.fp32_softmax = config.fp32_softmax_vision
@@ -137,13 +140,15 @@ class ModelRunner:
     def _encode_images(self, batch: ScheduledBatch, encoder_cache: EncoderCache) -> None:
         if not batch.encode:
             return
-        pixels = np.concatenate([item.pixel_values for item in batch.encode])
+        # uint8 pixels cross to the device; rescaling, normalizing and patching happen there (one frame each)
+        patches = torch.cat([patchify(torch.from_numpy(item.pixels).to(self.device), self.image_config)
+                             for item in batch.encode]).to(self.config.dtype)
         grids = [item.grid_thw for item in batch.encode]
-        bucket = self.encoder_buckets and self.encoder_buckets.bucket(pixels.shape[0])
+        bucket = self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])
         if bucket:
-            embeddings = self.model.split_by_item(self.encoder_buckets.encode(pixels, grids, bucket), grids)
+            embeddings = self.model.split_by_item(self.encoder_buckets.encode(patches, grids, bucket), grids)
         else:
-            embeddings = self.model.encode_images(torch.from_numpy(pixels).to(self.device, self.config.dtype), grids)
+            embeddings = self.model.encode_images(patches, grids)
         for item, rows in zip(batch.encode, embeddings):
             encoder_cache.put(item.content_hash, rows)
 

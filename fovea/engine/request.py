@@ -21,10 +21,11 @@ from fovea.engine.sampling_params import SamplingParams
 
 @dataclass
 class MMItem:
-    """One image of a prompt: where its placeholders are, its content hash, and the encoder's input."""
+    """One image of a prompt: where its placeholders are, its content hash, and the encoder's input: resized
+    uint8 (height, width, 3) pixels, patchified on the engine's device."""
     span: MMSpan
     grid_thw: tuple[int, int, int]
-    pixel_values: np.ndarray  # (num_patches, patch_dim) float32
+    pixels: np.ndarray
 
     @property
     def content_hash(self) -> str:

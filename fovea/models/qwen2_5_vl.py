@@ -9,6 +9,7 @@ shape (3, num_tokens) for the t/h/w rotary axes, and `AttentionMetadata` saying 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fovea.config import ModelConfig, TextConfig, VisionConfig
@@ -23,10 +24,13 @@ from fovea.layers.rotary import apply_rotary, mrope, vision_rope
 
 
 class VisionPatchEmbed(nn.Module):
-    """The checkpoint's Conv3d has kernel == stride == one patch, so it is a matmul over the 1176 patch values."""
+    """The checkpoint's Conv3d has kernel == stride == one patch, so it is a matmul over the 1176 patch values
+    (3 channels x 2 frames x 14 x 14). A still image is its own second frame, so it comes as one frame (588 values)
+    and meets the sum of the kernel's two temporal halves: the same result with half the input."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
+        self.channels, self.frames = cfg.in_channels, cfg.temporal_patch_size
         self.proj = LinearBase(cfg.patch_dim, cfg.hidden_size, bias=False)
         self.proj.weight.weight_loader = self._load_conv
 
@@ -34,7 +38,12 @@ class VisionPatchEmbed(nn.Module):
         LinearBase._copy(param, loaded.reshape(loaded.shape[0], -1), "visual.patch_embed.proj.weight")
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.proj(pixel_values.to(self.proj.weight.dtype))
+        weight = self.proj.weight
+        if pixel_values.shape[-1] != weight.shape[1]:  # one frame: the temporal halves summed (in fp32)
+            out_dim = weight.shape[0]
+            weight = weight.float().view(out_dim, self.channels, self.frames, -1).sum(2).view(out_dim, -1)
+            weight = weight.to(self.proj.weight.dtype)
+        return F.linear(pixel_values.to(weight.dtype), weight)
 
 
 class VisionAttention(nn.Module):

@@ -1,16 +1,15 @@
-"""Qwen2-VL image preprocessing with Pillow and numpy: open -> plan the size -> decode -> RGB -> resize ->
-normalize -> patches. Opening reads only the header, so a prompt's image tokens are known (and can be refused)
-before any pixels are decoded.
-
-The output equals transformers' `Qwen2VLImageProcessorPil` bit for bit (same PIL bicubic resize on uint8, same
-float32 arithmetic) but takes less than half its time: the pixels are put in patch order while still uint8,
-converted once, normalized in place, and written once into the output with the temporal copy.
+"""Qwen2-VL image preprocessing with Pillow and numpy, up to the resized pixels: open -> plan the size -> decode
+-> RGB -> resize. Opening reads only the header, so a prompt's image tokens are known (and can be refused) before
+any pixels are decoded. Rescaling, normalizing and cutting into patches happen in the engine, on its device
+(patchify.py); together they equal transformers' `Qwen2VLImageProcessorPil` bit for bit (same PIL bicubic
+resize on uint8, same float32 arithmetic), except where a large JPEG is decoded at a reduced scale (`resize`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import json
 import math
@@ -82,14 +81,25 @@ class PlannedImage:
 
 @dataclass
 class ProcessedImage:
-    pixel_values: np.ndarray  # (t*h*w, channels*temporal*patch*patch) float32, merge groups contiguous
-    grid_thw: tuple[int, int, int]  # in patches
+    """A resized image as it crosses to the engine: uint8 (height, width, 3) pixels, which the engine turns into
+    patches on its device (multimodal/patchify.py), and its grid in patches. `content_hash` names the encoder's
+    exact input (the pixels and the grid), for the prefix and encoder caches."""
+    pixels: np.ndarray
+    grid_thw: tuple[int, int, int]
+    content_hash: str
     merge_size: int = 2
 
     @property
     def num_tokens(self) -> int:
         t, h, w = self.grid_thw
         return t * h * w // self.merge_size ** 2
+
+
+def pixels_hash(pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(tuple(grid_thw)).encode())
+    digest.update(np.ascontiguousarray(pixels).data)
+    return digest.hexdigest()
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
@@ -181,8 +191,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
 class ImageProcessor:
     def __init__(self, config: ImageProcessorConfig | None = None):
         self.config = config or ImageProcessorConfig()
-        self._mean = np.asarray(self.config.image_mean, dtype=np.float32)[None, :, None, None]
-        self._std = np.asarray(self.config.image_std, dtype=np.float32)[None, :, None, None]
 
     def __call__(self, source, mm_processor_kwargs: dict | None = None) -> ProcessedImage:
         return self.process(self.plan(source, mm_processor_kwargs))
@@ -197,23 +205,20 @@ class ImageProcessor:
         return PlannedImage(image, cfg, height, width)
 
     def process(self, planned: PlannedImage) -> ProcessedImage:
-        image = to_rgb(decode_pixels(planned.image))
-        if (planned.width, planned.height) != image.size:
-            image = image.resize((planned.width, planned.height), resample=Image.BICUBIC)
-        return self._patchify(np.asarray(image), planned.config)
+        pixels = resize(planned)
+        p = planned.config.patch_size
+        grid = (1, planned.height // p, planned.width // p)
+        return ProcessedImage(pixels, grid, pixels_hash(pixels, grid), planned.config.merge_size)
 
-    def _patchify(self, pixels: np.ndarray, cfg: ImageProcessorConfig) -> ProcessedImage:
-        p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-        height, width, channels = pixels.shape
-        gh, gw = height // p, width // p
-        # uint8 (H, W, C) viewed as (group_row, group_col, sub_row, sub_col, C, py, px): merge groups contiguous
-        grouped = pixels.reshape(gh // m, m, p, gw // m, m, p, channels).transpose(0, 3, 1, 4, 6, 2, 5)
-        x = grouped.reshape(gh * gw, channels, 1, p * p).astype(np.float32)
-        # float32 v / 255 equals the reference's float32(v * (1/255) in float64) for every uint8 v (tested),
-        # and the subtraction and division below are the reference's float32 operations in the same order.
-        x /= np.float32(255)
-        x -= self._mean
-        x /= self._std
-        out = np.empty((gh * gw, channels, tp, p * p), dtype=np.float32)
-        out[:] = x  # a still image is its own second frame: both temporal slots hold the same values
-        return ProcessedImage(out.reshape(gh * gw, -1), (1, gh, gw), m)
+
+def resize(planned: PlannedImage) -> np.ndarray:
+    """Decodes and resizes: (height, width, 3) uint8. A JPEG at least twice the target size on both sides is
+    decoded at a reduced scale (Image.draft: 1/2, 1/4 or 1/8, still at least twice the target), which skips most
+    of the decoding work; smaller reductions decode in full, exactly as transformers does."""
+    image = planned.image
+    if image.format == "JPEG" and image.width >= 2 * planned.width and image.height >= 2 * planned.height:
+        image.draft(None, (2 * planned.width, 2 * planned.height))
+    image = to_rgb(decode_pixels(image))
+    if (planned.width, planned.height) != image.size:
+        image = image.resize((planned.width, planned.height), resample=Image.BICUBIC)
+    return np.array(image)  # writable (torch.from_numpy of a read-only array warns)
