@@ -64,17 +64,19 @@ def one_round(base: str, drip: str) -> tuple[list[int], dict[str, list[int]]]:
         return normal_statuses, {kind: [f.result() for f in futures] for kind, futures in hostile_futures.items()}
 
 
-def children(pid: int) -> list[int]:
+def engine_pid(server_pid: int) -> int:
+    """The server's engine process: of its spawned children (image decoding workers too), the one with torch."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline.read():
+                with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/maps") as maps:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == server_pid and "libtorch" in maps.read():
                         found.append(int(entry))
             except (OSError, ValueError, IndexError):
                 pass
-    return found
+    [pid] = found
+    return pid
 
 
 def status_of(pid: int, field: str) -> int:
@@ -105,18 +107,18 @@ def test_hostile_traffic_beside_normal_traffic(tiny_dirs, drip):
         threads, rss = status_of(server.pid, "Threads:"), status_of(server.pid, "VmRSS:")
 
         # the engine process dies mid-stream: the stream ends with an error event, the server restarts it
-        [engine_pid] = children(server.pid)
+        engine = engine_pid(server.pid)
         body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: {")
-            os.kill(engine_pid, signal.SIGKILL)
+            os.kill(engine, signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == 503, rest[-3:]
         deadline = time.time() + 120
         while httpx.get(base + "/health").status_code != 200 and time.time() < deadline:
             time.sleep(0.3)
-        assert children(server.pid) != [engine_pid]
+        assert engine_pid(server.pid) != engine
 
         normal, hostile = one_round(base, drip)
         assert normal == [200] * 20, normal

@@ -30,6 +30,7 @@ from fovea.engine.input_processor import InputProcessor
 from fovea.engine.request import Request, RequestOutput
 from fovea.engine.sampling_params import SamplingParams, default_sampling_params
 from fovea.engine.stats import EngineStats
+from fovea.multimodal.image_workers import ImageWorkers, default_workers
 
 logger = logging.getLogger("fovea")
 RESTART_WINDOW_S = 600.0
@@ -64,7 +65,9 @@ class AsyncLLM:
         # runs before multiprocessing's own exit handler ends the engine process, which would look like a death
         atexit.register(self.shutdown)
         self.config = self._engine.config
-        self.inputs = InputProcessor(self.config)
+        workers = default_workers() if config.mm_processor_workers is None else config.mm_processor_workers
+        self.image_workers = ImageWorkers(workers) if workers else None  # else: decoded in the preparation pool
+        self.inputs = InputProcessor(self.config, self.image_workers)
         self.tokenizer = self.inputs.tokenizer
         self.default_params = default_sampling_params(self.config.model_dir)
 
@@ -127,6 +130,9 @@ class AsyncLLM:
             # this stream; and the request goes to the engine that is current after the check
             self._check_alive()
             engine = self._engine
+            if request.release_unsent is not None:  # its shared pixels are the engine's to free now
+                request.release_unsent.detach()
+                request.release_unsent = None
             engine.send(("add", request))
             while not finished:
                 item = await outputs.get()
@@ -153,6 +159,8 @@ class AsyncLLM:
         self._stopped = True
         self._engine.stop()
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        if self.image_workers is not None:
+            self.image_workers.close()
 
     # ------------------------------------------------------------------- messages from the engine process
 

@@ -36,6 +36,7 @@ class EngineConfig:
     encoder_cache_size: int = 0  # embedding rows; 0 = the largest image plus one step's budget
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": DEFAULT_IMAGES_PER_PROMPT})
     mm_processor_kwargs: dict | None = None
+    mm_processor_workers: int | None = None  # server image-decoding processes; None: sized to the machine
     seed: int = 0
     enforce_eager: bool = False
     max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it

@@ -24,6 +24,7 @@ from fovea.engine.request import (CompletionOutput, Logprob, Request, RequestOut
 from fovea.engine.sampling_params import RequestOutputKind
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
 from fovea.engine.stats import EngineStats, LatencyEvents
+from fovea.multimodal.image_workers import SharedPixels
 
 logger = logging.getLogger("fovea")
 
@@ -74,6 +75,9 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
+        for item in request.mm_items:  # first: pixels in shared memory are freed whatever happens next
+            if isinstance(item.pixels, SharedPixels):
+                item.pixels = item.pixels.take()
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         if request.params.n > self.config.max_num_seqs:

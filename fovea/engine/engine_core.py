@@ -17,21 +17,14 @@ end then starts a new one.
 from __future__ import annotations
 
 import logging
-import signal
 import traceback
 from multiprocessing.connection import Connection
 
 from fovea.engine.config import EngineConfig
+from fovea.worker_pool import ignore_group_signals  # stops when the front end says so, after in-flight requests
 
 MAX_FAILED_STEPS_IN_A_ROW = 3
 logger = logging.getLogger("fovea")
-
-
-def ignore_group_signals() -> None:
-    """Ctrl-C in a terminal, `timeout` and systemd signal the whole process group; a child of the front end
-    stops when the front end tells it to (after in-flight requests finish), or when its pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, results: Connection, num_threads: int) -> None:

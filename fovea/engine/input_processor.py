@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 
 from fovea.engine.block_manager import MMSpan
 from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
 from fovea.engine.sampling_params import SamplingParams
+from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
 from fovea.multimodal.prompt import ProcessedPrompt, PromptProcessor, prompt_too_long
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, image_decoder=None):
         self.config = config
-        self.prompts = PromptProcessor(config.model_dir, config.model, mm_processor_kwargs=config.mm_processor_kwargs)
+        self.prompts = PromptProcessor(config.model_dir, config.model, mm_processor_kwargs=config.mm_processor_kwargs,
+                                       image_decoder=image_decoder)
         self.tokenizer = self.prompts.tokenizer
         self.vocab_size = config.model.text.vocab_size
         self._arrivals = itertools.count()
@@ -74,6 +77,14 @@ class InputProcessor:
 
     def make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
                      arrival_time: float | None = None, fair_rank: int = 0) -> Request:
+        try:
+            return self._make_request(request_id, processed, params, arrival_time, fair_rank)
+        except BaseException:
+            release_images(processed.images)  # refused: its pixels never reach the engine
+            raise
+
+    def _make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                      arrival_time: float | None, fair_rank: int) -> Request:
         ids = processed.token_ids
         if not ids:
             raise ValueError("the prompt is empty")
@@ -93,7 +104,11 @@ class InputProcessor:
             items.append(MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw),
                                 image.pixels))
             start += image.num_tokens
-        return Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
-                       prompt=processed.text, arrival_time=arrival_time or time.time(),
-                       eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals),
-                       fair_rank=fair_rank)
+        request = Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
+                          prompt=processed.text, arrival_time=arrival_time or time.time(),
+                          eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals),
+                          fair_rank=fair_rank)
+        shared = [item.pixels for item in items if isinstance(item.pixels, SharedPixels)]
+        if shared:  # freed if this request is dropped unsent (client gone, another prompt failed, ...)
+            request.release_unsent = weakref.finalize(request, release_shared, shared)
+        return request

@@ -22,10 +22,11 @@ from fovea.engine.sampling_params import SamplingParams
 @dataclass
 class MMItem:
     """One image of a prompt: where its placeholders are, its content hash, and the encoder's input: resized
-    uint8 (height, width, 3) pixels, patchified on the engine's device."""
+    uint8 (height, width, 3) pixels, patchified on the engine's device. From the server's decoding workers the
+    pixels arrive as a SharedPixels handle, which the engine takes on arrival."""
     span: MMSpan
     grid_thw: tuple[int, int, int]
-    pixels: np.ndarray
+    pixels: np.ndarray  # or SharedPixels until the engine takes it
 
     @property
     def content_hash(self) -> str:
@@ -89,6 +90,7 @@ class Request:
         self.aborted = False
         self.prompt_sent = False  # a DELTA output carried the prompt already
         self.num_finished_sequences = 0  # kept by the scheduler
+        self.release_unsent = None  # front end: frees shared pixels if the request is dropped before it is sent
 
     @property
     def finished(self) -> bool:

@@ -68,11 +68,13 @@ class ImageProcessorConfig:
 
 @dataclass
 class PlannedImage:
-    """An opened image (header read, pixels not decoded yet) and the size it will be resized to."""
+    """An opened image (header read, pixels not decoded yet) and the size it will be resized to. `data`: the
+    encoded bytes it was opened from (None for a PIL image), which a decoding worker process can take."""
     image: Image.Image
     config: ImageProcessorConfig
     height: int
     width: int
+    data: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,27 +135,32 @@ def open_image(source) -> Image.Image:
     """Like load_image, but only the header is read (and its size checked); decode_pixels decodes."""
     if isinstance(source, Image.Image):
         return source
+    data, what = encoded_bytes(source)
+    return _open(io.BytesIO(data), what)
+
+
+def encoded_bytes(source) -> tuple[bytes, str]:
+    """The encoded image bytes any non-PIL source names, and how to name the source in errors."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return _open(io.BytesIO(bytes(source)), "image bytes")
+        return bytes(source), "image bytes"
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "://" not in source
                                             and not source.startswith("data:")):
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"image file not found: {path}")
-        return _open(io.BytesIO(path.read_bytes()), str(path))
+        return path.read_bytes(), str(path)
     if isinstance(source, str) and source.startswith("data:"):
         header, sep, payload = source.partition(",")
         if not sep or not header.endswith(";base64"):
             raise ValueError("data URL must look like data:image/<type>;base64,<data>")
         try:
-            raw = base64.b64decode(payload, validate=True)
+            return base64.b64decode(payload, validate=True), "data URL"
         except (binascii.Error, ValueError) as exc:
             raise ValueError(f"data URL holds invalid base64: {exc}") from None
-        return _open(io.BytesIO(raw), "data URL")
     if isinstance(source, str) and source.startswith("file://"):
-        return open_image(file_url_path(source))
+        return encoded_bytes(file_url_path(source))
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        return _open(io.BytesIO(fetch_url(source)), source)
+        return fetch_url(source), source
     raise ValueError(f"cannot load an image from {type(source).__name__}")
 
 
@@ -199,26 +206,30 @@ class ImageProcessor:
         """Opens the image (header only) and works out its resized size; `mm_processor_kwargs` are capped at
         this processor's max_pixels."""
         cfg = self.config.with_overrides(mm_processor_kwargs, capped=True)
-        image = open_image(source)
+        data, what = (None, "image") if isinstance(source, Image.Image) else encoded_bytes(source)
+        image = source if data is None else _open(io.BytesIO(data), what)
         factor = cfg.patch_size * cfg.merge_size
         height, width = smart_resize(image.height, image.width, factor, cfg.min_pixels, cfg.max_pixels)
-        return PlannedImage(image, cfg, height, width)
+        return PlannedImage(image, cfg, height, width, data)
 
     def process(self, planned: PlannedImage) -> ProcessedImage:
-        pixels = resize(planned)
-        p = planned.config.patch_size
-        grid = (1, planned.height // p, planned.width // p)
+        pixels = resize(planned.image, planned.width, planned.height)
+        grid = planned_grid(planned)
         return ProcessedImage(pixels, grid, pixels_hash(pixels, grid), planned.config.merge_size)
 
 
-def resize(planned: PlannedImage) -> np.ndarray:
+def planned_grid(planned: PlannedImage) -> tuple[int, int, int]:
+    p = planned.config.patch_size
+    return 1, planned.height // p, planned.width // p
+
+
+def resize(image: Image.Image, width: int, height: int) -> np.ndarray:
     """Decodes and resizes: (height, width, 3) uint8. A JPEG at least twice the target size on both sides is
     decoded at a reduced scale (Image.draft: 1/2, 1/4 or 1/8, still at least twice the target), which skips most
     of the decoding work; smaller reductions decode in full, exactly as transformers does."""
-    image = planned.image
-    if image.format == "JPEG" and image.width >= 2 * planned.width and image.height >= 2 * planned.height:
-        image.draft(None, (2 * planned.width, 2 * planned.height))
+    if image.format == "JPEG" and image.width >= 2 * width and image.height >= 2 * height:
+        image.draft(None, (2 * width, 2 * height))
     image = to_rgb(decode_pixels(image))
-    if (planned.width, planned.height) != image.size:
-        image = image.resize((planned.width, planned.height), resample=Image.BICUBIC)
+    if (width, height) != image.size:
+        image = image.resize((width, height), resample=Image.BICUBIC)
     return np.array(image)  # writable (torch.from_numpy of a read-only array warns)

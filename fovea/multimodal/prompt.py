@@ -23,6 +23,7 @@ import numpy as np
 from fovea.config import ModelConfig
 from fovea.models.mrope_positions import VisionSpan, mrope_positions
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, ProcessedImage
+from fovea.multimodal.image_workers import release_images
 
 COUNT_CHUNK_CHARS = 16384  # text longer than this is counted chunk by chunk before it is tokenized whole
 SURROGATE = re.compile("[\ud800-\udfff]")
@@ -112,12 +113,15 @@ def text_length(messages: list[dict]) -> int:
 
 class PromptProcessor:
     def __init__(self, model_dir: str | Path, config: ModelConfig, chat_template: str | None = None,
-                 mm_processor_kwargs: dict | None = None):
+                 mm_processor_kwargs: dict | None = None, image_decoder=None):
+        """`image_decoder.process(planned)` decodes and resizes planned images (default: in this thread; the
+        server passes worker processes, multimodal/image_workers.py)."""
         self.config = config
         self.tokenizer = load_tokenizer(model_dir)
         self.chat_template = chat_template or find_chat_template(model_dir, self.tokenizer)
         image_cfg = ImageProcessorConfig.from_dir(model_dir).with_overrides(mm_processor_kwargs)
         self.image_processor = ImageProcessor(image_cfg)
+        self.image_decoder = image_decoder or self.image_processor
         # an upper bound on the characters of one token (byte-level strings are at least as long as their text)
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
 
@@ -186,8 +190,14 @@ class PromptProcessor:
         length = len(ids) + sum(p.num_tokens - 1 for p in planned)
         if max_tokens is not None and length > max_tokens:
             raise prompt_too_long(length, max_tokens)
-        processed = [self.image_processor.process(p) for p in planned]
-        result = self.expand(ids, processed)
+        processed = []
+        try:
+            for image in planned:
+                processed.append(self.image_decoder.process(image))
+            result = self.expand(ids, processed)
+        except BaseException:
+            release_images(processed)  # pixels already handed to shared memory will not reach the engine
+            raise
         result.text = prompt if isinstance(prompt, str) else None
         return result
 

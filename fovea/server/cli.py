@@ -48,6 +48,9 @@ def add_serve_parser(sub) -> None:
     media.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None, help='e.g. {"image": 4}')
     media.add_argument("--mm-processor-kwargs", type=_json_arg, default=None,
                        help='e.g. {"min_pixels": 3136, "max_pixels": 1003520}')
+    media.add_argument("--mm-processor-workers", type=int, default=None,
+                       help="processes that decode and resize images (default: half the cores, 1 to 8; 0: in "
+                            "the front end's threads)")
     media.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are allowed below it")
     media.add_argument("--allowed-media-domains", nargs="+", default=None, help="the only hosts http(s) images may come from")
     engine = serve.add_argument_group("engine")
@@ -101,7 +104,8 @@ def run_serve(args: argparse.Namespace) -> None:
         args.model, max_restarts=args.max_engine_restarts, dtype=dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-        limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs, seed=args.seed,
+        limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs,
+        mm_processor_workers=args.mm_processor_workers, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         num_gpu_blocks_override=args.num_gpu_blocks_override, **fast_path_args(args))
     try:

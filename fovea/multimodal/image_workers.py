@@ -1,0 +1,119 @@
+"""Image decoding and resizing in worker processes (--mm-processor-workers), pixels handed over in shared memory.
+
+Decoding a JPEG and resizing it is most of a request's front-end work, and in threads of one process it all
+runs under one GIL next to the event loop. Here N processes do it: the front end plans each image from its
+header (cheap: limits are checked first), a worker decodes and resizes it into a shared-memory segment and
+returns a `SharedPixels` handle; the handle (a name) is what crosses to the engine, which copies the pixels out
+and frees the segment (`take`). A worker that crashes on a crafted image, or hangs, fails only that image's
+request and is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from fovea.multimodal.image import ImageProcessor, PlannedImage, ProcessedImage, pixels_hash, planned_grid
+from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
+
+
+@dataclass(frozen=True)
+class SharedPixels:
+    """Resized (height, width, 3) uint8 pixels in a shared-memory segment. Whoever ends up with the handle frees
+    the segment: the engine by `take`, the front end by `release` when the request never got there."""
+    name: str
+    shape: tuple[int, int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape))
+
+    @classmethod
+    def create(cls, pixels: np.ndarray) -> "SharedPixels":
+        segment = shared_memory.SharedMemory(create=True, size=max(pixels.nbytes, 1))
+        view = np.ndarray(pixels.shape, np.uint8, buffer=segment.buf)
+        view[:] = pixels
+        del view  # the segment cannot be closed while an array looks into it
+        segment.close()
+        return cls(segment.name, tuple(pixels.shape))
+
+    def take(self) -> np.ndarray:
+        segment = shared_memory.SharedMemory(name=self.name)
+        try:
+            view = np.ndarray(self.shape, np.uint8, buffer=segment.buf)
+            pixels = view.copy()
+            del view
+        finally:
+            segment.close()
+            segment.unlink()
+        return pixels
+
+    def release(self) -> None:
+        try:
+            segment = shared_memory.SharedMemory(name=self.name)
+        except FileNotFoundError:
+            return  # taken already
+        segment.close()
+        segment.unlink()
+
+
+def release_images(images) -> None:
+    """Frees the shared segments of processed images that will not reach the engine."""
+    release_shared([image.pixels for image in images if isinstance(image.pixels, SharedPixels)])
+
+
+def release_shared(handles: list[SharedPixels]) -> None:
+    for handle in handles:
+        handle.release()
+
+
+def _decode_worker(conn) -> None:
+    from fovea.multimodal.image import open_image, resize
+
+    ignore_group_signals()
+    conn.send("ready")
+    while True:
+        try:
+            data, width, height, grid = conn.recv()
+        except EOFError:  # the front end is gone
+            return
+        try:
+            pixels = resize(open_image(data), width, height)
+            conn.send((SharedPixels.create(pixels), pixels_hash(pixels, grid)))
+        except Exception as error:  # noqa: BLE001 - a bad image is its request's error
+            conn.send(ValueError(str(error)) if isinstance(error, ValueError) else
+                      ValueError(f"the image could not be decoded: {type(error).__name__}: {error}"))
+
+
+def default_workers() -> int:
+    """Half the machine's cores, at least 1 and at most 8: the other half runs the event loop, tokenizing and
+    (on a CPU-only machine) the engine."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+class ImageWorkers:
+    def __init__(self, size: int, timeout_s: float = 60.0):
+        self.timeout_s = timeout_s
+        self.pool = WorkerPool(_decode_worker, (), size, "image decoding")
+
+    def process(self, planned: PlannedImage) -> ProcessedImage:
+        """Blocking (call it from a thread): the planned image decoded and resized by a worker. A PIL image
+        given in process (the offline API) has no bytes to send and is resized here."""
+        if planned.data is None:
+            return ImageProcessor(planned.config).process(planned)
+        grid = planned_grid(planned)
+        try:
+            answer = self.pool.call((planned.data, planned.width, planned.height, grid), self.timeout_s)
+        except (WorkerFailed, TimeoutError):
+            raise ValueError("the image could not be decoded (its decoder crashed or took longer than "
+                             f"{self.timeout_s:g} s)") from None
+        if isinstance(answer, Exception):
+            raise answer
+        shared, content_hash = answer
+        return ProcessedImage(shared, grid, content_hash, planned.config.merge_size)
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,113 @@
+"""A few long-lived worker processes that answer one message at a time, for work the front end must not do in
+its own interpreter: image decoding (CPU-bound, and a crafted image may crash a decoder) and request chat
+templates (untrusted programs). A worker that overruns its time limit is killed; one that dies takes only its
+current job with it; either way a replacement starts in the background.
+
+A worker's target is `main(conn, *args)`: it sets itself up, sends "ready", then answers every message it
+receives (an exception it catches is part of its answer; it should not let one escape).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+
+logger = logging.getLogger("fovea")
+
+
+class WorkerFailed(RuntimeError):
+    """The worker died or overran its time limit while handling the message."""
+
+
+def ignore_group_signals() -> None:
+    """Ctrl-C in a terminal, `timeout` and systemd signal the whole process group; a worker stops when its owner
+    tells it to or when its pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class _Worker:
+    def __init__(self, target, args: tuple, name: str, startup_s: float, started: set):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=target, args=(child, *args), name=name, daemon=True)
+        self.process.start()
+        self.started = started
+        started.add(self.process)
+        child.close()
+        if not self.conn.poll(startup_s) or self.conn.recv() != "ready":
+            self.kill()
+            raise RuntimeError(f"a {name} worker did not start")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+        self.started.discard(self.process)
+
+
+class WorkerPool:
+    def __init__(self, target, args: tuple, size: int, name: str, startup_s: float = 120.0):
+        self.target, self.args, self.name, self.startup_s = target, args, name, startup_s
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._started: set = set()  # every process started and not yet killed, busy or starting included
+        self._closed = False
+        # before multiprocessing's own exit handler, which would SIGTERM (ignored by workers) and join them
+        atexit.register(self.close)
+        for _ in range(size):
+            self._idle.put(self._start())
+
+    def _start(self) -> _Worker:
+        return _Worker(self.target, self.args, self.name, self.startup_s, self._started)
+
+    def _replace(self) -> None:
+        try:
+            worker = self._start()
+        except Exception:  # noqa: BLE001 - one worker fewer; the others go on
+            if not self._closed:
+                logger.exception("a %s worker could not be replaced", self.name)
+            return
+        if self._closed:
+            worker.kill()
+        else:
+            self._idle.put(worker)
+
+    def call(self, message, timeout_s: float, wait_s: float | None = None):
+        """Blocking (call it from a thread): a free worker's answer to `message`. Waits up to `wait_s` (default:
+        `timeout_s`) for a free worker (TimeoutError if none), then up to `timeout_s` for the answer."""
+        deadline = time.monotonic() + (timeout_s if wait_s is None else wait_s)
+        while True:
+            try:
+                worker = self._idle.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                raise TimeoutError(f"all {self.name} workers are busy") from None
+            if worker.process.is_alive():
+                break
+            self._lost(worker, "died while idle")  # killed from outside (the OOM killer, say): not this job's fault
+        try:
+            worker.conn.send(message)
+            if not worker.conn.poll(timeout_s):
+                raise TimeoutError
+            answer = worker.conn.recv()
+        except (TimeoutError, EOFError, OSError) as error:
+            self._lost(worker, "overran its time limit" if isinstance(error, TimeoutError) else "died")
+            raise WorkerFailed(self.name) from None
+        self._idle.put(worker)
+        return answer
+
+    def _lost(self, worker: _Worker, why: str) -> None:
+        logger.warning("worker %r %s; it is replaced", self.name, why)
+        worker.kill()
+        threading.Thread(target=self._replace, name=f"{self.name}-replace", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        for process in list(self._started):
+            process.kill()
+            process.join()
+        self._started.clear()

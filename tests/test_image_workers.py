@@ -1,0 +1,108 @@
+"""Image decoding in worker processes, pixels handed to the engine in shared memory: the same pixels as the
+in-process path, a bad or crashing image fails only its own request, and no segment outlives its request."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import jpeg_bytes, random_image
+from fovea import SamplingParams
+from fovea.engine.async_engine import AsyncLLM
+from fovea.engine.sampling_params import RequestOutputKind
+from fovea.multimodal.image import ImageProcessor
+from fovea.multimodal.image_workers import ImageWorkers, SharedPixels
+
+OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_seqs=8)
+
+
+def segments() -> set[str]:
+    return set(glob.glob("/dev/shm/psm_*"))
+
+
+@pytest.fixture(scope="module")
+def workers():
+    pool = ImageWorkers(2, timeout_s=30)
+    yield pool
+    pool.close()
+
+
+def test_workers_give_the_in_process_pixels(workers):
+    before = segments()
+    processor = ImageProcessor()
+    for width, height in ((640, 480), (333, 517), (3000, 2000)):  # the last one decodes at a reduced scale
+        planned = processor.plan(jpeg_bytes(random_image(width, height, seed=width)))
+        local = processor.process(planned)
+        remote = workers.process(processor.plan(planned.data))
+        assert isinstance(remote.pixels, SharedPixels) and remote.grid_thw == local.grid_thw
+        assert remote.pixels.nbytes == local.pixels.nbytes <= 3 << 20  # what crosses: uint8, under 3 MB
+        assert np.array_equal(remote.pixels.take(), local.pixels) and remote.content_hash == local.content_hash
+    assert segments() == before  # taken: freed
+
+
+def test_a_bad_or_crashing_image_fails_alone(workers):
+    processor = ImageProcessor()
+    good = jpeg_bytes(random_image(320, 240, seed=1))
+    truncated = processor.plan(good[:len(good) // 2])
+    with pytest.raises(ValueError, match="not a readable image"):
+        workers.process(truncated)
+    # a worker dies in the middle of a job (as a decoder crash would take it): that job fails, the next run on
+    # its replacement; and a worker that dies while idle costs no job at all
+    single = ImageWorkers(1, timeout_s=30)
+    expected = processor.process(processor.plan(good)).pixels
+    try:
+        big = processor.plan(jpeg_bytes(random_image(3000, 2200, seed=2)), {"min_pixels": 6_000_000})
+        killer = threading.Timer(0.05, lambda: [p.kill() for p in list(single.pool._started)])
+        killer.start()
+        with pytest.raises(ValueError, match="decoder crashed"):
+            single.process(big)
+        killer.join()
+        image = single.process(processor.plan(good))  # waits for the replacement
+        assert np.array_equal(image.pixels.take(), expected)
+        for process in list(single.pool._started):
+            process.kill()
+            process.join()
+        image = single.process(processor.plan(good))
+        assert np.array_equal(image.pixels.take(), expected)
+    finally:
+        single.close()
+
+
+def test_no_segment_outlives_its_request(tiny_dirs):
+    """A normal request, one refused after its image was decoded, one whose client leaves while its image is
+    decoded, and one dropped unsent when another prompt of its batch fails: nothing is left in /dev/shm."""
+    before = segments()
+    engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), mm_processor_workers=1, **OPTIONS)
+    picture = jpeg_bytes(random_image(640, 480, seed=9))
+    image_prompt = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe.",
+                    "multi_modal_data": {"image": picture}}
+    params = SamplingParams(temperature=0, max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run(**request):
+        return [out async for out in engine.generate(**{"sampling_params": params, **request})]
+
+    async def main():
+        assert (await run(prompt=image_prompt))[-1].finished
+        with pytest.raises(ValueError, match="max_num_seqs"):  # checked after the image was decoded
+            await run(prompt=image_prompt, sampling_params=params.clone(n=9))
+        leaving = asyncio.ensure_future(run(prompt={**image_prompt, "multi_modal_data": {
+            "image": jpeg_bytes(random_image(2000, 1500, seed=10))}}))
+        await asyncio.sleep(0.05)
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        with pytest.raises(ValueError, match="a prompt must be"):
+            await engine.prepare_many([image_prompt, 42], params, "batch")
+
+    try:
+        asyncio.run(main())
+        deadline = time.time() + 30
+        while segments() != before and time.time() < deadline:  # the cancelled decode finishes in the background
+            time.sleep(0.1)
+    finally:
+        engine.shutdown()
+    assert segments() == before
