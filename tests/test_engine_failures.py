@@ -42,18 +42,17 @@ def test_a_failing_step_fails_its_requests_and_nothing_else(llm, tiny_dirs, monk
     engine = llm.engine
     picture = random_image(200, 150, 61)
     alone = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS).generate([image_prompt(picture), LOREM], GREEDY, use_tqdm=False)
-    real_encode = engine.runner._encode_images
-
-    def encoder_breaks(batch, cache):  # fails after the scheduler reserved the image's encoder-cache entry
+    def encoder_breaks(items):  # in the encoder's thread, after the scheduler reserved the image's entry
         raise RuntimeError("injected encoder failure")
 
-    monkeypatch.setattr(engine.runner, "_encode_images", encoder_breaks)
+    monkeypatch.setattr(engine.image_encoder, "_encode", encoder_breaks)
     engine.add_request(request(llm, "broken", image_prompt(picture)))
     with pytest.raises(StepFailed, match="injected encoder failure") as failed:
-        engine.step()
+        for _ in range(1000):  # the failure arrives from the encoder's thread a step or a few later
+            engine.step()
     assert failed.value.request_ids == ["broken"]
     assert_engine_idle(engine)  # its KV blocks and encoder-cache references are back
-    monkeypatch.setattr(engine.runner, "_encode_images", real_encode)
+    monkeypatch.setattr(engine.image_encoder, "_encode", engine.runner.encode_images)
     # the same picture again: the half-made encoder entry was dropped, so it is encoded afresh
     engine.add_request(request(llm, "again", image_prompt(picture)))
     engine.add_request(request(llm, "text", LOREM))

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -194,13 +195,17 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
     goodput = parse_goodput(args.goodput)
     metadata = dict(item.partition("=")[::2] for item in args.metadata)
-    requests = build_requests(args, AutoTokenizer.from_pretrained(tokenizer_id))  # before the clock starts
+    requests = build_requests(args, AutoTokenizer.from_pretrained(tokenizer_id))  # images encoded once, here
+    cpu_start = time.process_time()
     results, duration = asyncio.run(serve.run(
         requests, base_url, args.endpoint, model, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, temperature=args.temperature, ignore_eos=args.ignore_eos,
         num_warmups=args.num_warmups, api_key=args.api_key, seed=args.seed, progress=not args.disable_tqdm))
+    client_cpu_s = time.process_time() - cpu_start
     metrics = compute_metrics(results, duration, goodput, selected, percentiles)
     print(format_table(metrics, selected, percentiles, args.max_concurrency))
+    # a client near one full core may be what limits the figures above
+    print(f"client CPU: {client_cpu_s:.2f} s ({100 * client_cpu_s / duration:.0f}% of one core)")
     if args.plot:
         from fovea.bench.plot import plot
 
@@ -213,7 +218,7 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if "chat" in args.endpoint
               else "openai", "label": args.label, "model_id": model, "tokenizer_id": tokenizer_id,
               "num_prompts": args.num_prompts, "request_rate": rate, "burstiness": args.burstiness,
-              "max_concurrency": args.max_concurrency, **metadata, **metrics}
+              "max_concurrency": args.max_concurrency, "client_cpu_s": client_cpu_s, **metadata, **metrics}
     if args.save_detailed:
         result.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
                       start_times=[r.start_time for r in results], ttfts=[r.ttft for r in results],

@@ -31,6 +31,7 @@ class EngineConfig:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    max_num_encoder_input_tokens: int | None = None  # image tokens handed to the encoder per step; None: as above
     block_size: int = 16
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 0  # embedding rows; 0 = the largest image plus one step's budget
@@ -57,8 +58,9 @@ class EngineConfig:
 
     @property
     def encoder_budget(self) -> int:
-        """Image tokens the vision encoder may take per step (at least one whole image always runs)."""
-        return self.max_num_batched_tokens
+        """Image tokens handed to the encoder per step (one whole image always goes, however large): the encoder
+        runs beside the language model, so this bounds how much image work starts at once, not a step's length."""
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     @classmethod
     def from_args(cls, model: str | Path | None = None, tensor_parallel_size: int = 1, **args) -> "EngineConfig":
@@ -100,11 +102,11 @@ class EngineConfig:
         config.mm_buckets = parse_buckets(config.mm_buckets, model.vision.spatial_merge_size ** 2)
         if config.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_budget"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
         if not config.encoder_cache_size:
             image = ImageProcessorConfig.from_dir(model_dir).with_overrides(config.mm_processor_kwargs)
             max_image_tokens = image.max_pixels // (image.patch_size * image.merge_size) ** 2
-            config.encoder_cache_size = max_image_tokens + config.max_num_batched_tokens
+            config.encoder_cache_size = max_image_tokens + config.encoder_budget
         return config

@@ -1,9 +1,10 @@
 """Vision-encoder outputs kept between steps, keyed by image content hash.
 
-A long prompt is prefilled in chunks, but an image is encoded whole, once, when its first placeholder is
-scheduled; later chunks (and other requests showing the same picture) read the rows they need from here.
-Capacity is counted in embedding rows (= placeholder tokens). Entries a running sequence still needs are
-referenced and never evicted; unreferenced ones stay, least recently used evicted first, until space is needed.
+A long prompt is prefilled in chunks, but an image is encoded whole, once: an entry is reserved when a sequence
+first reaches the image and filled when the background encoder is done (`ready`); chunks (and other requests
+showing the same picture) read the rows they need from here. Capacity is counted in embedding rows (= placeholder
+tokens). Entries a sequence still needs are referenced and never evicted; unreferenced ones stay, least recently
+used evicted first, until space is needed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ class EncoderCache:
         return sum(self.sizes.values())
 
     def contains(self, key: str) -> bool:
+        """Computed, or reserved for the encoder to fill."""
         return key in self.sizes
+
+    def ready(self, key: str) -> bool:
+        return key in self.embeddings
 
     def can_reserve(self, num_tokens: int) -> bool:
         evictable = sum(self.sizes[k] for k in self.unreferenced)
@@ -44,14 +49,16 @@ class EncoderCache:
         self.encoded += 1
 
     def put(self, key: str, embeddings: torch.Tensor) -> None:
+        if key not in self.sizes:
+            return  # its reservation was dropped meanwhile (a failure): nobody is waiting for these
         self.embeddings[key] = embeddings
         if key not in self.refs:  # reserved for a sequence that did not get scheduled after all: evictable
             self.unreferenced[key] = None
 
-    def drop_unfilled(self) -> None:
-        """Forgets reservations whose encoder run never finished (a failed step), so that no later request
-        takes them for computed embeddings."""
-        for key in [key for key in self.sizes if key not in self.embeddings]:
+    def drop_unfilled(self, keep: set[str] = frozenset()) -> None:
+        """Forgets reservations that will not be filled (a failed step or encoder run; `keep`: those the
+        encoder is still working on), so that no later request waits for them."""
+        for key in [key for key in self.sizes if key not in self.embeddings and key not in keep]:
             del self.sizes[key]
             self.refs.pop(key, None)
             self.unreferenced.pop(key, None)

@@ -18,6 +18,7 @@ from fovea.engine.block_manager import BlockManager
 from fovea.engine.config import EngineConfig
 from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.image_encoder import ImageEncoder
 from fovea.engine.input_processor import InputProcessor
 from fovea.engine.model_runner import ModelRunner, StepOutput
 from fovea.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus)
@@ -27,6 +28,7 @@ from fovea.engine.stats import EngineStats, LatencyEvents
 from fovea.multimodal.image_workers import SharedPixels
 
 logger = logging.getLogger("fovea")
+IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them
 
 
 class StepFailed(RuntimeError):
@@ -47,6 +49,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         self.scheduler = Scheduler(config, self.blocks, self.encoder_cache)
+        self.image_encoder = ImageEncoder(self.runner.encode_images, config.device)
         self.requests: dict[str, Request] = {}
         self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
         self._seq_ids = itertools.count()
@@ -122,12 +125,23 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
+        failed = self._collect_images()
+        if failed is not None:
+            raise failed
         outputs, self.finished_outputs = self.finished_outputs, []
         batch = self.scheduler.schedule()
+        if batch.encode:
+            self.image_encoder.submit(batch.encode)  # encoded beside this and the next steps
         if not batch.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:  # cannot happen after admission checks
+            if self.image_encoder.in_flight:  # everything waits for images: wait for the encoder, briefly
+                self.finished_outputs = outputs + self.finished_outputs
+                failed = self._collect_images(wait_s=IDLE_WAIT_S)
+                if failed is not None:
+                    raise failed
+                outputs, self.finished_outputs = self.finished_outputs, []
+            elif self.scheduler.waiting or self.scheduler.running:  # cannot happen after admission checks
                 self.finished_outputs = outputs
-                stuck = self.scheduler.waiting[0].request
+                stuck = (self.scheduler.running or self.scheduler.waiting)[0].request
                 raise self._fail({stuck}, RuntimeError("the request cannot be scheduled even with the engine idle"))
             return outputs
         try:
@@ -168,8 +182,22 @@ class LLMEngine:
                     self.scheduler.finish(seq)
             request.metrics.finished_time = time.time()
             self._record_finish(request)
-        self.encoder_cache.drop_unfilled()
+        self.encoder_cache.drop_unfilled(keep=self.image_encoder.in_flight)
         return StepFailed(sorted(r.request_id for r in requests), f"{type(error).__name__}: {error}"[:500])
+
+    def _collect_images(self, wait_s: float = 0.0) -> StepFailed | None:
+        """Puts what the encoder finished into the encoder cache; an encoding that failed fails the requests
+        showing those images (returned, for the caller to raise)."""
+        failed = None
+        for result in self.image_encoder.collect(wait_s):
+            if result.error is None:
+                for item, rows in zip(result.items, result.embeddings):
+                    self.encoder_cache.put(item.content_hash, rows)
+                continue
+            keys = {item.content_hash for item in result.items}
+            requests = {r for r in self.requests.values() if keys.intersection(i.content_hash for i in r.mm_items)}
+            failed = self._fail(requests, result.error)
+        return failed
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, result: StepOutput) -> None:
         for index, (chosen, ranks, top_ids, top_values) in result.prompt_logprobs.items():

@@ -2,7 +2,8 @@
 
 The heaviest step is max_num_batched_tokens prompt tokens through the language model, plus one step's worth of
 the largest image the limits allow through the vision tower (copies of it up to the encoder budget), plus fp32
-logits for max_num_seqs rows. On a GPU its peak allocation above the resident weights is measured; the KV cache
+logits for max_num_seqs rows. On a GPU the peak allocation above the resident weights is measured for the vision
+tower and the language model apart and summed (the encoder runs beside the language model); the KV cache
 gets gpu_memory_utilization x the card, less everything in use (weights, CUDA context, other processes), less
 that peak and the encoder cache. It runs before the KV cache exists, so a limit that cannot fit fails at start-up.
 """
@@ -33,21 +34,33 @@ def largest_image_grid(config: EngineConfig) -> tuple[int, int, int]:
 
 def dummy_step(model: torch.nn.Module, config: EngineConfig) -> list[tuple[int, int, int]]:
     """Runs the heaviest step once (random weights' output is thrown away); returns the image grids encoded."""
+    grids = encode_largest_images(model, config)
+    language_model_step(model, config)
+    return grids
+
+
+@torch.inference_mode()
+def encode_largest_images(model: torch.nn.Module, config: EngineConfig) -> list[tuple[int, int, int]]:
+    """Copies of the largest image max_pixels allows, up to one step's encoder budget, through the vision tower."""
     device, vision = config.device, config.model.vision
     grid = largest_image_grid(config)
     patches = grid[0] * grid[1] * grid[2]
     copies = max(1, config.encoder_budget // (patches // vision.spatial_merge_size**2))
     grids = [grid] * copies
-    with torch.inference_mode():
-        model.encode_images(torch.randn(patches * copies, vision.frame_patch_dim, device=device, dtype=config.dtype),
-                            grids)
-        tokens = config.max_num_batched_tokens
-        ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        positions = torch.arange(tokens, device=device).expand(3, tokens)
-        hidden = model(ids, positions, AttentionMetadata.from_lengths([tokens], device))
-        rows = hidden[:min(config.max_num_seqs, tokens)]
-        model.compute_logits(rows).float().softmax(-1)  # the sampler works on fp32 probabilities
+    model.encode_images(torch.randn(patches * copies, vision.frame_patch_dim, device=device, dtype=config.dtype),
+                        grids)
     return grids
+
+
+@torch.inference_mode()
+def language_model_step(model: torch.nn.Module, config: EngineConfig) -> None:
+    """max_num_batched_tokens prompt tokens through the language model, fp32 logits for max_num_seqs rows."""
+    device, tokens = config.device, config.max_num_batched_tokens
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    positions = torch.arange(tokens, device=device).expand(3, tokens)
+    hidden = model(ids, positions, AttentionMetadata.from_lengths([tokens], device))
+    rows = hidden[:min(config.max_num_seqs, tokens)]
+    model.compute_logits(rows).float().softmax(-1)  # the sampler works on fp32 probabilities
 
 
 def kv_cache_budget(total: int, free: int, utilization: float, peak_extra: int, reserved: int) -> int:
@@ -62,10 +75,12 @@ def profile_kv_budget(model: torch.nn.Module, config: EngineConfig) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     resident = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    dummy_step(model, config)
-    torch.cuda.synchronize(device)
-    peak_extra = torch.cuda.max_memory_allocated(device) - resident
+    peak_extra = 0
+    for part in (encode_largest_images, language_model_step):  # the encoder runs beside a language-model step
+        torch.cuda.reset_peak_memory_stats(device)
+        part(model, config)
+        torch.cuda.synchronize(device)
+        peak_extra += torch.cuda.max_memory_allocated(device) - resident
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     text = config.model.text

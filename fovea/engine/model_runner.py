@@ -1,4 +1,5 @@
-"""One engine step on the device: flatten the scheduled batch, encode new images, run the model, sample.
+"""One engine step on the device: flatten the scheduled batch, run the model, sample; and, for the ImageEncoder,
+the vision tower over a batch of images.
 
 The batch is one flat run of tokens (each sequence's new tokens back to back) with their (3, N) M-RoPE
 positions, KV-cache slots and block tables; the attention backend turns that into attention over each
@@ -20,6 +21,7 @@ from fovea.engine.encoder_buckets import EncoderBuckets
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.memory_profile import profile_kv_budget
 from fovea.engine.sampler import Sampler, SampleRow, SamplerOutput, top_logprobs
+from fovea.engine.request import MMItem
 from fovea.engine.scheduler import ScheduledBatch
 from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata, TorchAttention
 from fovea.models.loader import load_model
@@ -116,7 +118,6 @@ class ModelRunner:
         for src, dst in batch.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
-        self._encode_images(batch, encoder_cache)
         ids, positions, meta, mm_embeds, mm_mask, sample_rows, owners, logprob_spans = self._prepare(batch,
                                                                                                     encoder_cache)
         if self.graphs and meta.max_query_len == 1 and mm_embeds is None and self.graphs.bucket(len(batch)):
@@ -137,20 +138,17 @@ class ModelRunner:
             out.prompt_logprobs[index] = top_logprobs(logprobs, torch.tensor(targets, device=self.device), k)
         return out
 
-    def _encode_images(self, batch: ScheduledBatch, encoder_cache: EncoderCache) -> None:
-        if not batch.encode:
-            return
-        # uint8 pixels cross to the device; rescaling, normalizing and patching happen there (one frame each)
+    def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
+        """The vision tower over several images at once (the ImageEncoder's thread calls it): one (tokens,
+        hidden) tensor per image. The uint8 pixels cross to the device; rescaling, normalizing and cutting into
+        patches happen there, one frame per still image."""
         patches = torch.cat([patchify(torch.from_numpy(item.pixels).to(self.device), self.image_config)
-                             for item in batch.encode]).to(self.config.dtype)
-        grids = [item.grid_thw for item in batch.encode]
+                             for item in items]).to(self.config.dtype)
+        grids = [item.grid_thw for item in items]
         bucket = self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])
         if bucket:
-            embeddings = self.model.split_by_item(self.encoder_buckets.encode(patches, grids, bucket), grids)
-        else:
-            embeddings = self.model.encode_images(patches, grids)
-        for item, rows in zip(batch.encode, embeddings):
-            encoder_cache.put(item.content_hash, rows)
+            return self.model.split_by_item(self.encoder_buckets.encode(patches, grids, bucket), grids)
+        return self.model.encode_images(patches, grids)
 
     def _prepare(self, batch: ScheduledBatch, encoder_cache: EncoderCache):
         bs = self.config.block_size

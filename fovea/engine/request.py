@@ -113,6 +113,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.order = (request.fair_rank, request.arrival_index, index)
         self.pending_forks = request.params.n - 1 if index == 0 else 0  # samples to split off after the prefill
+        self.queried_images: set[str] = set()  # images this sequence looked up in the encoder cache
         self.cumulative_logprob = 0.0
         self.last_token_time: float | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None

@@ -1,4 +1,4 @@
-"""Which sequences run in the next step, how many tokens each, and which images the encoder runs on.
+"""Which sequences run in the next step, how many tokens each, and which images go to the encoder.
 
 Continuous batching under two budgets: `max_num_batched_tokens` tokens and `max_num_seqs` sequences per step.
 Running sequences go first, decodes before prefills, so a long prompt never stalls generation: its prefill is
@@ -22,7 +22,7 @@ from fovea.engine.request import MMItem, Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    encode: list[MMItem] = field(default_factory=list)  # images to run the vision encoder on first
+    encode: list[MMItem] = field(default_factory=list)  # images to hand to the encoder (ImageEncoder)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, forks' partial blocks
 
     @property
@@ -99,7 +99,7 @@ class Scheduler:
             prefix = [] if wants_prompt_logprobs else self.blocks.cached_prefix(seq.block_hashes, seq.num_tokens)
             start = len(prefix) * self.blocks.block_size
             n = self._fit_encoder(seq, start, min(seq.num_tokens - start, budget), batch)
-            if n == 0 or not self.blocks.can_allocate(prefix, start + n, self._fork_blocks(seq, start + n)):
+            if not self.blocks.can_allocate(prefix, start + n, self._fork_blocks(seq, start + n)):
                 break
             self.waiting.pop(0)
             self.prefix_cache_queries += seq.num_tokens
@@ -111,8 +111,9 @@ class Scheduler:
                 seq.request.num_cached_tokens = start
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.order)
-            self._add_to_batch(batch, seq, n)
-            budget -= n
+            if n:  # 0: its next token is an image still being encoded; it runs from there once it is ready
+                self._add_to_batch(batch, seq, n)
+                budget -= n
         return budget
 
     def _fork_blocks(self, seq: Sequence, computed_after: int) -> int:
@@ -120,23 +121,29 @@ class Scheduler:
         return seq.pending_forks if computed_after >= seq.num_tokens else 0
 
     def _fit_encoder(self, seq: Sequence, start: int, n: int, batch: ScheduledBatch) -> int:
-        """How many of the `n` tokens from `start` can run: images overlapping them must be in the encoder
-        cache or fit in this step's encoder budget and cache; otherwise the chunk stops before the image."""
+        """How many of the `n` tokens from `start` can run: the chunk stops before the first image whose
+        embeddings are not ready. Every image the `n` tokens reach and the cache lacks is handed to the encoder
+        (batch.encode) while this step's encoder budget and the cache have room; the sequence holds the entries
+        until it is past them."""
+        cache, cut = self.encoder_cache, n
         for item in seq.request.mm_items:
             if item.end <= start or item.span.start >= start + n:
                 continue
             key = item.content_hash
-            if self.encoder_cache.contains(key):
-                if item.span.start >= start:  # reaching this image's first placeholder: it needs no encoding
-                    self.encoder_cache.hits += 1
-                continue
-            planned = sum(i.span.length for i in batch.encode)
-            over_budget = planned and planned + item.span.length > self.config.encoder_budget
-            if over_budget or not self.encoder_cache.can_reserve(item.span.length):
-                return max(item.span.start - start, 0)
-            self.encoder_cache.reserve(key, item.span.length)
-            batch.encode.append(item)
-        return n
+            if key not in seq.queried_images:  # counted once per sequence and image
+                seq.queried_images.add(key)
+                cache.hits += cache.contains(key)
+            if not cache.contains(key):
+                planned = sum(i.span.length for i in batch.encode)
+                if (not planned or planned + item.span.length <= self.config.encoder_budget) \
+                        and cache.can_reserve(item.span.length):
+                    cache.reserve(key, item.span.length)
+                    batch.encode.append(item)
+            if cache.contains(key):
+                cache.acquire(key, seq.seq_id)
+            if not cache.ready(key):
+                cut = min(cut, max(item.span.start - start, 0))
+        return cut
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
@@ -195,8 +202,8 @@ class Scheduler:
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._free(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        self._free(seq)  # a waiting sequence may hold images it had the encoder start on
         seq.status = SequenceStatus.FINISHED
         seq.request.num_finished_sequences += 1

@@ -58,6 +58,8 @@ def add_serve_parser(sub) -> None:
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                        help="image tokens handed to the vision encoder per step (default: max-num-batched-tokens)")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -102,7 +104,8 @@ def run_serve(args: argparse.Namespace) -> None:
         template = Path(template).read_text()
     engine = AsyncLLM.from_args(
         args.model, max_restarts=args.max_engine_restarts, dtype=dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs,
         mm_processor_workers=args.mm_processor_workers, seed=args.seed,

@@ -1,0 +1,78 @@
+"""The vision tower running beside the language model, so that image work never stalls decoding.
+
+The scheduler hands over the images a step reaches (up to the per-step encoder budget); this thread encodes
+them while the engine keeps stepping the sequences that are ready, and the embeddings go into the encoder cache
+when done. A prompt's prefill stops before an image until then, so a burst of large images raises their own
+requests' time to first token, not everybody's inter-token latency. On a GPU the encoder works on its own CUDA
+stream and every result carries an event that the language model's stream waits for; on the CPU the two threads
+run on different cores (PyTorch releases the GIL inside its operators).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fovea.engine.request import MMItem
+
+
+@dataclass
+class EncodedImages:
+    items: list[MMItem]
+    embeddings: list[torch.Tensor] | None  # one (tokens, hidden) tensor per item, or None when encoding failed
+    error: Exception | None = None
+    done: torch.cuda.Event | None = None  # on a GPU: recorded on the encoder's stream after the last kernel
+
+
+class ImageEncoder:
+    def __init__(self, encode: Callable[[list[MMItem]], list[torch.Tensor]], device: torch.device):
+        self._encode, self.device = encode, device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self.in_flight: set[str] = set()  # content hashes submitted and not yet collected
+        threading.Thread(target=self._loop, name="fovea-image-encoder", daemon=True).start()
+
+    def submit(self, items: list[MMItem]) -> None:
+        self.in_flight.update(item.content_hash for item in items)
+        self._jobs.put(items)
+
+    def collect(self, wait_s: float = 0.0) -> list[EncodedImages]:
+        """What finished since the last call; with `wait_s`, waits that long for the first result (a step with
+        nothing else to do). On a GPU the current stream is made to wait for each result's kernels."""
+        finished = []
+        try:
+            finished.append(self._results.get(timeout=wait_s) if wait_s else self._results.get_nowait())
+            while True:
+                finished.append(self._results.get_nowait())
+        except queue.Empty:
+            pass
+        for result in finished:
+            self.in_flight.difference_update(item.content_hash for item in result.items)
+            if result.done is not None:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(result.done)
+                for tensor in result.embeddings or ():
+                    tensor.record_stream(stream)  # its memory is not reused before the language model is done
+        return finished
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), stream:
+            while (items := self._jobs.get()) is not None:
+                try:
+                    embeddings = self._encode(items)
+                    done = torch.cuda.Event() if self._stream is not None else None
+                    if done is not None:
+                        done.record(self._stream)
+                    self._results.put(EncodedImages(items, embeddings, done=done))
+                except Exception as error:  # noqa: BLE001 - the engine fails the requests waiting for them
+                    self._results.put(EncodedImages(items, None, error))

@@ -1,0 +1,80 @@
+"""The vision tower runs beside the language model: decoding goes on while images are encoded, and the per-step
+encoder budget spreads image work over steps (an image larger than the budget still goes, alone)."""
+
+from __future__ import annotations
+
+import threading
+
+from conftest import random_image
+from fovea import LLM, SamplingParams
+from fovea.engine.sampling_params import RequestOutputKind
+from test_engine_vs_hf import LOREM, assert_engine_idle
+
+OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_batched_tokens=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def image_prompt(*images):
+    return {"prompt": IMAGE * len(images) + "Describe.", "multi_modal_data": {"image": list(images)}}
+
+
+def add(llm, request_id, prompt):
+    engine = llm.engine
+    engine.add_request(engine.inputs.make_request(request_id, engine.inputs.process(prompt), GREEDY))
+
+
+def test_decoding_goes_on_while_an_image_is_encoded(tiny_dirs):
+    llm = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+    picture = random_image(640, 480, 3)
+    final_only = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    reference = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS).generate([LOREM, image_prompt(picture)], final_only,
+                                                                     use_tqdm=False)
+    engine = llm.engine
+    release = threading.Event()
+    encode = engine.image_encoder._encode
+
+    def held_encode(items):
+        release.wait(60)
+        return encode(items)
+
+    engine.image_encoder._encode = held_encode
+    tokens = {"text": [], "image": []}
+
+    def step():
+        for output in engine.step():
+            tokens[output.request_id] += output.outputs[0].token_ids
+
+    add(llm, "text", LOREM)
+    step()  # the text prompt is prefilled
+    add(llm, "image", image_prompt(picture))
+    for _ in range(6):  # the encoder is stuck on the picture: the text request keeps decoding meanwhile
+        step()
+    assert len(tokens["text"]) >= 7 and tokens["image"] == []
+    assert engine.image_encoder.in_flight
+    release.set()
+    while engine.has_unfinished_requests():
+        step()
+    assert tokens["text"] == reference[0].outputs[0].token_ids
+    assert tokens["image"] == reference[1].outputs[0].token_ids
+    assert_engine_idle(engine)
+
+
+def test_the_encoder_budget_spreads_images_over_steps(tiny_dirs):
+    pictures = [random_image(224, 168, 10 + i) for i in range(3)]  # 48 image tokens each
+    prompt = image_prompt(*pictures)
+    params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    unlimited = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS).generate(prompt, params, use_tqdm=False)[0]
+    llm = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS, max_num_encoder_input_tokens=100)
+    submitted = []
+    submit = llm.engine.image_encoder.submit
+    llm.engine.image_encoder.submit = lambda items: submitted.append(len(items)) or submit(items)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == unlimited.outputs[0].token_ids
+    assert submitted == [2, 1]  # 48 + 48 <= 100 < 144: two in the first step, the third in a later one
+    alone = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS, max_num_encoder_input_tokens=16)
+    submitted.clear()
+    submit_alone = alone.engine.image_encoder.submit
+    alone.engine.image_encoder.submit = lambda items: submitted.append(len(items)) or submit_alone(items)
+    assert alone.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == unlimited.outputs[0].token_ids
+    assert submitted == [1, 1, 1]  # each over the budget of 16: each goes alone
+    assert_engine_idle(alone.engine)
