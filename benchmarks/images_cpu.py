@@ -55,9 +55,11 @@ prompt = lambda url: {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Desc
 urls = [photo(i) for i in range(24)]
 request = inputs.make_request("r", inputs.process(prompt(urls[0])), SamplingParams())
 pipe = len(pickle.dumps(request))
-shared = sum(getattr(item.pixels, "nbytes", 0) for item in request.mm_items if not hasattr(item.pixels, "dtype"))
-for item in request.mm_items:
-    getattr(item.pixels, "release", lambda: None)()
+handles = [getattr(item, "pixels", None) for item in request.mm_items]  # the baseline's items hold float patches
+handles = [h for h in handles if hasattr(h, "release")]  # shared-memory handles
+shared = sum(h.nbytes for h in handles)
+for handle in handles:
+    handle.release()
 with concurrent.futures.ThreadPoolExecutor(6) as pool:  # the server's preparation threads on 2 cores
     list(pool.map(lambda u: inputs.process(prompt(u)), urls[:4]))  # warm
     start = time.perf_counter()
@@ -65,7 +67,7 @@ with concurrent.futures.ThreadPoolExecutor(6) as pool:  # the server's preparati
     seconds = time.perf_counter() - start
 for processed in done:
     for image in processed.images:
-        getattr(image.pixels, "release", lambda: None)()
+        getattr(getattr(image, "pixels", None), "release", lambda: None)()
 print(json.dumps({"pipe_bytes": pipe, "shared_bytes": shared, "images_per_s": len(urls) / seconds}))
 """
 

@@ -17,6 +17,7 @@ end then starts a new one.
 from __future__ import annotations
 
 import logging
+import sys
 import traceback
 from multiprocessing.connection import Connection
 
@@ -34,6 +35,9 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
 
     ignore_group_signals()
     torch.set_num_threads(num_threads)
+    # the image encoder's thread holds the GIL between operators too: hand it back sooner than every 5 ms, so
+    # that a decode step (many small operators) does not wait behind it
+    sys.setswitchinterval(0.0005)
     try:
         engine = LLMEngine(config)
     except BaseException:  # noqa: BLE001 - the front end reports why start-up failed

@@ -11,6 +11,7 @@ run on different cores (PyTorch releases the GIL inside its operators).
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -27,6 +28,15 @@ class EncodedImages:
     embeddings: list[torch.Tensor] | None  # one (tokens, hidden) tensor per item, or None when encoding failed
     error: Exception | None = None
     done: torch.cuda.Event | None = None  # on a GPU: recorded on the encoder's stream after the last kernel
+
+
+def lower_priority(niceness: int = 10) -> None:
+    """Image work yields the CPU to decoding when cores are short: this thread (or process) gets a higher nice
+    value (Linux schedules threads one by one); where that is not possible it runs as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
 
 
 class ImageEncoder:
@@ -65,6 +75,7 @@ class ImageEncoder:
         self._jobs.put(None)
 
     def _loop(self) -> None:
+        lower_priority()
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream:
             while (items := self._jobs.get()) is not None:

@@ -74,6 +74,7 @@ def _decode_worker(conn) -> None:
     from fovea.multimodal.image import open_image, resize
 
     ignore_group_signals()
+    os.nice(10)  # decoding images yields the CPU to the engine's decode steps when cores are short
     conn.send("ready")
     while True:
         try:
@@ -89,9 +90,9 @@ def _decode_worker(conn) -> None:
 
 
 def default_workers() -> int:
-    """Half the machine's cores, at least 1 and at most 8: the other half runs the event loop, tokenizing and
-    (on a CPU-only machine) the engine."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    """One per core, at most 8. They run at a lower priority (nice 10), so they use idle cores without taking
+    them from the event loop or, on a CPU-only machine, the engine."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 class ImageWorkers:

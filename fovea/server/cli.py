@@ -49,7 +49,7 @@ def add_serve_parser(sub) -> None:
     media.add_argument("--mm-processor-kwargs", type=_json_arg, default=None,
                        help='e.g. {"min_pixels": 3136, "max_pixels": 1003520}')
     media.add_argument("--mm-processor-workers", type=int, default=None,
-                       help="processes that decode and resize images (default: half the cores, 1 to 8; 0: in "
+                       help="processes that decode and resize images (default: one per core, at most 8; 0: in "
                             "the front end's threads)")
     media.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are allowed below it")
     media.add_argument("--allowed-media-domains", nargs="+", default=None, help="the only hosts http(s) images may come from")
