@@ -6,7 +6,8 @@
    preparation threads: the baseline's way, ours with decoding in those threads (--mm-processor-workers 0), and
    ours with 1 and 2 decoding processes
 3. `fovea bench serve` random-mm (128 text tokens + one 1280x720 image, 64 tokens out, a request a second) against
-   a server of each commit: mean and P99 inter-token latency while images keep arriving, and the client's CPU
+   a server of each commit, with default flags and with --max-num-batched-tokens 512: mean and P99 inter-token
+   latency while images keep arriving, and the client's CPU
 
     python benchmarks/images_cpu.py [--baseline 7f036f0] [--prompts 24] [--rate 1]
 Raw figures go to benchmarks/results/images_cpu_<commit>.json.
@@ -79,7 +80,8 @@ def probe(tree: Path, model_dir: str, variant: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def serve_bench(tree: Path, model_dir: str, prompts: int, rate: float, out_dir: Path, label: str) -> dict:
+def serve_bench(tree: Path, model_dir: str, prompts: int, rate: float, out_dir: Path, label: str,
+                flags: list[str]) -> dict:
     """Starts `fovea serve` from `tree`, runs this tree's `fovea bench serve` random-mm against it."""
     import httpx
 
@@ -87,7 +89,7 @@ def serve_bench(tree: Path, model_dir: str, prompts: int, rate: float, out_dir: 
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", model_dir, "--port", str(port),
                                "--dtype", "float32", "--max-model-len", "4096", "--uvicorn-log-level", "warning",
-                               "--disable-log-requests"], env=env, cwd=tree, stdout=subprocess.DEVNULL,
+                               "--disable-log-requests", *flags], env=env, cwd=tree, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
@@ -134,8 +136,12 @@ def main() -> None:
                 f"{commit} threads (--mm-processor-workers 0)": probe(ROOT, model_dir, "threads"),
                 f"{commit} 1 worker": probe(ROOT, model_dir, "workers1"),
                 f"{commit} 2 workers": probe(ROOT, model_dir, "workers2")}
-    serving = {label: serve_bench(tree, model_dir, args.prompts, args.rate, work, label)
-               for label, tree in ((args.baseline, baseline), (commit, ROOT))}
+    # the server's default token budget (2048: a new prompt's 1,324 tokens prefill in one step) and a smaller one
+    # (prefill in chunks of 512), which bounds how long any step runs next to the decodes
+    serving = {f"{label} {' '.join(flags) or 'default flags'}": serve_bench(
+        tree, model_dir, args.prompts, args.rate, work, f"{label}{len(flags)}", flags)
+        for flags in ([], ["--max-num-batched-tokens", "512"])
+        for label, tree in ((args.baseline, baseline), (commit, ROOT))}
     keys = ("duration", "mean_ttft_ms", "mean_itl_ms", "p99_itl_ms", "mean_tpot_ms", "client_cpu_s")
     record = {"benchmark": "images_cpu", "commit": commit, "baseline": args.baseline, "prompts": args.prompts,
               "rate": args.rate, "transfer": transfer,

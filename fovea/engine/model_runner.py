@@ -51,7 +51,7 @@ class StepOutput:
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
     if config.resolved_attention_backend == "torch":
-        return TorchAttention(config.fp32_softmax)
+        return TorchAttention(config.fp32_softmax, config.device)
     from fovea.kernels.paged_attention import TritonAttention
 
     text = config.model.text

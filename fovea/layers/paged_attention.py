@@ -8,7 +8,9 @@ context: the cached prefix, earlier chunks and the causal part of its own chunk.
 
 `TorchAttention` gathers each sequence's context from the cache and runs SDPA: the decode rows together, with a
 mask over padded keys only; each prefill chunk on its own, causal (lower-right when a cached prefix precedes the
-chunk), so no (queries x keys) mask is built for a batch. Slow, but simple enough to be the ground truth the GPU
+chunk: PyTorch's bias on a GPU, which its memory-efficient kernels take without a mask; on the CPU, whose SDPA
+builds the scores anyway, that one sequence's chunk x context mask), so no (queries x keys) mask is built for a
+batch. Slow, but simple enough to be the ground truth the GPU
 kernels are tested against.
 """
 
@@ -53,8 +55,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 class TorchAttention(AttentionBackend):
-    def __init__(self, fp32_softmax: bool = False):
+    def __init__(self, fp32_softmax: bool = False, device: torch.device | str = "cpu"):
         self.fp32_softmax = fp32_softmax  # scores and softmax in fp32 for bf16/fp16 models
+        self.lower_right = None
+        if torch.device(device).type == "cuda":  # memory-efficient kernels take this bias without a mask
+            from torch.nn.attention.bias import causal_lower_right  # imported here: it takes seconds
+
+            self.lower_right = causal_lower_right
+
+    def causal_over_prefix(self, queries: int, context: int, device) -> object:
+        """Query i (of the last `queries` of `context` positions) sees keys up to context - queries + i."""
+        if self.lower_right is not None:
+            return self.lower_right(queries, context)
+        return torch.ones(queries, context, dtype=torch.bool, device=device).tril(context - queries)
 
     def prepare(self, meta: PagedAttentionMetadata) -> None:
         device = meta.slot_mapping.device
@@ -81,8 +94,6 @@ class TorchAttention(AttentionBackend):
                                 for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        from torch.nn.attention.bias import causal_lower_right
-
         write_kv(k, v, kv_cache, meta.slot_mapping)
         _, num_blocks, block_size, heads, dim = kv_cache.shape
         flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
@@ -102,7 +113,7 @@ class TorchAttention(AttentionBackend):
             out[rows] = attend(q[rows][:, None], slots, valid)[:, 0]
         for start, length, slots in meta.plan["prefill"]:
             context = slots.numel()
-            mask = None if context == length else causal_lower_right(length, context)
+            mask = None if context == length else self.causal_over_prefix(length, context, q.device)
             out[start:start + length] = attend(q[start:start + length][None], slots[None], mask,
                                                causal=context == length)[0]
         return out
