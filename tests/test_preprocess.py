@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 
 import numpy as np
 import pytest
@@ -137,3 +138,18 @@ def test_float32_rescale_equals_the_float64_reference_route():
     values = np.arange(256)
     reference_route = (values.astype(np.float64) * (1 / 255)).astype(np.float32)
     assert np.array_equal(values.astype(np.float32) / np.float32(255), reference_route)
+
+
+def test_large_jpegs_decode_at_reduced_scale_others_exactly():
+    """A JPEG at least twice its target size on both sides is decoded at a reduced scale (Image.draft), which
+    changes pixels by about half a grey level on average; below that it equals transformers bit for bit."""
+    from fovea.multimodal.image import ImageProcessorConfig
+
+    big = jpeg_bytes(random_image(3000, 2000, seed=4))
+    for max_pixels, exact in ((1_000_000, True), (200_000, False)):  # 3000 / 1204 < 2; 3000 / 532 > 2
+        ours = image_patches([ImageProcessor(ImageProcessorConfig(max_pixels=max_pixels))(big)], frames=2).numpy()
+        ref = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=max_pixels)(
+            images=[Image.open(io.BytesIO(big))], return_tensors="np")["pixel_values"]
+        difference = np.abs(ours - ref)
+        assert (difference.max() == 0) == exact
+        assert difference.mean() < 0.02 and difference.max() < 0.2  # normalized units: 0.02 is ~1.4 grey levels
