@@ -25,14 +25,19 @@ def _tiny(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from fovea.engine.memory_plan import format_plan, plan_memory
+    from fovea.engine.memory_plan import format_plan, plan_memory, smallest_fitting_size
     from fovea.models.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    plan = plan_memory(model_dir, args.gpu_memory, args.dtype, args.max_model_len, args.max_num_batched_tokens,
-                       args.max_num_seqs, args.gpu_memory_utilization, args.tensor_parallel_size, args.max_pixels)
+    options = dict(dtype=args.dtype, max_model_len=args.max_model_len,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                   gpu_memory_utilization=args.gpu_memory_utilization, max_pixels=args.max_pixels)
+    plan = plan_memory(model_dir, args.gpu_memory, tensor_parallel_size=args.tensor_parallel_size, **options)
     print(format_plan(plan, f"{model_dir}: {args.dtype}, {args.gpu_memory:g} GiB x {args.gpu_memory_utilization:g}"
-                            f" per GPU, tensor_parallel_size {args.tensor_parallel_size}"))
+                            f" per GPU, tensor_parallel_size {args.tensor_parallel_size} (figures per GPU)"))
+    smallest = smallest_fitting_size(model_dir, args.gpu_memory, **options)
+    print(f"smallest tensor_parallel_size that fits: {smallest}" if smallest else
+          "no tensor_parallel_size up to 32 fits these limits")
 
 
 def build_parser() -> argparse.ArgumentParser:

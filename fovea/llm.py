@@ -17,9 +17,22 @@ class LLM:
         (dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization,
         enable_prefix_caching, mm_processor_kwargs, limit_mm_per_prompt, encoder_cache_size, seed, ...)."""
         config = EngineConfig.from_args(model, **engine_args)
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is for `fovea serve` (one engine process per replica); offline, "
+                             "run one LLM per replica (as `fovea eval --ray --num-replicas N` does)")
         self.engine = LLMEngine(config)
         self.default_params = default_sampling_params(config.model_dir)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the engine's threads and tensor-parallel workers (which also stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -96,7 +96,7 @@ def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
 
     def serve():
         try:
-            _serve(engine, command_reader, result_writer)
+            _serve(engine, command_reader, result_writer.send)
         except RuntimeError as error:
             stopped.append(error)
 

@@ -105,3 +105,26 @@ def test_eval_command_errors_name_the_problem(tiny_dirs, task_file):
                           (["--model", "m", "--task", str(task_file), "--runs", "0"], "runs and samples_per_class")):
         with pytest.raises(SystemExit, match=message):
             main(["eval", *argv])
+
+
+def test_tensor_parallel_registry_entry_in_process_and_on_ray(tiny_dirs, task_file, tmp_path, capsys, monkeypatch):
+    """A registry entry with tensor_parallel_size 2 (as the 32B and 72B ones have) runs in process and as a Ray
+    replica whose ranks start inside it, with the single-rank predictions."""
+    from fovea.eval import registry
+
+    monkeypatch.setattr(registry, "MODELS", dict(registry.MODELS))
+    (tmp_path / "models.yaml").write_text(f"models:\n  tiny-tp2:\n    path: {tiny_dirs['tiny-3b']}\n"
+                                          "    tensor_parallel_size: 2\n")
+    common = ["eval", "--task", str(task_file), "--max-tokens", "6", *ENGINE, "--limit", "4"]
+    main([*common, "--model", str(tiny_dirs["tiny-3b"]), "--output-dir", str(tmp_path / "tp1")])
+    main([*common, "--registry", str(tmp_path / "models.yaml"), "--model", "tiny-tp2",
+          "--output-dir", str(tmp_path / "tp2")])
+    main([*common, "--registry", str(tmp_path / "models.yaml"), "--model", "tiny-tp2", "--ray",
+          "--output-dir", str(tmp_path / "ray-tp2")])
+    capsys.readouterr()
+    expected, _ = read_outputs(tmp_path / "tp1")
+    for run in ("tp2", "ray-tp2"):
+        predictions, results = read_outputs(tmp_path / run)
+        assert [{k: p.get(k) for k in SAME_FIELDS} for p in predictions] == \
+               [{k: p.get(k) for k in SAME_FIELDS} for p in expected], run
+    assert "ray: 1 replicas x" in results["backend"]

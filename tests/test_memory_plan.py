@@ -52,8 +52,11 @@ def test_plan_command_prints_the_capacity_table(tiny_dirs, tmp_path, capsys):
     kv_line = next(line for line in out.splitlines() if line.startswith("KV cache:"))
     tokens = int(kv_line.split()[2])
     assert 900_000 < tokens < 1_150_000  # (72 GiB - 15.4 GiB weights - activations) / 56 KiB
+    assert "smallest tensor_parallel_size that fits: 1" in out
     main(["plan", str(model_dir), "--gpu-memory", "16", "--max-model-len", "32768"])
-    assert "does not fit: lower max_model_len" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "does not fit: lower max_model_len" in out
+    assert "smallest tensor_parallel_size that fits: 2" in out  # half the weights and KV heads per GPU
 
 
 def test_startup_profile_step_and_kv_budget(tiny_dirs):

@@ -11,6 +11,10 @@ that fails raises RequestFailed in the streams of the requests it ran; if the en
 in flight gets EngineDeadError and a new process is started (at most `max_restarts` in `RESTART_WINDOW_S`; after
 that `on_fatal` is called so that the server can exit instead of answering 503 forever). Callers see short
 messages; tracebacks go to the log.
+
+With data_parallel_size N there are N engine processes (replicas, each tensor_parallel_size GPUs): a request
+goes to the one with the fewest requests in flight, the stats are summed, and one replica dying stops the server
+(the others keep no state a restart could not lose, but a half-dead server is worse than a clear exit).
 """
 
 from __future__ import annotations
@@ -18,22 +22,32 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
 import time
 from typing import AsyncIterator, Callable
 
+import torch
+
 from fovea.engine.config import EngineConfig
 from fovea.engine.engine_process import EngineProcess
 from fovea.engine.input_processor import InputProcessor
 from fovea.engine.request import Request, RequestOutput
 from fovea.engine.sampling_params import SamplingParams, default_sampling_params
-from fovea.engine.stats import EngineStats
+from fovea.engine.stats import EngineStats, combine
 from fovea.multimodal.image_workers import ImageWorkers, default_workers
 
 logger = logging.getLogger("fovea")
 RESTART_WINDOW_S = 600.0
+
+
+def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
+    """Replica i of a data-parallel server takes GPUs i*tp .. (i+1)*tp-1."""
+    if config.device.type != "cuda" or config.data_parallel_size == 1:
+        return config
+    return dataclasses.replace(config, device=torch.device("cuda", replica * config.tensor_parallel_size))
 
 
 class EngineDeadError(RuntimeError):
@@ -60,11 +74,20 @@ class AsyncLLM:
         threads = prepare_threads or min(32, (os.cpu_count() or 1) + 4)
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(threads, "fovea-prepare")
         self._stopped = False
+        self._replica_stats = [EngineStats() for _ in range(config.data_parallel_size)]
+        self._in_flight = [0] * config.data_parallel_size  # requests per replica
         # everything the engine's messages touch exists before it starts: they may come at once
-        self._engine = EngineProcess(config, self._on_message, self._on_exit, startup_timeout)
+        self._engines: list[EngineProcess] = []
+        try:
+            for replica in range(config.data_parallel_size):
+                self._engines.append(self._start(replica))
+        except BaseException:
+            for engine in self._engines:
+                engine.stop()
+            raise
         # runs before multiprocessing's own exit handler ends the engine process, which would look like a death
         atexit.register(self.shutdown)
-        self.config = self._engine.config
+        self.config = self._engines[0].config
         workers = default_workers() if config.mm_processor_workers is None else config.mm_processor_workers
         self.image_workers = ImageWorkers(workers) if workers else None  # else: decoded in the preparation pool
         self.inputs = InputProcessor(self.config, self.image_workers)
@@ -75,9 +98,17 @@ class AsyncLLM:
     def from_args(cls, model: str | None = None, on_stats=None, max_restarts: int = 3, **engine_args) -> "AsyncLLM":
         return cls(EngineConfig.from_args(model, **engine_args), on_stats, max_restarts=max_restarts)
 
+    def _start(self, replica: int) -> EngineProcess:
+        return EngineProcess(replica_config(self._start_config, replica), lambda m: self._on_message(m, replica),
+                             self._on_exit, self._startup_timeout)
+
     @property
     def process(self):
-        return self._engine.process
+        return self._engines[0].process
+
+    @property
+    def processes(self) -> list:
+        return [engine.process for engine in self._engines]
 
     async def run_in_pool(self, fn, *args):
         """Runs front-end preparation work (templating, tokenizing, decoding images) in the bounded pool."""
@@ -124,12 +155,14 @@ class AsyncLLM:
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
-        engine = self._engine
+        replica = min(range(len(self._engines)), key=self._in_flight.__getitem__)
+        self._in_flight[replica] += 1
+        engine = self._engines[replica]
         try:
             # in this order: a death noticed before the registration makes the check fail, one after it reaches
             # this stream; and the request goes to the engine that is current after the check
             self._check_alive()
-            engine = self._engine
+            engine = self._engines[replica]
             if request.release_unsent is not None:  # its shared pixels are the engine's to free now
                 request.release_unsent.detach()
                 request.release_unsent = None
@@ -141,12 +174,14 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
+            self._in_flight[replica] -= 1
             self._streams.pop(request_id, None)
             if not finished:
                 engine.send(("abort", [request_id]))  # harmless if the engine never had it
 
     def abort(self, request_id: str) -> None:
-        self._engine.send(("abort", [request_id]))
+        for engine in self._engines:
+            engine.send(("abort", [request_id]))
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -157,17 +192,20 @@ class AsyncLLM:
         if self._stopped:
             return
         self._stopped = True
-        self._engine.stop()
+        for engine in self._engines:
+            engine.stop()
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         if self.image_workers is not None:
             self.image_workers.close()
 
     # ------------------------------------------------------------------- messages from the engine process
 
-    def _on_message(self, message: tuple) -> None:
+    def _on_message(self, message: tuple, replica: int = 0) -> None:
         kind = message[0]
         if kind == "outputs":
-            _, outputs, self.stats = message
+            _, outputs, stats = message
+            self._replica_stats[replica] = stats
+            self.stats = combine(self._replica_stats, stats.events) if len(self._replica_stats) > 1 else stats
             for output in outputs:
                 self._deliver(output.request_id, output)
             if self.on_stats is not None:
@@ -182,34 +220,38 @@ class AsyncLLM:
                 self._deliver(request_id, RequestFailed(f"the engine failed while running this request "
                                                         f"({message[2]}); see the server log"))
 
-    def _on_exit(self, engine: EngineProcess, reason: str) -> None:
-        """Runs in the dead engine's receive thread: fails the streams in flight, then starts a new engine."""
-        if engine is not self._engine or self._stopped:
+    def _on_exit(self, engine: EngineProcess, reason: str, fatal: bool = False) -> None:
+        """Runs in the dead engine's receive thread: fails the streams in flight, then starts a new engine
+        (not after a fatal stop)."""
+        if engine not in self._engines or self._stopped:
             return
+        replica = self._engines.index(engine)
         logger.error("the engine process stopped: %s", reason)
         self.error = "the engine stopped unexpectedly and is restarting; retry shortly"
         self._fail_all(EngineDeadError("the engine stopped unexpectedly; this request was not completed"))
-        self._on_message(("outputs", [], EngineStats()))  # nothing runs now: the gauges say so
+        self._on_message(("outputs", [], EngineStats()), replica)  # nothing runs now: the gauges say so
+        if fatal or len(self._engines) > 1:
+            return self._give_up(reason if fatal else f"data-parallel replica {replica} stopped")
         now = time.monotonic()
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
         if len(self.restarts) >= self.max_restarts:
             return self._give_up(f"the engine stopped {len(self.restarts) + 1} times in {RESTART_WINDOW_S:.0f} s")
         self.restarts.append(now)
         try:
-            engine = EngineProcess(self._start_config, self._on_message, self._on_exit, self._startup_timeout)
+            engine = self._start(0)
         except Exception:  # noqa: BLE001 - logged; the server is told to exit
             logger.exception("the engine could not be restarted")
             return self._give_up("the engine could not be restarted")
         if self._stopped:  # shut down while the new engine was starting
             return engine.stop()
-        self._engine = engine
+        self._engines[0] = engine
         self.error = None
         logger.warning("engine restarted (%d of at most %d in %.0f s)", len(self.restarts), self.max_restarts,
                        RESTART_WINDOW_S)
 
     def _give_up(self, why: str) -> None:
         logger.error("%s; giving up", why)
-        self.error = "the engine is not running; the server is shutting down"
+        self.error = f"the engine is not running ({why}); the server is shutting down"
         if self.on_fatal is not None:
             self.on_fatal()
 

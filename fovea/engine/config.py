@@ -14,7 +14,7 @@ from fovea.config import ModelConfig, resolve_dtype
 IGNORED_VLLM_ARGS = {"tokenizer", "tokenizer_mode", "trust_remote_code", "revision", "tokenizer_revision",
                      "download_dir", "disable_log_stats", "enable_chunked_prefill", "swap_space", "cpu_offload_gb",
                      "disable_custom_all_reduce", "disable_mm_preprocessor_cache", "max_seq_len_to_capture",
-                     "load_format", "quantization", "compilation_config", "worker_cls", "distributed_executor_backend"}
+                     "load_format", "quantization", "compilation_config", "worker_cls"}
 
 
 # Images a prompt may hold unless limit_mm_per_prompt says otherwise: each may need a full-size decode (up to
@@ -49,6 +49,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # overrides the gpu_memory_utilization sizing
     num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas behind one server (each tensor_parallel_size GPUs)
+    mm_encoder_tp_mode: str = "weights"  # weights: the vision tower split like the LM; data: whole on every rank
+    # mp: worker processes on this machine; ray: actors on a Ray cluster; None: mp when tensor_parallel_size > 1.
+    # Named with one rank, the engine still takes the distributed path (a group of one: its cost can be measured).
+    distributed_executor_backend: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend is not None
 
     @property
     def resolved_attention_backend(self) -> str:
@@ -63,7 +73,7 @@ class EngineConfig:
         return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     @classmethod
-    def from_args(cls, model: str | Path | None = None, tensor_parallel_size: int = 1, **args) -> "EngineConfig":
+    def from_args(cls, model: str | Path | None = None, **args) -> "EngineConfig":
         """From vLLM-style engine arguments (what `LLM(...)` and `fovea serve` take)."""
         from fovea.models.loader import resolve_model_dir
 
@@ -71,8 +81,6 @@ class EngineConfig:
         unknown = set(args) - known - IGNORED_VLLM_ARGS
         if unknown:
             raise TypeError(f"unexpected engine arguments {sorted(unknown)}")
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
         args = {k: v for k, v in args.items() if k in known and v is not None}
         args["limit_mm_per_prompt"] = {"image": DEFAULT_IMAGES_PER_PROMPT, **(args.get("limit_mm_per_prompt") or {})}
         return cls.build(resolve_model_dir(model), **args)
@@ -105,8 +113,39 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_budget"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
+        check_tensor_parallel(config)
         if not config.encoder_cache_size:
             image = ImageProcessorConfig.from_dir(model_dir).with_overrides(config.mm_processor_kwargs)
             max_image_tokens = image.max_pixels // (image.patch_size * image.merge_size) ** 2
             config.encoder_cache_size = max_image_tokens + config.encoder_budget
         return config
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Fails at start-up, with the numbers, when the model cannot be split over tensor_parallel_size ranks."""
+    size, text, vision = config.tensor_parallel_size, config.model.text, config.model.vision
+    if size < 1 or config.data_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
+                         f"{config.data_parallel_size}")
+    if config.mm_encoder_tp_mode not in ("weights", "data"):
+        raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {config.mm_encoder_tp_mode!r}")
+    if config.distributed_executor_backend not in (None, "mp", "ray"):
+        raise ValueError(f"distributed_executor_backend must be mp or ray, got {config.distributed_executor_backend!r}")
+    split = [("attention heads", text.num_heads), ("MLP width", text.intermediate_size)]
+    if config.mm_encoder_tp_mode == "weights":
+        split += [("vision attention heads", vision.num_heads), ("vision MLP width", vision.intermediate_size)]
+    for what, count in split:
+        if count % size:
+            hint = " (or --mm-encoder-tp-mode data: the vision tower whole on every rank)" if "vision" in what else ""
+            raise ValueError(f"the model's {what} ({count}) do not divide over tensor_parallel_size {size}; "
+                             f"choose a size that divides it{hint}")
+    kv = text.num_kv_heads
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        raise ValueError(f"the model's {kv} KV heads cannot be split or replicated over tensor_parallel_size "
+                         f"{size}: one must divide the other")
+    gpus = size * config.data_parallel_size
+    if gpus > 1 and config.device.type == "cuda" and gpus > torch.cuda.device_count() \
+            and config.distributed_executor_backend != "ray":
+        raise ValueError(f"tensor_parallel_size {size} x data_parallel_size {config.data_parallel_size} needs "
+                         f"{gpus} GPUs, this machine has {torch.cuda.device_count()}; use "
+                         "--distributed-executor-backend ray for several nodes")

@@ -11,6 +11,7 @@ import functools
 import itertools
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -25,6 +26,7 @@ from fovea.engine.request import (CompletionOutput, Logprob, Request, RequestOut
 from fovea.engine.sampling_params import RequestOutputKind
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
 from fovea.engine.stats import EngineStats, LatencyEvents
+from fovea.engine.tp_workers import WorkerDied, start_workers
 from fovea.multimodal.image_workers import SharedPixels
 
 logger = logging.getLogger("fovea")
@@ -40,9 +42,19 @@ class StepFailed(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+                 on_worker_failure: Callable[[str], None] | None = None):
         self.config = config
-        self.runner = runner or ModelRunner(config)
+        self.workers = None  # tensor-parallel ranks 1..N-1
+        if runner is None and config.distributed:
+            self.workers = start_workers(config, on_worker_failure)
+        try:
+            self.runner = runner or ModelRunner(config, self.workers.parallel if self.workers else None)
+        except BaseException as error:
+            self.close()
+            if self.workers is not None and self.workers.died():
+                raise WorkerDied(self.workers.failure) from error
+            raise
         self._check_kv_capacity(self.runner.num_blocks * config.block_size)
         self.inputs = InputProcessor(config)
         self.tokenizer = self.inputs.tokenizer
@@ -51,6 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.blocks, self.encoder_cache)
         self.image_encoder = ImageEncoder(self.runner.encode_images, config.device)
         self.requests: dict[str, Request] = {}
+        self.num_requests_added = 0
         self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
@@ -94,6 +107,7 @@ class LLMEngine:
         request.generators = [None if request.params.seed is None else torch.Generator(
             device=self.config.device).manual_seed(request.params.seed + i) for i in range(request.params.n)]
         self.requests[request.request_id] = request
+        self.num_requests_added += 1
         self.scheduler.add(self._new_sequence(request, 0))
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
@@ -119,12 +133,21 @@ class LLMEngine:
             self._record_finish(request)
             self.finished_outputs.append(self._output(request, final=True))
 
+    def close(self) -> None:
+        """Stops the image encoder's thread and the tensor-parallel workers."""
+        if hasattr(self, "image_encoder"):
+            self.image_encoder.close()
+        if self.workers is not None:
+            self.workers.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.finished_outputs)
 
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
+        if self.workers is not None:
+            self.workers.check()
         failed = self._collect_images()
         if failed is not None:
             raise failed
@@ -155,6 +178,9 @@ class LLMEngine:
             touched = self._record_samples(batch, result)
         except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
             self.finished_outputs = outputs
+            if self.workers is not None and self.workers.died():
+                self.close()
+                raise WorkerDied(self.workers.failure) from error
             raise self._fail(self._requests_in(batch), error) from error
         for request in touched:
             kind = request.params.output_kind
@@ -272,7 +298,7 @@ class LLMEngine:
                            self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks,
                            scheduler.prefix_cache_queries, scheduler.prefix_cache_hits,
                            encoder.hits + encoder.encoded, encoder.hits, scheduler.num_preemptions,
-                           encoder.num_references(), events)
+                           encoder.num_references(), events, self.num_requests_added)
 
     def _append_token(self, seq: Sequence, token: int, entry: dict | None, logprob: float) -> None:
         params = seq.params

@@ -2,7 +2,8 @@
 
 Sending a request with large pixel arrays can block until the engine reads it between steps, so a thread sends,
 not the event loop; another thread receives and hands every message to `on_message`. When the process stops
-without being asked to (it died, or gave up after failing steps), `on_exit` hears why, once.
+without being asked to (it died, or gave up after failing steps), `on_exit` hears why, once, and whether it was
+fatal (a tensor-parallel worker stopped: restarting would not help).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ logger = logging.getLogger("fovea")
 
 class EngineProcess:
     def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None],
-                 on_exit: Callable[["EngineProcess", str], None], startup_timeout: float = 600.0):
+                 on_exit: Callable[["EngineProcess", str, bool], None], startup_timeout: float = 600.0):
         import torch
 
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of threads or CUDA state
@@ -77,11 +78,15 @@ class EngineProcess:
                 return
 
     def _receive_loop(self) -> None:
+        fatal = False
         try:
             while True:
                 message = self._results.recv()
                 if message[0] == "dead":
                     reason = f"it gave up after failing steps:\n{message[1]}"
+                    break
+                if message[0] == "fatal":
+                    reason, fatal = message[1], True
                     break
                 try:
                     self._on_message(message)
@@ -96,4 +101,4 @@ class EngineProcess:
             self.process.join(timeout=10)
             if self.process.is_alive():
                 self.process.kill()
-            self._on_exit(self, reason)
+            self._on_exit(self, reason, fatal)

@@ -51,7 +51,9 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
     text, vision = config.text, config.vision
     size = resolve_dtype(dtype).itemsize
     weights = count_parameters(config) * size // tensor_parallel_size
-    kv_per_token = text.num_layers * text.num_kv_heads * text.head_dim * 2 * size // tensor_parallel_size
+    # KV heads split over the ranks, or replicated (one per rank) when there are fewer heads than ranks
+    kv_heads = max(1, text.num_kv_heads // tensor_parallel_size)
+    kv_per_token = text.num_layers * kv_heads * text.head_dim * 2 * size
     lm = max_num_batched_tokens * (3 * text.intermediate_size + 4 * text.hidden_size) * size // tensor_parallel_size
     lm += max_num_seqs * text.vocab_size * 4 * 2
     processor = ImageProcessorConfig.from_dir(model_dir).with_overrides({"max_pixels": max_pixels}
@@ -69,6 +71,18 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
     budget = gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak
     max_model_len = max_model_len or text.max_position_embeddings
     return MemoryPlan(weights, kv_per_token, lm, images, max(0, int(budget // kv_per_token)), max_model_len)
+
+
+def smallest_fitting_size(model_dir, gpu_memory_gib: float, **options) -> int | None:
+    """The smallest tensor_parallel_size (a power of two whose head counts divide) whose per-GPU plan fits."""
+    text = ModelConfig.from_dir(model_dir).text
+    for size in (1, 2, 4, 8, 16, 32):
+        if text.num_heads % size or (text.num_kv_heads % size and size % text.num_kv_heads):
+            continue
+        plan = plan_memory(model_dir, gpu_memory_gib, tensor_parallel_size=size, **options)
+        if plan.kv_tokens >= plan.max_model_len:
+            return size
+    return None
 
 
 def largest_side(max_pixels: int, factor: int) -> int:

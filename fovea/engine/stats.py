@@ -34,7 +34,21 @@ class EngineStats:
     num_preemptions: int = 0
     encoder_cache_references: int = 0  # image embeddings held for running sequences (0 when idle)
     events: LatencyEvents = field(default_factory=LatencyEvents)
+    num_requests_added: int = 0  # since start
+    replicas: list["EngineStats"] = field(default_factory=list)  # data-parallel servers: each replica's own
 
     @property
     def kv_usage(self) -> float:
         return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+
+def combine(replicas: list[EngineStats], events: LatencyEvents) -> EngineStats:
+    """Data-parallel replicas' latest gauges and totals summed, with the latency events of one new report."""
+    total = EngineStats(events=events)
+    for stats in replicas:
+        for name in ("num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "prefix_cache_queries",
+                     "prefix_cache_hits", "encoder_cache_queries", "encoder_cache_hits", "num_preemptions",
+                     "encoder_cache_references", "num_requests_added"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+    total.replicas = list(replicas)
+    return total

@@ -41,6 +41,9 @@ class InProcessBackend:
         self.description = "in-process"
         self.llm = LLM(entry.path, **{**entry.llm_kwargs(), **engine_overrides})
 
+    def close(self) -> None:
+        self.llm.close()
+
     def complete(self, conversations: list[list[dict]], params: dict, desc: str | None = None) -> list[Completion]:
         """`params`: SamplingParams fields. `desc`: the progress bar's label (None: no bar)."""
         from fovea import SamplingParams

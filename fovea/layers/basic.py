@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fovea.layers.linear import TP_RANK, TP_SIZE, divide
+from fovea.distributed import current_tp
 
 
 class RMSNorm(nn.Module):
@@ -32,30 +32,41 @@ class SiluAndMul(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding whose rows are split across tensor-parallel ranks."""
+    """Token embedding whose rows are split across tensor-parallel ranks: each rank embeds the ids in its range
+    (zeros elsewhere) and the ranks sum. The last rank's rows are padded when the vocabulary does not divide."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
+        self.tp = current_tp()
         self.vocab_size = vocab_size
-        self.rows = divide(vocab_size, TP_SIZE)
-        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+        self.rows = -(-vocab_size // self.tp.size)
+        self.start = self.tp.rank * self.rows
+        self.valid = max(0, min(self.rows, vocab_size - self.start))  # rows of this rank that are real tokens
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if TP_SIZE > 1:
-            loaded = loaded.narrow(0, TP_RANK * self.rows, self.rows)
-        if param.shape != loaded.shape:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)}, model expects {tuple(param.shape)}")
-        param.data.copy_(loaded)
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)}, model expects "
+                             f"{(self.vocab_size, param.shape[1])}")
+        param.data[:self.valid].copy_(loaded.narrow(0, self.start, self.valid))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if not self.tp.communicates:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.valid)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary; shares its weight with the embedding when the checkpoint ties them."""
+    """Output projection to the vocabulary (each rank scores its rows, the pieces are gathered); shares its
+    weight with the embedding when the checkpoint ties them."""
 
     def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp.communicates:
+            return self.tp.all_gather(F.linear(hidden_states, self.weight))[:, :self.vocab_size]
         if out is None:
             return F.linear(hidden_states, self.weight)
         return torch.mm(hidden_states, self.weight.t(), out=out)

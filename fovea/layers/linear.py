@@ -1,9 +1,9 @@
-"""Linear layers shaped for tensor parallelism.
+"""Linear layers for tensor parallelism.
 
-Each class knows which slice of a full checkpoint tensor its rank owns. Only world size 1 exists today, so every
-rank owns everything, but the weight loaders already go through the shard arithmetic: adding TP later means
-setting `tp_rank`/`tp_size` and an all-reduce after row-parallel layers, not rewriting the models.
-Fused projections (q|k|v and gate|up) are loaded piece by piece from the separate tensors of the checkpoint.
+Each layer takes its tensor-parallel group when it is built (`fovea.distributed.tensor_parallel`) and knows which
+slice of a full checkpoint tensor its rank owns. Column-parallel layers split their outputs (no communication);
+row-parallel ones split their inputs and all-reduce their outputs. Fused projections (q|k|v and gate|up) are
+loaded piece by piece from the separate tensors of the checkpoint. With one rank all of this is a plain linear.
 """
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TP_RANK, TP_SIZE = 0, 1
+from fovea.distributed import current_tp
 
 
-def divide(n: int, d: int) -> int:
+def divide(n: int, d: int, what: str = "") -> int:
     if n % d:
-        raise ValueError(f"{n} is not divisible by tensor-parallel size {d}")
+        raise ValueError(f"{what or n} ({n}) is not divisible by the tensor-parallel size {d}")
     return n // d
 
 
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.tp = current_tp()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -46,31 +47,33 @@ class LinearBase(nn.Module):
         self._copy(param, loaded)
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole layer (small layers such as the vision merger)."""
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication after it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, divide(out_features, TP_SIZE), bias)
+        super().__init__(in_features, divide(out_features, current_tp().size, "output features"), bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         size = param.shape[0]
-        self._copy(param, loaded.narrow(0, TP_RANK * size, size) if TP_SIZE > 1 else loaded)
+        self._copy(param, loaded.narrow(0, self.tp.rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; needs an all-reduce of the output when TP_SIZE > 1."""
+    """Input features split across ranks; the partial outputs are summed over the ranks, then the bias added."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(divide(in_features, TP_SIZE), out_features, bias)
+        super().__init__(divide(in_features, current_tp().size, "input features"), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.communicates:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if param.ndim == 2 and TP_SIZE > 1:
+        if param.ndim == 2:
             size = param.shape[1]
-            loaded = loaded.narrow(1, TP_RANK * size, size)
+            loaded = loaded.narrow(1, self.tp.rank * size, size)
         self._copy(param, loaded)
 
 
@@ -82,30 +85,39 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        local = [s // TP_SIZE for s in self.output_sizes]
+        local = [s // self.tp.size for s in self.output_sizes]
         offset = sum(local[:shard_id])
-        piece = loaded.narrow(0, TP_RANK * local[shard_id], local[shard_id]) if TP_SIZE > 1 else loaded
+        piece = loaded.narrow(0, self.tp.rank * local[shard_id], local[shard_id])
         self._copy(param.narrow(0, offset, local[shard_id]), piece)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused; shard_id is "q", "k" or "v". KV heads are split across ranks like q heads."""
+    """q, k and v projections fused; shard_id is "q", "k" or "v". Query heads are split across ranks; KV heads
+    too, or, when there are fewer KV heads than ranks, each rank holds the one its query heads read (vLLM does
+    the same)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = True):
+        tp = current_tp()
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, TP_SIZE)
-        self.num_kv_heads = divide(num_kv_heads, TP_SIZE)
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        self.num_heads = divide(num_heads, tp.size, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads, self.kv_rank = divide(num_kv_heads, tp.size, "KV heads"), tp.rank
+        else:
+            replicas = divide(tp.size, num_kv_heads, "the tensor-parallel size over the KV heads")
+            self.num_kv_heads, self.kv_rank = 1, tp.rank // replicas
+        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, local * tp.size, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id is None:  # the checkpoint stores q|k|v already fused (the vision tower does)
-            full_q, full_kv = q_size * TP_SIZE, kv_size * TP_SIZE
-            if loaded.shape[0] != full_q + 2 * full_kv:
-                raise ValueError(f"fused qkv has {loaded.shape[0]} rows, model expects {full_q + 2 * full_kv}")
+            full_q = q_size * self.tp.size
+            full_kv = (loaded.shape[0] - full_q) // 2
+            if full_kv < 1 or loaded.shape[0] != full_q + 2 * full_kv:
+                raise ValueError(f"fused qkv has {loaded.shape[0]} rows, model expects q {full_q} + 2 x kv")
             for sid, piece in zip("qkv", loaded.split([full_q, full_kv, full_kv])):
                 self.weight_loader(param, piece, sid)
             return
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        piece = loaded.narrow(0, TP_RANK * size, size) if TP_SIZE > 1 else loaded
-        self._copy(param.narrow(0, offset, size), piece)
+        rank = self.tp.rank if shard_id == "q" else self.kv_rank
+        self._copy(param.narrow(0, offset, size), loaded.narrow(0, rank * size, size))

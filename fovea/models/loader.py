@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from fovea.config import ModelConfig, resolve_dtype
+from fovea.distributed import SINGLE, TPGroup, tensor_parallel
 from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from fovea.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
@@ -113,9 +114,10 @@ def load_weights(model: Qwen2_5_VLForConditionalGeneration, model_dir: Path) -> 
         raise CheckpointMismatchError(f"checkpoint {model_dir} does not fit its config: " + "; ".join(parts))
 
 
-def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> tuple[Qwen2_5_VLForConditionalGeneration, Path]:
-    """Builds the model its config.json names and loads the weights; returns (model, model_dir)."""
+def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               lm_tp: TPGroup = SINGLE, vision_tp: TPGroup = SINGLE) -> tuple[Qwen2_5_VLForConditionalGeneration, Path]:
+    """Builds the model its config.json names, split over the tensor-parallel groups (this rank's slices), and
+    loads the weights; returns (model, model_dir)."""
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_dir(model_dir)
     cls = ARCHITECTURES.get(config.architecture)
@@ -125,8 +127,8 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
     try:
-        with torch.device(device):
-            net = cls(config)
+        with torch.device(device), tensor_parallel(lm_tp):
+            net = cls(config, vision_tp)
     finally:
         torch.set_default_dtype(previous)
     load_weights(net, model_dir)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fovea.config import ModelConfig, TextConfig, VisionConfig
+from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.attention import AttentionMetadata, varlen_attention
 from fovea.layers.basic import ParallelLMHead, RMSNorm, SiluAndMul, VocabParallelEmbedding
 from fovea.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
@@ -251,10 +252,13 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, vision_tp: TPGroup | None = None):
+        """Layers are split over the tensor-parallel group being built (fovea.distributed.tensor_parallel); the
+        vision tower over `vision_tp` when given (its own group, or none when each rank holds it whole)."""
         super().__init__()
         self.config = config
-        self.visual = VisionTransformer(config.vision)
+        with tensor_parallel(vision_tp or current_tp()):
+            self.visual = VisionTransformer(config.vision)
         self.model = Qwen2Model(config.text)
         self.lm_head = ParallelLMHead(config.text.vocab_size, config.text.hidden_size)
         if config.tie_word_embeddings:

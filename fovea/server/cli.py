@@ -65,7 +65,14 @@ def add_serve_parser(sub) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--seed", type=int, default=0)
     add_fast_path_args(engine)
-    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parallel = serve.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (ranks) per engine")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                          help="engine replicas behind this server, each --tensor-parallel-size GPUs")
+    parallel.add_argument("--mm-encoder-tp-mode", default="weights", choices=["weights", "data"],
+                          help="vision tower split over the ranks (weights) or whole on each, images shared out (data)")
+    parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                          help="ranks as local processes (mp, the default) or as actors on a running Ray cluster")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
     for flag in IGNORED_FLAGS:
         engine.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -109,7 +116,8 @@ def run_serve(args: argparse.Namespace) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs,
         mm_processor_workers=args.mm_processor_workers, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        mm_encoder_tp_mode=args.mm_encoder_tp_mode, distributed_executor_backend=args.distributed_executor_backend,
         num_gpu_blocks_override=args.num_gpu_blocks_override, **fast_path_args(args))
     try:
         policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,

@@ -31,6 +31,7 @@ TOTALS = {
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         label = {"model_name": model_name}
 
         def make(kind, name, documentation, labels=(), **kwargs):
@@ -56,6 +57,12 @@ class ServerMetrics:
         self.encoder_references = make(Gauge, "fovea:encoder_cache_references",
                                        "Image embeddings held in the encoder cache for running sequences")
         self.totals = {key: make(Counter, name, doc) for key, (name, doc) in TOTALS.items()}
+        # data-parallel servers: the same figures per replica, labelled replica="0", "1", ...
+        self.per_replica = {key: make(Gauge, f"fovea:replica_{key}", doc, ["replica"]) for key, doc in (
+            ("num_requests_running", "Requests in the replica's running batch"),
+            ("num_requests_waiting", "Requests waiting in the replica"),
+            ("kv_cache_usage_perc", "Fraction of the replica's KV blocks in use (0-1)"),
+            ("requests_added", "Requests sent to the replica since it started"))}
         self.last = EngineStats()
         for reason in ("stop", "length", "abort", "error"):
             self.finished_by_reason(reason)  # present at zero before the first request
@@ -68,6 +75,10 @@ class ServerMetrics:
         self.kv_used_blocks.set(stats.kv_used_blocks)
         self.kv_total_blocks.set(stats.kv_total_blocks)
         self.encoder_references.set(stats.encoder_cache_references)
+        for replica, own in enumerate(stats.replicas):
+            values = (own.num_running, own.num_waiting, own.kv_usage, own.num_requests_added)
+            for gauge, value in zip(self.per_replica.values(), values):
+                gauge.labels(model_name=self.model_name, replica=str(replica)).set(value)
         for key, counter in self.totals.items():
             now, before = getattr(stats, key), getattr(self.last, key)
             counter.inc(now - before if now >= before else now)  # a restarted engine counts from 0 again

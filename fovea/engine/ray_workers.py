@@ -1,0 +1,80 @@
+"""Tensor-parallel ranks as Ray actors, on one node or several (--distributed-executor-backend ray).
+
+Connects to the running cluster (`ray start --head` here, `ray start --address=HEAD:6379` on the other nodes;
+or a `ray.init()` done by the caller) and reserves one bundle per rank in a placement group: bundle 0, on this
+node, is rank 0's (the engine process itself); ranks 1..N-1 run as actors in the other bundles, packed onto as few
+nodes as fit. The ranks then meet over torch.distributed exactly as local worker processes do (NCCL between GPUs,
+across nodes too); Ray only places and watches them. An actor that dies is fatal, as a worker process is.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from fovea.distributed import free_port
+from fovea.engine.config import EngineConfig
+from fovea.engine.tp_workers import TPWorkers, WorkerArgs, run_worker
+
+
+class _Rank:
+    def gpu(self) -> int:
+        import ray
+
+        return int(ray.get_gpu_ids()[0])
+
+    def run(self, args: WorkerArgs) -> None:
+        run_worker(args)
+
+
+class RayWorkers(TPWorkers):
+    def _launch(self, config: EngineConfig) -> tuple[str, int]:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init(address="auto", configure_logging=False)
+        address, size = ray.util.get_node_ip_address(), config.tensor_parallel_size
+        gpu = config.device.type == "cuda"
+        unit = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        self.group = placement_group([{**unit, f"node:{address}": 0.001}] + [unit] * (size - 1), strategy="PACK")
+        ray.get(self.group.ready(), timeout=600)
+
+        def place(rank: int):
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
+            return ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_Rank).options(scheduling_strategy=strategy)
+
+        self.actors = []
+        if gpu:  # rank 0 takes the GPU Ray gave bundle 0, so that no worker on this node is handed the same one
+            holder = place(0).remote()
+            torch.cuda.set_device(ray.get(holder.gpu.remote()))
+            self.actors.append(holder)
+        port = free_port()
+        self.runs = {}
+        for rank in range(1, size):
+            actor = place(rank).remote()
+            self.actors.append(actor)
+            # Ray shows each actor only its own GPU: it is device 0 there
+            self.runs[actor.run.remote(WorkerArgs(config, rank, 0, address, port, torch.get_num_threads()))] = rank
+        threading.Thread(target=self._watch, daemon=True).start()
+        return address, port
+
+    def _watch(self) -> None:
+        import ray
+
+        done, _ = ray.wait(list(self.runs), num_returns=1, timeout=None)
+        try:
+            ray.get(done[0])
+            how = "it returned"
+        except Exception as error:  # noqa: BLE001 - the actor died or raised: its message says which
+            how = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        self._report(self.runs[done[0]], how)
+
+    def _stop(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(self.group)

@@ -1,0 +1,49 @@
+"""The vision tower run data-parallel over the tensor-parallel ranks (--mm-encoder-tp-mode data).
+
+Every rank holds the whole tower (it is small next to the language model: 0.7B of 72B), takes a share of a
+step's images, encodes them with no communication inside the tower, and the embeddings are gathered once. For
+many images this beats splitting every layer over the ranks (one all-reduce per layer and image batch).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fovea.distributed import TPGroup
+from fovea.engine.config import EngineConfig
+from fovea.engine.request import MMItem
+
+
+def share_out(patches: list[int], ranks: int) -> list[list[int]]:
+    """Item indices per rank, largest images first to the least loaded rank; each share keeps item order."""
+    load, shares = [0] * ranks, [[] for _ in range(ranks)]
+    for index in sorted(range(len(patches)), key=lambda i: -patches[i]):
+        rank = min(range(ranks), key=load.__getitem__)
+        load[rank] += patches[index]
+        shares[rank].append(index)
+    return [sorted(share) for share in shares]
+
+
+def encode_data_parallel(items: list[MMItem], encode: Callable[[list[MMItem]], list[torch.Tensor]],
+                         group: TPGroup, config: EngineConfig) -> list[torch.Tensor]:
+    unit = config.model.vision.spatial_merge_size ** 2
+    rows = [t * h * w // unit for t, h, w in (item.grid_thw for item in items)]
+    shares = share_out(rows, group.size)
+    mine = encode([items[i] for i in shares[group.rank]])
+    rows_per_rank = [sum(rows[i] for i in share) for share in shares]
+    width = config.model.vision.out_hidden_size
+    padded = torch.zeros(max(rows_per_rank), width, dtype=config.dtype, device=config.device)
+    if mine:
+        local = torch.cat(mine)
+        padded[:local.shape[0]] = local
+    gathered = [torch.empty_like(padded) for _ in range(group.size)]
+    torch.distributed.all_gather(gathered, padded, group=group.group)
+    embeddings: list[torch.Tensor | None] = [None] * len(items)
+    for share, rank_rows in zip(shares, gathered):
+        offset = 0
+        for index in share:
+            embeddings[index] = rank_rows[offset:offset + rows[index]]
+            offset += rows[index]
+    return embeddings

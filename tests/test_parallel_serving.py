@@ -1,0 +1,85 @@
+"""`fovea serve` with several engines or ranks: data-parallel replicas answer like one engine and are all used;
+a tensor-parallel worker or a replica that dies stops the server with a clear message instead of a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import httpx
+
+from fovea import LLM
+from serving import running_server
+
+COMMON = ("--max-model-len", "256", "--mm-processor-workers", "0")
+
+
+def solo_texts(model_dir, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt alone on an offline engine, with the checkpoint's generation defaults as the server applies
+    them: the reference for the server's answers."""
+    llm = LLM(str(model_dir), max_model_len=256)
+    params = llm.get_default_sampling_params().clone(temperature=0, max_tokens=max_tokens)
+    return [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text for prompt in prompts]
+
+
+async def complete_all(base: str, model, prompts: list[str], max_tokens: int) -> list[str]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        replies = await asyncio.gather(*(client.post(base + "/v1/completions", json={
+            "model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}) for prompt in prompts))
+    assert all(reply.status_code == 200 for reply in replies), [r.text for r in replies if r.status_code != 200]
+    return [reply.json()["choices"][0]["text"] for reply in replies]
+
+
+def labelled(base: str, name: str) -> dict[str, float]:
+    """{replica label: value} of one per-replica metric."""
+    values = {}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            replica = line.split('replica="')[1].split('"')[0]
+            values[replica] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def children(parent: int, marker: str) -> list[int]:
+    """Processes whose parent is `parent` and whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == parent and marker in command and "resource_tracker" not in command:
+                found.append(int(entry.name))
+    return found
+
+
+def test_data_parallel_replicas_answer_like_one_engine_then_one_dying_stops_the_server(tiny_dirs):
+    model = tiny_dirs["tiny-3b"]
+    prompts = [f"Request {i} asks about" + " the weather" * (i % 4) for i in range(32)]
+    expected = solo_texts(model, prompts, 8)
+    with running_server(model, "--data-parallel-size", "2", *COMMON) as (base, proc):
+        assert asyncio.run(complete_all(base, model, prompts, 8)) == expected
+        added = labelled(base, "fovea:replica_requests_added")
+        assert set(added) == {"0", "1"} and sum(added.values()) == 32 and min(added.values()) >= 8, added
+        engines = children(proc.pid, "spawn_main")
+        assert len(engines) == 2
+        os.kill(engines[1], signal.SIGKILL)
+        assert proc.wait(timeout=60) != 0  # no hang, no restart: a non-zero exit
+    assert "data-parallel replica" in proc.output and "stopped" in proc.output
+
+
+def test_killed_tensor_parallel_worker_stops_the_server_with_its_message(tiny_dirs):
+    model = tiny_dirs["tiny-3b"]
+    prompts = ["Tensor parallel serving says", "Another prompt for two ranks"]
+    expected = solo_texts(model, prompts, 6)
+    with running_server(model, "--tensor-parallel-size", "2", *COMMON) as (base, proc):
+        assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
+        engine, = children(proc.pid, "spawn_main")
+        worker, = children(engine, "fovea.engine.tp_workers")
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=60) != 0
+    assert f"tensor-parallel worker rank 1 stopped (pid {worker}, signal 9)" in proc.output, proc.output[-2000:]

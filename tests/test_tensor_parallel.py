@@ -1,0 +1,150 @@
+"""Tensor parallelism on the CPU (gloo): N ranks give exactly the single-process tokens, and log-probabilities
+within 1e-4, for text and image prompts, through chunked prefill, prefix-cache hits and preemption.
+
+tiny-3b has 4 query / 2 KV heads (TP=2 splits both; TP=4 replicates the KV heads) and a 2-head vision tower
+(TP=4 needs --mm-encoder-tp-mode data); tiny-7b has 1 KV head (replicated at any size) and a 4-head tower.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import random_image
+from fovea import LLM, SamplingParams
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+SHARED = "A shared opening that is long enough to fill several KV blocks of sixteen tokens each, " * 3
+
+
+def workload() -> list:
+    images = [random_image(140, 112, seed=3), random_image(84, 196, seed=4), random_image(56, 56, seed=5)]
+    return [
+        "Hello there, how are",
+        SHARED + "first ending",
+        SHARED + "second ending, which reuses the cached prefix",
+        {"prompt": IMAGE + "Describe this picture.", "multi_modal_data": {"image": images[0]}},
+        {"prompt": "Compare " + IMAGE + " with " + IMAGE, "multi_modal_data": {"image": images[1:]}},
+        list(range(100, 160)),
+    ]
+
+
+def run(model_dir, **engine_args) -> tuple[list, dict]:
+    """Greedy tokens and top-2 log-probabilities of the workload, in two rounds (the second hits the prefix
+    cache), on an engine small enough to chunk prompts and preempt sequences."""
+    llm = LLM(str(model_dir), max_model_len=160, max_num_batched_tokens=48, num_gpu_blocks_override=10,
+              block_size=16, **engine_args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)
+        outputs = llm.generate(workload(), params, use_tqdm=False) + llm.generate(workload()[1:3], params,
+                                                                                  use_tqdm=False)
+        runner = llm.engine.runner
+        stats = {"preemptions": llm.engine.scheduler.num_preemptions,
+                 "prefix_hits": llm.engine.scheduler.prefix_cache_hits,
+                 "kv_bytes_per_token": runner.kv_cache_bytes // (runner.num_blocks * 16),
+                 "ranks": runner.parallel.size if runner.parallel else 0}
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], stats
+    finally:
+        llm.close()
+
+
+_BASELINES: dict = {}
+
+
+def baseline(model_dir):
+    if model_dir not in _BASELINES:
+        _BASELINES[model_dir] = run(model_dir)
+    return _BASELINES[model_dir]
+
+
+def assert_same(expected, got):
+    for (want_ids, want_lp), (ids, lp) in zip(expected, got, strict=True):
+        assert ids == want_ids
+        for want_entry, entry in zip(want_lp, lp, strict=True):
+            assert list(entry) == list(want_entry)  # the same top tokens, in order
+            np.testing.assert_allclose([e.logprob for e in entry.values()],
+                                       [e.logprob for e in want_entry.values()], atol=1e-4)
+
+
+@pytest.mark.parametrize("name, engine_args", [
+    ("tiny-3b", dict(tensor_parallel_size=2)),
+    ("tiny-7b", dict(tensor_parallel_size=4)),
+    ("tiny-3b", dict(tensor_parallel_size=4, mm_encoder_tp_mode="data")),
+    ("tiny-3b", dict(tensor_parallel_size=1, distributed_executor_backend="mp")),
+], ids=["3b-tp2", "7b-tp4-replicated-kv", "3b-tp4-vision-data", "3b-group-of-one"])
+def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
+    from fovea.engine.memory_plan import plan_memory
+
+    expected, base_stats = baseline(tiny_dirs[name])
+    got, stats = run(tiny_dirs[name], **engine_args)
+    assert_same(expected, got)
+    # the workload did exercise what it is meant to, in both runs alike
+    assert stats["preemptions"] == base_stats["preemptions"] > 0
+    assert stats["prefix_hits"] == base_stats["prefix_hits"] > 0
+    # rank 0 holds its share of the KV heads (one replicated head at least), as `fovea plan` says per GPU
+    size = engine_args["tensor_parallel_size"]
+    assert stats["ranks"] == size and base_stats["ranks"] == 0  # the distributed path, against the plain one
+    kv_heads = {"tiny-3b": 2, "tiny-7b": 1}[name]
+    assert stats["kv_bytes_per_token"] == base_stats["kv_bytes_per_token"] * max(1, kv_heads // size) // kv_heads
+    assert stats["kv_bytes_per_token"] == plan_memory(tiny_dirs[name], 80, dtype="float32",
+                                                      tensor_parallel_size=size).kv_bytes_per_token
+
+
+def test_ray_backend_same_tokens(tiny_dirs):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        expected, _ = baseline(tiny_dirs["tiny-3b"])
+        got, _ = run(tiny_dirs["tiny-3b"], tensor_parallel_size=2, distributed_executor_backend="ray")
+        assert_same(expected, got)
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("name, size, mode, words", [
+    ("tiny-3b", 3, "weights", "attention heads (4) do not divide over tensor_parallel_size 3"),
+    ("tiny-3b", 4, "weights", "vision attention heads (2)"),
+    ("tiny-3b", 2, "pipeline", "mm_encoder_tp_mode must be weights or data"),
+])
+def test_sizes_that_do_not_divide_fail_at_start(tiny_dirs, name, size, mode, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        LLM(str(tiny_dirs[name]), tensor_parallel_size=size, mm_encoder_tp_mode=mode)
+
+
+def test_vocabulary_that_does_not_divide_is_padded():
+    """Each rank holds ceil(vocab / N) rows, the last one padded: the ranks' embeddings sum to the full lookup
+    and their logits side by side, cut to the vocabulary, are the full product. The collectives are left out
+    (each rank's forward returns its own part) and done here by hand."""
+    import dataclasses
+
+    import torch
+
+    from fovea.distributed import TPGroup, tensor_parallel
+    from fovea.layers.basic import ParallelLMHead, VocabParallelEmbedding
+
+    @dataclasses.dataclass(frozen=True)
+    class OwnPart(TPGroup):
+        communicates = True
+
+        def all_reduce(self, x):
+            return x
+
+        def all_gather(self, x):
+            return x
+
+    vocab, hidden, size = 10, 4, 3
+    full = torch.randn(vocab, hidden)
+    ids, x = torch.tensor([0, 3, 4, 7, 9]), torch.randn(2, hidden)
+    embeds, logits = [], []
+    for rank in range(size):
+        with tensor_parallel(OwnPart(rank, size)):
+            embedding, head = VocabParallelEmbedding(vocab, hidden), ParallelLMHead(vocab, hidden)
+        embedding.weight_loader(embedding.weight, full)
+        head.weight_loader(head.weight, full)
+        assert embedding.weight.shape == (4, hidden)
+        embeds.append(embedding(ids))
+        logits.append(head(x))
+    torch.testing.assert_close(sum(embeds), full[ids])
+    gathered = torch.cat(logits, -1)
+    torch.testing.assert_close(gathered[:, :vocab], x @ full.t())
+    assert gathered.shape[1] == 12 and not gathered[:, vocab:].any()  # the padding scores 0 and is cut off
