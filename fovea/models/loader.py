@@ -94,7 +94,7 @@ def load_weights(model: Qwen2_5_VLForConditionalGeneration, model_dir: Path) -> 
                     raise ValueError(f"checkpoint {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
                 param.data.copy_(tensor)
             else:
-                loader(param, tensor.to(param.dtype), shard)
+                loader(param, tensor, shard)  # copy_ converts the dtype of just this rank's slice
         except (ValueError, RuntimeError) as exc:
             raise CheckpointMismatchError(f"tensor {name} does not fit the model: {exc}") from None
         loaded.setdefault(pname, set()).add(shard)
