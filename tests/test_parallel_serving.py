@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from pathlib import Path
 
 import httpx
 
+from conftest import random_image
 from fovea import LLM
+from fovea.engine.async_engine import AsyncLLM
 from serving import running_server
 
 COMMON = ("--max-model-len", "256", "--mm-processor-workers", "0")
@@ -83,3 +86,49 @@ def test_killed_tensor_parallel_worker_stops_the_server_with_its_message(tiny_di
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=60) != 0
     assert f"tensor-parallel worker rank 1 stopped (pid {worker}, signal 9)" in proc.output, proc.output[-2000:]
+
+
+def test_ray_replicas_are_actors_that_answer_like_one_engine_then_one_dying_is_fatal(tiny_dirs):
+    """--distributed-executor-backend ray with DP=2 x TP=2: each replica's engine core is a Ray actor in its own
+    placement group, its second rank an actor in the same group; killing a replica's actor stops the server."""
+    import ray
+
+    model = tiny_dirs["tiny-3b"]
+    prompts = [f"Replica on Ray number {i} says" + " more" * (i % 3) for i in range(12)]
+    expected = solo_texts(model, prompts, 8)
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(120, 90, 7)},
+                                         {"type": "text", "text": "What is it?"}]}]
+    solo = LLM(str(model), max_model_len=256)
+    expected_chat = solo.chat(chat, solo.get_default_sampling_params().clone(temperature=0, max_tokens=8),
+                              use_tqdm=False)[0].outputs[0].text
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    fatal = threading.Event()
+    engine = None
+    try:
+        # one decoding worker: the image's pixels reach the front end in shared memory, which it copies out
+        engine = AsyncLLM.from_args(str(model), max_model_len=256, mm_processor_workers=1, data_parallel_size=2,
+                                    tensor_parallel_size=2, distributed_executor_backend="ray")
+        engine.on_fatal = fatal.set
+        params = engine.default_params.clone(temperature=0, max_tokens=8)
+
+        async def answer(prompt: str | None = None, messages: list | None = None) -> str:
+            async for output in engine.generate(prompt, params, messages=messages):
+                text = output.outputs[0].text
+            return text
+
+        async def answer_all():
+            return await asyncio.gather(*(answer(prompt) for prompt in prompts), answer(messages=chat))
+
+        assert asyncio.run(answer_all()) == expected + [expected_chat]
+        # the image decoding worker only: no engine process here, the cores run in Ray's workers
+        assert len(children(os.getpid(), "spawn_main")) == 1
+        assert min(stats.num_requests_added for stats in engine._replica_stats) >= 3
+        groups = [group for group in ray.util.placement_group_table().values() if group["state"] == "CREATED"]
+        assert sorted(len(group["bundles"]) for group in groups) == [2, 2]
+        ray.kill(engine._engines[1].process.actor)
+        assert fatal.wait(60)
+        assert "data-parallel replica 1 stopped" in engine.error
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        ray.shutdown()

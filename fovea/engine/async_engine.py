@@ -44,8 +44,12 @@ RESTART_WINDOW_S = 600.0
 
 
 def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
-    """Replica i of a data-parallel server takes GPUs i*tp .. (i+1)*tp-1."""
-    if config.device.type != "cuda" or config.data_parallel_size == 1:
+    """Replica i of a data-parallel server takes GPUs i*tp .. (i+1)*tp-1; a Ray actor sees only its own GPU."""
+    if config.device.type != "cuda":
+        return config
+    if config.distributed_executor_backend == "ray":
+        return dataclasses.replace(config, device=torch.device("cuda", 0))
+    if config.data_parallel_size == 1:
         return config
     return dataclasses.replace(config, device=torch.device("cuda", replica * config.tensor_parallel_size))
 

@@ -27,7 +27,6 @@ from fovea.engine.sampling_params import RequestOutputKind
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
 from fovea.engine.stats import EngineStats, LatencyEvents
 from fovea.engine.tp_workers import WorkerDied, start_workers
-from fovea.multimodal.image_workers import SharedPixels
 
 logger = logging.getLogger("fovea")
 IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them
@@ -91,9 +90,7 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
-        for item in request.mm_items:  # first: pixels in shared memory are freed whatever happens next
-            if isinstance(item.pixels, SharedPixels):
-                item.pixels = item.pixels.take()
+        request.take_shared_pixels()  # first: pixels in shared memory are freed whatever happens next
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         if request.params.n > self.config.max_num_seqs:

@@ -3,7 +3,8 @@
 Sending a request with large pixel arrays can block until the engine reads it between steps, so a thread sends,
 not the event loop; another thread receives and hands every message to `on_message`. When the process stops
 without being asked to (it died, or gave up after failing steps), `on_exit` hears why, once, and whether it was
-fatal (a tensor-parallel worker stopped: restarting would not help).
+fatal (a tensor-parallel worker stopped: restarting would not help). With the Ray backend the "process" is an
+actor, perhaps on another node (ray_replicas.py), and the pipes are one socket connection.
 """
 
 from __future__ import annotations
@@ -26,14 +27,22 @@ class EngineProcess:
                  on_exit: Callable[["EngineProcess", str, bool], None], startup_timeout: float = 600.0):
         import torch
 
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of threads or CUDA state
-        command_reader, self._commands = context.Pipe(duplex=False)
-        self._results, result_writer = context.Pipe(duplex=False)
-        self.process = context.Process(target=run_engine_core, name="fovea-engine", daemon=True,
-                                       args=(config, command_reader, result_writer, torch.get_num_threads()))
-        self.process.start()
-        command_reader.close()
-        result_writer.close()
+        if config.distributed_executor_backend == "ray":  # an actor, on whichever node has its GPUs
+            from fovea.engine.ray_replicas import RayEngineCore
+
+            self.process = RayEngineCore(config, torch.get_num_threads())
+            self.remote = True
+            self._commands = self._results = self.process.connection
+        else:
+            self.remote = False
+            context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of threads or CUDA state
+            command_reader, self._commands = context.Pipe(duplex=False)
+            self._results, result_writer = context.Pipe(duplex=False)
+            self.process = context.Process(target=run_engine_core, name="fovea-engine", daemon=True,
+                                           args=(config, command_reader, result_writer, torch.get_num_threads()))
+            self.process.start()
+            command_reader.close()
+            result_writer.close()
         self.config = self._wait_until_ready(startup_timeout)  # max_model_len may have shrunk to the KV cache
         self._on_message, self._on_exit = on_message, on_exit
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -70,6 +79,8 @@ class EngineProcess:
     def _send_loop(self) -> None:
         while True:
             message = self._outbox.get()
+            if self.remote and message[0] == "add":  # the actor's node cannot see this one's shared memory
+                message[1].take_shared_pixels()
             try:
                 self._commands.send(message)
             except (BrokenPipeError, OSError):

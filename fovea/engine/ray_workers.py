@@ -2,9 +2,10 @@
 
 Connects to the running cluster (`ray start --head` here, `ray start --address=HEAD:6379` on the other nodes;
 or a `ray.init()` done by the caller) and reserves one bundle per rank in a placement group: bundle 0, on this
-node, is rank 0's (the engine process itself); ranks 1..N-1 run as actors in the other bundles, packed onto as few
-nodes as fit. The ranks then meet over torch.distributed exactly as local worker processes do (NCCL between GPUs,
-across nodes too); Ray only places and watches them. An actor that dies is fatal, as a worker process is.
+node, is rank 0's (the engine process itself; in a server, the replica's actor, in the group RayEngineCore made);
+ranks 1..N-1 run as actors in the other bundles, packed onto as few nodes as fit. The ranks then meet over
+torch.distributed exactly as local worker processes do (NCCL between GPUs, across nodes too); Ray only places and
+watches them. An actor that dies is fatal, as a worker process is.
 """
 
 from __future__ import annotations
@@ -39,15 +40,19 @@ class RayWorkers(TPWorkers):
         address, size = ray.util.get_node_ip_address(), config.tensor_parallel_size
         gpu = config.device.type == "cuda"
         unit = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        self.group = placement_group([{**unit, f"node:{address}": 0.001}] + [unit] * (size - 1), strategy="PACK")
-        ray.get(self.group.ready(), timeout=600)
+        # a server's replica (RayEngineCore) already holds bundle 0 of a group sized for its ranks
+        self.group = ray.util.get_current_placement_group()
+        self.owns_group = self.group is None
+        if self.owns_group:
+            self.group = placement_group([{**unit, f"node:{address}": 0.001}] + [unit] * (size - 1), strategy="PACK")
+            ray.get(self.group.ready(), timeout=600)
 
         def place(rank: int):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
             return ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_Rank).options(scheduling_strategy=strategy)
 
         self.actors = []
-        if gpu:  # rank 0 takes the GPU Ray gave bundle 0, so that no worker on this node is handed the same one
+        if gpu and self.owns_group:  # rank 0 takes the GPU Ray gave bundle 0: no worker here gets the same one
             holder = place(0).remote()
             torch.cuda.set_device(ray.get(holder.gpu.remote()))
             self.actors.append(holder)
@@ -77,4 +82,5 @@ class RayWorkers(TPWorkers):
 
         for actor in self.actors:
             ray.kill(actor)
-        ray.util.remove_placement_group(self.group)
+        if self.owns_group:
+            ray.util.remove_placement_group(self.group)

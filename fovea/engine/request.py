@@ -97,6 +97,15 @@ class Request:
         # every sample finished (an aborted request never forks the samples it has not reached yet)
         return self.num_finished_sequences == (len(self.sequences) if self.aborted else self.params.n)
 
+    def take_shared_pixels(self) -> None:
+        """Copies pixels out of the decoding workers' shared memory and frees it: the engine does so on arrival;
+        a front end does it first when the engine runs on another node (a Ray replica), which cannot see it."""
+        from fovea.multimodal.image_workers import SharedPixels
+
+        for item in self.mm_items:
+            if isinstance(item.pixels, SharedPixels):
+                item.pixels = item.pixels.take()
+
 
 class Sequence:
     def __init__(self, seq_id: int, request: Request, index: int = 0):

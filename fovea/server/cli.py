@@ -72,7 +72,7 @@ def add_serve_parser(sub) -> None:
     parallel.add_argument("--mm-encoder-tp-mode", default="weights", choices=["weights", "data"],
                           help="vision tower split over the ranks (weights) or whole on each, images shared out (data)")
     parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
-                          help="ranks as local processes (mp, the default) or as actors on a running Ray cluster")
+                          help="ranks and replicas as local processes (mp, default) or actors on a running Ray cluster")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
     for flag in IGNORED_FLAGS:
         engine.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
