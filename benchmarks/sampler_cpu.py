@@ -1,14 +1,16 @@
 """The sampler on the CPU, side by side with an earlier version of it (taken from git) in the same run.
 
-One step of 256 sampled rows over Qwen2's 151,936-token vocabulary, each row with a 600-token prompt and 50
-generated tokens, for four kinds of sampling parameters:
+One step of 1 and of 256 rows over Qwen2's 151,936-token vocabulary, each row with a 600-token prompt and 50
+generated tokens, for five kinds of sampling parameters; "x greedy" is each case's time over greedy's (same
+sampler, same batch):
+  greedy                   temperature 0
   qwen-generation-config   Qwen2.5-VL's generation_config.json (temperature 0.1, top_p 0.001, top_k 1,
                            repetition_penalty 1.05): what every server request without sampling fields gets
   top_p 0.8 (peaked)       temperature 0.7, top_p 0.8, repetition_penalty 1.05 on language-model-like logits
   top_p 0.8 (flat)         the same on flat logits, whose top_p cut lies outside the candidates (full sort)
   plain                    temperature 1.0, no filters, no penalties
 
-    python benchmarks/sampler_cpu.py [--baseline 7f036f0] [--out benchmarks/results]
+    python benchmarks/sampler_cpu.py [--baseline 7f036f0] [--rows 1 256] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ sys.path.insert(0, str(ROOT))
 from fovea.engine import sampler as current  # noqa: E402
 from fovea.engine.sampling_params import SamplingParams  # noqa: E402
 
-VOCAB, ROWS = 151936, 256
+VOCAB = 151936
 CASES = {
+    "greedy": (dict(temperature=0.0), "peaked"),
     "qwen-generation-config": (dict(temperature=0.1, top_p=0.001, top_k=1, repetition_penalty=1.05), "peaked"),
     "top_p 0.8 (peaked)": (dict(temperature=0.7, top_p=0.8, repetition_penalty=1.05), "peaked"),
     "top_p 0.8 (flat)": (dict(temperature=0.7, top_p=0.8, repetition_penalty=1.05), "flat"),
@@ -41,28 +44,30 @@ CASES = {
 }
 
 
-def load_baseline(ref: str):
-    source = subprocess.run(["git", "show", f"{ref}:fovea/engine/sampler.py"], cwd=ROOT, capture_output=True,
+def load_baseline(ref: str, name: str):
+    """fovea/engine/{name}.py as it was at `ref`, as a module of its own."""
+    source = subprocess.run(["git", "show", f"{ref}:fovea/engine/{name}.py"], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp()) / "baseline_sampler.py"
+    path = Path(tempfile.mkdtemp()) / f"baseline_{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("baseline_sampler", path)
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there
     spec.loader.exec_module(module)
     return module
 
 
-def make_logits(kind: str) -> torch.Tensor:
+def make_logits(kind: str, rows: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(ROWS, VOCAB, generator=generator) * (0.3 if kind == "flat" else 2.0)
+    logits = torch.randn(rows, VOCAB, generator=generator) * (0.3 if kind == "flat" else 2.0)
     if kind == "peaked":  # a few tokens carry most of the mass, as in a trained model
-        logits.scatter_add_(1, torch.randint(0, VOCAB, (ROWS, 8), generator=generator), torch.full((ROWS, 8), 14.0))
+        logits.scatter_add_(1, torch.randint(0, VOCAB, (rows, 8), generator=generator), torch.full((rows, 8), 14.0))
     return logits
 
 
 def time_step(module, logits: torch.Tensor, params: SamplingParams, repeats: int) -> float:
-    rows = [module.SampleRow(params, list(range(i, i + 600)) + list(range(50)), 600, None, ()) for i in range(ROWS)]
+    rows = [module.SampleRow(params, list(range(i, i + 600)) + list(range(50)), 600, None, ())
+            for i in range(logits.shape[0])]
     sampler = module.Sampler(seed=0)
     sampler(logits, rows)  # warm-up
     times = []
@@ -77,25 +82,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="7f036f0", help="git ref of the sampler to compare with")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 256], help="batch sizes")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    baseline = load_baseline(args.baseline)
+    # the baseline's parameters too: which rows count as greedy is decided there
+    baseline, baseline_params = load_baseline(args.baseline, "sampler"), load_baseline(args.baseline, "sampling_params")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     results = []
-    for name, (fields, kind) in CASES.items():
-        logits, params = make_logits(kind), SamplingParams(max_tokens=100, **fields)
-        before = time_step(baseline, logits, params, args.repeats)
-        after = time_step(current, logits, params, args.repeats)
-        results.append({"case": name, "baseline_s": before, "fovea_s": after, "speedup": before / after})
-    record = {"benchmark": "sampler_cpu", "rows": ROWS, "vocab": VOCAB, "commit": commit, "baseline": args.baseline,
+    for rows in args.rows:
+        for name, (fields, kind) in CASES.items():
+            logits = make_logits(kind, rows)
+            before = time_step(baseline, logits, baseline_params.SamplingParams(max_tokens=100, **fields),
+                               args.repeats)
+            after = time_step(current, logits, SamplingParams(max_tokens=100, **fields), args.repeats)
+            results.append({"rows": rows, "case": name, "baseline_s": before, "fovea_s": after,
+                            "speedup": before / after})
+    greedy = {r["rows"]: r["fovea_s"] for r in results if r["case"] == "greedy"}
+    for r in results:
+        r["vs_greedy"] = r["fovea_s"] / greedy[r["rows"]]
+    record = {"benchmark": "sampler_cpu", "vocab": VOCAB, "commit": commit, "baseline": args.baseline,
               "torch_threads": 1, "cpu": platform.processor() or platform.machine(), "results": results}
     out = Path(args.out) / f"sampler_cpu_{commit}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"| case | {args.baseline} s/step | {commit} s/step | speed-up |\n| --- | --- | --- | --- |")
+    print(f"| rows | case | {args.baseline} ms/step | {commit} ms/step | speed-up | x greedy |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['case']} | {r['baseline_s']:.3f} | {r['fovea_s']:.3f} | {r['speedup']:.1f}x |")
+        print(f"| {r['rows']} | {r['case']} | {r['baseline_s'] * 1e3:.2f} | {r['fovea_s'] * 1e3:.2f} | "
+              f"{r['speedup']:.1f}x | {r['vs_greedy']:.2f}x |")
     print(f"raw: {out}")
 
 

@@ -21,7 +21,7 @@ class LLM:
             raise ValueError("data_parallel_size > 1 is for `fovea serve` (one engine process per replica); offline, "
                              "run one LLM per replica (as `fovea eval --ray --num-replicas N` does)")
         self.engine = LLMEngine(config)
-        self.default_params = default_sampling_params(config.model_dir)
+        self.default_params = default_sampling_params(config.model_dir, config.generation_config)
         self._ids = itertools.count()
 
     def close(self) -> None:

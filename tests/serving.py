@@ -26,7 +26,8 @@ def running_server(model_dir, *flags: str, startup_s: float = 120, env: dict | N
     """Yields (base URL, process); on exit sends SIGTERM and checks the exit is clean. The output is kept in
     `process.output` once it has stopped."""
     port = free_port()
-    cmd = [sys.executable, "-m", "fovea.cli", "serve", str(model_dir), "--port", str(port),
+    model = [] if model_dir is None else [str(model_dir)]  # None: the flags name it
+    cmd = [sys.executable, "-m", "fovea.cli", "serve", *model, "--port", str(port),
            "--uvicorn-log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},

@@ -101,7 +101,7 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
                        "--plot", str(tmp_path / "run.png"))
         table = capsys.readouterr().out
         mm = bench(*common, "--num-prompts", "3", "--random-input-len", "12", "--dataset-name", "random-mm",
-                   "--endpoint", "/v1/chat/completions", "--random-mm-bucket-config", "{(56, 84, 1): 1.0}",
+                   "--backend", "openai-chat", "--random-mm-bucket-config", "{(56, 84, 1): 1.0}",
                    "--random-mm-base-items-per-request", "2")
     assert result["completed"] == 8 and result["failed"] == 0
     assert result["total_output_tokens"] == 8 * 6 and result["output_lens"] == [6] * 8
@@ -112,6 +112,9 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
     assert len(gaps) == 7 and np.all((gaps > 0.06) & (gaps < 0.16)), gaps
     assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table
     assert mm["completed"] == 3 and mm["total_output_tokens"] == 18
+    # the server's usage: each prompt's 12 text tokens plus its chat template and 2 images of 6 tokens each
+    assert mm["total_input_tokens"] > 3 * (12 + 2 * 6)
+    assert (saved["backend"], saved["endpoint_type"], mm["backend"]) == ("openai", "openai", "openai-chat")
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -176,3 +179,74 @@ def test_sharegpt_and_jsonl_workloads(tiny_dirs, tmp_path):
     lines.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match="prompts.jsonl:1"):
         jsonl_requests(str(lines), tokenizer, 10, 5)
+
+
+# Bodies as vLLM's `vllm bench serve` client builds them (vllm/benchmarks/lib/endpoint_request_func.py: the
+# completions and chat request functions; sampling flags and --extra-body are merged in only when given)
+VLLM_COMPLETIONS_BODY = {"model": "tiny", "prompt": "a b c", "repetition_penalty": 1.0, "max_tokens": 3,
+                         "logprobs": None, "stream": True, "stream_options": {"include_usage": True}}
+VLLM_CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": [
+    {"type": "text", "text": "a b c"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}}]}],
+    "max_completion_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+
+
+class FakeServer:
+    """Answers every POST with a two-token SSE stream and a usage chunk, recording the bodies."""
+
+    def __init__(self, prompt_tokens: int | None):
+        import http.server
+        import threading
+
+        bodies = self.bodies = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                usage = {"completion_tokens": 2, **({"prompt_tokens": prompt_tokens} if prompt_tokens else {})}
+                events = [{"choices": [{"index": 0, "text": "x"}]}, {"choices": [{"index": 0, "text": "y"}]},
+                          {"choices": [], "usage": usage}]
+                payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload.encode())
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("prompt_tokens", [None, 341])
+def test_request_bodies_and_input_tokens_as_vllms_client(prompt_tokens):
+    import asyncio
+
+    from fovea.bench import serve
+    from fovea.bench.datasets import BenchRequest
+
+    fake = FakeServer(prompt_tokens)
+    text, image = BenchRequest("a b c", 3, 3), BenchRequest("a b c", 3, 3, ["data:image/png;base64,x"])
+    try:
+        results, _ = asyncio.run(serve.run([text], fake.url, "/v1/completions", "tiny", request_rate=float("inf"),
+                                           progress=False))
+        asyncio.run(serve.run([image], fake.url, "/v1/chat/completions", "tiny", request_rate=float("inf"),
+                              progress=False, ignore_eos=True, extra_body={"temperature": 0.0}))
+    finally:
+        fake.server.shutdown()
+    assert fake.bodies == [VLLM_COMPLETIONS_BODY, {**VLLM_CHAT_BODY, "ignore_eos": True, "temperature": 0.0}]
+    # the server's count (template and image tokens included) when it gives one, else the dataset's
+    assert results[0].prompt_len == (prompt_tokens or 3) and results[0].output_tokens == 2
+
+
+def test_vllm_backend_names_and_sampling_flags():
+    parse = build_parser().parse_args
+    for backend in ("openai", "vllm", "openai-chat"):
+        assert parse(["bench", "serve", "--backend", backend]).backend == backend
+    args = parse(["bench", "serve", "--backend", "openai", "--endpoint", "/v1/chat/completions"])
+    with pytest.raises(ValueError, match="--backend openai speaks to /v1/completions"):
+        args.func(args)
+    args = parse(["bench", "serve", "--top-k", "5", "--temperature", "0.5"])
+    assert (args.top_k, args.temperature, args.top_p) == (5, 0.5, None)

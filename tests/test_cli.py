@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_fovea(*args, env=None):
@@ -19,7 +21,8 @@ def test_demo_builds_and_announces_the_embedded_model(tmp_path):
     assert "RANDOM weights" in done.stderr and "gibberish" in done.stderr
     assert "image grid (1, 24, 32) -> 192 image tokens" in done.stdout
     assert "--- 4 tokens in" in done.stdout
-    assert (tmp_path / "demo-tiny-3b-v1" / "config.json").is_file()
+    config = json.loads((tmp_path / "demo-tiny-3b-v2" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 8192  # a request without max_tokens ends within minutes on a CPU
     again = run_fovea("demo", "--max-tokens", "2", "--threads", "1", env={"FOVEA_CACHE_DIR": str(tmp_path)})
     assert again.returncode == 0 and "building" not in again.stderr  # built once, reused
 
@@ -50,3 +53,15 @@ def test_serve_flags_help_and_errors():
     tensor_parallel = run_fovea("serve", "--tensor-parallel-size", "4")  # the demo model's vision tower has 2 heads
     assert tensor_parallel.returncode != 0
     assert "vision attention heads (2) do not divide over tensor_parallel_size 4" in tensor_parallel.stderr
+
+
+def test_readme_offline_snippet_runs_as_written(tmp_path):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Offline API"):]
+    snippet = section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "FOVEA_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    samples = ast.literal_eval(lines[-1])  # the last print: two samples for each of the two prompts
+    assert len(lines) >= 2 and [len(texts) for texts in samples] == [2, 2]

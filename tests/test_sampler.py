@@ -66,6 +66,20 @@ def test_low_temperature_sharpens_and_zero_is_argmax():
     assert (draw(SamplingParams(temperature=0), PROBS) == 0).all()
 
 
+def test_top_k_one_is_the_argmax_after_penalties_and_bias():
+    """top_k 1 (Qwen2.5-VL's generation_config) takes the greedy path: the best token once penalties and bias are
+    applied, whatever temperature, top_p, min_p or seed say; the caller's logits are left as they were."""
+    logits = torch.tensor([[2.0, 1.9, 0.5, -1.0]]).expand(6, -1).clone()
+    generator = torch.Generator().manual_seed(5)
+    params = [SamplingParams(temperature=t, top_k=1, top_p=p, min_p=m, repetition_penalty=1.5)
+              for t, p, m in ((0.1, 0.001, 0.0), (1.5, 1.0, 0.0), (2.0, 0.5, 0.3))]
+    batch = [SampleRow(p, [0, 0], 1, generator if i else None, ()) for i, p in enumerate(params)]  # 0 was seen
+    batch += [SampleRow(p.clone(logit_bias={2: 5.0}), [3], 1, None, ()) for p in params]
+    before = logits.clone()
+    assert Sampler(seed=2)(logits, batch).token_ids.tolist() == [1, 1, 1, 2, 2, 2]
+    assert torch.equal(logits, before)  # penalties and bias go in place and are taken back
+
+
 def test_penalties_change_logits_as_defined():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
@@ -114,7 +128,7 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-5), dict(min_p=1.5),
-                                 dict(n=0), dict(max_tokens=0), dict(logprobs=21), dict(stop=[""]),
+                                 dict(n=0), dict(max_tokens=0), dict(logprobs=-1), dict(stop=[""]),
                                  dict(min_tokens=5, max_tokens=2), dict(presence_penalty=3)])
 def test_invalid_parameters_are_rejected_with_their_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):

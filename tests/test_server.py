@@ -32,7 +32,7 @@ def server(tiny_dirs, media_dir):
                         "--trust-remote-code") as (base, proc):
         yield base
     assert proc.returncode == 0, proc.output  # SIGTERM is a clean shutdown
-    assert "accepted and ignored: --trust-remote-code" in proc.output
+    assert "accepted and ignored trust_remote_code=True" in proc.output
 
 
 @pytest.fixture(scope="module")

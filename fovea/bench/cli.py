@@ -12,6 +12,11 @@ from pathlib import Path
 
 from fovea.server.cli import add_fast_path_args, fast_path_args
 
+# vLLM's --backend values for OpenAI-compatible servers, and the endpoint each speaks to
+BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty")
+
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks with vLLM's workloads and metric definitions")
@@ -21,7 +26,11 @@ def add_bench_parser(sub) -> None:
     target.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (else --host/--port)")
     target.add_argument("--host", default="127.0.0.1")
     target.add_argument("--port", type=int, default=8000)
-    target.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    target.add_argument("--backend", default=None, choices=list(BACKEND_ENDPOINTS),
+                        help="openai and vllm: /v1/completions; openai-chat: /v1/chat/completions (default: the "
+                             "one --endpoint names, else openai)")
+    target.add_argument("--endpoint", default=None, choices=sorted(set(BACKEND_ENDPOINTS.values())),
+                        help="default: the backend's")
     target.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     target.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     target.add_argument("--api-key", default=None)
@@ -31,7 +40,11 @@ def add_bench_parser(sub) -> None:
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson")
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--ignore-eos", action="store_true")
-    load.add_argument("--temperature", type=float, default=0.0)
+    sampling = serve.add_argument_group("sampling (sent only when given: else the server's defaults apply)")
+    for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
+                       ("--frequency-penalty", float), ("--presence-penalty", float), ("--repetition-penalty", float)):
+        sampling.add_argument(flag, type=kind, default=None)
+    sampling.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     load.add_argument("--num-warmups", type=int, default=0)
     out = serve.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms: ttft:500 tpot:50 e2el:5000")
@@ -169,7 +182,7 @@ def build_requests(args, tokenizer):
         return datasets.random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                         **common)
     if args.endpoint != "/v1/chat/completions":
-        raise ValueError("--dataset-name random-mm needs --endpoint /v1/chat/completions")
+        raise ValueError("--dataset-name random-mm needs --backend openai-chat (--endpoint /v1/chat/completions)")
     limit = (args.random_mm_limit_mm_per_prompt or {}).get("image")
     return datasets.random_mm_requests(
         tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
@@ -184,6 +197,13 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     from fovea.bench import serve
     from fovea.bench.metrics import compute_metrics, format_table, parse_goodput
 
+    args.backend = args.backend or ("openai-chat" if args.endpoint == "/v1/chat/completions" else "openai")
+    endpoint = args.endpoint or BACKEND_ENDPOINTS[args.backend]
+    if endpoint != BACKEND_ENDPOINTS[args.backend]:
+        raise ValueError(f"--backend {args.backend} speaks to {BACKEND_ENDPOINTS[args.backend]}, not {endpoint}")
+    args.endpoint = endpoint  # the workload builders check it (images need the chat endpoint)
+    extra_body = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    extra_body.update(args.extra_body or {})
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
@@ -198,8 +218,8 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     requests = build_requests(args, AutoTokenizer.from_pretrained(tokenizer_id))  # images encoded once, here
     cpu_start = time.process_time()
     results, duration = asyncio.run(serve.run(
-        requests, base_url, args.endpoint, model, request_rate=args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, temperature=args.temperature, ignore_eos=args.ignore_eos,
+        requests, base_url, endpoint, model, request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, extra_body=extra_body, ignore_eos=args.ignore_eos,
         num_warmups=args.num_warmups, api_key=args.api_key, seed=args.seed, progress=not args.disable_tqdm))
     client_cpu_s = time.process_time() - cpu_start
     metrics = compute_metrics(results, duration, goodput, selected, percentiles)
@@ -215,8 +235,8 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     if failures:
         print(f"first failure: {failures[0]}", file=sys.stderr)
     rate = "inf" if args.request_rate == float("inf") else args.request_rate
-    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if "chat" in args.endpoint
-              else "openai", "label": args.label, "model_id": model, "tokenizer_id": tokenizer_id,
+    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend,
+              "backend": args.backend, "label": args.label, "model_id": model, "tokenizer_id": tokenizer_id,
               "num_prompts": args.num_prompts, "request_rate": rate, "burstiness": args.burstiness,
               "max_concurrency": args.max_concurrency, "client_cpu_s": client_cpu_s, **metadata, **metrics}
     if args.save_detailed:

@@ -18,17 +18,23 @@ from fovea.bench.datasets import BenchRequest
 from fovea.bench.metrics import RequestResult
 
 
-def request_body(request: BenchRequest, endpoint: str, model: str, temperature: float, ignore_eos: bool) -> dict:
-    body = {"model": model, "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": ignore_eos}
+def request_body(request: BenchRequest, endpoint: str, model: str, extra_body: dict, ignore_eos: bool) -> dict:
+    """The body vLLM's bench client sends: no sampling fields but those given (`extra_body`: --temperature,
+    --top-p, ..., --extra-body), so the server's generation_config defaults apply as they do for vLLM's client."""
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
     if endpoint.endswith("/chat/completions"):
         content = [{"type": "text", "text": request.prompt}]
         content += [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
-        return {**body, "messages": [{"role": "user", "content": content}],
-                "max_completion_tokens": request.output_len}
-    if request.images:
-        raise ValueError("images need --endpoint /v1/chat/completions")
-    return {**body, "prompt": request.prompt, "max_tokens": request.output_len}
+        body = {"model": model, "messages": [{"role": "user", "content": content}],
+                "max_completion_tokens": request.output_len, **stream}
+    elif request.images:
+        raise ValueError("images need --backend openai-chat (--endpoint /v1/chat/completions)")
+    else:
+        body = {"model": model, "prompt": request.prompt, "repetition_penalty": 1.0,
+                "max_tokens": request.output_len, "logprobs": None, **stream}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return {**body, **extra_body}
 
 
 async def send(session, url: str, body: dict, headers: dict, result: RequestResult) -> RequestResult:
@@ -59,6 +65,8 @@ async def send(session, url: str, body: dict, headers: dict, result: RequestResu
                     result.generated_text += text or ""
                 elif data.get("usage"):
                     result.output_tokens = data["usage"].get("completion_tokens")
+                    if data["usage"].get("prompt_tokens") is not None:  # image tokens and template included
+                        result.prompt_len = data["usage"]["prompt_tokens"]
         result.latency = last - start
         result.success = result.ttft > 0
         if not result.success:
@@ -77,7 +85,7 @@ async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
 
 
 async def run(requests: list[BenchRequest], base_url: str, endpoint: str, model: str, *, request_rate: float,
-              burstiness: float = 1.0, max_concurrency: int | None = None, temperature: float = 0.0,
+              burstiness: float = 1.0, max_concurrency: int | None = None, extra_body: dict | None = None,
               ignore_eos: bool = False, num_warmups: int = 0, api_key: str | None = None, seed: int = 0,
               progress: bool = True) -> tuple[list[RequestResult], float]:
     """Sends `requests`; returns their results (in order) and the benchmark's duration in seconds."""
@@ -89,7 +97,7 @@ async def run(requests: list[BenchRequest], base_url: str, endpoint: str, model:
         raise ValueError("--request-rate and --burstiness must be positive")
     url = base_url.rstrip("/") + endpoint
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    bodies = [request_body(r, endpoint, model, temperature, ignore_eos) for r in requests]
+    bodies = [request_body(r, endpoint, model, extra_body or {}, ignore_eos) for r in requests]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)

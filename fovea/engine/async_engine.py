@@ -96,7 +96,7 @@ class AsyncLLM:
         self.image_workers = ImageWorkers(workers) if workers else None  # else: decoded in the preparation pool
         self.inputs = InputProcessor(self.config, self.image_workers)
         self.tokenizer = self.inputs.tokenizer
-        self.default_params = default_sampling_params(self.config.model_dir)
+        self.default_params = default_sampling_params(self.config.model_dir, self.config.generation_config)
 
     @classmethod
     def from_args(cls, model: str | None = None, on_stats=None, max_restarts: int = 3, **engine_args) -> "AsyncLLM":

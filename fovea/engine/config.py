@@ -8,13 +8,7 @@ from pathlib import Path
 import torch
 
 from fovea.config import ModelConfig, resolve_dtype
-
-
-# vLLM arguments that change nothing here; accepted so scripts written for vLLM (and eva's wrapper) run as is.
-IGNORED_VLLM_ARGS = {"tokenizer", "tokenizer_mode", "trust_remote_code", "revision", "tokenizer_revision",
-                     "download_dir", "disable_log_stats", "enable_chunked_prefill", "swap_space", "cpu_offload_gb",
-                     "disable_custom_all_reduce", "disable_mm_preprocessor_cache", "max_seq_len_to_capture",
-                     "load_format", "quantization", "compilation_config", "worker_cls"}
+from fovea.engine.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
 
 # Images a prompt may hold unless limit_mm_per_prompt says otherwise: each may need a full-size decode (up to
@@ -55,6 +49,10 @@ class EngineConfig:
     # mp: worker processes on this machine; ray: actors on a Ray cluster; None: mp when tensor_parallel_size > 1.
     # Named with one rank, the engine still takes the distributed path (a group of one: its cost can be measured).
     distributed_executor_backend: str | None = None
+    # auto: the checkpoint's generation_config.json gives requests their sampling defaults; vllm: none; or a
+    # directory holding another generation_config.json (vLLM's --generation-config)
+    generation_config: str = "auto"
+    max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for
 
     @property
     def distributed(self) -> bool:
@@ -78,12 +76,20 @@ class EngineConfig:
         from fovea.models.loader import resolve_model_dir
 
         known = {f.name for f in fields(cls)} - {"model_dir", "model"} | {"dtype", "device", "max_model_len"}
-        unknown = set(args) - known - IGNORED_VLLM_ARGS
+        hub = {"revision", "download_dir", "tokenizer"}
+        unknown = set(args) - known - hub - VLLM_ONLY_ARGS
         if unknown:
             raise TypeError(f"unexpected engine arguments {sorted(unknown)}")
-        args = {k: v for k, v in args.items() if k in known and v is not None}
+        args = take_vllm_args(args)
+        where = {"revision": args.pop("revision", None), "download_dir": args.pop("download_dir", None)}
+        model_dir = resolve_model_dir(model, **where)
+        tokenizer = args.pop("tokenizer", None)
+        if tokenizer is not None and resolve_model_dir(tokenizer, **where).resolve() != model_dir.resolve():
+            raise ValueError(f"tokenizer={tokenizer!r}: a tokenizer other than the model's own is not supported yet")
+        args = {k: v for k, v in args.items() if v is not None}
+        args["max_model_len"] = parse_max_model_len(args.get("max_model_len"))
         args["limit_mm_per_prompt"] = {"image": DEFAULT_IMAGES_PER_PROMPT, **(args.get("limit_mm_per_prompt") or {})}
-        return cls.build(resolve_model_dir(model), **args)
+        return cls.build(model_dir, **args)
 
     @classmethod
     def build(cls, model_dir: Path, dtype: str | torch.dtype = "auto", device: str = "auto",
@@ -110,7 +116,9 @@ class EngineConfig:
         config.mm_buckets = parse_buckets(config.mm_buckets, model.vision.spatial_merge_size ** 2)
         if config.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_budget"):
+        if config.generation_config not in ("auto", "vllm") and not Path(config.generation_config).is_dir():
+            raise ValueError(f"generation_config must be auto, vllm or a directory, got {config.generation_config!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_budget", "max_logprobs"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
         check_tensor_parallel(config)

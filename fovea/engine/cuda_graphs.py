@@ -4,7 +4,8 @@ A decode step of a 7B model is ~28 layers x ~10 kernels of a few microseconds ea
 costs more than running them. A graph records the launches once per batch size and replays them with one call.
 Replays read their inputs from static buffers, so a step copies its token ids, M-RoPE positions (all three axes),
 KV slots, context lengths and block tables into the first rows of those buffers and pads the batch up to the
-nearest captured size: padding rows write nowhere (slot -1) and attend to one key; their outputs are dropped. Prefill steps, steps with images and batches larger than the largest bucket run eagerly.
+nearest captured size: padding rows write nowhere (slot -1) and attend to one key; their outputs are dropped.
+Prefill steps, steps with images and batches larger than the largest bucket run eagerly.
 
 Without a GPU (`capture=False`) the same buffers and padding run the forward eagerly, which is how CI checks that
 a padded static-buffer step gives the tokens an eager step gives.

@@ -66,10 +66,15 @@ class InputProcessor:
             raise ValueError(f"the prompt has {count} images but limit_mm_per_prompt allows {limit}")
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: ids against the vocabulary, n against max_num_seqs."""
+        """What SamplingParams cannot check alone: ids against the vocabulary, n against max_num_seqs, logprobs
+        against max_logprobs."""
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences can run "
                              "at once")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.config.max_logprobs:
+                raise ValueError(f"{name}={getattr(params, name)} is more than max_logprobs="
+                                 f"{self.config.max_logprobs} (a server flag: --max-logprobs)")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fovea.engine.sampling_params import SamplingParams
@@ -66,8 +67,10 @@ def _penalized(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
 
 
-def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """`logits` with logit_bias, min_tokens bans and the penalties applied (a copy when anything applies)."""
+def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], in_place: bool = False):
+    """`logits` with logit_bias, min_tokens bans and the penalties applied: a copy when anything applies, or with
+    `in_place` the tensor itself plus an `undo()` that puts back the few entries changed (copying a 256 x 152k
+    batch costs as much as the argmax that follows)."""
     vocab = logits.shape[1]
     device = logits.device
     bias = [(i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
@@ -76,36 +79,48 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow]) -> tor
               for t in r.stop_ids if 0 <= t < vocab]
     penalized = [i for i, r in enumerate(rows) if _penalized(r.params)]
     if not (bias or banned or penalized):
-        return logits
-    logits = logits.clone()
-    flat = logits.view(-1)
+        return (logits, _nothing) if in_place else logits
+    seen = generated = None
+    if penalized:  # (row * vocab + token) keys of the penalized rows' tokens; numpy reads Python lists 10x faster
+        keys, output_keys = [], []
+        for i in penalized:
+            ids = np.array(rows[i].token_ids, dtype=np.int64)
+            ids = np.where((ids >= 0) & (ids < vocab), ids, 0) + i * vocab
+            keys.append(ids)
+            output_keys.append(ids[rows[i].num_prompt_tokens:])
+        seen = torch.from_numpy(np.concatenate(keys)).to(device)
+        generated = torch.from_numpy(np.concatenate(output_keys)).to(device)
+    bias_keys = torch.tensor([k for k, _ in bias], dtype=torch.long, device=device)
+    banned_keys = torch.tensor(banned, dtype=torch.long, device=device)
+    if in_place:
+        flat = logits.view(-1)
+        touched = torch.cat([bias_keys, banned_keys] + ([seen] if seen is not None else []))
+        saved = flat[touched]
+
+        def undo() -> None:
+            flat[touched] = saved  # a key listed twice was saved twice with the same value
+    else:
+        logits = logits.clone()
+        flat = logits.view(-1)
     if bias:
-        keys, values = zip(*bias)
-        flat.index_put_((torch.tensor(keys, device=device),), torch.tensor(values, dtype=logits.dtype,
-                                                                          device=device), accumulate=True)
+        flat.index_put_((bias_keys,), torch.tensor([b for _, b in bias], dtype=logits.dtype, device=device),
+                        accumulate=True)
     if banned:
-        flat[torch.tensor(banned, device=device)] = float("-inf")
-    if not penalized:
-        return logits
-    # (row * vocab + token) keys of every prompt and generated token of the penalized rows
-    prompt_keys, output_keys = [], []
-    for i in penalized:
-        ids = torch.tensor(rows[i].token_ids, dtype=torch.long)
-        ids = ids.where((ids >= 0) & (ids < vocab), 0) + i * vocab
-        prompt_keys.append(ids[:rows[i].num_prompt_tokens])
-        output_keys.append(ids[rows[i].num_prompt_tokens:])
-    prompt_keys, output_keys = torch.cat(prompt_keys), torch.cat(output_keys)
-    seen, inverse = torch.unique(torch.cat([prompt_keys, output_keys]), return_inverse=True)
-    counts = torch.zeros(seen.numel(), dtype=logits.dtype).index_add_(
-        0, inverse[prompt_keys.numel():], torch.ones(output_keys.numel(), dtype=logits.dtype))
-    seen, counts, row_of = seen.to(device), counts.to(device), (seen // vocab).to(device)
-    values = flat[seen]
-    rep = _column(rows, lambda p: p.repetition_penalty, logits.dtype, device)[row_of]
-    values = torch.where(values > 0, values / rep, values * rep)
-    values -= _column(rows, lambda p: p.frequency_penalty, logits.dtype, device)[row_of] * counts
-    values -= _column(rows, lambda p: p.presence_penalty, logits.dtype, device)[row_of] * (counts > 0)
-    flat[seen] = values
-    return logits
+        flat[banned_keys] = float("-inf")
+    if seen is not None:
+        # keys repeat (a token seen twice): each copy reads the same value and writes the same result, and the
+        # frequency penalty accumulates once per occurrence, so no unique() (a sort of every key) is needed
+        column = lambda name: _column(rows, lambda p: getattr(p, name), logits.dtype, device)  # noqa: E731
+        values, rep = flat[seen], column("repetition_penalty")[seen // vocab]
+        flat[seen] = torch.where(values > 0, values / rep, values * rep)
+        if generated.numel():
+            flat.index_add_(0, generated, -column("frequency_penalty")[generated // vocab])
+            flat[generated] = flat[generated] - column("presence_penalty")[generated // vocab]
+    return (logits, undo) if in_place else logits
+
+
+def _nothing() -> None:
+    pass
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -212,15 +227,18 @@ class Sampler:
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
-        logits = apply_penalties_and_bias(logits, rows)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if len(sampled) < len(rows):
-            tokens = logits.argmax(-1)
-        else:
-            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            tokens[index] = self._draw(_take(logits, sampled, index), [rows[i] for i in sampled])
+        logits, undo = apply_penalties_and_bias(logits, rows, in_place=True)
+        try:
+            sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+            if len(sampled) < len(rows):
+                tokens = logits.argmax(-1)
+            else:
+                tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if sampled:
+                index = torch.tensor(sampled, device=logits.device)
+                tokens[index] = self._draw(_take(logits, sampled, index), [rows[i] for i in sampled])
+        finally:
+            undo()  # the caller's logits as they were
         if raw_logprobs is None:
             return SamplerOutput(tokens)
         return SamplerOutput(tokens, *top_logprobs(raw_logprobs, tokens, max_logprobs))

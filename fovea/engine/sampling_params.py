@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-MAX_LOGPROBS = 20  # top_logprobs per token, as OpenAI's API allows
 INT64_MAX = 2 ** 63 - 1  # seeds (plus the sample index) become torch generator seeds
 
 
@@ -81,7 +80,7 @@ class SamplingParams:
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+            check(value is None or 0 <= value <= INT64_MAX, f"{name} must be at least 0, got {value}")
         check(all(self.stop_strings), "stop strings must not be empty")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         check(self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX - self.n,
@@ -89,7 +88,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        # top_k 1 leaves only the best token whatever top_p and min_p say (Qwen2.5-VL's generation_config sets it)
+        return self.temperature < 1e-5 or self.top_k == 1
 
     def clone(self, **changes) -> "SamplingParams":
         known = {f.name for f in fields(self) if f.init}
@@ -106,5 +106,12 @@ def generation_config_defaults(model_dir: str | Path) -> dict:
     return {ours: raw[theirs] for theirs, ours in names.items() if raw.get(theirs) is not None}
 
 
-def default_sampling_params(model_dir: str | Path) -> SamplingParams:
-    return SamplingParams(**generation_config_defaults(model_dir))
+def sampling_defaults(model_dir: str | Path, generation_config: str = "auto") -> dict:
+    """vLLM's --generation-config: auto (the checkpoint's), vllm (none: SamplingParams' own), or a directory."""
+    if generation_config == "vllm":
+        return {}
+    return generation_config_defaults(model_dir if generation_config == "auto" else generation_config)
+
+
+def default_sampling_params(model_dir: str | Path, generation_config: str = "auto") -> SamplingParams:
+    return SamplingParams(**sampling_defaults(model_dir, generation_config))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -14,6 +15,7 @@ from fovea.distributed import SINGLE, TPGroup, tensor_parallel
 from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from fovea.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
+logger = logging.getLogger("fovea")
 ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration}
 
 
@@ -21,8 +23,13 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not fit the model its config describes."""
 
 
-def resolve_model_dir(model: str | Path | None) -> Path:
-    """None -> the embedded demo model; a local directory; or a hub id found in the local Hugging Face cache."""
+# what a model directory needs; not the .bin / .pt copies some repositories carry beside the safetensors
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def resolve_model_dir(model: str | Path | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """None -> the embedded demo model; a local directory; or a hub id: from the local Hugging Face cache (or
+    `download_dir`), else downloaded unless HF_HUB_OFFLINE is set."""
     if model is None:
         from fovea.models.tiny import demo_model_dir
 
@@ -30,18 +37,26 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+    if str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {str(model)!r} is neither a local directory nor a hub id (org/name)")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-        try:
-            return Path(snapshot_download(str(model), local_files_only=True))
-        except LocalEntryNotFoundError:
-            raise FileNotFoundError(
-                f"weights for {model!r} are not available offline: they are not in the local Hugging Face "
-                f"cache and fovea does not download. Fetch them with `huggingface-cli download {model}` where a "
-                "network is available, or pass a local model directory.") from None
-    raise FileNotFoundError(f"model {str(model)!r} is neither a local directory nor a hub id (org/name)")
+    where = dict(repo_id=str(model), revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES)
+    try:
+        return Path(snapshot_download(**where, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    fetch = f"Fetch it with `hf download {model}` where a network is available, or pass a local model directory."
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"{model!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. "
+                                + fetch) from None
+    logger.info("downloading %s from %s", model, constants.ENDPOINT)
+    try:
+        return Path(snapshot_download(**where))
+    except Exception as error:  # noqa: BLE001 - no network, unknown repository, gated model, ...
+        raise FileNotFoundError(f"{model!r} could not be downloaded ({type(error).__name__}: "
+                                f"{str(error).splitlines()[0][:300]}). {fetch}") from None
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

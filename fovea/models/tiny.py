@@ -188,13 +188,15 @@ def write_tokenizer_files(out_dir: Path) -> None:
 
 def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: int = 0,
                           layout: str = "published", shards: int = 1, dtype: str = "float32",
-                          device: str = "cpu") -> Path:
+                          device: str = "cpu", max_position_embeddings: int | None = None) -> Path:
     """Writes a complete random-weight checkpoint; layout is "published" or "transformers5"."""
     if layout not in ("published", "transformers5"):
         raise ValueError(f"layout must be 'published' or 'transformers5', got {layout!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flat = tiny_config(name, dtype)
+    if max_position_embeddings is not None:
+        flat["max_position_embeddings"] = max_position_embeddings
     config = flat if layout == "published" else to_transformers5_config(flat)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     weights = random_weights(weight_shapes(flat), seed, getattr(torch, dtype), device)
@@ -216,15 +218,20 @@ def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: i
     return out
 
 
+# A request without max_tokens may run to max_model_len, as in vLLM: 128k tokens would take hours on a CPU. 8192
+# still holds a 1080p image (about 2,600 tokens) and its answer.
+DEMO_MAX_MODEL_LEN = 8192
+
+
 def demo_model_dir() -> Path:
     """The embedded demo model, built on first use in the user's cache directory."""
     base = Path(os.environ.get("FOVEA_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "fovea")
-    target = base.expanduser() / "demo-tiny-3b-v1"
+    target = base.expanduser() / "demo-tiny-3b-v2"
     if not (target / "README.md").is_file():
         print(f"fovea: building the embedded demo model (tiny, RANDOM weights) in {target}", file=sys.stderr)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
-        write_tiny_checkpoint(tmp, "tiny-3b", seed=0)
+        write_tiny_checkpoint(tmp, "tiny-3b", seed=0, max_position_embeddings=DEMO_MAX_MODEL_LEN)
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)  # atomic, so a concurrent or interrupted build never leaves half a model
     print("fovea: using the embedded demo model: random weights, its text is gibberish", file=sys.stderr)

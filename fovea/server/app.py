@@ -11,6 +11,8 @@ Errors become OpenAI-shaped bodies: 400 bad input, 401 key, 404 model or route, 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fovea import __version__
 from fovea.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailed
-from fovea.engine.sampling_params import generation_config_defaults
+from fovea.engine.sampling_params import sampling_defaults
 from fovea.multimodal.fetch import ImageTooLarge
 from fovea.server import openai_serving as serving
 from fovea.server.guards import APIKeyCheck, BodyLimit
@@ -31,6 +33,7 @@ from fovea.server.metrics import ServerMetrics
 from fovea.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
                                    TokenizeRequest, error_body)
 
+logger = logging.getLogger("fovea")
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 HTTP_ERROR_KINDS = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError"}
 
@@ -50,6 +53,8 @@ class ServerOptions:
     max_body_bytes: int = 64 << 20
     limits: RequestLimits = field(default_factory=RequestLimits)
     trust_request_chat_template: bool = False  # vLLM's flag: client chat templates, in the sandbox
+    response_role: str = "assistant"  # the role of a chat completion's message
+    log_requests: bool = False  # a log line per request: id, prompt tokens, sampling parameters
 
 
 class ClientDisconnected(Exception):
@@ -75,7 +80,12 @@ async def unless_disconnected(request: Request, awaitable):
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="fovea", version=__version__)
     names = options.served_model_names or [str(engine.config.model_dir)]
-    defaults = generation_config_defaults(engine.config.model_dir)
+    defaults = sampling_defaults(engine.config.model_dir, engine.config.generation_config)
+    logger.info("sampling defaults for fields a request leaves out: %s", json.dumps(defaults) if defaults else
+                "none" + (" (--generation-config vllm)" if engine.config.generation_config == "vllm" else ""))
+    if defaults and engine.config.generation_config == "auto":
+        logger.info("(from the checkpoint's generation_config.json, as vLLM does; --generation-config vllm turns "
+                    "them off)")
     image_limit = engine.config.limit_mm_per_prompt.get("image")
     max_len = engine.config.max_model_len
     started = int(time.time())
@@ -147,6 +157,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         engine.inputs.check_params(params)
         return params
 
+    def log_request(request_id: str, first, params) -> None:
+        if options.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request_id, len(first.prompt_token_ids), params)
+
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -194,13 +208,14 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             return stream, await anext(stream)  # bad input fails here, before any 200
 
         stream, first = await unless_disconnected(request, start())
-        top = body.top_logprobs or 0
+        log_request(request_id, first, params)
+        top, role = body.top_logprobs or 0, options.response_role
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(serving.chat_stream(first, stream, model, request_id, body.n, top,
-                                                         include_usage), media_type="text/event-stream")
+                                                         include_usage, role), media_type="text/event-stream")
         await stream.aclose()
-        return serving.chat_response(first, model, request_id, top)
+        return serving.chat_response(first, model, request_id, top, role)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -215,6 +230,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             return merged, await anext(merged)
 
         merged, first = await unless_disconnected(request, start())
+        log_request(request_id, first, params)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs,

@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
 import sys
 from pathlib import Path
-
-# vLLM flags accepted so launch lines work unchanged, with no effect here (reported at start-up).
-IGNORED_FLAGS = ["--trust-remote-code", "--disable-log-stats", "--enable-chunked-prefill", "--disable-frontend-multiprocessing"]
-
 
 def _json_arg(text: str) -> dict:
     """A JSON object, or vLLM's older key=value[,key=value] form with integer values (image=4)."""
@@ -28,7 +25,9 @@ def _json_arg(text: str) -> dict:
 
 def add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded demo model)")
-    serve.add_argument("model", nargs="?", default=None, help="model directory or hub id in the local HF cache")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="model directory or hub id (downloaded unless HF_HUB_OFFLINE is set)")
+    serve.add_argument("--model", dest="model_flag", default=None, help="the model, as vLLM's older flag")
     net = serve.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1")
     net.add_argument("--port", type=int, default=8000)
@@ -39,7 +38,12 @@ def add_serve_parser(sub) -> None:
                      help="accept chat_template in requests (rendered in sandboxed worker processes)")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
-    net.add_argument("--disable-log-requests", action="store_true")
+    net.add_argument("--disable-log-requests", action="store_true", help="no access log")
+    net.add_argument("--enable-log-requests", action="store_true", help="log each request's id, length, parameters")
+    net.add_argument("--response-role", default="assistant", help="role of the chat completion's message")
+    net.add_argument("--root-path", default="", help="path prefix when behind a proxy that strips it")
+    net.add_argument("--ssl-keyfile", default=None)
+    net.add_argument("--ssl-certfile", default=None)
     net.add_argument("--max-request-body-mb", type=int, default=64, help="larger bodies get 413 (fovea only)")
     net.add_argument("--max-engine-restarts", type=int, default=3,
                      help="engine processes restarted after dying within 10 minutes before the server exits "
@@ -52,10 +56,12 @@ def add_serve_parser(sub) -> None:
                        help="processes that decode and resize images (default: one per core, at most 8; 0: in "
                             "the front end's threads)")
     media.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are allowed below it")
-    media.add_argument("--allowed-media-domains", nargs="+", default=None, help="the only hosts http(s) images may come from")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None,
+                       help="the only hosts http(s) images may come from")
     engine = serve.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
-    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-model-len", default=None, help="tokens per sequence: 32768, 32k (32000), 32K "
+                        "(32768), or auto (the model's own, shortened to what the KV cache holds)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
@@ -74,9 +80,29 @@ def add_serve_parser(sub) -> None:
     parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                           help="ranks and replicas as local processes (mp, default) or actors on a running Ray cluster")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    for flag in IGNORED_FLAGS:
-        engine.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    engine.add_argument("--generation-config", default="auto",
+                        help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; "
+                             "or a directory holding one")
+    engine.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
+    hub = serve.add_argument_group("hub")
+    hub.add_argument("--revision", default=None, help="branch, tag or commit of a hub id")
+    hub.add_argument("--download-dir", default=None, help="Hugging Face cache directory for hub ids")
+    hub.add_argument("--tokenizer", default=None, help="must be the model's own (a separate one is not supported)")
+    add_vllm_only_args(serve.add_argument_group("vLLM flags kept for launch lines (see fovea/engine/vllm_args.py)"))
     serve.set_defaults(func=run_serve)
+
+
+def add_vllm_only_args(group) -> None:
+    """Accepted so that vLLM launch lines run: they change nothing here, or fail naming what is not implemented."""
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    group.add_argument("--kv-cache-dtype", default="auto")
+    group.add_argument("--load-format", default="auto")
+    group.add_argument("--quantization", "-q", default=None)
+    group.add_argument("--tokenizer-mode", default="auto")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-frontend-multiprocessing",
+                 "--disable-custom-all-reduce", "--disable-mm-preprocessor-cache"):
+        group.add_argument(flag, action="store_true", default=None)  # None: not given, nothing to log
 
 
 def add_fast_path_args(group) -> None:
@@ -95,6 +121,19 @@ def fast_path_args(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_socket = socket.socket(family, socket.SOCK_STREAM)
+    server_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        server_socket.bind((host, port))
+    except OSError as error:
+        sys.exit(f"fovea serve: cannot listen on {host}:{port}: {error.strerror}")
+    server_socket.listen(2048)
+    server_socket.set_inheritable(True)
+    return server_socket
+
+
 def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -102,39 +141,45 @@ def run_serve(args: argparse.Namespace) -> None:
     from fovea.server.app import ServerOptions, build_app
     from fovea.server.media import MediaPolicy
 
-    ignored = [flag for flag in IGNORED_FLAGS if getattr(args, flag.lstrip("-").replace("-", "_"))]
-    if ignored:
-        print(f"fovea serve: accepted and ignored: {' '.join(ignored)}", file=sys.stderr)
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            sys.exit(f"fovea serve: two models given ({args.model} and --model {args.model_flag})")
+        args.model = args.model_flag
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     template = args.chat_template
     if template and Path(template).is_file():
         template = Path(template).read_text()
-    engine = AsyncLLM.from_args(
-        args.model, max_restarts=args.max_engine_restarts, dtype=dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens, block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-        limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs,
-        mm_processor_workers=args.mm_processor_workers, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        mm_encoder_tp_mode=args.mm_encoder_tp_mode, distributed_executor_backend=args.distributed_executor_backend,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, **fast_path_args(args))
+    server_socket = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
+    vllm_only = ["pipeline_parallel_size", "kv_cache_dtype", "load_format", "quantization", "tokenizer_mode",
+                 "enable_chunked_prefill", "trust_remote_code", "disable_log_stats",
+                 "disable_frontend_multiprocessing", "disable_custom_all_reduce", "disable_mm_preprocessor_cache"]
+    names = ["max_num_seqs", "max_num_batched_tokens", "max_num_encoder_input_tokens", "block_size",
+             "gpu_memory_utilization", "enable_prefix_caching", "limit_mm_per_prompt", "mm_processor_kwargs",
+             "mm_processor_workers", "seed", "tensor_parallel_size", "data_parallel_size", "mm_encoder_tp_mode",
+             "distributed_executor_backend", "num_gpu_blocks_override", "generation_config", "max_logprobs",
+             "revision", "download_dir", "tokenizer", "max_model_len", *vllm_only]
+    try:
+        engine = AsyncLLM.from_args(args.model, max_restarts=args.max_engine_restarts, dtype=dtype,
+                                    **{name: getattr(args, name) for name in names}, **fast_path_args(args))
+    except (ValueError, FileNotFoundError) as error:
+        sys.exit(f"fovea serve: {error}")
     try:
         policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              [d.lower() for d in args.allowed_media_domains or []])
         options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template,
                                 policy, args.max_request_body_mb << 20,
-                                trust_request_chat_template=args.trust_request_chat_template)
+                                trust_request_chat_template=args.trust_request_chat_template,
+                                response_role=args.response_role, log_requests=args.enable_log_requests)
         app = build_app(engine, options)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level=args.uvicorn_log_level,
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level, root_path=args.root_path,
+                                               ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                                access_log=not args.disable_log_requests, timeout_graceful_shutdown=30))
         # an engine that cannot be brought back: stop serving and exit non-zero rather than answer 503 forever
         engine.on_fatal = lambda: setattr(server, "should_exit", True)
         # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the handler found at
         # start; a no-op one turns that into a normal exit (status 0) after the engine is shut down below.
         signal.signal(signal.SIGTERM, lambda *_: None)
-        server.run()
+        server.run(sockets=[server_socket])
         if app.state.template_sandbox is not None:
             app.state.template_sandbox.close()
     finally:

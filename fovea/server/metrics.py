@@ -1,4 +1,5 @@
-"""GET /metrics: Prometheus metrics named like vLLM's, with the `fovea:` prefix.
+"""GET /metrics: Prometheus metrics named like vLLM's, each under both prefixes, `fovea:` and `vllm:` (so that
+dashboards and alerts written for vLLM work unchanged).
 
 Fed by the engine's stats (EngineStats), which arrive with every step's outputs: gauges are set to the
 snapshot, totals advance by what changed since the previous one, latency events go into histograms.
@@ -7,6 +8,7 @@ snapshot, totals advance by what changed since the previous one, latency events 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from fovea.engine.stats import EngineStats
 
@@ -28,14 +30,31 @@ TOTALS = {
 }
 
 
+class _BothPrefixes:
+    """Collects the `fovea:` families of `source`, and each again renamed to `vllm:`."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self):
+        for family in self.source.collect():
+            yield family
+            twin = Metric(family.name.replace("fovea:", "vllm:", 1), family.documentation, family.type, family.unit)
+            twin.samples = [sample._replace(name=sample.name.replace("fovea:", "vllm:", 1))
+                            for sample in family.samples]
+            yield twin
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
+        own = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what /metrics shows: `own`, under both prefixes
+        self.registry.register(_BothPrefixes(own))
         self.model_name = model_name
         label = {"model_name": model_name}
 
         def make(kind, name, documentation, labels=(), **kwargs):
-            metric = kind(name, documentation, ["model_name", *labels], registry=self.registry, **kwargs)
+            metric = kind(name, documentation, ["model_name", *labels], registry=own, **kwargs)
             return metric if labels else metric.labels(**label)
 
         self.finished = make(Counter, "fovea:request_success", "Finished requests by finish reason",

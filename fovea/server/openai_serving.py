@@ -90,13 +90,14 @@ def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_response(output: RequestOutput, model: str, request_id: str, top_logprobs: int) -> dict:
+def chat_response(output: RequestOutput, model: str, request_id: str, top_logprobs: int,
+                  role: str = "assistant") -> dict:
     usage = Usage()
     usage.add_prompt(output)
     choices = []
     for c in output.outputs:
         usage.completion_tokens += len(c.token_ids)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices.append({"index": c.index, "message": {"role": role, "content": c.text},
                         "logprobs": chat_logprobs(c, top_logprobs), "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason})
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -104,7 +105,7 @@ def chat_response(output: RequestOutput, model: str, request_id: str, top_logpro
 
 
 async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], model: str, request_id: str,
-                      n: int, top_logprobs: int, include_usage: bool) -> AsyncIterator[str]:
+                      n: int, top_logprobs: int, include_usage: bool, role: str = "assistant") -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -118,7 +119,7 @@ async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], 
     usage.add_prompt(first)
     finished: set[int] = set()
     try:
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        yield chunk([{"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(n)])
         output = first
         while True:

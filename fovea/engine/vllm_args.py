@@ -1,0 +1,70 @@
+"""vLLM engine arguments that fovea takes only so that launch lines and scripts written for vLLM run unchanged.
+
+Three kinds, settled here once for `LLM(...)`, `fovea serve` and the benches: arguments that change nothing here
+(accepted, logged), arguments neutral only at some values (other values fail, naming what is not implemented,
+rather than run something else than asked), and vLLM's spellings of values fovea has (`--max-model-len 32k`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+logger = logging.getLogger("fovea")
+
+# no effect on what fovea computes or how fast
+NO_EFFECT = {
+    "trust_remote_code": "fovea runs its own model code",
+    "disable_log_stats": "stats cost nothing measurable here",
+    "disable_custom_all_reduce": "fovea has no custom all-reduce",
+    "disable_mm_preprocessor_cache": "fovea has no preprocessor cache",
+    "max_seq_len_to_capture": "decode CUDA graphs are captured by batch size",
+    "compilation_config": "fovea does not use torch.compile",
+    "swap_space": "preempted requests are recomputed, not swapped",
+    "tokenizer_revision": "the tokenizer comes with the model's revision",
+    "enable_chunked_prefill": "fovea always chunks long prompts (the tokens are the same)",
+    "disable_frontend_multiprocessing": "the engine always runs in its own process",
+}
+
+# value(s) at which the argument changes nothing; any other value asks for something fovea does not do
+ONLY_AT = {
+    "pipeline_parallel_size": ((1, None), "pipeline parallelism is not implemented; use --tensor-parallel-size"),
+    "kv_cache_dtype": (("auto", None), "the KV cache is kept in the model's dtype; quantized KV is not implemented"),
+    "load_format": (("auto", "safetensors", None), "only safetensors checkpoints load"),
+    "quantization": ((None,), "quantized checkpoints are not supported yet"),
+    "cpu_offload_gb": ((0, None), "offloading weights to the CPU is not implemented"),
+    "tokenizer_mode": (("auto", "hf", None), "only the checkpoint's Hugging Face tokenizer is supported"),
+    "worker_cls": (("auto", None), "custom worker classes are not supported"),
+}
+
+VLLM_ONLY_ARGS = set(NO_EFFECT) | set(ONLY_AT)
+
+
+def take_vllm_args(args: dict) -> dict:
+    """`args` without the arguments above; those that change nothing are logged, the others raise ValueError."""
+    for name, value in args.items():
+        if name in ONLY_AT and value not in ONLY_AT[name][0]:
+            raise ValueError(f"{name}={value!r}: {ONLY_AT[name][1]}")
+    noted = [name for name in args if name in NO_EFFECT and args[name] is not None]
+    for name in noted:
+        logger.info("accepted and ignored %s=%r: %s", name, args[name], NO_EFFECT[name])
+    return {name: value for name, value in args.items() if name not in VLLM_ONLY_ARGS}
+
+
+def parse_max_model_len(text: str | int | None) -> int | None:
+    """vLLM's forms: an integer, `auto` or -1 (the model's own limit), or a size with a suffix: k/m/g are powers
+    of 1000 (25.6k = 25600), K/M/G powers of 1024 (32K = 32768)."""
+    if text is None or isinstance(text, int):
+        return None if text == -1 else text
+    text = text.strip()
+    if text.lower() == "auto" or text == "-1":
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", text)
+    if not match:
+        raise ValueError(f"max_model_len must be an integer, auto, or a size like 32k or 32K; got {text!r}")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}[suffix]
+    value = float(number) * scale
+    if value != int(value) or value < 1:
+        raise ValueError(f"max_model_len {text!r} is not a whole number of tokens")
+    return int(value)

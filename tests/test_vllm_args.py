@@ -1,0 +1,116 @@
+"""vLLM launch lines run unchanged: flags that change nothing are accepted and logged, values fovea cannot honour
+fail naming what is missing, vLLM's spellings (`--max-model-len 32k`) parse, and the server-side flags
+(--generation-config, --max-logprobs, --response-role, --enable-log-requests, --model, --root-path) do what
+they do in vLLM."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from fovea import LLM, SamplingParams
+from fovea.engine.config import EngineConfig
+from fovea.engine.sampling_params import default_sampling_params
+from fovea.engine.vllm_args import parse_max_model_len
+from serving import free_port, running_server
+
+
+@pytest.mark.parametrize("text, tokens", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600),
+                                          ("1m", 10 ** 6), ("2M", 2 ** 21), ("auto", None), ("-1", None),
+                                          (4096, 4096), (None, None)])
+def test_max_model_len_forms(text, tokens):
+    assert parse_max_model_len(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["32q", "1.5", "0.0001k", "", "k"])
+def test_max_model_len_nonsense_is_refused(text):
+    with pytest.raises(ValueError, match="max_model_len"):
+        parse_max_model_len(text)
+
+
+def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
+    model = tiny_dirs["tiny-3b"]
+    config = EngineConfig.from_args(str(model), pipeline_parallel_size=1, kv_cache_dtype="auto", load_format="auto",
+                                    enable_chunked_prefill=False, trust_remote_code=True, tokenizer=str(model),
+                                    max_model_len="1K", swap_space=4)
+    assert config.max_model_len == 1024
+    for args, words in [(dict(pipeline_parallel_size=2), "pipeline parallelism is not implemented"),
+                        (dict(kv_cache_dtype="fp8"), "quantized KV is not implemented"),
+                        (dict(quantization="awq"), "quantized checkpoints are not supported"),
+                        (dict(load_format="pt"), "only safetensors"),
+                        (dict(tokenizer=str(tiny_dirs["tiny-7b"])), "a tokenizer other than the model's own"),
+                        (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or")]:
+        with pytest.raises(ValueError, match=words):
+            EngineConfig.from_args(str(model), **args)
+    with pytest.raises(TypeError, match="unexpected engine arguments"):
+        EngineConfig.from_args(str(model), no_such_argument=1)
+
+
+def test_generation_config_auto_vllm_or_a_directory(tiny_dirs, tmp_path):
+    model = tiny_dirs["tiny-3b"]
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.5, "top_k": 7}')
+    auto = default_sampling_params(model, "auto")
+    assert (auto.temperature, auto.top_k, auto.repetition_penalty) == (0.1, 1, 1.05)  # what `fovea tiny` writes
+    assert default_sampling_params(model, "vllm") == SamplingParams()
+    other = default_sampling_params(model, str(tmp_path))
+    assert (other.temperature, other.top_k, other.repetition_penalty) == (0.5, 7, 1.0)
+
+
+def test_max_logprobs_bounds_requests(tiny_dirs):
+    llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=256, max_logprobs=3)
+    assert len(llm.generate("hi", SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0]
+               .outputs[0].logprobs[0]) >= 3
+    with pytest.raises(ValueError, match="logprobs=4 is more than max_logprobs=3"):
+        llm.generate("hi", SamplingParams(max_tokens=2, logprobs=4), use_tqdm=False)
+
+
+def test_a_vllm_launch_line_serves(tiny_dirs):
+    model = str(tiny_dirs["tiny-3b"])
+    flags = ["--model", model, "--served-model-name", "first", "second", "-pp", "1", "--kv-cache-dtype", "auto",
+             "--load-format", "auto", "--generation-config", "vllm", "--max-model-len", "1k", "--max-logprobs", "2",
+             "--enable-log-requests", "--response-role", "bot", "--tokenizer", model, "--root-path", "/proxied",
+             "--no-enable-chunked-prefill", "--trust-remote-code", "--disable-log-stats", "--mm-processor-workers",
+             "0", "--uvicorn-log-level", "info"]
+    with running_server(None, *flags) as (base, proc):
+        models = httpx.get(base + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["first", "second"] and models[0]["max_model_len"] == 1000
+        reply = httpx.post(base + "/v1/chat/completions", json={
+            "model": "second", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "bot"
+        too_many = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 3})
+        assert too_many.status_code == 400 and "max_logprobs=2" in too_many.json()["error"]["message"]
+        samples = dict(line.rsplit(" ", 1) for line in httpx.get(base + "/metrics").text.splitlines()
+                       if line and not line.startswith("#"))
+    ours = {name: value for name, value in samples.items() if name.startswith("fovea:")}
+    assert ours and {name.replace("fovea:", "vllm:", 1): value for name, value in ours.items()} == \
+        {name: value for name, value in samples.items() if name.startswith("vllm:")}
+    assert 'vllm:num_requests_running{model_name="first"}' in samples  # dashboards made for vLLM find theirs
+    request_id = reply.json()["id"]
+    assert f"request {request_id}: " in proc.output and "sampling defaults for fields a request leaves out: none " \
+        "(--generation-config vllm)" in proc.output
+    assert "accepted and ignored enable_chunked_prefill=False" in proc.output
+
+
+def fovea_serve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "fovea.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    return done, time.monotonic() - start
+
+
+def test_refusals_come_before_the_model_loads(tiny_dirs):
+    model = str(tiny_dirs["tiny-3b"])
+    done, _ = fovea_serve(model, "--pipeline-parallel-size", "2")
+    assert done.returncode != 0 and "pipeline parallelism is not implemented" in done.stderr
+    with socket.socket() as busy:
+        port = free_port()
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        done, _ = fovea_serve(model, "--port", str(port))
+    assert done.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "KV cache" not in done.stderr  # the engine never started
