@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fovea.engine.vllm_args import max_model_len_arg
+
 
 def _demo(args: argparse.Namespace) -> None:
     import torch
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("model", help="model directory (config.json is enough) or hub id in the local HF cache")
     plan.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU, e.g. 80")
     plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    plan.add_argument("--max-model-len", type=int, default=None)
+    plan.add_argument("--max-model-len", type=max_model_len_arg, default=None)
     plan.add_argument("--max-num-batched-tokens", type=int, default=2048)
     plan.add_argument("--max-num-seqs", type=int, default=256)
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -10,6 +10,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from fovea.engine.vllm_args import max_model_len_arg
 from fovea.server.cli import add_fast_path_args, fast_path_args
 
 # vLLM's --backend values for OpenAI-compatible servers, and the endpoint each speaks to
@@ -108,7 +109,7 @@ def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "
 def add_engine_args(parser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-model-len", type=max_model_len_arg, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
     engine.add_argument("--mm-processor-kwargs", type=json.loads, default=None)

@@ -2,9 +2,10 @@
 
 Per request (client clock): TTFT = send -> first chunk carrying choices; ITL = gaps between later chunks;
 E2EL = send -> last chunk; TPOT = (E2EL - TTFT) / (output tokens - 1), for outputs of more than one token.
-Output tokens come from the stream's usage chunk. Throughputs divide totals by the benchmark's duration; peak
-output tokens/s and peak concurrency count chunks and running requests in 1-second buckets; goodput counts the
-requests meeting every SLO given.
+Output tokens come from the stream's usage chunk, and so do input tokens where the server counts them (chat
+template and image tokens included; else the dataset's text length, as vLLM's client falls back). Throughputs
+divide totals by the benchmark's duration; peak output tokens/s and peak concurrency count chunks and running
+requests in 1-second buckets; goodput counts the requests meeting every SLO given.
 """
 
 from __future__ import annotations

@@ -68,3 +68,13 @@ def parse_max_model_len(text: str | int | None) -> int | None:
     if value != int(value) or value < 1:
         raise ValueError(f"max_model_len {text!r} is not a whole number of tokens")
     return int(value)
+
+
+def max_model_len_arg(text: str) -> int | None:
+    """`--max-model-len` for argparse: vLLM's forms, a clear usage error for anything else."""
+    import argparse
+
+    try:
+        return parse_max_model_len(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

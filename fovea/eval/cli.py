@@ -8,6 +8,8 @@ import re
 import sys
 from dataclasses import replace
 
+from fovea.engine.vllm_args import max_model_len_arg
+
 
 def add_eval_parser(sub) -> None:
     parser = sub.add_parser("eval", help="evaluate a VLM's accuracy on an image task",
@@ -30,7 +32,7 @@ def add_eval_parser(sub) -> None:
     asking.add_argument("--system-prompt")
     engine = parser.add_argument_group("engine (in-process and Ray; override the registry entry)")
     engine.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
-    engine.add_argument("--max-model-len", type=int)
+    engine.add_argument("--max-model-len", type=max_model_len_arg)
     engine.add_argument("--max-num-seqs", type=int)
     engine.add_argument("--max-pixels", type=int, help="resize images to at most this many pixels")
     server = parser.add_argument_group("server backend")

@@ -9,6 +9,9 @@ import socket
 import sys
 from pathlib import Path
 
+from fovea.engine.vllm_args import max_model_len_arg
+
+
 def _json_arg(text: str) -> dict:
     """A JSON object, or vLLM's older key=value[,key=value] form with integer values (image=4)."""
     try:
@@ -60,7 +63,7 @@ def add_serve_parser(sub) -> None:
                        help="the only hosts http(s) images may come from")
     engine = serve.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
-    engine.add_argument("--max-model-len", default=None, help="tokens per sequence: 32768, 32k (32000), 32K "
+    engine.add_argument("--max-model-len", type=max_model_len_arg, default=None, help="tokens per sequence: 32768, 32k (32000), 32K "
                         "(32768), or auto (the model's own, shortened to what the KV cache holds)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
