@@ -12,8 +12,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
-
 REPO, SHA = "tiny-org/tiny-vl", "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -107,9 +105,3 @@ def test_hub_id_is_downloaded_then_found_offline(tiny_dirs, tmp_path):
     assert "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in absent.stderr
     assert "`hf download tiny-org/other`" in absent.stderr
 
-
-def test_not_a_directory_nor_a_hub_id():
-    from fovea.models.loader import resolve_model_dir
-
-    with pytest.raises(FileNotFoundError, match="neither a local directory nor a hub id"):
-        resolve_model_dir("./no/such/dir")

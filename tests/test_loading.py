@@ -135,7 +135,8 @@ def test_hub_id_resolves_from_local_cache_or_fails_clearly(tmp_path, monkeypatch
     import huggingface_hub.constants as hub_constants
 
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="not available offline"):
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)  # downloading: tests/test_hub_download.py
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
         resolve_model_dir("Qwen/Qwen2.5-VL-7B-Instruct")
     repo = tmp_path / "models--Qwen--Qwen2.5-VL-7B-Instruct"
     snapshot = repo / "snapshots" / ("a" * 40)
