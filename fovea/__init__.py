@@ -15,7 +15,7 @@ if not _logger.handlers:
     _logger.addHandler(_handler)
     _logger.setLevel(os.environ.get("FOVEA_LOGGING_LEVEL", "INFO").upper())
     _logger.propagate = False
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
@@ -26,6 +26,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from fovea.engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from fovea.engine.structured_outputs import StructuredOutputsParams
+        return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):
         from fovea.engine import request
         return getattr(request, name)

@@ -103,6 +103,9 @@ class LLMEngine:
         # One RNG per sample when seeded (sample i draws from seed + i), so its tokens do not depend on the batch.
         request.generators = [None if request.params.seed is None else torch.Generator(
             device=self.config.device).manual_seed(request.params.seed + i) for i in range(request.params.n)]
+        if request.params.structured_outputs is not None:  # one grammar state per sample
+            request.grammars = [self.inputs.grammars.matcher(request.params.structured_outputs)
+                                for _ in range(request.params.n)]
         self.requests[request.request_id] = request
         self.num_requests_added += 1
         self.scheduler.add(self._new_sequence(request, 0))

@@ -15,6 +15,7 @@ from fovea.engine.block_manager import MMSpan
 from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
 from fovea.engine.sampling_params import SamplingParams
+from fovea.engine.structured_outputs import GrammarCompiler
 from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
 from fovea.multimodal.prompt import ProcessedPrompt, PromptProcessor, prompt_too_long
 
@@ -27,6 +28,14 @@ class InputProcessor:
         self.tokenizer = self.prompts.tokenizer
         self.vocab_size = config.model.text.vocab_size
         self._arrivals = itertools.count()
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output grammars for this tokenizer (made on first use: it reads the whole vocabulary)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.config.model.eos_token_ids)
+        return self._grammars
 
     def process(self, prompt, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """A prompt is a string, a list of token ids, or {"prompt" | "prompt_token_ids": ...,
@@ -67,7 +76,7 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: ids against the vocabulary, n against max_num_seqs, logprobs
-        against max_logprobs."""
+        against max_logprobs, that a structured-output grammar compiles."""
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences can run "
                              "at once")
@@ -75,6 +84,8 @@ class InputProcessor:
             if (getattr(params, name) or 0) > self.config.max_logprobs:
                 raise ValueError(f"{name}={getattr(params, name)} is more than max_logprobs="
                                  f"{self.config.max_logprobs} (a server flag: --max-logprobs)")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:

@@ -82,6 +82,7 @@ class Request:
         self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
         self.stop_token_set = frozenset(params.stop_token_ids)
         self.generators: list[torch.Generator | None] = []  # made by the engine, on its device
+        self.grammars: list = []  # structured outputs: an llguidance matcher per sample, made by the engine
         self.metrics = RequestMetrics(arrival_time or time.time())
         self.sequences: list[Sequence] = []
         self.num_cached_tokens = 0

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fovea.engine.sampling_params import SamplingParams
+from fovea.engine.structured_outputs import mask_logits
 
 CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first
 MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path
@@ -32,6 +33,7 @@ class SampleRow:
     num_prompt_tokens: int
     generator: torch.Generator | None
     stop_ids: tuple[int, ...]  # banned while fewer than min_tokens are generated
+    grammar: object | None = None  # structured outputs: the sample's llguidance matcher
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -227,7 +229,12 @@ class Sampler:
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # their masks go in place too, and are not undone
+            logits = logits.clone()
         logits, undo = apply_penalties_and_bias(logits, rows, in_place=True)
+        if constrained:
+            mask_logits(logits, constrained, [rows[i].grammar for i in constrained])
         try:
             sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
             if len(sampled) < len(rows):
@@ -239,6 +246,10 @@ class Sampler:
                 tokens[index] = self._draw(_take(logits, sampled, index), [rows[i] for i in sampled])
         finally:
             undo()  # the caller's logits as they were
+        if constrained:
+            chosen = tokens[torch.tensor(constrained, device=tokens.device)].tolist()
+            for i, token in zip(constrained, chosen):
+                rows[i].grammar.consume_token(token)
         if raw_logprobs is None:
             return SamplerOutput(tokens)
         return SamplerOutput(tokens, *top_logprobs(raw_logprobs, tokens, max_logprobs))

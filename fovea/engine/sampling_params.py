@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from fovea.engine.structured_outputs import StructuredOutputsParams
+
 INT64_MAX = 2 ** 63 - 1  # seeds (plus the sample index) become torch generator seeds
 
 
@@ -41,6 +43,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # or its fields as a dict
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     stop_holdback: int = field(init=False, repr=False, default=0)  # characters a stream holds back
 
@@ -52,6 +55,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

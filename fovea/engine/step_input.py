@@ -101,8 +101,10 @@ def build_step(batch: ScheduledBatch, encoder_cache: EncoderCache,
             for fork in range(1 + seq.pending_forks):
                 logits_rows.append(offset + n - 1)
                 plan.owners.append((index, fork))
+                sample = seq.index + fork
                 plan.rows.append(SampleRow(seq.params, seq.token_ids, seq.num_prompt_tokens,
-                                           request.generators[seq.index + fork], request.stop_ids))
+                                           request.generators[sample], request.stop_ids,
+                                           request.grammars[sample] if request.grammars else None))
         offset += n
     if decode_rows:
         positions[:, decode_rows] = decode_positions

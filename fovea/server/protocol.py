@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from fovea.engine.sampling_params import RequestOutputKind, SamplingParams
+from fovea.engine.structured_outputs import StructuredOutputsParams
 
 
 @dataclass
@@ -63,6 +64,44 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: dict[str, Any] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        forms = {}
+        if self.response_format is not None:
+            kind = self.response_format.get("type")
+            if kind == "json_object":
+                forms["response_format"] = dict(json_object=True)
+            elif kind == "json_schema":
+                spec = self.response_format.get("json_schema")
+                if not isinstance(spec, dict):
+                    raise ValueError("response_format json_schema needs a json_schema object")
+                schema = spec.get("schema")
+                forms["response_format"] = dict(json=schema) if schema is not None else dict(json_object=True)
+            elif kind != "text":
+                raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        if self.structured_outputs:
+            forms["structured_outputs"] = self.structured_outputs
+        guided = {name: getattr(self, f"guided_{name}") for name in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{name}") is not None}
+        if guided:
+            forms["guided_" + "/".join(guided)] = guided
+        if len(forms) > 1:
+            raise ValueError(f"give one way of constraining the output, not {' and '.join(forms)}")
+        if not forms:
+            return None
+        (where, fields), = forms.items()
+        unknown = set(fields) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise ValueError(f"{where}: {sorted(unknown)} not supported; supported: json, regex, choice, grammar, "
+                             "json_object")
+        return StructuredOutputsParams(**fields)
 
     def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -82,6 +121,7 @@ class SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens, "prompt_logprobs": prompt_logprobs,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self.structured(),
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY})
 
 

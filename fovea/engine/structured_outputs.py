@@ -1,0 +1,110 @@
+"""Structured outputs: a request's JSON schema, regex, choice or grammar becomes a token mask at every step.
+
+Built on llguidance (Microsoft's grammar engine, one of vLLM's two): a wheel with no dependencies (xgrammar needs
+torch, triton and apache-tvm-ffi), and on this CPU the cheaper per step at batch 256 with a 3-field JSON schema
+(`python benchmarks/grammar_cpu.py`): masks filled and tokens consumed in 39.6 ms vs xgrammar's 66.9 ms (mean;
+xgrammar's median step is cheaper, its string steps are not), masks applied to the logits in 21.7 ms vs 223.8 ms.
+Each sample of a request gets its own matcher; the sampler masks its logits row before drawing, then the matcher
+consumes the token drawn. JSON is generated compact (no free whitespace), so a model cannot wander in blanks.
+Not yet: filling the masks on the CPU while the GPU runs the step (they are filled after the logits arrive).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+WHERE = "structured_outputs"
+
+
+@dataclass(frozen=True, eq=False)
+class StructuredOutputsParams:
+    """vLLM's names: exactly one of json (a schema, as a dict or a JSON string), regex, choice, grammar (Lark,
+    llguidance's dialect) or json_object (any JSON object)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"{WHERE} takes exactly one of json, regex, choice, grammar, json_object; got "
+                             f"{given or 'none'}")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"{WHERE}.choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def key(self) -> tuple:
+        """Hashable and equal for equal requests (a schema dict is not hashable)."""
+        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
+        return schema, self.regex, self.choice, self.grammar, self.json_object
+
+    def grammar_text(self) -> str:
+        """The request as an llguidance grammar."""
+        from llguidance import LLMatcher
+
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
+        if self.grammar is not None:
+            return LLMatcher.grammar_from_lark(self.grammar)
+        schema = {"type": "object"} if self.json_object else self.json
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        try:
+            return LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        except ValueError as error:  # not JSON at all
+            raise ValueError(f"{WHERE}.json is not a JSON schema: {error}") from None
+
+
+class GrammarCompiler:
+    """Turns requests into matchers for one tokenizer; a grammar that does not compile raises ValueError with
+    llguidance's reason."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        import llguidance.hf
+
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.vocab_size = vocab_size
+        self._checked: dict[tuple, str] = {}  # request key -> its grammar, known to compile
+
+    def _grammar(self, params: StructuredOutputsParams) -> str:
+        from llguidance import LLMatcher
+
+        grammar = self._checked.get(params.key())
+        if grammar is None:
+            grammar = params.grammar_text()
+            problem = LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if problem:
+                raise ValueError(f"{WHERE} does not compile: {problem.strip()[:1000]}")
+            if len(self._checked) > 1024:  # many distinct schemas: keep the cache bounded
+                self._checked.clear()
+            self._checked[params.key()] = grammar
+        return grammar
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        self._grammar(params)
+
+    def matcher(self, params: StructuredOutputsParams):
+        from llguidance import LLMatcher
+
+        return LLMatcher(self.tokenizer, self._grammar(params))
+
+
+def mask_logits(logits, rows: list[int], matchers: list) -> None:
+    """Sets to -inf, in place, every token that `matchers[i]` does not allow next in row `rows[i]`."""
+    import llguidance.torch as lt
+    import torch
+
+    bitmask = lt.allocate_token_bitmask(len(rows), logits.shape[1])
+    for slot, matcher in enumerate(matchers):
+        lt.fill_next_token_bitmask(matcher, bitmask, slot)
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits[index]
+    lt.apply_token_bitmask_inplace(masked, bitmask.to(logits.device))
+    logits[index] = masked
