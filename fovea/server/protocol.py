@@ -5,13 +5,16 @@ strings, stop token ids, logit_bias) and the prompts of one completions request 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fovea.engine.sampling_params import RequestOutputKind, SamplingParams
 from fovea.engine.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger("fovea")
 
 
 @dataclass
@@ -37,8 +40,36 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields of OpenAI's or vLLM's request protocol that fovea does not implement, with the values that ask for
+# nothing (what clients send by default): any other value is a 400 naming the field, since ignoring it would
+# answer something other than what was asked. Fields outside both protocols are logged and ignored, as in vLLM.
+NOT_IMPLEMENTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "priority": (None, 0), "chat_template_kwargs": (None, {}), "documents": (None, []),
+    "continue_final_message": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False), "prompt_embeds": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
+    "reasoning_effort": (None,), "web_search_options": (None,), "echo": (None, False),
+    "add_special_tokens": (None, False),  # chat (completions has its own echo)
+}
+IGNORED = {"store", "metadata", "service_tier", "request_id", "cache_salt"}  # no effect on the answer
+
+
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # unknown fields are ignored, as vLLM does
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # extra fields: checked in check_extra_fields
+
+    @model_validator(mode="after")
+    def check_extra_fields(self):
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            if name in NOT_IMPLEMENTED and value not in NOT_IMPLEMENTED[name]:
+                raise ValueError(f"{name} is not supported by fovea yet")
+        unknown = sorted(set(extra) - set(NOT_IMPLEMENTED) - IGNORED)
+        if unknown:
+            logger.warning("ignoring request fields that are not part of the API: %s", unknown)
+        return self
 
     model: str | None = None
     n: int = 1
