@@ -229,9 +229,8 @@ class Sampler:
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
+        # structured-output rows are masked in place and stay so (the engine's logits buffer is rewritten every step)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if constrained:  # their masks go in place too, and are not undone
-            logits = logits.clone()
         logits, undo = apply_penalties_and_bias(logits, rows, in_place=True)
         if constrained:
             mask_logits(logits, constrained, [rows[i].grammar for i in constrained])

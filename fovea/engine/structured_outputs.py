@@ -96,15 +96,25 @@ class GrammarCompiler:
         return LLMatcher(self.tokenizer, self._grammar(params))
 
 
+_executor = None  # llguidance's thread pool: masks of a batch are filled in parallel, outside the GIL
+
+
 def mask_logits(logits, rows: list[int], matchers: list) -> None:
     """Sets to -inf, in place, every token that `matchers[i]` does not allow next in row `rows[i]`."""
+    import llguidance
     import llguidance.torch as lt
     import torch
 
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
     bitmask = lt.allocate_token_bitmask(len(rows), logits.shape[1])
-    for slot, matcher in enumerate(matchers):
-        lt.fill_next_token_bitmask(matcher, bitmask, slot)
+    lt.fill_next_token_bitmask_par(_executor, list(zip(matchers, range(len(rows)))), bitmask)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if rows == list(range(logits.shape[0])):  # every row constrained: no gather and scatter
+        lt.apply_token_bitmask_inplace(logits, bitmask)
+        return
     index = torch.tensor(rows, device=logits.device)
     masked = logits[index]
-    lt.apply_token_bitmask_inplace(masked, bitmask.to(logits.device))
+    lt.apply_token_bitmask_inplace(masked, bitmask)
     logits[index] = masked
