@@ -128,3 +128,19 @@ def test_tensor_parallel_registry_entry_in_process_and_on_ray(tiny_dirs, task_fi
         assert [{k: p.get(k) for k in SAME_FIELDS} for p in predictions] == \
                [{k: p.get(k) for k in SAME_FIELDS} for p in expected], run
     assert "ray: 1 replicas x" in results["backend"]
+
+
+def test_structured_answer_leaves_only_failed_requests_missing(tiny_dirs, task_file, tmp_path, capsys):
+    """The random model never writes {"answer": ...} by itself; under the options' JSON schema every answered
+    sample parses (the broken image stays an error)."""
+    model = str(tiny_dirs["tiny-3b"])
+    common = ["eval", "--model", model, "--task", str(task_file), "--max-tokens", "24", "--runs", "1", *ENGINE]
+    main([*common, "--output-dir", str(tmp_path / "free")])
+    main([*common, "--structured-answer", "--output-dir", str(tmp_path / "structured")])
+    printed = capsys.readouterr().out
+    free, free_results = read_outputs(tmp_path / "free")
+    structured, results = read_outputs(tmp_path / "structured")
+    assert free_results["runs"][0]["num_missing"] == 8 and not free_results["structured_answer"]
+    assert results["structured_answer"] and results["runs"][0]["num_missing"] == 1  # only the broken image
+    assert all(json.loads(p["output"])["answer"] in ("no", "yes") for p in structured if "error" not in p)
+    assert "(answers under the options' JSON schema)" in printed

@@ -30,6 +30,8 @@ def add_eval_parser(sub) -> None:
     asking.add_argument("--max-tokens", type=int)
     asking.add_argument("--temperature", type=float)
     asking.add_argument("--system-prompt")
+    asking.add_argument("--structured-answer", action="store_true", default=None,
+                        help="generate the answer under a JSON schema of the task's options (structured outputs)")
     engine = parser.add_argument_group("engine (in-process and Ray; override the registry entry)")
     engine.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
     engine.add_argument("--max-model-len", type=max_model_len_arg)
@@ -67,7 +69,7 @@ def run_eval(args: argparse.Namespace) -> None:
     task = Task.find(args.task)
     if args.data:
         task = task.with_data(args.data)
-    task = replace(task, **_given(args, "runs", "samples_per_class", "seed"))
+    task = replace(task, **_given(args, "runs", "samples_per_class", "seed", "structured_answer"))
     task.validate()
     entry = find_model(args.model)
     entry = replace(entry, **_given(args, "max_tokens", "temperature", "system_prompt", "max_pixels"))

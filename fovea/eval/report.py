@@ -16,6 +16,7 @@ def summary_table(results: dict) -> str:
              f"{results['num_predictions']} predictions", "", f"{'metric':<20}{'mean':>10}{'std':>10}"]
     lines += [f"{name:<20}{v['mean']:>10.4f}{v['std']:>10.4f}" for name, v in results["summary"].items()]
     lines += ["", f"{'missing answers':<20}{missing:>10} of {results['num_predictions']}"
+              + (" (answers under the options' JSON schema)" if results.get("structured_answer") else "")
               + (f" ({sum(r['num_errors'] for r in runs)} failed requests)" if any(r["num_errors"] for r in runs)
                  else ""),
               f"{'elapsed':<20}{timing['elapsed_s']:>10.1f} s  ({timing['samples_per_s']:.2f} samples/s, "

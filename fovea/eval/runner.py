@@ -32,6 +32,8 @@ def evaluate(backend, task: Task, entry: ModelEntry, output_dir: str | Path, lim
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     params = entry.sampling_params()
+    if task.structured_answer:  # vLLM's request field too, so a --base-url vLLM server honours it
+        params["structured_outputs"] = {"json": task.answer_schema()}
     runs, predictions = [], []
     for run in range(task.runs):
         samples = task.samples(run, limit)
@@ -59,7 +61,7 @@ def evaluate(backend, task: Task, entry: ModelEntry, output_dir: str | Path, lim
                     for name in SUMMARY_METRICS for values in [[r[name] for r in runs]]},
         "timings": timings(predictions, sum(r["elapsed_s"] for r in runs)),
         "failed_runs": [i for i, r in enumerate(runs) if r["num_missing"] > task.max_missing * r["num_samples"]],
-        "max_missing": task.max_missing,
+        "max_missing": task.max_missing, "structured_answer": task.structured_answer,
     }
     with (output_dir / "predictions.jsonl").open("w") as f:
         f.writelines(json.dumps(p) + "\n" for p in predictions)

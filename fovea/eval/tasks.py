@@ -49,6 +49,9 @@ class Task:
     seed: int = 0
     runs: int = 1  # repeated runs (sampled differently when seeded sampling applies) for mean and std
     max_missing: float = 1.0  # fraction of unparseable answers above which the run fails
+    # the answer generated under a JSON schema whose "answer" is one of the options (structured outputs): no
+    # missing answers, at the price of forcing a choice; `fovea eval --structured-answer` turns it on too
+    structured_answer: bool = False
     _samples: list[Sample] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -89,6 +92,11 @@ class Task:
             return cls.from_yaml(shipped)
         names = sorted(p.stem for p in SHIPPED_TASKS.glob("*.yaml"))
         raise ValueError(f"no task file {name_or_path!r} and no shipped task of that name (shipped: {names})")
+
+    def answer_schema(self) -> dict:
+        """{"answer": one of the options}: what the default instruction asks for, as a JSON schema."""
+        return {"type": "object", "properties": {"answer": {"enum": list(self.options)}}, "required": ["answer"],
+                "additionalProperties": False}
 
     def with_data(self, path: str | Path) -> "Task":
         """The same task on another copy of its data (`--data`): a class folder or a .jsonl/.csv/.parquet file."""
