@@ -84,7 +84,9 @@ def test_penalties_change_logits_as_defined():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     # token 0 in the prompt; token 2 generated twice, token 4 once
-    got = apply_penalties_and_bias(logits.clone(), rows(params, 1, prompt=[0], output=[2, 2, 4]))[0]
+    got = logits.clone()
+    apply_penalties_and_bias(got, rows(params, 1, prompt=[0], output=[2, 2, 4]))
+    got = got[0]
     expected = [2.0 / 2, -1.0, 0.5 / 2 - 0.5 * 2 - 0.25, 3.0, -2.0 * 2 - 0.5 - 0.25]
     assert got.tolist() == pytest.approx(expected)
 
@@ -93,7 +95,8 @@ def test_logit_bias_and_min_tokens():
     logits = torch.zeros(2, 6)
     biased = rows(SamplingParams(logit_bias={3: 5.0, "4": -1.0}), 1)
     held = rows(SamplingParams(min_tokens=2), 1, prompt=[1], output=[2], stop_ids=[5, 0])
-    got = apply_penalties_and_bias(logits, biased + held)
+    got = logits.clone()
+    apply_penalties_and_bias(got, biased + held)
     assert got[0].tolist() == [0, 0, 0, 5.0, -1.0, 0]
     assert got[1, 5] == -math.inf and got[1, 0] == -math.inf and got[1, 1:5].eq(0).all()
 
@@ -191,7 +194,8 @@ def test_sparse_penalties_equal_dense_ones():
     params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2),
               SamplingParams(repetition_penalty=0.7), SamplingParams(), SamplingParams(frequency_penalty=1.0)]
     batch = [SampleRow(p, torch.randint(0, vocab, (50,)).tolist(), 30, None, ()) for p in params]
-    got = apply_penalties_and_bias(logits, batch)
+    got = logits.clone()
+    undo = apply_penalties_and_bias(got, batch)
     for row, (r, expected) in enumerate(zip(batch, logits.clone())):  # the definitions, written out per token
         p = r.params
         outputs = r.output_ids
@@ -201,4 +205,6 @@ def test_sparse_penalties_equal_dense_ones():
             count = outputs.count(token)
             expected[token] = value - p.frequency_penalty * count - p.presence_penalty * (count > 0)
         assert torch.allclose(got[row], expected, atol=1e-6), row
-    assert not torch.equal(got, logits)  # the input is left alone
+    assert not torch.equal(got, logits)  # penalized in place...
+    undo()
+    assert torch.equal(got, logits)  # ...and taken back exactly

@@ -69,10 +69,9 @@ def _penalized(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
 
 
-def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], in_place: bool = False):
-    """`logits` with logit_bias, min_tokens bans and the penalties applied: a copy when anything applies, or with
-    `in_place` the tensor itself plus an `undo()` that puts back the few entries changed (copying a 256 x 152k
-    batch costs as much as the argmax that follows)."""
+def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow]):
+    """Applies logit_bias, min_tokens bans and the penalties to `logits` in place; returns an `undo()` that puts
+    back the few entries changed (copying a 256 x 152k batch would cost as much as the argmax that follows)."""
     vocab = logits.shape[1]
     device = logits.device
     bias = [(i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
@@ -81,7 +80,7 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], in_pla
               for t in r.stop_ids if 0 <= t < vocab]
     penalized = [i for i, r in enumerate(rows) if _penalized(r.params)]
     if not (bias or banned or penalized):
-        return (logits, _nothing) if in_place else logits
+        return _nothing
     seen = generated = None
     if penalized:  # (row * vocab + token) keys of the penalized rows' tokens; numpy reads Python lists 10x faster
         keys, output_keys = [], []
@@ -94,16 +93,13 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], in_pla
         generated = torch.from_numpy(np.concatenate(output_keys)).to(device)
     bias_keys = torch.tensor([k for k, _ in bias], dtype=torch.long, device=device)
     banned_keys = torch.tensor(banned, dtype=torch.long, device=device)
-    if in_place:
-        flat = logits.view(-1)
-        touched = torch.cat([bias_keys, banned_keys] + ([seen] if seen is not None else []))
-        saved = flat[touched]
+    flat = logits.view(-1)
+    touched = torch.cat([bias_keys, banned_keys] + ([seen] if seen is not None else []))
+    saved = flat[touched]
 
-        def undo() -> None:
-            flat[touched] = saved  # a key listed twice was saved twice with the same value
-    else:
-        logits = logits.clone()
-        flat = logits.view(-1)
+    def undo() -> None:
+        flat[touched] = saved  # a key listed twice was saved twice with the same value
+
     if bias:
         flat.index_put_((bias_keys,), torch.tensor([b for _, b in bias], dtype=logits.dtype, device=device),
                         accumulate=True)
@@ -118,7 +114,7 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], in_pla
         if generated.numel():
             flat.index_add_(0, generated, -column("frequency_penalty")[generated // vocab])
             flat[generated] = flat[generated] - column("presence_penalty")[generated // vocab]
-    return (logits, undo) if in_place else logits
+    return undo
 
 
 def _nothing() -> None:
@@ -231,7 +227,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
         # structured-output rows are masked in place and stay so (the engine's logits buffer is rewritten every step)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        logits, undo = apply_penalties_and_bias(logits, rows, in_place=True)
+        undo = apply_penalties_and_bias(logits, rows)
         if constrained:
             mask_logits(logits, constrained, [rows[i].grammar for i in constrained])
         try:

@@ -9,7 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from fovea.engine.vllm_args import max_model_len_arg
+from fovea.engine.vllm_args import VLLM_ONLY_ARGS, max_model_len_arg
 
 
 def _json_arg(text: str) -> dict:
@@ -63,8 +63,9 @@ def add_serve_parser(sub) -> None:
                        help="the only hosts http(s) images may come from")
     engine = serve.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
-    engine.add_argument("--max-model-len", type=max_model_len_arg, default=None, help="tokens per sequence: 32768, 32k (32000), 32K "
-                        "(32768), or auto (the model's own, shortened to what the KV cache holds)")
+    engine.add_argument("--max-model-len", type=max_model_len_arg, default=None,
+                        help="tokens per sequence: 32768, 32k (32000), 32K (32768), or auto (the model's own, "
+                             "shortened to what the KV cache holds)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
@@ -153,9 +154,7 @@ def run_serve(args: argparse.Namespace) -> None:
     if template and Path(template).is_file():
         template = Path(template).read_text()
     server_socket = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
-    vllm_only = ["pipeline_parallel_size", "kv_cache_dtype", "load_format", "quantization", "tokenizer_mode",
-                 "enable_chunked_prefill", "trust_remote_code", "disable_log_stats",
-                 "disable_frontend_multiprocessing", "disable_custom_all_reduce", "disable_mm_preprocessor_cache"]
+    vllm_only = [name for name in VLLM_ONLY_ARGS if hasattr(args, name)]  # the ones add_vllm_only_args declared
     names = ["max_num_seqs", "max_num_batched_tokens", "max_num_encoder_input_tokens", "block_size",
              "gpu_memory_utilization", "enable_prefix_caching", "limit_mm_per_prompt", "mm_processor_kwargs",
              "mm_processor_workers", "seed", "tensor_parallel_size", "data_parallel_size", "mm_encoder_tp_mode",
