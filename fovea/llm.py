@@ -9,6 +9,7 @@ from fovea.engine.config import EngineConfig
 from fovea.engine.engine import LLMEngine
 from fovea.engine.request import RequestOutput
 from fovea.engine.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
+from fovea.multimodal.prompt import ChatOptions
 
 
 class LLM:
@@ -51,11 +52,14 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
-        """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+             mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations; `tools`
+        (OpenAI's function definitions) and `chat_template_kwargs` go to the chat template, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        processed = [self.engine.inputs.process_chat(conversation, mm_processor_kwargs, chat_template,
-                                                     add_generation_prompt) for conversation in conversations]
+        chat = ChatOptions(chat_template, add_generation_prompt, tools, chat_template_kwargs)
+        processed = [self.engine.inputs.process_chat(conversation, mm_processor_kwargs, chat)
+                     for conversation in conversations]
         return self._run(processed, sampling_params, use_tqdm)
 
     def _run(self, processed, sampling_params, use_tqdm) -> list[RequestOutput]:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fovea.models.tiny import DEMO_DIR_NAME
+
 
 def run_fovea(*args, env=None):
     return subprocess.run([sys.executable, "-m", "fovea.cli", *args], capture_output=True, text=True, timeout=300,
@@ -21,7 +23,7 @@ def test_demo_builds_and_announces_the_embedded_model(tmp_path):
     assert "RANDOM weights" in done.stderr and "gibberish" in done.stderr
     assert "image grid (1, 24, 32) -> 192 image tokens" in done.stdout
     assert "--- 4 tokens in" in done.stdout
-    config = json.loads((tmp_path / "demo-tiny-3b-v2" / "config.json").read_text())
+    config = json.loads((tmp_path / DEMO_DIR_NAME / "config.json").read_text())
     assert config["max_position_embeddings"] == 8192  # a request without max_tokens ends within minutes on a CPU
     again = run_fovea("demo", "--max-tokens", "2", "--threads", "1", env={"FOVEA_CACHE_DIR": str(tmp_path)})
     assert again.returncode == 0 and "building" not in again.stderr  # built once, reused

@@ -65,6 +65,29 @@ def test_offline_outputs_match_their_constraints(tiny_dirs):
             json.loads(output.outputs[0].text)
 
 
+def test_constraints_hold_through_chunked_prefill_preemption_prefix_cache_and_stop_strings(tiny_dirs):
+    """16 samples of 104-token prompts sharing 64 tokens, prefilled 48 tokens a step, in 40 KV blocks (a sample
+    may need 11): sequences are preempted and recomputed, prefixes come from the cache, and every output that
+    stopped still validates (a recomputed sequence's matcher is not advanced twice)."""
+    llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=512, max_num_seqs=16, max_num_batched_tokens=48,
+              block_size=16, num_gpu_blocks_override=40)
+    shared = [(13 * j) % 5000 + 200 for j in range(64)]
+    prompts = [{"prompt_token_ids": shared + [(7 * i + j) % 5000 + 300 for j in range(40)]} for i in range(8)]
+    spec = StructuredOutputsParams(json=BOX)
+    outputs = llm.generate(prompts, SamplingParams(temperature=1.0, n=2, seed=1, max_tokens=60,
+                                                   structured_outputs=spec), use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits >= 7 * 64
+    stopped = sum(check(s.text, s.finish_reason, spec) for o in outputs for s in o.outputs)
+    assert stopped >= 15
+    cut = llm.generate(prompts[:4], SamplingParams(temperature=1.0, seed=2, max_tokens=20, stop=["-"],
+                                                   structured_outputs=StructuredOutputsParams(regex=REGEX)),
+                       use_tqdm=False)
+    for output in cut:  # a stop string ends a constrained answer where it appears, as in free text
+        sample = output.outputs[0]
+        assert (sample.finish_reason, sample.stop_reason) == ("stop", "-") and re.fullmatch("[0-9]{3}", sample.text)
+
+
 class Detection(BaseModel):
     label: Literal["cat", "dog", "boat"]
     confidence: int = Field(ge=0, le=100)
@@ -139,8 +162,8 @@ def test_bad_constraints_get_400_with_the_reason(client, body, words):
 
 
 @pytest.mark.parametrize("extra, refused", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"priority": 5}, "priority"), ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ({"priority": 5}, "priority"), ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
     ({"use_beam_search": True}, "use_beam_search"), ({"echo": True}, "echo"),
     ({"priority": 0, "best_of": 1, "parallel_tool_calls": False, "store": False}, None),  # values asking nothing
     ({"not_a_field_of_any_api": 1}, None),  # outside both protocols: logged and ignored, as vLLM does

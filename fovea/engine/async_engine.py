@@ -38,6 +38,7 @@ from fovea.engine.request import Request, RequestOutput
 from fovea.engine.sampling_params import SamplingParams, default_sampling_params
 from fovea.engine.stats import EngineStats, combine
 from fovea.multimodal.image_workers import ImageWorkers, default_workers
+from fovea.multimodal.prompt import ChatOptions
 
 logger = logging.getLogger("fovea")
 RESTART_WINDOW_S = 600.0
@@ -120,15 +121,14 @@ class AsyncLLM:
 
     async def generate(self, prompt=None, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, messages: list[dict] | None = None,
-                       mm_processor_kwargs: dict | None = None, chat_template: str | None = None,
-                       add_generation_prompt: bool = True) -> AsyncIterator[RequestOutput]:
+                       mm_processor_kwargs: dict | None = None,
+                       chat: ChatOptions | None = None) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request: `prompt` in any form LLM.generate takes, or chat `messages`.
         Bad input raises ValueError here, before anything reaches the engine."""
         self._check_alive()
         arrival = time.time()  # latencies count the preparation below
         request = await self.run_in_pool(self._make_request, request_id or f"req-{next(self._ids)}", prompt,
-                                         messages, sampling_params, mm_processor_kwargs, chat_template,
-                                         add_generation_prompt, arrival)
+                                         messages, sampling_params, mm_processor_kwargs, chat, arrival)
         async for output in self.stream(request):
             yield output
 
@@ -141,13 +141,13 @@ class AsyncLLM:
 
         def make_all():
             return [self._make_request(f"{request_id}-{i}", prompt, None, sampling_params, mm_processor_kwargs,
-                                       None, True, arrival, i) for i, prompt in enumerate(prompts)]
+                                       None, arrival, i) for i, prompt in enumerate(prompts)]
 
         return await self.run_in_pool(make_all)
 
-    def _make_request(self, request_id, prompt, messages, params, mm_processor_kwargs, chat_template,
-                      add_generation_prompt, arrival, fair_rank=0) -> Request:
-        processed = (self.inputs.process_chat(messages, mm_processor_kwargs, chat_template, add_generation_prompt)
+    def _make_request(self, request_id, prompt, messages, params, mm_processor_kwargs, chat, arrival,
+                      fair_rank=0) -> Request:
+        processed = (self.inputs.process_chat(messages, mm_processor_kwargs, chat)
                      if messages is not None else self.inputs.process(prompt, mm_processor_kwargs))
         return self.inputs.make_request(request_id, processed, params or self.default_params, arrival, fair_rank)
 

@@ -17,7 +17,7 @@ from fovea.engine.request import MMItem, Request
 from fovea.engine.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler
 from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
-from fovea.multimodal.prompt import ProcessedPrompt, PromptProcessor, prompt_too_long
+from fovea.multimodal.prompt import ChatOptions, ProcessedPrompt, PromptProcessor, prompt_too_long
 
 
 class InputProcessor:
@@ -63,9 +63,8 @@ class InputProcessor:
         return self.prompts.process(prompt, images, mm_processor_kwargs or None, self.config.max_model_len)
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
-                     chat_template: str | None = None, add_generation_prompt: bool = True) -> ProcessedPrompt:
-        text, images = self.prompts.render_chat(messages, add_generation_prompt, chat_template,
-                                                self.config.max_model_len)
+                     chat: ChatOptions | None = None) -> ProcessedPrompt:
+        text, images = self.prompts.render_chat(messages, chat, self.config.max_model_len)
         self._check_image_count(len(images))
         return self.prompts.process(text, images, mm_processor_kwargs, self.config.max_model_len)
 

@@ -21,6 +21,7 @@ from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.memory_profile import profile_kv_budget
 from fovea.engine.request import MMItem
 from fovea.engine.sampler import Sampler, SamplerOutput, top_logprobs
+from fovea.engine.structured_outputs import GrammarMasks
 from fovea.engine.scheduler import ScheduledBatch
 from fovea.engine.step_input import StepInput, build_step
 from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata, TorchAttention
@@ -114,6 +115,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, encoder_cache: EncoderCache) -> StepOutput:
         """Rank 0: builds the step, has every rank run it, samples."""
         step, mm_embeds, plan = build_step(batch, encoder_cache, self.config.block_size)
+        masks = GrammarMasks.start([row.grammar for row in plan.rows], self.config.model.text.vocab_size)
         if self.parallel is not None:
             self.parallel.send(step, self.parallel.lm_control)
             if mm_embeds is not None:
@@ -121,7 +123,7 @@ class ModelRunner:
         logits, span_logits = self.run_step(step, mm_embeds)
         out = StepOutput(row_owners=plan.owners)
         if logits is not None:
-            out.sampled = self.sampler(logits, plan.rows)
+            out.sampled = self.sampler(logits, plan.rows, masks)
         for rows, (index, targets, k) in zip(span_logits, plan.prompt_logprobs):
             logprobs = rows.float().log_softmax(-1)
             out.prompt_logprobs[index] = top_logprobs(logprobs, torch.tensor(targets, device=self.device), k)

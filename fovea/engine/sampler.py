@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fovea.engine.sampling_params import SamplingParams
-from fovea.engine.structured_outputs import mask_logits
+from fovea.engine.structured_outputs import GrammarMasks
 
 CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first
 MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path
@@ -220,7 +220,8 @@ class Sampler:
             tokens[index] = (probs / self._noise(probs.shape, subset, vocab, device)).argmax(-1)
         return tokens
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], masks: GrammarMasks | None = None) -> SamplerOutput:
+        """`masks`: the rows' structured-output masks, started before the forward pass (else filled here)."""
         logits = logits.float().contiguous()
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
@@ -229,7 +230,7 @@ class Sampler:
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         undo = apply_penalties_and_bias(logits, rows)
         if constrained:
-            mask_logits(logits, constrained, [rows[i].grammar for i in constrained])
+            (masks or GrammarMasks.start([r.grammar for r in rows], logits.shape[1])).apply(logits)
         try:
             sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
             if len(sampled) < len(rows):

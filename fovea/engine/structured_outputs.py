@@ -6,7 +6,6 @@ torch, triton and apache-tvm-ffi), and on this CPU the cheaper per step at batch
 xgrammar's median step is cheaper, its string steps are not), masks applied to the logits in 21.7 ms vs 223.8 ms.
 Each sample of a request gets its own matcher; the sampler masks its logits row before drawing, then the matcher
 consumes the token drawn. JSON is generated compact (no free whitespace), so a model cannot wander in blanks.
-Not yet: filling the masks on the CPU while the GPU runs the step (they are filled after the logits arrive).
 """
 
 from __future__ import annotations
@@ -94,25 +93,51 @@ class GrammarCompiler:
         return self._fresh(params).deep_copy()
 
 
-_executor = None  # llguidance's thread pool: masks of a batch are filled in parallel, outside the GIL
+_threads = None  # (llguidance's pool, which fills a batch's masks in parallel outside the GIL; a starter thread)
 
 
-def mask_logits(logits, rows: list[int], matchers: list) -> None:
-    """Sets to -inf, in place, every token that `matchers[i]` does not allow next in row `rows[i]`."""
-    import llguidance
-    import llguidance.torch as lt
-    import torch
+def _fill_threads():
+    global _threads
+    if _threads is None:
+        import concurrent.futures
 
-    global _executor
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
-    bitmask = lt.allocate_token_bitmask(len(rows), logits.shape[1])
-    lt.fill_next_token_bitmask_par(_executor, list(zip(matchers, range(len(rows)))), bitmask)
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    if rows == list(range(logits.shape[0])):  # every row constrained: no gather and scatter
-        lt.apply_token_bitmask_inplace(logits, bitmask)
-        return
-    index = torch.tensor(rows, device=logits.device)
-    masked = logits[index]
-    lt.apply_token_bitmask_inplace(masked, bitmask)
-    logits[index] = masked
+        import llguidance
+
+        _threads = llguidance.LLExecutor(), concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
+    return _threads
+
+
+class GrammarMasks:
+    """The next-token masks of a step's constrained rows. Filling starts when the step is built and runs in
+    llguidance's threads (they release the GIL) while the model runs: on a GPU the CPU work hides behind the
+    forward pass; the sampler waits for them only once it has the logits, then applies them on the device."""
+
+    def __init__(self, rows: list[int], matchers: list, vocab_size: int):
+        import llguidance.torch as lt
+
+        self.rows = rows
+        self.bitmask = lt.allocate_token_bitmask(len(rows), vocab_size)
+        pool, starter = _fill_threads()
+        self._filled = starter.submit(lt.fill_next_token_bitmask_par, pool, list(zip(matchers, range(len(rows)))),
+                                      self.bitmask)
+
+    @classmethod
+    def start(cls, grammars: list, vocab_size: int) -> "GrammarMasks | None":
+        """Masks for the rows whose grammar (matcher) is not None; None when no row has one."""
+        rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
+        return cls(rows, [grammars[i] for i in rows], vocab_size) if rows else None
+
+    def apply(self, logits) -> None:
+        """Sets to -inf, in place, every token that a constrained row's grammar does not allow next."""
+        import llguidance.torch as lt
+        import torch
+
+        self._filled.result()
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        if self.rows == list(range(logits.shape[0])):  # every row constrained: no gather and scatter
+            lt.apply_token_bitmask_inplace(logits, bitmask)
+            return
+        index = torch.tensor(self.rows, device=logits.device)
+        masked = logits[index]
+        lt.apply_token_bitmask_inplace(masked, bitmask)
+        logits[index] = masked

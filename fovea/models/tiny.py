@@ -221,12 +221,13 @@ def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: i
 # A request without max_tokens may run to max_model_len, as in vLLM: 128k tokens would take hours on a CPU. 8192
 # still holds a 1080p image (about 2,600 tokens) and its answer.
 DEMO_MAX_MODEL_LEN = 8192
+DEMO_DIR_NAME = "demo-tiny-3b-v3"  # a new name whenever what the demo holds changes (v3: the template lists tools)
 
 
 def demo_model_dir() -> Path:
     """The embedded demo model, built on first use in the user's cache directory."""
     base = Path(os.environ.get("FOVEA_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "fovea")
-    target = base.expanduser() / "demo-tiny-3b-v2"
+    target = base.expanduser() / DEMO_DIR_NAME
     if not (target / "README.md").is_file():
         print(f"fovea: building the embedded demo model (tiny, RANDOM weights) in {target}", file=sys.stderr)
         target.parent.mkdir(parents=True, exist_ok=True)

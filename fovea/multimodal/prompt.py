@@ -12,6 +12,7 @@ front end), and by the images' token counts before their pixels are decoded.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from fovea.models.mrope_positions import VisionSpan, mrope_positions
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from fovea.multimodal.image_workers import release_images
 
+logger = logging.getLogger("fovea")
 COUNT_CHUNK_CHARS = 16384  # text longer than this is counted chunk by chunk before it is tokenized whole
 SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -37,6 +39,32 @@ def prompt_too_long(length: int, limit: int, at_least: bool = False) -> ValueErr
 def check_text(text: str) -> None:
     if not text.isascii() and SURROGATE.search(text):
         raise ValueError("the prompt holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode")
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat messages become a prompt: the template (None: the model's own), whether the assistant's turn is
+    opened at the end, the tools the template lists, and extra template variables (chat_template_kwargs)."""
+    template: str | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    template_kwargs: dict | None = None
+
+    def __post_init__(self):
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: they are request fields of their own")
+
+    def render(self, tokenizer, messages: list[dict], template: str) -> str:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tools=self.tools or None,
+                                             tokenize=False, add_generation_prompt=self.add_generation_prompt,
+                                             **(self.template_kwargs or {}))
 
 
 @dataclass
@@ -75,6 +103,8 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError("each chat message needs a 'role' that is a string")
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [template_tool_call(call) for call in message["tool_calls"]]}
         content = message.get("content")
         if content is None or isinstance(content, str):
             normalized.append({**message, "content": content or ""})
@@ -102,6 +132,21 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
     return normalized, images
 
 
+def template_tool_call(call) -> dict:
+    """An assistant's earlier call with its arguments as an object: templates write them with tojson (vLLM
+    passes them so too), and OpenAI clients send them as JSON text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError("each of an assistant message's tool_calls needs a function with a name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"the arguments of tool call {function['name']!r} are not JSON") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def text_length(messages: list[dict]) -> int:
     """Characters of text in (normalized) chat messages."""
     total = 0
@@ -124,6 +169,7 @@ class PromptProcessor:
         self.image_decoder = image_decoder or self.image_processor
         # an upper bound on the characters of one token (byte-level strings are at least as long as their text)
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        self._warned_tools = False
 
     def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`; with `max_tokens`, a text that clearly has more is refused before it is
@@ -158,23 +204,28 @@ class PromptProcessor:
             start = end
         return count
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, max_tokens: int | None = None) -> tuple[str, list]:
-        template = chat_template or self.chat_template
+    def render_chat(self, messages: list[dict], chat: ChatOptions | None = None,
+                    max_tokens: int | None = None) -> tuple[str, list]:
+        chat = chat or ChatOptions()
+        template = chat.template or self.chat_template
         if not template:
             raise ValueError("the model has no chat template; pass one with chat_template=")
-        normalized, images = self.normalize_chat(messages, max_tokens)
+        if chat.tools and "tools" not in template and not self._warned_tools:
+            self._warned_tools = True  # as in vLLM, the request goes on; the model just does not see the tools
+            logger.warning("the chat template does not list tools; pass one that does (--chat-template), e.g. "
+                           "fovea/models/qwen2_5_vl_chat_template.jinja")
+        normalized, images = self.normalize_chat(messages, max_tokens, chat.tools)
         try:
-            text = self.tokenizer.apply_chat_template(normalized, chat_template=template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            text = chat.render(self.tokenizer, normalized, template)
         except jinja2.TemplateError as exc:  # a template's raise_exception, or a bad template sent with a request
             raise ValueError(f"the chat template failed on these messages: {exc}") from None
         return text, images
 
-    def normalize_chat(self, messages: list[dict], max_tokens: int | None = None) -> tuple[list[dict], list]:
+    def normalize_chat(self, messages: list[dict], max_tokens: int | None = None,
+                       tools: list[dict] | None = None) -> tuple[list[dict], list]:
         """split_chat_images, refusing (before any templating) text too long for `max_tokens` tokens."""
         normalized, images = split_chat_images(messages)
-        self._check_characters(text_length(normalized), max_tokens)
+        self._check_characters(text_length(normalized) + (len(json.dumps(tools)) if tools else 0), max_tokens)
         return normalized, images
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:

@@ -30,8 +30,10 @@ from fovea.server import openai_serving as serving
 from fovea.server.guards import APIKeyCheck, BodyLimit
 from fovea.server.media import MediaPolicy, fetch_media
 from fovea.server.metrics import ServerMetrics
-from fovea.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
-                                   TokenizeRequest, error_body)
+from fovea.multimodal.prompt import ChatOptions
+from fovea.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
+                                   RequestLimits, TokenizeRequest, error_body, tool_list)
+from fovea.server.tool_calls import START, ToolUse
 
 logger = logging.getLogger("fovea")
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -55,6 +57,7 @@ class ServerOptions:
     trust_request_chat_template: bool = False  # vLLM's flag: client chat templates, in the sandbox
     response_role: str = "assistant"  # the role of a chat completion's message
     log_requests: bool = False  # a log line per request: id, prompt tokens, sampling parameters
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses calls
 
 
 class ClientDisconnected(Exception):
@@ -92,6 +95,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     metrics = ServerMetrics(names[0])
     metrics.update(engine.stats)
     engine.on_stats = metrics.update
+    tag_tokens = START in engine.tokenizer.get_added_vocab()  # <tool_call> is one token (forced tool calls)
     sandbox = None
     if options.trust_request_chat_template:
         from fovea.server.template_sandbox import TemplateSandbox
@@ -150,10 +154,15 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             return requested or names[0]
         raise APIError(404, f"The model `{requested}` does not exist.", "NotFoundError", "model")
 
-    def checked_params(body):
+    def checked_params(body, tool_use: ToolUse | None = None):
         """The request's SamplingParams, after every check that needs no downloads, templating or tokens."""
         options.limits.check(body)
         params = body.to_sampling_params(defaults)
+        if tool_use is not None and tool_use.forced:
+            if params.structured_outputs is not None:
+                raise ValueError(f"tool_choice {tool_use.choice!r} constrains the output already; drop "
+                                 "response_format / structured_outputs")
+            params = params.clone(structured_outputs=tool_use.structured_outputs())
         engine.inputs.check_params(params)
         return params
 
@@ -185,23 +194,25 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = model_name(body.model)
-        params = checked_params(body)
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+        tool_use = ToolUse.from_request(body.tool_list(), choice, body.parallel_tool_calls, options.tool_call_parser,
+                                        tag_tokens)
+        params = checked_params(body, tool_use)
         if body.chat_template is not None and sandbox is None:
             raise APIError(400, "chat_template in a request needs the server to run with "
                                 "--trust-request-chat-template", param="chat_template")
+        chat = ChatOptions(body.chat_template or options.chat_template, body.add_generation_prompt, body.tool_list(),
+                           body.chat_template_kwargs)
         request_id = serving.new_id("chatcmpl")
 
         async def start():
             messages = await fetch_media(body.messages, options.media, image_limit)
             if body.chat_template is None:
                 stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
-                                         mm_processor_kwargs=body.mm_processor_kwargs,
-                                         chat_template=options.chat_template,
-                                         add_generation_prompt=body.add_generation_prompt)
+                                         mm_processor_kwargs=body.mm_processor_kwargs, chat=chat)
             else:
-                normalized, images = engine.inputs.prompts.normalize_chat(messages, max_len)
-                text = await asyncio.to_thread(sandbox.render, normalized, body.chat_template,
-                                               body.add_generation_prompt)
+                normalized, images = engine.inputs.prompts.normalize_chat(messages, max_len, chat.tools)
+                text = await asyncio.to_thread(sandbox.render, normalized, chat)
                 stream = engine.generate(prompt={"prompt": text, "multi_modal_data": {"image": images}},
                                          sampling_params=params, request_id=request_id,
                                          mm_processor_kwargs=body.mm_processor_kwargs)
@@ -213,9 +224,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(serving.chat_stream(first, stream, model, request_id, body.n, top,
-                                                         include_usage, role), media_type="text/event-stream")
+                                                         include_usage, role, tool_use),
+                                     media_type="text/event-stream")
         await stream.aclose()
-        return serving.chat_response(first, model, request_id, top, role)
+        return serving.chat_response(first, model, request_id, top, role, tool_use)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -249,8 +261,9 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         async def count():
             if body.messages is not None:
                 messages = await fetch_media(body.messages, options.media, image_limit)
-                processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None,
-                                                     options.chat_template, body.add_generation_prompt)
+                chat = ChatOptions(options.chat_template, body.add_generation_prompt, tool_list(body.tools),
+                                   body.chat_template_kwargs)
+                processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None, chat)
                 return processed.token_ids
             ids = await engine.run_in_pool(engine.inputs.prompts.encode, body.prompt, max_len)
             return engine.tokenizer.build_inputs_with_special_tokens(ids) if body.add_special_tokens else ids

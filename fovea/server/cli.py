@@ -44,6 +44,9 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--disable-log-requests", action="store_true", help="no access log")
     net.add_argument("--enable-log-requests", action="store_true", help="log each request's id, length, parameters")
     net.add_argument("--response-role", default="assistant", help="role of the chat completion's message")
+    net.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='tool_choice "auto": calls found in the answer (needs --tool-call-parser)')
+    net.add_argument("--tool-call-parser", default=None, help="how calls are written: hermes (Qwen2.5's format)")
     net.add_argument("--root-path", default="", help="path prefix when behind a proxy that strips it")
     net.add_argument("--ssl-keyfile", default=None)
     net.add_argument("--ssl-certfile", default=None)
@@ -144,12 +147,18 @@ def run_serve(args: argparse.Namespace) -> None:
     from fovea.engine.async_engine import AsyncLLM
     from fovea.server.app import ServerOptions, build_app
     from fovea.server.media import MediaPolicy
+    from fovea.server.tool_calls import PARSERS
 
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
             sys.exit(f"fovea serve: two models given ({args.model} and --model {args.model_flag})")
         args.model = args.model_flag
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        sys.exit("fovea serve: --enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
+        sys.exit(f"fovea serve: tool call parser {args.tool_call_parser!r} is not implemented; available: "
+                 f"{', '.join(PARSERS)}")
     template = args.chat_template
     if template and Path(template).is_file():
         template = Path(template).read_text()
@@ -171,7 +180,8 @@ def run_serve(args: argparse.Namespace) -> None:
         options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template,
                                 policy, args.max_request_body_mb << 20,
                                 trust_request_chat_template=args.trust_request_chat_template,
-                                response_role=args.response_role, log_requests=args.enable_log_requests)
+                                response_role=args.response_role, log_requests=args.enable_log_requests,
+                                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
         app = build_app(engine, options)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level, root_path=args.root_path,
                                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,

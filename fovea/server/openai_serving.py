@@ -16,6 +16,7 @@ from typing import AsyncIterator
 from fovea.engine.async_engine import EngineDeadError
 from fovea.engine.request import CompletionOutput, Logprob, RequestOutput
 from fovea.server.protocol import error_body
+from fovea.server.tool_calls import ToolCallStream, ToolUse
 
 
 def new_id(prefix: str) -> str:
@@ -91,22 +92,33 @@ def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset
 
 
 def chat_response(output: RequestOutput, model: str, request_id: str, top_logprobs: int,
-                  role: str = "assistant") -> dict:
+                  role: str = "assistant", tool_use: ToolUse | None = None) -> dict:
     usage = Usage()
     usage.add_prompt(output)
     choices = []
     for c in output.outputs:
         usage.completion_tokens += len(c.token_ids)
-        choices.append({"index": c.index, "message": {"role": role, "content": c.text},
-                        "logprobs": chat_logprobs(c, top_logprobs), "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason})
+        message = tool_use.message(c.text, role) if tool_use else {"role": role, "content": c.text}
+        finish = tool_use.finish_reason("tool_calls" in message, c.finish_reason) if tool_use else c.finish_reason
+        choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, top_logprobs),
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage.as_dict()}
 
 
+def choice_deltas(c: CompletionOutput, tool_calls: ToolCallStream | None) -> tuple[list[dict], str | None]:
+    """The deltas one choice's new output makes, and its finish_reason (once it has one)."""
+    if tool_calls is None:
+        return [{"content": c.text} if c.text else {}], c.finish_reason
+    deltas = tool_calls.feed(c.text, bool(c.finish_reason))
+    return deltas, tool_calls.tool_use.finish_reason(tool_calls.called, c.finish_reason)
+
+
 async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], model: str, request_id: str,
-                      n: int, top_logprobs: int, include_usage: bool, role: str = "assistant") -> AsyncIterator[str]:
+                      n: int, top_logprobs: int, include_usage: bool, role: str = "assistant",
+                      tool_use: ToolUse | None = None) -> AsyncIterator[str]:
     created = int(time.time())
+    tool_calls = {i: ToolCallStream(tool_use) for i in range(n)} if tool_use and tool_use.choice != "none" else {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -128,9 +140,15 @@ async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], 
                     continue
                 usage.completion_tokens += len(c.token_ids)
                 if c.text or c.token_ids or c.finish_reason:
-                    yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
-                                  "logprobs": chat_logprobs(c, top_logprobs), "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason}])
+                    deltas, finish = choice_deltas(c, tool_calls.get(c.index))
+                    if not deltas and (finish or c.logprobs):  # held back text: only what else it carries
+                        deltas = [{}]
+                    for k, delta in enumerate(deltas):  # logprobs with the first, finish_reason with the last
+                        last = k == len(deltas) - 1
+                        yield chunk([{"index": c.index, "delta": delta,
+                                      "logprobs": chat_logprobs(c, top_logprobs) if k == 0 else None,
+                                      "finish_reason": finish if last else None,
+                                      "stop_reason": c.stop_reason if last else None}])
                 if c.finish_reason:
                     finished.add(c.index)
             if output.finished:

@@ -9,6 +9,7 @@ template (the checkpoint's, or --chat-template) is trusted and renders in proces
 
 from __future__ import annotations
 
+from fovea.multimodal.prompt import ChatOptions
 from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
 
 
@@ -25,12 +26,11 @@ def _render_worker(conn, model_dir: str, memory_bytes: int, max_chars: int) -> N
     conn.send("ready")
     while True:
         try:
-            messages, template, add_generation_prompt = conn.recv()
+            messages, chat = conn.recv()
         except EOFError:  # the server is gone
             return
         try:
-            text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = chat.render(tokenizer, messages, chat.template)
             reply = (True, text) if len(text) <= max_chars else (
                 False, f"the chat template wrote {len(text)} characters, more than the {max_chars} allowed")
         except MemoryError:
@@ -46,10 +46,10 @@ class TemplateSandbox:
         self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
         self.pool = WorkerPool(_render_worker, (model_dir, memory_bytes, max_chars), workers, "chat template")
 
-    def render(self, messages: list[dict], template: str, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], chat: ChatOptions) -> str:
         """Blocking (call it from a thread): the rendered prompt, or ValueError saying what went wrong."""
         try:
-            ok, result = self.pool.call((messages, template, add_generation_prompt), self.timeout_s)
+            ok, result = self.pool.call((messages, chat), self.timeout_s)
         except TimeoutError:
             raise ValueError("all chat template workers are busy; retry shortly") from None
         except WorkerFailed:
