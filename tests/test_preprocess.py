@@ -63,7 +63,7 @@ def test_checkpoint_config_and_its_overrides(tiny_dirs):
         (3136, 12845056, 14, 2, 2)
     assert cfg.with_overrides({"max_pixels": 5000}).max_pixels == 5000
     with pytest.raises(ValueError, match="unsupported mm_processor_kwargs"):
-        cfg.with_overrides({"fps": 2})
+        cfg.with_overrides({"resized_height": 2})
     with pytest.raises(ValueError, match="positive integer"):
         cfg.with_overrides({"max_pixels": -3})
 

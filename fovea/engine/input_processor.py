@@ -11,6 +11,8 @@ import itertools
 import time
 import weakref
 
+import numpy as np
+
 from fovea.engine.block_manager import MMSpan
 from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
@@ -41,15 +43,22 @@ class InputProcessor:
         """A prompt is a string, a list of token ids, or {"prompt" | "prompt_token_ids": ...,
         "multi_modal_data": {"image": image or [images]}, "mm_processor_kwargs": {...}}."""
         images: list = []
+        videos: list = []
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
             if unknown:
                 raise ValueError(f"unknown prompt fields {sorted(unknown)}")
             data = prompt.get("multi_modal_data") or {}
-            if set(data) - {"image"}:
-                raise ValueError(f"unsupported multi_modal_data {sorted(set(data) - {'image'})}; supported: image")
+            if set(data) - {"image", "video"}:
+                raise ValueError(f"unsupported multi_modal_data {sorted(set(data) - {'image', 'video'})}; "
+                                 "supported: image, video")
             images = data.get("image") or []
             images = images if isinstance(images, (list, tuple)) else [images]
+            videos = data.get("video")
+            # one video is an array, a list of frames or (frames, metadata); several are a list of those
+            one = videos is not None and (not isinstance(videos, list) or not videos
+                                          or not isinstance(videos[0], (list, tuple, np.ndarray)))
+            videos = [] if videos is None else [videos] if one else list(videos)
             mm_processor_kwargs = {**(mm_processor_kwargs or {}), **(prompt.get("mm_processor_kwargs") or {})}
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -60,7 +69,10 @@ class InputProcessor:
         if not isinstance(prompt, (str, list)):
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         self._check_image_count(len(images))
-        return self.prompts.process(prompt, images, mm_processor_kwargs or None, self.config.max_model_len)
+        limit = self.config.limit_mm_per_prompt.get("video")
+        if limit is not None and len(videos) > limit:
+            raise ValueError(f"the prompt has {len(videos)} videos but limit_mm_per_prompt allows {limit}")
+        return self.prompts.process(prompt, images, mm_processor_kwargs or None, self.config.max_model_len, videos)
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
                      chat: ChatOptions | None = None) -> ProcessedPrompt:
@@ -115,7 +127,8 @@ class InputProcessor:
                 raise ValueError(f"an image of {image.num_tokens} tokens does not fit the encoder cache "
                                  f"({self.config.encoder_cache_size} tokens); lower max_pixels or raise "
                                  "encoder_cache_size")
-            start = ids.index(self.config.model.image_token_id, start)
+            model = self.config.model
+            start = ids.index(model.video_token_id if image.is_video else model.image_token_id, start)
             items.append(MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw),
                                 image.pixels))
             start += image.num_tokens

@@ -182,13 +182,15 @@ class ModelRunner:
 
     def _encode(self, items: list[MMItem]) -> list[torch.Tensor]:
         """The uint8 pixels cross to the device; rescaling, normalizing and cutting into patches happen there,
-        one frame per still image."""
+        one frame per still image (two, itself twice, when a video is in the batch: patches have one width)."""
         if not items:
             return []
-        patches = torch.cat([patchify(torch.from_numpy(item.pixels).to(self.device), self.image_config)
+        frames = 2 if any(item.pixels.ndim == 4 for item in items) else 1
+        patches = torch.cat([patchify(torch.from_numpy(item.pixels).to(self.device), self.image_config, frames)
                              for item in items]).to(self.config.dtype)
         grids = [item.grid_thw for item in items]
-        bucket = self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])
+        # buckets are captured for one-frame patches: a batch with a video runs eagerly
+        bucket = frames == 1 and self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])
         if bucket:
             return self.model.split_by_item(self.encoder_buckets.encode(patches, grids, bucket), grids)
         return self.model.encode_images(patches, grids)

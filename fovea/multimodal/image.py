@@ -25,6 +25,7 @@ from fovea.multimodal.fetch import ImageTooLarge, fetch_url, file_url_path
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
+VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels"}  # mm_processor_kwargs (multimodal/video.py)
 MAX_IMAGE_PIXELS = int(os.environ.get("FOVEA_MAX_IMAGE_PIXELS", 8192 * 8192))  # decoded RGB: 200 MB at most
 
 
@@ -55,9 +56,11 @@ class ImageProcessorConfig:
         may go above this config's max_pixels, which the engine sized its memory and encoder cache for."""
         if not overrides:
             return self
-        unknown = set(overrides) - {"min_pixels", "max_pixels"}
+        unknown = set(overrides) - {"min_pixels", "max_pixels"} - VIDEO_ONLY_KWARGS
         if unknown:
-            raise ValueError(f"unsupported mm_processor_kwargs {sorted(unknown)}; supported: min_pixels, max_pixels")
+            raise ValueError(f"unsupported mm_processor_kwargs {sorted(unknown)}; supported: min_pixels, max_pixels, "
+                             f"and for videos {', '.join(sorted(VIDEO_ONLY_KWARGS))}")
+        overrides = {key: value for key, value in overrides.items() if key not in VIDEO_ONLY_KWARGS}
         for key, value in overrides.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive integer, got {value!r}")
@@ -83,13 +86,19 @@ class PlannedImage:
 
 @dataclass
 class ProcessedImage:
-    """A resized image as it crosses to the engine: uint8 (height, width, 3) pixels, which the engine turns into
-    patches on its device (multimodal/patchify.py), and its grid in patches. `content_hash` names the encoder's
-    exact input (the pixels and the grid), for the prefix and encoder caches."""
+    """A resized image (or video) as it crosses to the engine: uint8 (height, width, 3) pixels (a video's:
+    (frames, height, width, 3)), which the engine turns into patches on its device (multimodal/patchify.py), and
+    its grid in patches. `content_hash` names the encoder's exact input (the pixels and the grid; a video's time
+    step too), for the prefix and encoder caches."""
     pixels: np.ndarray
     grid_thw: tuple[int, int, int]
     content_hash: str
     merge_size: int = 2
+    second_per_grid_t: float | None = None  # a video (pixels (frames, height, width, 3)): seconds per 2 frames
+
+    @property
+    def is_video(self) -> bool:
+        return self.second_per_grid_t is not None
 
     @property
     def num_tokens(self) -> int:

@@ -14,16 +14,21 @@ from fovea.multimodal.image import ImageProcessorConfig
 
 
 def patchify(pixels: torch.Tensor, config: ImageProcessorConfig, frames: int = 1) -> torch.Tensor:
-    """(height, width, channels) uint8 -> (patches, channels * frames * patch * patch) float32."""
+    """A still image's (height, width, channels) uint8 -> (patches, channels * frames * patch * patch) float32
+    (frames=2: the image as its own second frame); a video's (T, height, width, channels) -> (T / 2 * patches,
+    channels * 2 * patch * patch), each patch holding its two consecutive frames."""
     p, m = config.patch_size, config.merge_size
-    height, width, channels = pixels.shape
-    gh, gw = height // p, width // p
-    # (group_row, group_col, sub_row, sub_col, channel, py, px): merge groups contiguous
-    grouped = pixels.reshape(gh // m, m, p, gw // m, m, p, channels).permute(0, 3, 1, 4, 6, 2, 5)
-    x = grouped.reshape(gh * gw, channels, 1, p * p).to(torch.float32)
+    video = pixels.ndim == 4
+    clip = pixels if video else pixels[None]
+    count, height, width, channels = clip.shape
+    span = config.temporal_patch_size if video else 1
+    gt, gh, gw = count // span, height // p, width // p
+    # (time, group_row, group_col, sub_row, sub_col, channel, frame, py, px): merge groups contiguous
+    grouped = clip.reshape(gt, span, gh // m, m, p, gw // m, m, p, channels).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    x = grouped.reshape(gt * gh * gw, channels, span, p * p).to(torch.float32)
     mean = torch.tensor(config.image_mean, dtype=torch.float32, device=pixels.device)[None, :, None, None]
     std = torch.tensor(config.image_std, dtype=torch.float32, device=pixels.device)[None, :, None, None]
     # float32 v / 255 equals the reference's float32(v * (1/255) in float64) for every uint8 v (tested), and the
     # subtraction and division are the reference's float32 operations in the same order
     x = (x / 255 - mean) / std
-    return x.expand(-1, -1, frames, -1).reshape(gh * gw, -1)
+    return (x if video else x.expand(-1, -1, frames, -1)).reshape(gt * gh * gw, -1)

@@ -25,6 +25,7 @@ from fovea.config import ModelConfig
 from fovea.models.mrope_positions import VisionSpan, mrope_positions
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from fovea.multimodal.image_workers import release_images
+from fovea.multimodal.video import process_video
 
 logger = logging.getLogger("fovea")
 COUNT_CHUNK_CHARS = 16384  # text longer than this is counted chunk by chunk before it is tokenized whole
@@ -233,9 +234,10 @@ class PromptProcessor:
         return self.process(text, images, mm_processor_kwargs)
 
     def process(self, prompt: str | list[int], images: list = (), mm_processor_kwargs: dict | None = None,
-                max_tokens: int | None = None) -> ProcessedPrompt:
-        """`prompt` holds one `<|image_pad|>` per image (as the chat template writes it), or is token ids.
-        With `max_tokens`, a longer prompt is refused before its images' pixels are decoded."""
+                max_tokens: int | None = None, videos: list = ()) -> ProcessedPrompt:
+        """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
+        writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' pixels
+        are decoded."""
         ids = self.encode(prompt, max_tokens) if isinstance(prompt, str) else list(prompt)
         planned = [self.image_processor.plan(image, mm_processor_kwargs) for image in images]
         length = len(ids) + sum(p.num_tokens - 1 for p in planned)
@@ -245,27 +247,39 @@ class PromptProcessor:
         try:
             for image in planned:
                 processed.append(self.image_decoder.process(image))
-            result = self.expand(ids, processed)
+            cfg = self.image_processor.config
+            clips = [process_video(video, mm_processor_kwargs, cfg.patch_size, cfg.merge_size) for video in videos]
+            result = self.expand(ids, processed, clips)
+            if max_tokens is not None and len(result.token_ids) > max_tokens:
+                raise prompt_too_long(len(result.token_ids), max_tokens)
         except BaseException:
             release_images(processed)  # pixels already handed to shared memory will not reach the engine
             raise
         result.text = prompt if isinstance(prompt, str) else None
         return result
 
-    def expand(self, ids: list[int], images: list[ProcessedImage]) -> ProcessedPrompt:
-        image_id = self.config.image_token_id
-        slots = [i for i, tok in enumerate(ids) if tok == image_id]
-        if len(slots) != len(images):
-            raise ValueError(f"prompt has {len(slots)} image placeholders (<|image_pad|>) but {len(images)} "
-                             "images were given")
+    def expand(self, ids: list[int], images: list[ProcessedImage],
+               videos: list[ProcessedImage] = ()) -> ProcessedPrompt:
+        """Each placeholder token becomes its item's run of tokens; the items come back in prompt order."""
+        queues = {}
+        for token, name, items in ((self.config.image_token_id, "image", images),
+                                   (self.config.video_token_id, "video", videos)):
+            slots = sum(tok == token for tok in ids)
+            if slots != len(items):
+                raise ValueError(f"prompt has {slots} {name} placeholders (<|{name}_pad|>) but {len(items)} "
+                                 f"{name}s were given")
+            queues[token] = iter(items)
         expanded: list[int] = []
-        prev = 0
-        for slot, image in zip(slots, images):
-            expanded += ids[prev:slot]
-            expanded += [image_id] * image.num_tokens
-            prev = slot + 1
-        expanded += ids[prev:]
-        spans = [VisionSpan(image_id, image.grid_thw) for image in images]
+        ordered: list[ProcessedImage] = []
+        spans: list[VisionSpan] = []
+        for token in ids:
+            if token not in queues:
+                expanded.append(token)
+                continue
+            item = next(queues[token])
+            ordered.append(item)
+            spans.append(VisionSpan(token, item.grid_thw, item.second_per_grid_t))
+            expanded += [token] * item.num_tokens
         positions, delta = mrope_positions(expanded, spans, self.config.vision.spatial_merge_size,
                                            self.config.vision.tokens_per_second)
-        return ProcessedPrompt(expanded, images, positions, delta)
+        return ProcessedPrompt(expanded, ordered, positions, delta)

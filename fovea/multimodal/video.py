@@ -1,0 +1,101 @@
+"""Videos for Qwen2.5-VL: which frames are kept, the size they are resized to, and their time step.
+
+Qwen's published video path (qwen-vl-utils, which the model was trained with), step by step:
+- frames kept: n = total / video_fps * fps, clamped to [min_frames rounded up to even, min(max_frames, total)
+  rounded down to even] and to total, then rounded down to even (two frames make one temporal patch); their
+  indices are n evenly spaced over [0, total - 1], rounded;
+- size: smart_resize of the source size with factor 28, min_pixels, and max_pixels = max(min(max_pixels,
+  total_pixels / n * 2), min_pixels * 1.05) (a long video gets smaller frames);
+- time: the kept frames' rate is n / total * video_fps, so one temporal patch (2 frames) spans
+  second_per_grid_t = 2 / that rate seconds, which stretches the M-RoPE time index (mrope_positions.py).
+Frames are resized one by one like still images (PIL bicubic on uint8).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from fovea.multimodal.image import ProcessedImage, pixels_hash, smart_resize
+
+FRAME_FACTOR = 2  # frames per temporal patch
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    """Qwen's names and defaults (qwen-vl-utils); per request through mm_processor_kwargs."""
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 768 * 28 * 28
+    total_pixels: int = int(128000 * 28 * 28 * 0.9)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict | None) -> "VideoOptions":
+        kwargs = {k: v for k, v in (kwargs or {}).items() if k in cls.__dataclass_fields__}
+        for key, value in kwargs.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive number, got {value!r}")
+        return cls(**kwargs)
+
+
+def frame_indices(total: int, video_fps: float, options: VideoOptions) -> list[int]:
+    if total < FRAME_FACTOR:
+        raise ValueError(f"a video needs at least {FRAME_FACTOR} frames, this one has {total}")
+    lowest = math.ceil(options.min_frames / FRAME_FACTOR) * FRAME_FACTOR
+    highest = math.floor(min(options.max_frames, total) / FRAME_FACTOR) * FRAME_FACTOR
+    count = min(max(total / video_fps * options.fps, lowest), highest, total)
+    count = max(FRAME_FACTOR, math.floor(count / FRAME_FACTOR) * FRAME_FACTOR)
+    return np.linspace(0, total - 1, count).round().astype(np.int64).tolist()
+
+
+def frame_size(height: int, width: int, frames: int, options: VideoOptions, factor: int = 28) -> tuple[int, int]:
+    max_pixels = max(min(options.max_pixels, options.total_pixels / frames * FRAME_FACTOR),
+                     int(options.min_pixels * 1.05))
+    return smart_resize(height, width, factor, options.min_pixels, max_pixels)
+
+
+def as_frames(video) -> tuple[list, float | None]:
+    """vLLM's forms: a (T, H, W, 3) uint8 array, a list of PIL images or arrays, or (frames, metadata) with
+    metadata["fps"]. Returns the frames and the source fps (None when unknown)."""
+    fps = None
+    if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict):
+        video, fps = video[0], video[1].get("fps")
+    if isinstance(video, np.ndarray):
+        if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
+            raise ValueError(f"a video array must be (frames, height, width, 3) uint8, got {video.dtype} "
+                             f"{video.shape}")
+        return list(video), fps
+    if isinstance(video, (list, tuple)) and video and all(isinstance(f, (Image.Image, np.ndarray)) for f in video):
+        return list(video), fps
+    raise ValueError("a video is a (frames, height, width, 3) uint8 array, a list of frames, or (frames, "
+                     "{'fps': ...})")
+
+
+def process_video(video, kwargs: dict | None = None, patch_size: int = 14, merge_size: int = 2) -> ProcessedImage:
+    """Frames sampled and resized: pixels (T, H, W, 3) uint8 with T even, grid (T / 2, H / 14, W / 14)."""
+    options = VideoOptions.from_kwargs(kwargs)
+    frames, source_fps = as_frames(video)
+    source_fps = source_fps or options.fps  # frames given without a rate: taken as already sampled at fps
+    indices = frame_indices(len(frames), source_fps, options)
+    first = np.asarray(frames[0]) if isinstance(frames[0], np.ndarray) else None
+    height, width = first.shape[:2] if first is not None else (frames[0].height, frames[0].width)
+    height, width = frame_size(height, width, len(indices), options, patch_size * merge_size)
+    resized = []
+    for index in indices:
+        frame = frames[index]
+        image = Image.fromarray(frame) if isinstance(frame, np.ndarray) else frame.convert("RGB")
+        if image.size != (width, height):
+            image = image.resize((width, height), resample=Image.BICUBIC)
+        resized.append(np.asarray(image))
+    pixels = np.stack(resized)
+    grid = (len(indices) // FRAME_FACTOR, height // patch_size, width // patch_size)
+    sample_fps = len(indices) / len(frames) * source_fps
+    second_per_grid_t = FRAME_FACTOR / sample_fps
+    # the time step is part of what the tokens mean (their positions): two fps of the same frames never share cache
+    content_hash = pixels_hash(pixels, grid) + f"-t{second_per_grid_t!r}"
+    return ProcessedImage(pixels, grid, content_hash, merge_size, second_per_grid_t)
