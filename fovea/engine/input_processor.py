@@ -11,8 +11,6 @@ import itertools
 import time
 import weakref
 
-import numpy as np
-
 from fovea.engine.block_manager import MMSpan
 from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
@@ -20,6 +18,7 @@ from fovea.engine.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler
 from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
 from fovea.multimodal.prompt import ChatOptions, ProcessedPrompt, PromptProcessor, prompt_too_long
+from fovea.multimodal.video import video_list
 
 
 class InputProcessor:
@@ -54,11 +53,7 @@ class InputProcessor:
                                  "supported: image, video")
             images = data.get("image") or []
             images = images if isinstance(images, (list, tuple)) else [images]
-            videos = data.get("video")
-            # one video is an array, a list of frames or (frames, metadata); several are a list of those
-            one = videos is not None and (not isinstance(videos, list) or not videos
-                                          or not isinstance(videos[0], (list, tuple, np.ndarray)))
-            videos = [] if videos is None else [videos] if one else list(videos)
+            videos = video_list(data.get("video"))
             mm_processor_kwargs = {**(mm_processor_kwargs or {}), **(prompt.get("mm_processor_kwargs") or {})}
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -68,22 +63,20 @@ class InputProcessor:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if not isinstance(prompt, (str, list)):
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        self._check_image_count(len(images))
-        limit = self.config.limit_mm_per_prompt.get("video")
-        if limit is not None and len(videos) > limit:
-            raise ValueError(f"the prompt has {len(videos)} videos but limit_mm_per_prompt allows {limit}")
+        self._check_count("image", len(images))
+        self._check_count("video", len(videos))
         return self.prompts.process(prompt, images, mm_processor_kwargs or None, self.config.max_model_len, videos)
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
                      chat: ChatOptions | None = None) -> ProcessedPrompt:
         text, images = self.prompts.render_chat(messages, chat, self.config.max_model_len)
-        self._check_image_count(len(images))
+        self._check_count("image", len(images))
         return self.prompts.process(text, images, mm_processor_kwargs, self.config.max_model_len)
 
-    def _check_image_count(self, count: int) -> None:
-        limit = self.config.limit_mm_per_prompt.get("image")
+    def _check_count(self, kind: str, count: int) -> None:
+        limit = self.config.limit_mm_per_prompt.get(kind)
         if limit is not None and count > limit:
-            raise ValueError(f"the prompt has {count} images but limit_mm_per_prompt allows {limit}")
+            raise ValueError(f"the prompt has {count} {kind}s but limit_mm_per_prompt allows {limit}")
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: ids against the vocabulary, n against max_num_seqs, logprobs
@@ -121,13 +114,12 @@ class InputProcessor:
         if bad:
             raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
         self.check_params(params)
-        items, start = [], 0
+        items, start, model = [], 0, self.config.model
         for image in processed.images:
             if image.num_tokens > self.config.encoder_cache_size:
                 raise ValueError(f"an image of {image.num_tokens} tokens does not fit the encoder cache "
                                  f"({self.config.encoder_cache_size} tokens); lower max_pixels or raise "
                                  "encoder_cache_size")
-            model = self.config.model
             start = ids.index(model.video_token_id if image.is_video else model.image_token_id, start)
             items.append(MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw),
                                 image.pixels))

@@ -261,25 +261,28 @@ class PromptProcessor:
     def expand(self, ids: list[int], images: list[ProcessedImage],
                videos: list[ProcessedImage] = ()) -> ProcessedPrompt:
         """Each placeholder token becomes its item's run of tokens; the items come back in prompt order."""
+        items = {self.config.image_token_id: ("image", images), self.config.video_token_id: ("video", videos)}
+        slots = [i for i, tok in enumerate(ids) if tok in items]
         queues = {}
-        for token, name, items in ((self.config.image_token_id, "image", images),
-                                   (self.config.video_token_id, "video", videos)):
-            slots = sum(tok == token for tok in ids)
-            if slots != len(items):
-                raise ValueError(f"prompt has {slots} {name} placeholders (<|{name}_pad|>) but {len(items)} "
+        for token, (name, given) in items.items():
+            count = sum(ids[i] == token for i in slots)
+            if count != len(given):
+                raise ValueError(f"prompt has {count} {name} placeholders (<|{name}_pad|>) but {len(given)} "
                                  f"{name}s were given")
-            queues[token] = iter(items)
+            queues[token] = iter(given)
         expanded: list[int] = []
         ordered: list[ProcessedImage] = []
         spans: list[VisionSpan] = []
-        for token in ids:
-            if token not in queues:
-                expanded.append(token)
-                continue
+        prev = 0
+        for slot in slots:
+            token = ids[slot]
             item = next(queues[token])
             ordered.append(item)
             spans.append(VisionSpan(token, item.grid_thw, item.second_per_grid_t))
+            expanded += ids[prev:slot]
             expanded += [token] * item.num_tokens
+            prev = slot + 1
+        expanded += ids[prev:]
         positions, delta = mrope_positions(expanded, spans, self.config.vision.spatial_merge_size,
                                            self.config.vision.tokens_per_second)
         return ProcessedPrompt(expanded, ordered, positions, delta)

@@ -76,6 +76,15 @@ def as_frames(video) -> tuple[list, float | None]:
                      "{'fps': ...})")
 
 
+def video_list(value) -> list:
+    """multi_modal_data["video"] as a list of videos: one video is an array, a list of frames or (frames,
+    metadata); several are a list of those."""
+    if value is None:
+        return []
+    one = not isinstance(value, list) or not value or not isinstance(value[0], (list, tuple, np.ndarray))
+    return [value] if one else list(value)
+
+
 def process_video(video, kwargs: dict | None = None, patch_size: int = 14, merge_size: int = 2) -> ProcessedImage:
     """Frames sampled and resized: pixels (T, H, W, 3) uint8 with T even, grid (T / 2, H / 14, W / 14)."""
     options = VideoOptions.from_kwargs(kwargs)

@@ -195,13 +195,13 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = model_name(body.model)
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-        tool_use = ToolUse.from_request(body.tool_list(), choice, body.parallel_tool_calls, options.tool_call_parser,
-                                        tag_tokens)
+        tools = tool_list(body.tools)
+        tool_use = ToolUse.from_request(tools, choice, body.parallel_tool_calls, options.tool_call_parser, tag_tokens)
         params = checked_params(body, tool_use)
         if body.chat_template is not None and sandbox is None:
             raise APIError(400, "chat_template in a request needs the server to run with "
                                 "--trust-request-chat-template", param="chat_template")
-        chat = ChatOptions(body.chat_template or options.chat_template, body.add_generation_prompt, body.tool_list(),
+        chat = ChatOptions(body.chat_template or options.chat_template, body.add_generation_prompt, tools,
                            body.chat_template_kwargs)
         request_id = serving.new_id("chatcmpl")
 

@@ -144,6 +144,7 @@ class ToolCallStream:
         self.text = ""
         self.content_sent = 0  # characters of text sent as content
         self.calls: list[list] = []  # per call: [name sent, arguments sent]
+        self.closed = 0, 0  # (calls whose block has closed and been sent, where the text after them starts)
 
     @property
     def called(self) -> bool:
@@ -160,11 +161,14 @@ class ToolCallStream:
             self.content_sent = content_end
         if first < 0:
             return deltas
-        for index, match in enumerate(BLOCK.finditer(self.text, first)):
+        done, after = self.closed  # finished blocks are not looked at again
+        for index, match in enumerate(BLOCK.finditer(self.text, max(first, after)), start=done):
             if index > 0 and not self.tool_use.parallel:
                 break
             closed = match.group(0).endswith(END) or final
             deltas += [{"tool_calls": [delta]} for delta in self._call_deltas(index, match.group(1), closed)]
+            if closed:
+                self.closed = index + 1, match.end()
         return deltas
 
     def _partial_tag(self) -> int:
@@ -176,8 +180,8 @@ class ToolCallStream:
             self.calls.append([None, ""])
         sent, deltas = self.calls[index], []
         match = NAME_FIRST.match(body)
+        call = parse_block(body) if closed else None
         if sent[0] is None:
-            call = parse_block(body) if closed else None
             if match is None and call is None:
                 return []
             sent[0] = json.loads(match.group(1)) if match else call[0]
@@ -186,7 +190,7 @@ class ToolCallStream:
             arguments = body[match.end():]
             arguments = arguments[:json_value_end(arguments) or len(arguments)]
         else:  # not streamable as written: all at once when the block closes
-            arguments = (parse_block(body) or ("", ""))[1] if closed else ""
+            arguments = call[1] if call else ""
         if len(arguments) > len(sent[1]):
             deltas.append({"index": index, "function": {"arguments": arguments[len(sent[1]):]}})
             sent[1] = arguments
