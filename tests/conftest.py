@@ -83,6 +83,24 @@ def jpeg_bytes(image: Image.Image, quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
+def video_file(frames: np.ndarray, fps: int, lossless: bool = True) -> bytes:
+    """A video file of `frames` (T, H, W, 3) uint8 written with PyAV: FFV1 in Matroska (lossless RGB, so decoding
+    gives back exactly these frames; the container does not store a frame count) or H.264 in MP4 (what users
+    send; lossy)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska" if lossless else "mp4") as container:
+        stream = container.add_stream("ffv1" if lossless else "libx264", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "bgr0" if lossless else "yuv420p"
+        container.start_encoding()  # the header, even for no frames
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
 def hf_inputs(model_dir, messages, images, max_pixels=None):
     """The reference inputs, built with transformers only: its tokenizer + chat template, its PIL image
     processor, and the string-level placeholder expansion its Qwen2.5-VL processor performs."""

@@ -93,7 +93,7 @@ def test_allowed_domains_may_be_private_and_bind_redirects_too(image_host, names
     with pytest.raises(ValueError, match="elsewhere.test is not in --allowed-media-domains"):
         fetch_media(chat(f"http://images.test:{image_host}/away"), policy)
     with pytest.raises(ValueError, match="limit_mm_per_prompt allows 1"):
-        fetch_media(chat(data_url, data_url), policy, max_images=1)
+        fetch_media(chat(data_url, data_url), policy, {"image": 1})
 
 
 @pytest.mark.parametrize("address,public", [

@@ -174,4 +174,5 @@ def test_errors_are_sdk_exceptions_and_the_server_keeps_serving(server, client, 
     body = httpx.post(server + "/v1/chat/completions", json={"model": "tiny"},
                       headers={"Authorization": f"Bearer {KEY}"})
     assert body.status_code == 400 and body.json()["error"]["param"] == "messages"
-    assert client.chat.completions.create(model="tiny", messages=ok, max_tokens=2).choices[0].message.content is not None
+    reply = client.chat.completions.create(model="tiny", messages=ok, max_tokens=2)
+    assert reply.choices[0].message.content is not None

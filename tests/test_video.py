@@ -16,10 +16,14 @@ from fovea.config import ModelConfig
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, smart_resize
 from fovea.multimodal.patchify import patchify
 from fovea.multimodal.prompt import PromptProcessor
-from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, process_video
+from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, plan_video, process_video
 
 VIDEO_ID, IMAGE_ID = 151656, 151655
 SMALL = {"min_pixels": 28 * 28 * 4, "max_pixels": 56 * 56 * 4}  # tiny frames: a CPU test
+
+
+def processed_video(source, kwargs: dict | None = None):
+    return process_video(plan_video(source, VideoOptions().with_kwargs(kwargs)))
 
 
 def published_nframes(total: int, video_fps: float, fps=2.0, min_frames=4, max_frames=768) -> int:
@@ -46,7 +50,7 @@ def test_frame_size_shrinks_with_the_frame_count():
         max_pixels = max(min(768 * 28 * 28, int(128000 * 28 * 28 * 0.9) / frames * 2), int(128 * 28 * 28 * 1.05))
         expected = smart_resize(height, width, 28, 128 * 28 * 28, max_pixels)
         assert frame_size(height, width, frames, VideoOptions()) == expected
-    processed = process_video(np.zeros((16, 91, 333, 3), np.uint8))  # 16 frames at the default 2 fps: all kept
+    processed = processed_video(np.zeros((16, 91, 333, 3), np.uint8))  # 16 frames at the default 2 fps: all kept
     assert processed.grid_thw == (8, expected[0] // 14, expected[1] // 14) and processed.second_per_grid_t == 1.0
     assert processed.pixels.shape == (16, *expected, 3)
 
@@ -183,7 +187,7 @@ def test_text_after_a_video_follows_the_released_rule(tiny_dirs):
     prompts = PromptProcessor(tiny_dirs["tiny-3b"], ModelConfig.from_dir(tiny_dirs["tiny-3b"]))
     text = "<|vision_start|><|video_pad|><|vision_end|>after<|vision_start|><|image_pad|><|vision_end|>end"
     ids = prompts.tokenizer.encode(text, add_special_tokens=False)
-    video = process_video(clip(12, 56, 56, 6), SMALL)  # 6 temporal patches, 2 x 2 merged groups
+    video = processed_video(clip(12, 56, 56, 6), SMALL)  # 6 temporal patches, 2 x 2 merged groups
     image = processor(random_image(56, 56, 7))
     ours = prompts.expand(ids, [image], [video])
     items = [(VIDEO_ID, video.grid_thw, video.second_per_grid_t), (IMAGE_ID, image.grid_thw, None)]

@@ -11,9 +11,10 @@ from fovea.config import ModelConfig, resolve_dtype
 from fovea.engine.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
 
-# Images a prompt may hold unless limit_mm_per_prompt says otherwise: each may need a full-size decode (up to
-# 8192x8192) in the front end, so an unbounded count is a CPU and memory lever for a single request.
-DEFAULT_IMAGES_PER_PROMPT = 16
+# Images and videos a prompt may hold unless limit_mm_per_prompt says otherwise: each may need a full-size decode
+# (up to 8192x8192; a video file up to 256 MiB) in the front end, so an unbounded count is a CPU and memory lever
+# for a single request.
+DEFAULT_MM_PER_PROMPT = {"image": 16, "video": 2}
 
 
 @dataclass
@@ -29,7 +30,7 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 0  # embedding rows; 0 = the largest image plus one step's budget
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": DEFAULT_IMAGES_PER_PROMPT})
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MM_PER_PROMPT))
     mm_processor_kwargs: dict | None = None
     mm_processor_workers: int | None = None  # server image-decoding processes; None: sized to the machine
     seed: int = 0
@@ -88,7 +89,7 @@ class EngineConfig:
             raise ValueError(f"tokenizer={tokenizer!r}: a tokenizer other than the model's own is not supported yet")
         args = {k: v for k, v in args.items() if v is not None}
         args["max_model_len"] = parse_max_model_len(args.get("max_model_len"))
-        args["limit_mm_per_prompt"] = {"image": DEFAULT_IMAGES_PER_PROMPT, **(args.get("limit_mm_per_prompt") or {})}
+        args["limit_mm_per_prompt"] = {**DEFAULT_MM_PER_PROMPT, **(args.get("limit_mm_per_prompt") or {})}
         return cls.build(model_dir, **args)
 
     @classmethod

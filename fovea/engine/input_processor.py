@@ -22,10 +22,10 @@ from fovea.multimodal.video import video_list
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, image_decoder=None):
+    def __init__(self, config: EngineConfig, decoder=None):
         self.config = config
         self.prompts = PromptProcessor(config.model_dir, config.model, mm_processor_kwargs=config.mm_processor_kwargs,
-                                       image_decoder=image_decoder)
+                                       decoder=decoder)
         self.tokenizer = self.prompts.tokenizer
         self.vocab_size = config.model.text.vocab_size
         self._arrivals = itertools.count()
@@ -40,7 +40,7 @@ class InputProcessor:
 
     def process(self, prompt, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """A prompt is a string, a list of token ids, or {"prompt" | "prompt_token_ids": ...,
-        "multi_modal_data": {"image": image or [images]}, "mm_processor_kwargs": {...}}."""
+        "multi_modal_data": {"image": image or [images], "video": video or [videos]}, "mm_processor_kwargs": {...}}."""
         images: list = []
         videos: list = []
         if isinstance(prompt, dict):
@@ -69,9 +69,10 @@ class InputProcessor:
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
                      chat: ChatOptions | None = None) -> ProcessedPrompt:
-        text, images = self.prompts.render_chat(messages, chat, self.config.max_model_len)
-        self._check_count("image", len(images))
-        return self.prompts.process(text, images, mm_processor_kwargs, self.config.max_model_len)
+        text, media = self.prompts.render_chat(messages, chat, self.config.max_model_len)
+        self._check_count("image", len(media.images))
+        self._check_count("video", len(media.videos))
+        return self.prompts.process(text, media.images, mm_processor_kwargs, self.config.max_model_len, media.videos)
 
     def _check_count(self, kind: str, count: int) -> None:
         limit = self.config.limit_mm_per_prompt.get(kind)

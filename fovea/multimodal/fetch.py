@@ -1,6 +1,8 @@
-"""Getting image bytes from where a URL points: http(s) downloads bounded in size and total time, with the
-address each connection goes to vetted by the caller, cancellable from another thread; and local files read
+"""Getting image and video bytes from where a URL points: http(s) downloads bounded in size and total time, with
+the address each connection goes to vetted by the caller, cancellable from another thread; and local files read
 through one descriptor that is checked after opening, so a path swapped between check and read cannot escape.
+`kind` ("image" or "video") picks the limits: 64 MiB and FOVEA_IMAGE_FETCH_TIMEOUT (5 s, vLLM's default) for
+images, FOVEA_MAX_VIDEO_BYTES (256 MiB) and FOVEA_VIDEO_FETCH_TIMEOUT (30 s, vLLM's default) for videos.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import threading
 import time
 from pathlib import Path
 
-MAX_FETCH_BYTES = 64 << 20
+MAX_FETCH_BYTES = {"image": 64 << 20, "video": int(os.environ.get("FOVEA_MAX_VIDEO_BYTES", 256 << 20))}
 
 
 class ImageTooLarge(ValueError):
-    """An image over the size limits (bytes or pixels); the server answers 413."""
+    """An image or video over the size limits (bytes or pixels); the server answers 413."""
+
+
+def fetch_timeout(kind: str) -> float:
+    return float(os.environ.get(f"FOVEA_{kind.upper()}_FETCH_TIMEOUT", "30" if kind == "video" else "5"))
 
 
 def file_url_path(url: str) -> Path:
@@ -51,9 +57,9 @@ class Cancellation:
 
 
 def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int = 3, deadline: float | None = None,
-              cancel: Cancellation | None = None, explain: bool = True) -> bytes:
-    """Downloads an image, bounded in size and in total time: FOVEA_IMAGE_FETCH_TIMEOUT seconds (vLLM's default
-    of 5) for everything, redirects included, unless `deadline` (time.monotonic()) says otherwise. `check_url(url)`
+              cancel: Cancellation | None = None, explain: bool = True, kind: str = "image") -> bytes:
+    """Downloads an image (or video), bounded in size and in total time: fetch_timeout(kind) for everything,
+    redirects included, unless `deadline` (time.monotonic()) says otherwise. `check_url(url)`
     vets every URL including redirects; `check_address(ip)` vets the address actually connected to, so a host
     that resolves differently the second time (DNS rebinding) is still caught. `explain=False` (the server)
     gives every upstream failure the same message, so that errors cannot be used to probe other hosts."""
@@ -61,26 +67,27 @@ def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int =
     import socket
     from urllib.parse import urljoin, urlparse
 
-    deadline = deadline or time.monotonic() + float(os.environ.get("FOVEA_IMAGE_FETCH_TIMEOUT", "5"))
+    deadline = deadline or time.monotonic() + fetch_timeout(kind)
     cancel = cancel or Cancellation()
+    max_bytes = MAX_FETCH_BYTES[kind]
 
     def failed(why: str) -> ValueError:
-        return ValueError(f"could not fetch image {url}" + (f": {why}" if explain else ""))
+        return ValueError(f"could not fetch {kind} {url}" + (f": {why}" if explain else ""))
 
     for _ in range(max_redirects + 1):
         if check_url is not None:
             check_url(url)
         parsed = urlparse(url)
-        kind = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+        connection_class = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
         try:
-            connection = kind(parsed.hostname, parsed.port, timeout=max(deadline - time.monotonic(), 0.001))
+            connection = connection_class(parsed.hostname, parsed.port, timeout=max(deadline - time.monotonic(), 0.001))
         except (ValueError, http.client.HTTPException) as exc:
             raise failed(str(exc)) from None
         try:
             if check_address is not None:
                 connection._create_connection = _guarded_connect(check_address)
             connection.request("GET", (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else ""),
-                               headers={"User-Agent": "fovea", "Accept": "image/*"})
+                               headers={"User-Agent": "fovea", "Accept": f"{kind}/*"})
             sock = connection.sock  # the response reads from it; the connection may drop its own reference
             cancel.on_cancel(lambda: _shut(sock, socket))
             response = connection.getresponse()
@@ -91,7 +98,7 @@ def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int =
             if response.status != 200:
                 raise failed(f"HTTP {response.status}")
             data = bytearray()
-            while len(data) <= MAX_FETCH_BYTES:
+            while len(data) <= max_bytes:
                 left = deadline - time.monotonic()
                 if left <= 0 or cancel.cancelled:
                     raise failed("cancelled" if cancel.cancelled else "timed out")
@@ -104,8 +111,8 @@ def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int =
             raise failed("cancelled" if cancel.cancelled else str(exc)) from None
         finally:
             connection.close()
-        if len(data) > MAX_FETCH_BYTES:
-            raise ImageTooLarge(f"image at {url} is larger than {MAX_FETCH_BYTES >> 20} MiB")
+        if len(data) > max_bytes:
+            raise ImageTooLarge(f"{kind} at {url} is larger than {max_bytes >> 20} MiB")
         return bytes(data)
     raise failed(f"more than {max_redirects} redirects")
 
@@ -138,28 +145,28 @@ def _guarded_connect(check_address):
     return connect
 
 
-def read_local_file(path: Path, root: Path) -> bytes:
+def read_local_file(path: Path, root: Path, kind: str = "image") -> bytes:
     """The bytes of `path`, which must be a regular file below `root`, checked on the opened descriptor (a
     symlink or directory swapped in after a path check cannot lead outside `root`; a FIFO cannot block)."""
     root = root.resolve()
     resolved = path.resolve()
     if not resolved.is_relative_to(root):
-        raise ValueError(f"file:// image URLs must be under {root}")
+        raise ValueError(f"file:// {kind} URLs must be under {root}")
     try:
         fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
-        raise ValueError(f"image file not found or not readable: {path}") from None
+        raise ValueError(f"{kind} file not found or not readable: {path}") from None
     try:
         info = os.fstat(fd)
         link = f"/proc/self/fd/{fd}"  # Linux names the file the descriptor really is
         opened = Path(os.readlink(link)) if os.path.exists(link) else resolved
         if not opened.is_relative_to(root):
-            raise ValueError(f"file:// image URLs must be under {root}")
+            raise ValueError(f"file:// {kind} URLs must be under {root}")
         if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"image file is not a regular file: {path}")
-        if info.st_size > MAX_FETCH_BYTES:
-            raise ImageTooLarge(f"image file {path} is larger than {MAX_FETCH_BYTES >> 20} MiB")
+            raise ValueError(f"{kind} file is not a regular file: {path}")
+        if info.st_size > MAX_FETCH_BYTES[kind]:
+            raise ImageTooLarge(f"{kind} file {path} is larger than {MAX_FETCH_BYTES[kind] >> 20} MiB")
         with os.fdopen(fd, "rb", closefd=False) as file:
-            return file.read(MAX_FETCH_BYTES + 1)
+            return file.read(MAX_FETCH_BYTES[kind] + 1)
     finally:
         os.close(fd)

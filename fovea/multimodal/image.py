@@ -148,29 +148,30 @@ def open_image(source) -> Image.Image:
     return _open(io.BytesIO(data), what)
 
 
-def encoded_bytes(source) -> tuple[bytes, str]:
-    """The encoded image bytes any non-PIL source names, and how to name the source in errors."""
+def encoded_bytes(source, kind: str = "image") -> tuple[bytes, str]:
+    """The encoded bytes (an image's, or a video file's) any non-PIL source names, and how to name the source in
+    errors."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source), "image bytes"
+        return bytes(source), f"{kind} bytes"
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "://" not in source
                                             and not source.startswith("data:")):
         path = Path(source)
         if not path.is_file():
-            raise ValueError(f"image file not found: {path}")
+            raise ValueError(f"{kind} file not found: {path}")
         return path.read_bytes(), str(path)
     if isinstance(source, str) and source.startswith("data:"):
         header, sep, payload = source.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise ValueError("data URL must look like data:image/<type>;base64,<data>")
+            raise ValueError(f"data URL must look like data:{kind}/<type>;base64,<data>")
         try:
             return base64.b64decode(payload, validate=True), "data URL"
         except (binascii.Error, ValueError) as exc:
             raise ValueError(f"data URL holds invalid base64: {exc}") from None
     if isinstance(source, str) and source.startswith("file://"):
-        return encoded_bytes(file_url_path(source))
+        return encoded_bytes(file_url_path(source), kind)
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        return fetch_url(source), source
-    raise ValueError(f"cannot load an image from {type(source).__name__}")
+        return fetch_url(source, kind=kind), source
+    raise ValueError(f"cannot load {'an' if kind == 'image' else 'a'} {kind} from {type(source).__name__}")
 
 
 def _open(fp, what: str) -> Image.Image:

@@ -1,11 +1,13 @@
-"""Image decoding and resizing in worker processes (--mm-processor-workers), pixels handed over in shared memory.
+"""Image and video decoding and resizing in worker processes (--mm-processor-workers), pixels handed over in
+shared memory.
 
-Decoding a JPEG and resizing it is most of a request's front-end work, and in threads of one process it all
-runs under one GIL next to the event loop. Here N processes do it: the front end plans each image from its
-header (cheap: limits are checked first), a worker decodes and resizes it into a shared-memory segment and
-returns a `SharedPixels` handle; the handle (a name) is what crosses to the engine, which copies the pixels out
-and frees the segment (`take`). A worker that crashes on a crafted image, or hangs, fails only that image's
-request and is replaced.
+Decoding a JPEG (or a video's frames) and resizing it is most of a request's front-end work, and in threads of
+one process it all runs under one GIL next to the event loop. Here N processes do it: the front end plans each
+image from its header and each video from its file's header (read by a worker too: FFmpeg parses it), cheap
+steps after which limits are checked; a worker decodes and resizes it into a shared-memory segment and returns a
+`SharedPixels` handle; the handle (a name) is what crosses to the engine, which copies the pixels out and frees
+the segment (`take`). A worker that crashes on a crafted file, or hangs, fails only that request and is replaced.
+`LocalDecoder` is the same interface in the calling thread (the offline API, --mm-processor-workers 0).
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from fovea.multimodal import video_decode
 from fovea.multimodal.image import ImageProcessor, PlannedImage, ProcessedImage, pixels_hash, planned_grid
+from fovea.multimodal.video import PlannedVideo, process_video
 from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
 
 
 @dataclass(frozen=True)
 class SharedPixels:
-    """Resized (height, width, 3) uint8 pixels in a shared-memory segment. Whoever ends up with the handle frees
-    the segment: the engine by `take`, the front end by `release` when the request never got there."""
+    """Resized (height, width, 3) uint8 pixels (a video's: (frames, height, width, 3)) in a shared-memory segment.
+    Whoever ends up with the handle frees the segment: the engine by `take`, the front end by `release` when the
+    request never got there."""
     name: str
-    shape: tuple[int, int, int]
+    shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
@@ -71,22 +76,32 @@ def release_shared(handles: list[SharedPixels]) -> None:
 
 
 def _decode_worker(conn) -> None:
-    from fovea.multimodal.image import open_image, resize
-
     ignore_group_signals()
-    os.nice(10)  # decoding images yields the CPU to the engine's decode steps when cores are short
+    os.nice(10)  # decoding yields the CPU to the engine's decode steps when cores are short
     conn.send("ready")
     while True:
         try:
-            data, width, height, grid = conn.recv()
+            job = conn.recv()
         except EOFError:  # the front end is gone
             return
         try:
-            pixels = resize(open_image(data), width, height)
-            conn.send((SharedPixels.create(pixels), pixels_hash(pixels, grid)))
-        except Exception as error:  # noqa: BLE001 - a bad image is its request's error
+            conn.send(_run(*job))
+        except Exception as error:  # noqa: BLE001 - a bad file is its request's error
             conn.send(ValueError(str(error)) if isinstance(error, ValueError) else
-                      ValueError(f"the image could not be decoded: {type(error).__name__}: {error}"))
+                      ValueError(f"the {job[0]} could not be decoded: {type(error).__name__}: {error}"))
+
+
+def _run(kind: str, *args):
+    from fovea.multimodal.image import open_image, resize
+
+    if kind == "probe":
+        return video_decode.probe(*args)
+    if kind == "video":
+        processed = process_video(*args)
+        return SharedPixels.create(processed.pixels), processed.content_hash
+    data, width, height, grid = args
+    pixels = resize(open_image(data), width, height)
+    return SharedPixels.create(pixels), pixels_hash(pixels, grid)
 
 
 def default_workers() -> int:
@@ -95,26 +110,48 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+class LocalDecoder:
+    """Decoding and resizing in the calling thread."""
+
+    @staticmethod
+    def process(planned: PlannedImage | PlannedVideo) -> ProcessedImage:
+        if isinstance(planned, PlannedVideo):
+            return process_video(planned)
+        return ImageProcessor(planned.config).process(planned)
+
+    probe = staticmethod(video_decode.probe)
+
+
 class ImageWorkers:
     def __init__(self, size: int, timeout_s: float = 60.0):
         self.timeout_s = timeout_s
         self.pool = WorkerPool(_decode_worker, (), size, "image decoding")
 
-    def process(self, planned: PlannedImage) -> ProcessedImage:
-        """Blocking (call it from a thread): the planned image decoded and resized by a worker. A PIL image
-        given in process (the offline API) has no bytes to send and is resized here."""
+    def process(self, planned: PlannedImage | PlannedVideo) -> ProcessedImage:
+        """Blocking (call it from a thread): the planned image or video decoded and resized by a worker. Pixels
+        given in process (the offline API: PIL images, frame arrays) have no bytes to send and are resized here."""
         if planned.data is None:
-            return ImageProcessor(planned.config).process(planned)
+            return LocalDecoder.process(planned)
+        if isinstance(planned, PlannedVideo):
+            shared, content_hash = self._call("video", planned)
+            return ProcessedImage(shared, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t)
         grid = planned_grid(planned)
+        shared, content_hash = self._call("image", planned.data, planned.width, planned.height, grid)
+        return ProcessedImage(shared, grid, content_hash, planned.config.merge_size)
+
+    def probe(self, data: bytes) -> video_decode.VideoInfo:
+        return self._call("probe", data)
+
+    def _call(self, kind: str, *args):
+        what = "image" if kind == "image" else "video"
         try:
-            answer = self.pool.call((planned.data, planned.width, planned.height, grid), self.timeout_s)
+            answer = self.pool.call((kind, *args), self.timeout_s)
         except (WorkerFailed, TimeoutError):
-            raise ValueError("the image could not be decoded (its decoder crashed or took longer than "
+            raise ValueError(f"the {what} could not be decoded (its decoder crashed or took longer than "
                              f"{self.timeout_s:g} s)") from None
         if isinstance(answer, Exception):
             raise answer
-        shared, content_hash = answer
-        return ProcessedImage(shared, grid, content_hash, planned.config.merge_size)
+        return answer
 
     def close(self) -> None:
         self.pool.close()

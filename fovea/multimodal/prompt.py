@@ -1,12 +1,12 @@
 """From a user's prompt (chat messages or text + images) to what the model consumes.
 
 chat messages (OpenAI content parts) -> the checkpoint's chat template -> token ids -> each image's single
-`<|image_pad|>` expanded to its t*h*w/4 placeholder tokens -> M-RoPE positions.
+`<|image_pad|>` (a video's `<|video_pad|>`) expanded to its t*h*w/4 placeholder tokens -> M-RoPE positions.
 
 Given a token limit (max_model_len), too-long prompts are refused as cheaply as possible: by their character
 count before templating or tokenizing (no token is longer than the vocabulary's longest string), by counting
 tokens chunk by chunk with an early stop (a tokenizer call holds the GIL, so one huge call would freeze the whole
-front end), and by the images' token counts before their pixels are decoded.
+front end), and by the images' and videos' token counts before their pixels are decoded.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np
 from fovea.config import ModelConfig
 from fovea.models.mrope_positions import VisionSpan, mrope_positions
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, ProcessedImage
-from fovea.multimodal.image_workers import release_images
-from fovea.multimodal.video import process_video
+from fovea.multimodal.image_workers import LocalDecoder, release_images
+from fovea.multimodal.video import VideoOptions, plan_video
 
 logger = logging.getLogger("fovea")
 COUNT_CHUNK_CHARS = 16384  # text longer than this is counted chunk by chunk before it is tokenized whole
@@ -95,12 +95,23 @@ def find_chat_template(model_dir: str | Path, tokenizer) -> str | None:
     return None
 
 
-def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
-    """Replaces image content parts by {"type": "image"} (what the template expects) and collects the images.
+@dataclass
+class ChatMedia:
+    images: list = field(default_factory=list)
+    videos: list = field(default_factory=list)
 
-    Accepted parts: text; image_url ({"url": ...} or a plain string); image_pil (a PIL image); image.
+
+MEDIA_PARTS = {"image_url": "image", "image_pil": "image", "image": "image", "video_url": "video", "video": "video"}
+
+
+def split_chat_media(messages: list[dict]) -> tuple[list[dict], ChatMedia]:
+    """Replaces image and video content parts by {"type": "image"} / {"type": "video"} (what the template
+    expects) and collects their sources.
+
+    Accepted parts: text; image_url / video_url ({"url": ...} or a plain string); image_pil (a PIL image); image
+    and video (anything multi_modal_data takes).
     """
-    images, normalized = [], []
+    media, normalized = ChatMedia(), []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError("each chat message needs a 'role' that is a string")
@@ -119,18 +130,19 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
                 if not isinstance(part.get("text", ""), str):
                     raise ValueError("a text content part's 'text' must be a string")
                 parts.append({"type": "text", "text": part.get("text", "")})
-            elif kind in ("image_url", "image_pil", "image"):
+            elif kind in MEDIA_PARTS:
                 source = part.get(kind)
-                if kind == "image_url" and isinstance(source, dict):
+                if kind.endswith("_url") and isinstance(source, dict):
                     source = source.get("url")
                 if source is None:
                     raise ValueError(f"content part of type {kind!r} has no {kind!r} field")
-                images.append(source)
-                parts.append({"type": "image"})
+                (media.images if MEDIA_PARTS[kind] == "image" else media.videos).append(source)
+                parts.append({"type": MEDIA_PARTS[kind]})
             else:
-                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url or image_pil")
+                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url, video_url or "
+                                 "image_pil")
         normalized.append({**message, "content": parts})
-    return normalized, images
+    return normalized, media
 
 
 def template_tool_call(call) -> dict:
@@ -159,15 +171,16 @@ def text_length(messages: list[dict]) -> int:
 
 class PromptProcessor:
     def __init__(self, model_dir: str | Path, config: ModelConfig, chat_template: str | None = None,
-                 mm_processor_kwargs: dict | None = None, image_decoder=None):
-        """`image_decoder.process(planned)` decodes and resizes planned images (default: in this thread; the
-        server passes worker processes, multimodal/image_workers.py)."""
+                 mm_processor_kwargs: dict | None = None, decoder=None):
+        """`decoder.process(planned)` decodes and resizes planned images and videos, `decoder.probe(data)` reads a
+        video file's header (default: in this thread; the server passes worker processes, image_workers.py)."""
         self.config = config
         self.tokenizer = load_tokenizer(model_dir)
         self.chat_template = chat_template or find_chat_template(model_dir, self.tokenizer)
         image_cfg = ImageProcessorConfig.from_dir(model_dir).with_overrides(mm_processor_kwargs)
         self.image_processor = ImageProcessor(image_cfg)
-        self.image_decoder = image_decoder or self.image_processor
+        self.video_options = VideoOptions().with_kwargs(mm_processor_kwargs)
+        self.decoder = decoder or LocalDecoder()
         # an upper bound on the characters of one token (byte-level strings are at least as long as their text)
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         self._warned_tools = False
@@ -206,7 +219,7 @@ class PromptProcessor:
         return count
 
     def render_chat(self, messages: list[dict], chat: ChatOptions | None = None,
-                    max_tokens: int | None = None) -> tuple[str, list]:
+                    max_tokens: int | None = None) -> tuple[str, ChatMedia]:
         chat = chat or ChatOptions()
         template = chat.template or self.chat_template
         if not template:
@@ -215,45 +228,48 @@ class PromptProcessor:
             self._warned_tools = True  # as in vLLM, the request goes on; the model just does not see the tools
             logger.warning("the chat template does not list tools; pass one that does (--chat-template), e.g. "
                            "fovea/models/qwen2_5_vl_chat_template.jinja")
-        normalized, images = self.normalize_chat(messages, max_tokens, chat.tools)
+        normalized, media = self.normalize_chat(messages, max_tokens, chat.tools)
         try:
             text = chat.render(self.tokenizer, normalized, template)
         except jinja2.TemplateError as exc:  # a template's raise_exception, or a bad template sent with a request
             raise ValueError(f"the chat template failed on these messages: {exc}") from None
-        return text, images
+        return text, media
 
     def normalize_chat(self, messages: list[dict], max_tokens: int | None = None,
-                       tools: list[dict] | None = None) -> tuple[list[dict], list]:
-        """split_chat_images, refusing (before any templating) text too long for `max_tokens` tokens."""
-        normalized, images = split_chat_images(messages)
+                       tools: list[dict] | None = None) -> tuple[list[dict], ChatMedia]:
+        """split_chat_media, refusing (before any templating) text too long for `max_tokens` tokens."""
+        normalized, media = split_chat_media(messages)
         self._check_characters(text_length(normalized) + (len(json.dumps(tools)) if tools else 0), max_tokens)
-        return normalized, images
+        return normalized, media
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
-        text, images = self.render_chat(messages)
-        return self.process(text, images, mm_processor_kwargs)
+        text, media = self.render_chat(messages)
+        return self.process(text, media.images, mm_processor_kwargs, videos=media.videos)
 
     def process(self, prompt: str | list[int], images: list = (), mm_processor_kwargs: dict | None = None,
                 max_tokens: int | None = None, videos: list = ()) -> ProcessedPrompt:
         """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
-        writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' pixels
-        are decoded."""
+        writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
+        videos' pixels are decoded."""
         ids = self.encode(prompt, max_tokens) if isinstance(prompt, str) else list(prompt)
         planned = [self.image_processor.plan(image, mm_processor_kwargs) for image in images]
-        length = len(ids) + sum(p.num_tokens - 1 for p in planned)
+        cfg, options = self.image_processor.config, self.video_options.with_kwargs(mm_processor_kwargs, capped=True)
+        planned_videos = [plan_video(video, options, self.decoder.probe, cfg.patch_size, cfg.merge_size)
+                          for video in videos]
+        length = len(ids) + sum(p.num_tokens - 1 for p in planned + planned_videos)
         if max_tokens is not None and length > max_tokens:
             raise prompt_too_long(length, max_tokens)
-        processed = []
+        processed, clips = [], []
         try:
             for image in planned:
-                processed.append(self.image_decoder.process(image))
-            cfg = self.image_processor.config
-            clips = [process_video(video, mm_processor_kwargs, cfg.patch_size, cfg.merge_size) for video in videos]
+                processed.append(self.decoder.process(image))
+            for video in planned_videos:
+                clips.append(self.decoder.process(video))
             result = self.expand(ids, processed, clips)
             if max_tokens is not None and len(result.token_ids) > max_tokens:
                 raise prompt_too_long(len(result.token_ids), max_tokens)
         except BaseException:
-            release_images(processed)  # pixels already handed to shared memory will not reach the engine
+            release_images(processed + clips)  # pixels already handed to shared memory will not reach the engine
             raise
         result.text = prompt if isinstance(prompt, str) else None
         return result

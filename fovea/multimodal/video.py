@@ -8,18 +8,22 @@ Qwen's published video path (qwen-vl-utils, which the model was trained with), s
   total_pixels / n * 2), min_pixels * 1.05) (a long video gets smaller frames);
 - time: the kept frames' rate is n / total * video_fps, so one temporal patch (2 frames) spans
   second_per_grid_t = 2 / that rate seconds, which stretches the M-RoPE time index (mrope_positions.py).
-Frames are resized one by one like still images (PIL bicubic on uint8).
+Frames are resized one by one like still images (PIL bicubic on uint8). A video is planned before any pixel is
+decoded (frames kept, their size, so its token count), as images are: a file's header says its frame count, rate
+and size (video_decode.py), and a prompt too long is refused before decoding.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image
 
-from fovea.multimodal.image import ProcessedImage, pixels_hash, smart_resize
+from fovea.multimodal import video_decode
+from fovea.multimodal.image import ProcessedImage, encoded_bytes, pixels_hash, smart_resize
+from fovea.multimodal.video_decode import VideoInfo
 
 FRAME_FACTOR = 2  # frames per temporal patch
 
@@ -34,13 +38,18 @@ class VideoOptions:
     max_pixels: int = 768 * 28 * 28
     total_pixels: int = int(128000 * 28 * 28 * 0.9)
 
-    @classmethod
-    def from_kwargs(cls, kwargs: dict | None) -> "VideoOptions":
-        kwargs = {k: v for k, v in (kwargs or {}).items() if k in cls.__dataclass_fields__}
+    def with_kwargs(self, kwargs: dict | None, capped: bool = False) -> "VideoOptions":
+        """These options with `mm_processor_kwargs` applied. `capped` (per request): frames and pixels may not go
+        above this config's, which the engine sized its memory and encoder cache for."""
+        kwargs = {k: v for k, v in (kwargs or {}).items() if k in self.__dataclass_fields__}
         for key, value in kwargs.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive number, got {value!r}")
-        return cls(**kwargs)
+        if capped:
+            bounds = {"min_frames": self.max_frames, "max_frames": self.max_frames, "min_pixels": self.max_pixels,
+                      "max_pixels": self.max_pixels, "total_pixels": self.total_pixels}
+            kwargs = {k: min(v, bounds[k]) if k in bounds else v for k, v in kwargs.items()}
+        return replace(self, **kwargs)
 
 
 def frame_indices(total: int, video_fps: float, options: VideoOptions) -> list[int]:
@@ -72,39 +81,74 @@ def as_frames(video) -> tuple[list, float | None]:
         return list(video), fps
     if isinstance(video, (list, tuple)) and video and all(isinstance(f, (Image.Image, np.ndarray)) for f in video):
         return list(video), fps
-    raise ValueError("a video is a (frames, height, width, 3) uint8 array, a list of frames, or (frames, "
-                     "{'fps': ...})")
+    raise ValueError("a video is a file (bytes, a path or a URL), a (frames, height, width, 3) uint8 array, a "
+                     "list of frames, or (frames, {'fps': ...})")
 
 
 def video_list(value) -> list:
-    """multi_modal_data["video"] as a list of videos: one video is an array, a list of frames or (frames,
+    """multi_modal_data["video"] as a list of videos: one video is a file, an array, a list of frames or (frames,
     metadata); several are a list of those."""
     if value is None:
         return []
-    one = not isinstance(value, list) or not value or not isinstance(value[0], (list, tuple, np.ndarray))
+    one = not isinstance(value, list) or not value or not isinstance(value[0], (list, tuple, np.ndarray, bytes, str))
     return [value] if one else list(value)
 
 
-def process_video(video, kwargs: dict | None = None, patch_size: int = 14, merge_size: int = 2) -> ProcessedImage:
-    """Frames sampled and resized: pixels (T, H, W, 3) uint8 with T even, grid (T / 2, H / 14, W / 14)."""
-    options = VideoOptions.from_kwargs(kwargs)
-    frames, source_fps = as_frames(video)
-    source_fps = source_fps or options.fps  # frames given without a rate: taken as already sampled at fps
-    indices = frame_indices(len(frames), source_fps, options)
-    first = np.asarray(frames[0]) if isinstance(frames[0], np.ndarray) else None
-    height, width = first.shape[:2] if first is not None else (frames[0].height, frames[0].width)
-    height, width = frame_size(height, width, len(indices), options, patch_size * merge_size)
-    resized = []
-    for index in indices:
-        frame = frames[index]
-        image = Image.fromarray(frame) if isinstance(frame, np.ndarray) else frame.convert("RGB")
-        if image.size != (width, height):
-            image = image.resize((width, height), resample=Image.BICUBIC)
-        resized.append(np.asarray(image))
-    pixels = np.stack(resized)
+def is_encoded(source) -> bool:
+    return isinstance(source, (bytes, bytearray, memoryview, str)) or hasattr(source, "__fspath__")
+
+
+@dataclass
+class PlannedVideo:
+    """A video whose kept frames and their size are known and whose pixels are not decoded yet: `frames` in
+    memory (offline arrays) or `data`, an encoded file (decoded by a worker process when the server has them)."""
+    indices: list[int]
+    height: int
+    width: int
+    grid: tuple[int, int, int]
+    second_per_grid_t: float
+    merge_size: int
+    frames: list | None = None
+    data: bytes | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid
+        return t * h * w // self.merge_size ** 2
+
+
+def plan_video(source, options: VideoOptions, probe=video_decode.probe, patch_size: int = 14,
+               merge_size: int = 2) -> PlannedVideo:
+    """`probe(data) -> VideoInfo` reads a file's header (in a worker process on a server)."""
+    frames = data = None
+    if is_encoded(source):
+        data = encoded_bytes(source, "video")[0]
+        info = probe(data)
+    else:
+        frames, fps = as_frames(source)
+        first = frames[0]
+        height, width = first.shape[:2] if isinstance(first, np.ndarray) else (first.height, first.width)
+        # frames given without a rate are taken as already sampled at fps
+        info = VideoInfo(len(frames), fps or options.fps, height, width)
+    indices = frame_indices(info.frames, info.fps, options)
+    height, width = frame_size(info.height, info.width, len(indices), options, patch_size * merge_size)
     grid = (len(indices) // FRAME_FACTOR, height // patch_size, width // patch_size)
-    sample_fps = len(indices) / len(frames) * source_fps
-    second_per_grid_t = FRAME_FACTOR / sample_fps
+    second_per_grid_t = FRAME_FACTOR / (len(indices) / info.frames * info.fps)
+    return PlannedVideo(indices, height, width, grid, second_per_grid_t, merge_size, frames, data)
+
+
+def process_video(planned: PlannedVideo) -> ProcessedImage:
+    """The kept frames decoded and resized: pixels (T, H, W, 3) uint8 with T even, grid (T / 2, H / 14, W / 14)."""
+    size = (planned.width, planned.height)
+
+    def resized(frame) -> np.ndarray:
+        image = Image.fromarray(frame) if isinstance(frame, np.ndarray) else frame.convert("RGB")
+        return np.asarray(image if image.size == size else image.resize(size, resample=Image.BICUBIC))
+
+    if planned.data is not None:
+        pixels = np.stack(video_decode.decode(planned.data, planned.indices, resized))
+    else:
+        pixels = np.stack([resized(planned.frames[index]) for index in planned.indices])
     # the time step is part of what the tokens mean (their positions): two fps of the same frames never share cache
-    content_hash = pixels_hash(pixels, grid) + f"-t{second_per_grid_t!r}"
-    return ProcessedImage(pixels, grid, content_hash, merge_size, second_per_grid_t)
+    content_hash = pixels_hash(pixels, planned.grid) + f"-t{planned.second_per_grid_t!r}"
+    return ProcessedImage(pixels, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t)

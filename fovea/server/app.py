@@ -89,7 +89,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     if defaults and engine.config.generation_config == "auto":
         logger.info("(from the checkpoint's generation_config.json, as vLLM does; --generation-config vllm turns "
                     "them off)")
-    image_limit = engine.config.limit_mm_per_prompt.get("image")
+    media_limits = engine.config.limit_mm_per_prompt
     max_len = engine.config.max_model_len
     started = int(time.time())
     metrics = ServerMetrics(names[0])
@@ -206,14 +206,15 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         request_id = serving.new_id("chatcmpl")
 
         async def start():
-            messages = await fetch_media(body.messages, options.media, image_limit)
+            messages = await fetch_media(body.messages, options.media, media_limits)
             if body.chat_template is None:
                 stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
                                          mm_processor_kwargs=body.mm_processor_kwargs, chat=chat)
             else:
-                normalized, images = engine.inputs.prompts.normalize_chat(messages, max_len, chat.tools)
+                normalized, media = engine.inputs.prompts.normalize_chat(messages, max_len, chat.tools)
                 text = await asyncio.to_thread(sandbox.render, normalized, chat)
-                stream = engine.generate(prompt={"prompt": text, "multi_modal_data": {"image": images}},
+                data = {"image": media.images, "video": media.videos}
+                stream = engine.generate(prompt={"prompt": text, "multi_modal_data": data},
                                          sampling_params=params, request_id=request_id,
                                          mm_processor_kwargs=body.mm_processor_kwargs)
             return stream, await anext(stream)  # bad input fails here, before any 200
@@ -260,7 +261,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
 
         async def count():
             if body.messages is not None:
-                messages = await fetch_media(body.messages, options.media, image_limit)
+                messages = await fetch_media(body.messages, options.media, media_limits)
                 chat = ChatOptions(options.chat_template, body.add_generation_prompt, tool_list(body.tools),
                                    body.chat_template_kwargs)
                 processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None, chat)

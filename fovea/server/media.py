@@ -1,4 +1,4 @@
-"""Which images a server request may use, and getting the remote and local ones under those rules.
+"""Which images and videos a server request may use, and getting the remote and local ones under those rules.
 
 data: URLs always; file:// only below --allowed-local-media-path; http(s) only from --allowed-media-domains when
 given, and never from non-public addresses (loopback, private, link-local, carrier-grade NAT, reserved, and
@@ -7,9 +7,9 @@ address each connection actually goes to (redirects included), so a name that re
 checked and to a private one when fetched (DNS rebinding) is still refused.
 
 Downloads and file reads run in their own bounded thread pool (a slow image host cannot hold up templating or
-tokenizing for anyone), a request's images in parallel under one deadline (FOVEA_IMAGE_FETCH_TIMEOUT, 5 s), and
-they are cancelled as soon as the request fails or its client leaves. Upstream failures all read the same.
-The engine only ever sees the bytes.
+tokenizing for anyone), a request's images and videos in parallel under one deadline per kind
+(FOVEA_IMAGE_FETCH_TIMEOUT, 5 s; FOVEA_VIDEO_FETCH_TIMEOUT, 30 s), and they are cancelled as soon as the request
+fails or its client leaves. Upstream failures all read the same. The engine only ever sees the bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from fovea.multimodal.fetch import Cancellation, fetch_url, file_url_path, read_local_file
+from fovea.multimodal.fetch import Cancellation, fetch_timeout, fetch_url, file_url_path, read_local_file
 
 logger = logging.getLogger("fovea")
 DOWNLOADS = concurrent.futures.ThreadPoolExecutor(int(os.environ.get("FOVEA_MEDIA_THREADS", "16")), "fovea-media")
@@ -38,77 +38,82 @@ class MediaPolicy:
     allowed_media_domains: list[str] = field(default_factory=list)  # when set, the only hosts; may be private
 
 
-def image_urls(messages: list[dict]) -> list[tuple[dict, str]]:
-    """(part, url) of every image_url part; other unknown part types are refused here."""
+def media_urls(messages: list[dict]) -> list[tuple[dict, str, str]]:
+    """(part, url, "image" | "video") of every image_url and video_url part; other part types are refused here."""
     found = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                url = part.get("image_url")
-                found.append((part, url.get("url") if isinstance(url, dict) else url))
-            elif isinstance(part, dict) and part.get("type") not in ("text", None):
-                raise ValueError(f"unsupported content part type {part.get('type')!r}; use text or image_url")
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "video_url"):
+                url = part.get(kind)
+                found.append((part, url.get("url") if isinstance(url, dict) else url, kind[:-4]))
+            elif kind not in ("text", None):
+                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url or video_url")
     return found
 
 
-async def fetch_media(messages: list[dict], policy: MediaPolicy, max_images: int | None = None) -> list[dict]:
-    """`messages` with every http(s) and file:// image replaced by its bytes; raises ValueError for a refused
-    URL or a failed download (the request's other downloads are then cancelled)."""
-    found = image_urls(messages)
-    if max_images is not None and len(found) > max_images:
-        raise ValueError(f"the prompt has {len(found)} images but limit_mm_per_prompt allows {max_images}")
-    for _, url in found:
-        check_url(url, policy)
-    remote = [(part, url) for part, url in found if not url.startswith("data:")]
+async def fetch_media(messages: list[dict], policy: MediaPolicy, limits: dict[str, int] | None = None) -> list[dict]:
+    """`messages` with every http(s) and file:// image or video replaced by its bytes; raises ValueError for a
+    refused URL, too many items (`limits`: limit_mm_per_prompt) or a failed download (the request's other
+    downloads are then cancelled)."""
+    found = media_urls(messages)
+    for kind, limit in (limits or {}).items():
+        count = sum(found_kind == kind for _, _, found_kind in found)
+        if count > limit:
+            raise ValueError(f"the prompt has {count} {kind}s but limit_mm_per_prompt allows {limit}")
+    for _, url, kind in found:
+        check_url(url, policy, kind)
+    remote = [(part, url, kind) for part, url, kind in found if not url.startswith("data:")]
     if not remote:
         return messages
-    cancel, deadline = Cancellation(), time.monotonic() + float(os.environ.get("FOVEA_IMAGE_FETCH_TIMEOUT", "5"))
+    cancel, now = Cancellation(), time.monotonic()
     loop = asyncio.get_running_loop()
-    jobs = [loop.run_in_executor(DOWNLOADS, _get, url, policy, deadline, cancel) for _, url in remote]
+    jobs = [loop.run_in_executor(DOWNLOADS, _get, url, policy, now + fetch_timeout(kind), cancel, kind)
+            for _, url, kind in remote]
     try:
         contents = await asyncio.gather(*jobs)
     finally:
         cancel.cancel()  # a failure, or the client left: whatever still runs stops now
         await asyncio.gather(*jobs, return_exceptions=True)
-    replaced = {id(part): data for (part, _), data in zip(remote, contents)}
-    return [{**message, "content": [{"type": "image", "image": replaced[id(part)]} if id(part) in replaced
-                                    else part for part in message["content"]]}
+    replaced = {id(part): (kind, data) for (part, _, kind), data in zip(remote, contents)}
+    return [{**message, "content": [{"type": replaced[id(part)][0], replaced[id(part)][0]: replaced[id(part)][1]}
+                                    if id(part) in replaced else part for part in message["content"]]}
             if isinstance(message.get("content"), list) else message for message in messages]
 
 
-def _get(url: str, policy: MediaPolicy, deadline: float, cancel: Cancellation) -> bytes:
+def _get(url: str, policy: MediaPolicy, deadline: float, cancel: Cancellation, kind: str) -> bytes:
     if cancel.cancelled:
-        raise ValueError(f"could not fetch image {url}")
+        raise ValueError(f"could not fetch {kind} {url}")
     if url.startswith("file://"):
-        return read_local_file(file_url_path(url), policy.allowed_local_media_path)
+        return read_local_file(file_url_path(url), policy.allowed_local_media_path, kind)
     try:
-        return fetch_url(url, functools.partial(check_url, policy=policy),
+        return fetch_url(url, functools.partial(check_url, policy=policy, kind=kind),
                          None if explicitly_allowed(url, policy) else check_address, deadline=deadline,
-                         cancel=cancel, explain=False)
+                         cancel=cancel, explain=False, kind=kind)
     except ValueError as error:
-        logger.info("image fetch failed: %s (%s)", url, error.__cause__ or error)
+        logger.info("%s fetch failed: %s (%s)", kind, url, error.__cause__ or error)
         raise
 
 
-def check_url(url, policy: MediaPolicy) -> None:
+def check_url(url, policy: MediaPolicy, kind: str = "image") -> None:
     if not isinstance(url, str) or not url:
-        raise ValueError("image_url.url must be a non-empty string")
+        raise ValueError(f"{kind}_url.url must be a non-empty string")
     if url.startswith("data:"):
         return
     parsed = urlparse(url)
     if parsed.scheme == "file":
         root = policy.allowed_local_media_path
         if root is None:
-            raise ValueError("file:// image URLs are disabled; start the server with --allowed-local-media-path")
+            raise ValueError(f"file:// {kind} URLs are disabled; start the server with --allowed-local-media-path")
         if not file_url_path(url).resolve().is_relative_to(root.resolve()):
-            raise ValueError(f"file:// image URLs must be under {root}")
+            raise ValueError(f"file:// {kind} URLs must be under {root}")
         return
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError("image_url.url must be a data:, http(s):// or file:// URL")
+        raise ValueError(f"{kind}_url.url must be a data:, http(s):// or file:// URL")
     host = parsed.hostname.lower()
     if policy.allowed_media_domains and host not in policy.allowed_media_domains:
-        raise ValueError(f"image host {host} is not in --allowed-media-domains")
+        raise ValueError(f"{kind} host {host} is not in --allowed-media-domains")
 
 
 def explicitly_allowed(url: str, policy: MediaPolicy) -> bool:
