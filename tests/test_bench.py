@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from fovea.bench.datasets import parse_bucket_config, random_mm_requests, random_requests
 from fovea.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
 from fovea.cli import build_parser
+from fovea.multimodal import video_decode
 from serving import running_server
 
 FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -61,7 +63,8 @@ def test_goodput_and_bucket_parsing():
         with pytest.raises(ValueError, match="--goodput"):
             parse_goodput(bad)
     assert parse_bucket_config("{(256,256,1):1,(720,1280,1):3}") == {(256, 256, 1): 0.25, (720, 1280, 1): 0.75}
-    for bad in ("{(256,256,2):1}", "[1,2]", "{(256,256):1}", "{(1,1,1):0}", "{oops"):
+    assert parse_bucket_config("{(8,8,1):1,(8,8,16):1,(9,9,1):0}") == {(8, 8, 1): 0.5, (8, 8, 16): 0.5}
+    for bad in ("{(256,256,0):1}", "[1,2]", "{(256,256):1}", "{(1,1,1):0}", "{oops", "{(1,1,1):-1}"):
         with pytest.raises(ValueError):
             parse_bucket_config(bad)
 
@@ -78,11 +81,20 @@ def test_random_prompts_retokenize_to_the_asked_length(tiny_dirs):
         assert not special & set(ids) and 10 <= r.output_len <= 30
     assert len({r.prompt[:20] for r in requests}) == 1  # the shared random prefix
     assert len({r.prompt_len for r in requests}) > 3  # lengths spread over the range
-    mm = random_mm_requests(tokenizer, 20, 16, 4, base_items=2, items_range_ratio=0.5, limit=2,
+    mm = random_mm_requests(tokenizer, 20, 16, 4, base_items=2, items_range_ratio=0.5, limits={"image": 2},
                             buckets={(28, 56, 1): 1.0}, seed=2)
     counts = [len(r.images) for r in mm]
     assert min(counts) >= 1 and max(counts) == 2  # 2 +- 50 % capped at the limit of 2
     assert all(url.startswith("data:image/jpeg;base64,") for r in mm for url in r.images)
+    # vLLM's buckets with frames > 1 are videos; a modality at its limit leaves the draw
+    mixed = random_mm_requests(tokenizer, 20, 16, 4, base_items=3, limits={"image": 3, "video": 1},
+                               buckets={(28, 56, 1): 0.5, (32, 48, 8): 0.5, (64, 64, 1): 0.0}, seed=3)
+    assert all(len(r.images) + len(r.videos) == 3 and len(r.videos) <= 1 for r in mixed)
+    assert 5 <= sum(len(r.videos) for r in mixed) < 20  # half the first draws are videos
+    video = base64.b64decode(mixed[[bool(r.videos) for r in mixed].index(True)].videos[0].split(",", 1)[1])
+    assert video_decode.probe(video) == video_decode.VideoInfo(8, 30.0, 32, 48)
+    with pytest.raises(ValueError, match="over the limits"):
+        random_mm_requests(tokenizer, 2, 16, 4, base_items=3, limits={"video": 1}, buckets={(32, 48, 8): 1.0})
 
 
 def bench(*flags):
@@ -101,8 +113,9 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
                        "--plot", str(tmp_path / "run.png"))
         table = capsys.readouterr().out
         mm = bench(*common, "--num-prompts", "3", "--random-input-len", "12", "--dataset-name", "random-mm",
-                   "--backend", "openai-chat", "--random-mm-bucket-config", "{(56, 84, 1): 1.0}",
-                   "--random-mm-base-items-per-request", "2")
+                   "--backend", "openai-chat", "--random-mm-bucket-config", "{(56, 84, 1): 0.5, (56, 84, 6): 0.5}",
+                   "--random-mm-base-items-per-request", "2", "--random-mm-limit-mm-per-prompt",
+                   '{"image": 1, "video": 1}')
     assert result["completed"] == 8 and result["failed"] == 0
     assert result["total_output_tokens"] == 8 * 6 and result["output_lens"] == [6] * 8
     assert result["total_input_tokens"] == 8 * 40 and result["request_goodput"] == result["request_throughput"]
@@ -112,8 +125,9 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
     assert len(gaps) == 7 and np.all((gaps > 0.06) & (gaps < 0.16)), gaps
     assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table
     assert mm["completed"] == 3 and mm["total_output_tokens"] == 18
-    # the server's usage: each prompt's 12 text tokens plus its chat template and 2 images of 6 tokens each
-    assert mm["total_input_tokens"] > 3 * (12 + 2 * 6)
+    # the server's usage: each prompt's 12 text tokens plus its chat template, an image of 6 tokens and a video
+    # (6 frames at 30 fps: 4 kept, 2 temporal patches of 6 tokens)
+    assert mm["total_input_tokens"] > 3 * (12 + 6 + 12) and mm["failed"] == 0
     assert (saved["backend"], saved["endpoint_type"], mm["backend"]) == ("openai", "openai", "openai-chat")
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -173,9 +187,11 @@ def test_sharegpt_and_jsonl_workloads(tiny_dirs, tmp_path):
     with pytest.raises(ValueError, match="only 1 usable"):
         sharegpt_requests(str(path), tokenizer, 2)
     lines = tmp_path / "prompts.jsonl"
-    lines.write_text('{"prompt": "a b c", "output_len": 7}\n\n{"prompt": "d", "images": ["data:image/png;base64,x"]}\n')
+    lines.write_text('{"prompt": "a b c", "output_len": 7}\n\n{"prompt": "d", "images": ["data:image/png;base64,x"], '
+                     f'"videos": ["{tmp_path}/clip.mp4", "http://videos.test/a.mp4"]}}\n')
     first, second = jsonl_requests(str(lines), tokenizer, 10, 5)
     assert (first.output_len, second.output_len, second.images) == (7, 5, ["data:image/png;base64,x"])
+    assert second.videos == [(tmp_path / "clip.mp4").as_uri(), "http://videos.test/a.mp4"] and first.videos == []
     lines.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match="prompts.jsonl:1"):
         jsonl_requests(str(lines), tokenizer, 10, 5)

@@ -144,3 +144,43 @@ def test_structured_answer_leaves_only_failed_requests_missing(tiny_dirs, task_f
     assert results["structured_answer"] and results["runs"][0]["num_missing"] == 1  # only the broken image
     assert all(json.loads(p["output"])["answer"] in ("no", "yes") for p in structured if "error" not in p)
     assert "(answers under the options' JSON schema)" in printed
+
+
+def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, capsys):
+    """A jsonl dataset mixing video rows (files next to it), an image row and a video that does not decode."""
+    import numpy as np
+
+    from conftest import video_file
+    from fovea.multimodal.video import VideoOptions, frame_size
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = []
+    for i, (frames, label) in enumerate(((8, "no"), (12, "yes"))):  # 2 s and 3 s at 4 fps: 4 and 6 frames kept
+        clip = np.random.default_rng(i).integers(0, 256, (frames, 56, 84, 3), dtype=np.uint8)
+        (data / f"{i}.mkv").write_bytes(video_file(clip, 4))
+        rows.append({"video": f"{i}.mkv", "answer": label})
+    random_image(56, 56).save(data / "still.png")
+    (data / "broken.mp4").write_bytes(b"not a video")
+    rows += [{"image": "still.png", "answer": "no"}, {"video": "broken.mp4", "answer": "yes"}]
+    (data / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = tmp_path / "task.yaml"
+    task.write_text('name: clips\ndataset: {path: data/rows.jsonl}\nquestion: "Is it moving?"\n'
+                    'options: ["no", "yes"]\n')
+    model = str(tiny_dirs["tiny-3b"])
+    common = ["eval", "--model", model, "--task", str(task), "--max-tokens", "4"]
+    main([*common, *ENGINE, "--output-dir", str(tmp_path / "in-process")])
+    with running_server(model, *ENGINE, "--served-model-name", "tiny") as (base, _):
+        main([*common, "--base-url", f"{base}/v1", "--output-dir", str(tmp_path / "server")])
+    capsys.readouterr()
+
+    expected, _ = read_outputs(tmp_path / "in-process")
+    served, _ = read_outputs(tmp_path / "server")
+    assert [{k: p.get(k) for k in SAME_FIELDS} for p in served] == [{k: p.get(k) for k in SAME_FIELDS} for p in expected]
+    assert ["error" in p for p in expected] == [False, False, False, True]
+    assert "could not be read" in expected[3]["error"] and "could not be read" in served[3]["error"]
+    sizes = [frame_size(56, 84, kept, VideoOptions()) for kept in (4, 6)]  # the published sizes (test_video.py)
+    video_tokens = [kept // 2 * h * w // 28 ** 2 for kept, (h, w) in zip((4, 6), sizes)]
+    image_tokens = 4  # 56 x 56: 4 x 4 patches, merged 2 x 2
+    assert [p["prompt_tokens"] - expected[2]["prompt_tokens"] for p in expected[:2]] == \
+           [tokens - image_tokens for tokens in video_tokens]

@@ -119,7 +119,8 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
                                                        {"type": "text", "text": "What happens?"}]}], params)[0]
     with file_host({"clip.mkv": video_file(CLIP, 6)}) as host, running_server(
             tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "512", "--api-key", KEY,
-            "--served-model-name", "tiny", "--limit-mm-per-prompt", '{"image": 4, "video": 1}', "--mm-processor-kwargs", kwargs,
+            "--served-model-name", "tiny", "--limit-mm-per-prompt", '{"image": 4, "video": 1}',
+            "--mm-processor-kwargs", kwargs,
             "--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "127.0.0.1") as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
 

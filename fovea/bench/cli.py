@@ -100,8 +100,10 @@ def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "
     data.add_argument("--random-prefix-len", type=int, default=0)
     data.add_argument("--random-mm-base-items-per-request", type=int, default=1)
     data.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
-    data.add_argument("--random-mm-limit-mm-per-prompt", type=json.loads, default=None, help='e.g. {"image": 4}')
-    data.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}")
+    data.add_argument("--random-mm-limit-mm-per-prompt", type=json.loads, default=None,
+                      help='items per request by modality (default {"image": 255, "video": 1})')
+    data.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
+                      help="{(height, width, frames): weight}; frames > 1 is a video (MP4 at 30 fps)")
     data.add_argument("--sharegpt-output-len", type=int, default=None)
     data.add_argument("--seed", type=int, default=0)
 
@@ -184,11 +186,11 @@ def build_requests(args, tokenizer):
                                         **common)
     if args.endpoint != "/v1/chat/completions":
         raise ValueError("--dataset-name random-mm needs --backend openai-chat (--endpoint /v1/chat/completions)")
-    limit = (args.random_mm_limit_mm_per_prompt or {}).get("image")
     return datasets.random_mm_requests(
         tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
         base_items=args.random_mm_base_items_per_request, items_range_ratio=args.random_mm_num_mm_items_range_ratio,
-        limit=limit, buckets=datasets.parse_bucket_config(args.random_mm_bucket_config), **common)
+        limits=args.random_mm_limit_mm_per_prompt, buckets=datasets.parse_bucket_config(args.random_mm_bucket_config),
+        **common)
 
 
 def run_bench_serve(args: argparse.Namespace) -> dict:

@@ -2,7 +2,8 @@
 
 Random prompts are token ids drawn from the vocabulary without special tokens, decoded to text and adjusted until
 the text re-tokenizes to the asked length, so the server sees that many prompt tokens. random-mm adds
-random-noise JPEG images (sent as data URLs); as in vLLM, its input token counts cover the text only.
+random-noise JPEG images and, for buckets of more than one frame, random-noise MP4 videos at 30 fps (both sent as
+data URLs); as in vLLM, its input token counts cover the text only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     images: list[str] = field(default_factory=list)  # data URLs or http(s)/file URLs
+    videos: list[str] = field(default_factory=list)
 
 
 def length_range(mean: int, range_ratio: float, flag: str = "--random-range-ratio") -> tuple[int, int]:
@@ -75,8 +77,8 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
 
 
 def parse_bucket_config(text: str) -> dict[tuple[int, int, int], float]:
-    """'{(256,256,1):0.5,(720,1280,1):0.5}' -> {(height, width, frames): probability}; probabilities are
-    normalized, frames must be 1 (images)."""
+    """'{(256,256,1):0.5,(720,1280,16):0.5}' -> {(height, width, frames): probability}: frames 1 is an image,
+    more a video; buckets of weight 0 are dropped and the rest normalized."""
     try:
         raw = ast.literal_eval(text) if isinstance(text, str) else text
     except (ValueError, SyntaxError):
@@ -86,14 +88,16 @@ def parse_bucket_config(text: str) -> dict[tuple[int, int, int], float]:
     for key, weight in raw.items():
         if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(v, int) and v > 0 for v in key)):
             raise ValueError(f"bucket {key!r} must be (height, width, frames) of positive integers")
-        if key[2] != 1:
-            raise ValueError(f"bucket {key!r}: only images (frames = 1) are supported")
         if not weight >= 0:
             raise ValueError(f"bucket {key!r} has a negative weight")
     total = sum(raw.values())
     if total <= 0:
         raise ValueError("--random-mm-bucket-config weights sum to zero")
-    return {key: weight / total for key, weight in raw.items()}
+    return {key: weight / total for key, weight in raw.items() if weight > 0}
+
+
+def modality(bucket: tuple[int, int, int]) -> str:
+    return "image" if bucket[2] == 1 else "video"
 
 
 def noise_jpeg_url(height: int, width: int, rng: np.random.Generator) -> str:
@@ -103,23 +107,53 @@ def noise_jpeg_url(height: int, width: int, rng: np.random.Generator) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def noise_mp4_url(height: int, width: int, frames: int, rng: np.random.Generator) -> str:
+    """Random frames at 30 fps in MP4 (MPEG-4 part 2, the codec vLLM's bench writes with OpenCV's mp4v)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=30)
+        stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
+        for pixels in rng.integers(0, 256, size=(frames, height, width, 3), dtype=np.uint8):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return "data:video/mp4;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+DEFAULT_MM_LIMITS = {"image": 255, "video": 1}  # vLLM's bench defaults
+
+
 def random_mm_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
                        prefix_len: int = 0, base_items: int = 1, items_range_ratio: float = 0.0,
-                       limit: int | None = None, buckets: dict | None = None, seed: int = 0) -> list[BenchRequest]:
+                       limits: dict[str, int] | None = None, buckets: dict | None = None,
+                       seed: int = 0) -> list[BenchRequest]:
+    """Each request draws its item count from the range, then items by bucket weight; a modality at its limit
+    leaves the draw (its buckets removed, the rest renormalized), as vLLM samples."""
     requests = random_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, prefix_len, seed)
     rng = np.random.default_rng(seed + 1)
     buckets = buckets or {(256, 256, 1): 0.5, (720, 1280, 1): 0.5}
-    shapes, weights = list(buckets), list(buckets.values())
+    limits = {**DEFAULT_MM_LIMITS, **(limits or {})}
+    used = {modality(bucket) for bucket in buckets}
     low, high = length_range(base_items, items_range_ratio, "--random-mm-num-mm-items-range-ratio")
-    if limit is not None:
-        if base_items > limit:
-            raise ValueError(f"--random-mm-base-items-per-request {base_items} is over the limit of {limit}")
-        high = min(high, limit)
+    high = min(high, sum(limits[kind] for kind in used))
+    if max(low, 0) > high:
+        raise ValueError(f"--random-mm-base-items-per-request {base_items} is over the limits {limits}")
     for request in requests:
-        count = int(rng.integers(max(low, 0), high + 1))
-        for index in rng.choice(len(shapes), size=count, p=weights):
-            height, width, _ = shapes[index]
-            request.images.append(noise_jpeg_url(height, width, rng))
+        count, taken, open_buckets = int(rng.integers(max(low, 0), high + 1)), dict.fromkeys(used, 0), dict(buckets)
+        while sum(taken.values()) < count and open_buckets:
+            shapes = list(open_buckets)
+            weights = np.array(list(open_buckets.values()))
+            height, width, frames = shapes[rng.choice(len(shapes), p=weights / weights.sum())]
+            kind = modality((height, width, frames))
+            if taken[kind] >= limits[kind]:
+                open_buckets = {b: w for b, w in open_buckets.items() if modality(b) != kind}
+                continue
+            taken[kind] += 1
+            if kind == "image":
+                request.images.append(noise_jpeg_url(height, width, rng))
+            else:
+                request.videos.append(noise_mp4_url(height, width, frames, rng))
     return requests
 
 
@@ -146,7 +180,8 @@ def sharegpt_requests(path: str, tokenizer, num_prompts: int, output_len: int | 
 
 
 def jsonl_requests(path: str, tokenizer, num_prompts: int, output_len: int) -> list[BenchRequest]:
-    """One JSON object per line: {"prompt": ..., "output_len"?: N, "images"?: [url, ...]}."""
+    """One JSON object per line: {"prompt": ..., "output_len"?: N, "images"?: [url, ...], "videos"?: [url, ...]}
+    (URLs: data:, http(s):, file:, or a path, which is sent as a file:// URL)."""
     requests = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -155,9 +190,17 @@ def jsonl_requests(path: str, tokenizer, num_prompts: int, output_len: int) -> l
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{number}: each line must be an object with a string 'prompt'")
         requests.append(BenchRequest(row["prompt"], len(tokenizer.encode(row["prompt"], add_special_tokens=False)),
-                                     int(row.get("output_len", output_len)), list(row.get("images", []))))
+                                     int(row.get("output_len", output_len)), media_urls(row.get("images", [])),
+                                     media_urls(row.get("videos", []))))
         if len(requests) == num_prompts:
             break
     if not requests:
         raise ValueError(f"{path} holds no prompts")
     return requests
+
+
+def media_urls(values: list) -> list[str]:
+    """URLs as given; a plain path becomes a file:// URL (the server must allow its folder:
+    --allowed-local-media-path)."""
+    return [value if "://" in value or value.startswith("data:") else Path(value).resolve().as_uri()
+            for value in values]

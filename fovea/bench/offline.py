@@ -22,6 +22,7 @@ IMAGE_PAD = "<|image_pad|>"
 
 def conversation(request: BenchRequest) -> list[dict]:
     content = [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
+    content += [{"type": "video_url", "video_url": {"url": url}} for url in request.videos]
     return [{"role": "user", "content": content + [{"type": "text", "text": request.prompt}]}]
 
 
@@ -42,6 +43,8 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     lengths = {r.output_len for r in requests}
+    if any(r.videos for r in requests):
+        raise ValueError("the hf backend runs images only; videos need --backend fovea")
     if len(lengths) != 1:
         raise ValueError("the hf backend needs one output length for all requests (--random-range-ratio 0)")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -25,10 +25,11 @@ def request_body(request: BenchRequest, endpoint: str, model: str, extra_body: d
     if endpoint.endswith("/chat/completions"):
         content = [{"type": "text", "text": request.prompt}]
         content += [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
+        content += [{"type": "video_url", "video_url": {"url": url}} for url in request.videos]
         body = {"model": model, "messages": [{"role": "user", "content": content}],
                 "max_completion_tokens": request.output_len, **stream}
-    elif request.images:
-        raise ValueError("images need --backend openai-chat (--endpoint /v1/chat/completions)")
+    elif request.images or request.videos:
+        raise ValueError("images and videos need --backend openai-chat (--endpoint /v1/chat/completions)")
     else:
         body = {"model": model, "prompt": request.prompt, "repetition_penalty": 1.0,
                 "max_tokens": request.output_len, "logprobs": None, **stream}

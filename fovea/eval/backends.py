@@ -150,11 +150,12 @@ class OpenAIBackend:
 
 
 def inline_local_images(conversation: list[dict]) -> list[dict]:
-    """The conversation with file:// image URLs turned into data URLs."""
+    """The conversation with file:// image and video URLs turned into data URLs."""
     def inline(part):
-        url = part.get("image_url", {}).get("url", "") if part.get("type") == "image_url" else ""
+        kind = part.get("type")
+        url = part.get(kind, {}).get("url", "") if kind in ("image_url", "video_url") else ""
         if not url.startswith("file://"):
             return part
-        return {**part, "image_url": {"url": data_url(file_url_path(url).read_bytes())}}
+        return {**part, kind: {"url": data_url(file_url_path(url).read_bytes(), kind[:-4])}}
     return [{**m, "content": [inline(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
             for m in conversation]

@@ -29,10 +29,11 @@ DEFAULT_INSTRUCTION = 'Answer with JSON only, for example {{"answer": "{first}"}
 @dataclass
 class Sample:
     id: str
-    image: str | bytes  # a path, a URL, or encoded image bytes
+    image: str | bytes  # a path, a URL, or encoded image bytes (a video file's, when `video`)
     target: str
     question: str
     options: list[str]
+    video: bool = False
 
 
 @dataclass
@@ -124,7 +125,8 @@ class Task:
         return f"{sample.question}\n{instruction}"
 
     def messages(self, sample: Sample, system_prompt: str | None = None) -> list[dict]:
-        image = {"type": "image_url", "image_url": {"url": image_url(sample.image)}}
+        kind = "video_url" if sample.video else "image_url"
+        image = {"type": kind, kind: {"url": image_url(sample.image, "video" if sample.video else "image")}}
         text = {"type": "text", "text": self.prompt(sample)}
         user = {"role": "user", "content": [image, text] if self.image_position == "before" else [text, image]}
         return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [user]
@@ -154,19 +156,22 @@ class Task:
                 if target not in options:
                     raise ValueError(f"{self.dataset['path']}: label {row.label!r} is not one of the options "
                                      f"{options} (map it with label_map)")
-                self._samples.append(Sample(f"{i:06d}", row.image, target, row.question or self.question, options))
+                self._samples.append(Sample(f"{i:06d}", row.image, target, row.question or self.question, options,
+                                            row.video))
         return self._samples
 
 
-def image_url(image: str | bytes) -> str:
+def image_url(image: str | bytes, kind: str = "image") -> str:
     if isinstance(image, bytes):
-        return data_url(image)
+        return data_url(image, kind)
     return image if "://" in image or image.startswith("data:") else Path(image).resolve().as_uri()
 
 
-def data_url(raw: bytes) -> str:
+def data_url(raw: bytes, kind: str = "image") -> str:
     from PIL import Image
 
+    if kind == "video":  # the server reads the container from the bytes, not from the media type
+        return "data:video/mp4;base64," + base64.b64encode(raw).decode()
     try:
         kind = (Image.open(io.BytesIO(raw)).format or "png").lower()
     except Exception:  # undecodable: the engine reports it with the sample
