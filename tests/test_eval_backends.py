@@ -176,7 +176,8 @@ def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, caps
 
     expected, _ = read_outputs(tmp_path / "in-process")
     served, _ = read_outputs(tmp_path / "server")
-    assert [{k: p.get(k) for k in SAME_FIELDS} for p in served] == [{k: p.get(k) for k in SAME_FIELDS} for p in expected]
+    same = [{k: p.get(k) for k in SAME_FIELDS} for p in expected]
+    assert [{k: p.get(k) for k in SAME_FIELDS} for p in served] == same
     assert ["error" in p for p in expected] == [False, False, False, True]
     assert "could not be read" in expected[3]["error"] and "could not be read" in served[3]["error"]
     sizes = [frame_size(56, 84, kept, VideoOptions()) for kept in (4, 6)]  # the published sizes (test_video.py)
