@@ -15,7 +15,7 @@ import pytest
 
 from conftest import video_file
 from serving import running_server
-from fovea import LLM
+from fovea import LLM, SamplingParams
 from fovea.multimodal import video_decode
 from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, plan_video, process_video
 
@@ -120,7 +120,7 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
     with file_host({"clip.mkv": video_file(CLIP, 6)}) as host, running_server(
             tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "512", "--api-key", KEY,
             "--served-model-name", "tiny", "--limit-mm-per-prompt", '{"image": 4, "video": 1}',
-            "--mm-processor-kwargs", kwargs,
+            "--mm-processor-kwargs", kwargs, "--max-num-encoder-input-tokens", "12",  # videos in parts of 2 patches
             "--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "127.0.0.1") as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
 
@@ -160,3 +160,26 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
         assert body.status_code == 400 and "video_url" in body.json()["error"]["message"]
         again = ask(video_chat((tmp_path / "clip.mkv").as_uri()))  # the server still serves
         assert again.choices[0].message.content == reference.outputs[0].text
+
+
+def test_a_long_video_is_encoded_in_parts_of_one_steps_budget(tiny_dirs):
+    """24 frames given without a rate (taken as sampled at fps 2): 12 temporal patches of 6 tokens. With an encoder
+    budget of 20 tokens a step it runs as 4 parts of 3 patches, and the answer is the one of the whole video."""
+    prompt = {"prompt": "<|vision_start|><|video_pad|><|vision_end|>Describe.",
+              "multi_modal_data": {"video": frames(24, 56, 84, 4)}}
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3)
+    answers = []
+    for budget in (128, 20):
+        llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+                  max_num_encoder_input_tokens=budget, mm_processor_kwargs=SMALL)
+        request = llm.engine.inputs.make_request("r", llm.engine.inputs.process(prompt), params)
+        spans = [(item.span.start, item.span.length, item.grid_thw) for item in request.mm_items]
+        answers.append((spans, llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]))
+    (whole_spans, whole), (part_spans, parts) = answers
+    start = whole_spans[0][0]
+    assert whole_spans == [(start, 72, (12, 4, 6))]
+    assert part_spans == [(start + 18 * i, 18, (3, 4, 6)) for i in range(4)]
+    assert parts.token_ids == whole.token_ids
+    for ours, theirs in zip(parts.logprobs, whole.logprobs):
+        assert ours.keys() == theirs.keys()
+        assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-4 for t in ours)

@@ -11,12 +11,15 @@ import itertools
 import time
 import weakref
 
+import numpy as np
+
 from fovea.engine.block_manager import MMSpan
 from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
 from fovea.engine.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler
 from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
+from fovea.multimodal.image import ProcessedImage
 from fovea.multimodal.prompt import ChatOptions, ProcessedPrompt, PromptProcessor, prompt_too_long
 from fovea.multimodal.video import video_list
 
@@ -117,19 +120,42 @@ class InputProcessor:
         self.check_params(params)
         items, start, model = [], 0, self.config.model
         for image in processed.images:
-            if image.num_tokens > self.config.encoder_cache_size:
-                raise ValueError(f"an image of {image.num_tokens} tokens does not fit the encoder cache "
-                                 f"({self.config.encoder_cache_size} tokens); lower max_pixels or raise "
-                                 "encoder_cache_size")
             start = ids.index(model.video_token_id if image.is_video else model.image_token_id, start)
-            items.append(MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw),
-                                image.pixels))
+            parts = self._video_parts(image, start) if image.is_video else [
+                MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw), image.pixels)]
+            for part in parts:
+                if part.span.length > self.config.encoder_cache_size:
+                    raise ValueError(f"an image of {part.span.length} tokens does not fit the encoder cache "
+                                     f"({self.config.encoder_cache_size} tokens); lower max_pixels or raise "
+                                     "encoder_cache_size")
+            items += parts
             start += image.num_tokens
         request = Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
                           prompt=processed.text, arrival_time=arrival_time or time.time(),
                           eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals),
                           fair_rank=fair_rank)
-        shared = [item.pixels for item in items if isinstance(item.pixels, SharedPixels)]
+        shared = list({item.pixels.name: item.pixels  # a long video's parts share one segment
+                       for item in items if isinstance(item.pixels, SharedPixels)}.values())
         if shared:  # freed if this request is dropped unsent (client gone, another prompt failed, ...)
             request.release_unsent = weakref.finalize(request, release_shared, shared)
         return request
+
+    def _video_parts(self, video: ProcessedImage, start: int) -> list[MMItem]:
+        """A video as runs of whole temporal patches of at most one step's encoder budget each (at least one
+        patch): the vision tower attends within a temporal patch only (its cu_seqlens and windows are per
+        patch), so the parts' embeddings are the whole video's, and a long video's encoder work spreads over
+        steps instead of stalling one."""
+        t, h, w = video.grid_thw
+        per_patch = h * w // video.merge_size ** 2
+        step = max(1, self.config.encoder_budget // per_patch)
+        parts = []
+        for first in range(0, t, step):
+            count = min(step, t - first)
+            frames = (first * 2, (first + count) * 2)
+            whole = count == t
+            pixels = video.pixels if whole or not isinstance(video.pixels, np.ndarray) else \
+                video.pixels[frames[0]:frames[1]]
+            key = video.content_hash if whole else f"{video.content_hash}-p{first}"
+            parts.append(MMItem(MMSpan(start + first * per_patch, count * per_patch, key), (count, h, w), pixels,
+                                None if whole or isinstance(pixels, np.ndarray) else frames))
+        return parts

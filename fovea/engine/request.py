@@ -21,12 +21,14 @@ from fovea.engine.sampling_params import SamplingParams
 
 @dataclass
 class MMItem:
-    """One image of a prompt: where its placeholders are, its content hash, and the encoder's input: resized
-    uint8 (height, width, 3) pixels, patchified on the engine's device. From the server's decoding workers the
-    pixels arrive as a SharedPixels handle, which the engine takes on arrival."""
+    """One image (or a run of a video's temporal patches) of a prompt: where its placeholders are, its content
+    hash, and the encoder's input: resized uint8 (height, width, 3) pixels (a video's (frames, height, width, 3)),
+    patchified on the engine's device. From the server's decoding workers the pixels arrive as a SharedPixels
+    handle, which the engine takes on arrival; `frames` then says which of its frames are this item's."""
     span: MMSpan
     grid_thw: tuple[int, int, int]
     pixels: np.ndarray  # or SharedPixels until the engine takes it
+    frames: tuple[int, int] | None = None
 
     @property
     def content_hash(self) -> str:
@@ -103,9 +105,13 @@ class Request:
         a front end does it first when the engine runs on another node (a Ray replica), which cannot see it."""
         from fovea.multimodal.image_workers import SharedPixels
 
+        taken: dict[str, np.ndarray] = {}  # a long video's parts share one segment
         for item in self.mm_items:
             if isinstance(item.pixels, SharedPixels):
-                item.pixels = item.pixels.take()
+                if item.pixels.name not in taken:
+                    taken[item.pixels.name] = item.pixels.take()
+                whole = taken[item.pixels.name]
+                item.pixels = whole[item.frames[0]:item.frames[1]] if item.frames else whole
 
 
 class Sequence:
