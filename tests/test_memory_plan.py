@@ -57,6 +57,14 @@ def test_plan_command_prints_the_capacity_table(tiny_dirs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "does not fit: lower max_model_len" in out
     assert "smallest tensor_parallel_size that fits: 2" in out  # half the weights and KV heads per GPU
+    # videos at Qwen's defaults (no --max-pixels, which videos obey too), worked out by hand from the published
+    # rules: 60 s at 30 fps keeps 120 frames;
+    # max_pixels = max(min(768 x 784, 90316800 / 120 x 2), 1.05 x 100352) = 602112 shrinks 1280x720 to 1008x560,
+    # 36 x 20 merged tokens per temporal patch, x 60 patches. The largest: 768 frames of at most
+    # 90316800 / 768 x 2 = 235200 pixels, a 476 px square: 17 x 17 tokens x 384 patches.
+    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith(("60 s", "largest"))}
+    assert rows["60 s 1280x720"][:2] == ["120", "43200"] and rows["60 s 1280x720"][-2:] == ["(over", "max_model_len)"]
+    assert rows["largest (768 frames)"][:2] == ["768", "110976"]
 
 
 def test_startup_profile_step_and_kv_budget(tiny_dirs):
@@ -68,8 +76,13 @@ def test_startup_profile_step_and_kv_budget(tiny_dirs):
     from fovea.models.loader import load_model
 
     model_dir = tiny_dirs["tiny-3b"]
+    # a video's frames keep at least min_pixels * 1.05 (Qwen's rule), 128 x 28 x 28 by default: 308 px squares
+    # (22 patches of 14) are then the largest the vision tower sees, not the 112 px images
+    videos_first = EngineConfig.from_args(str(model_dir), dtype="float32", mm_processor_kwargs={"max_pixels": 12544})
+    assert largest_image_grid(videos_first) == (1, 22, 22)
+    assert videos_first.encoder_cache_size == int(128 * 28 * 28 * 1.05) // 28 ** 2 + videos_first.encoder_budget
     config = EngineConfig.from_args(str(model_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
-                                    mm_processor_kwargs={"max_pixels": 112 * 112})
+                                    mm_processor_kwargs={"max_pixels": 112 * 112, "min_pixels": 56 * 56})
     assert largest_image_grid(config) == (1, 8, 8)  # 112 px = 8 patches of 14; 64 patches = 16 image tokens
     model, _ = load_model(model_dir, dtype="float32")
     encoded = []

@@ -71,6 +71,16 @@ class EngineConfig:
         runs beside the language model, so this bounds how much image work starts at once, not a step's length."""
         return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
+    @property
+    def largest_frame_pixels(self) -> float:
+        """The most pixels the vision tower sees at once: the largest image, or a video's largest frame (two
+        frames kept), that the limits allow."""
+        from fovea.multimodal.image import ImageProcessorConfig
+        from fovea.multimodal.video import VideoOptions, frame_max_pixels
+
+        image = ImageProcessorConfig.from_dir(self.model_dir).with_overrides(self.mm_processor_kwargs)
+        return max(image.max_pixels, frame_max_pixels(VideoOptions().with_kwargs(self.mm_processor_kwargs)))
+
     @classmethod
     def from_args(cls, model: str | Path | None = None, **args) -> "EngineConfig":
         """From vLLM-style engine arguments (what `LLM(...)` and `fovea serve` take)."""
@@ -123,10 +133,10 @@ class EngineConfig:
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
         check_tensor_parallel(config)
-        if not config.encoder_cache_size:
+        if not config.encoder_cache_size:  # a video's parts are at most one step's budget or one temporal patch
             image = ImageProcessorConfig.from_dir(model_dir).with_overrides(config.mm_processor_kwargs)
-            max_image_tokens = image.max_pixels // (image.patch_size * image.merge_size) ** 2
-            config.encoder_cache_size = max_image_tokens + config.encoder_budget
+            max_item_tokens = int(config.largest_frame_pixels) // (image.patch_size * image.merge_size) ** 2
+            config.encoder_cache_size = max_item_tokens + config.encoder_budget
         return config
 
 

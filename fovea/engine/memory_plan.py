@@ -4,8 +4,10 @@ Weights: the model's exact parameter count (it is built on the meta device) time
 token: layers x KV heads x head_dim x 2 (K and V) x the dtype's size. Activations are estimates for eager PyTorch:
 the widest moment of a layer is its MLP (gate, up and their product: 3 x intermediate per token, plus a few
 hidden-size rows), for the language model over one step's max_num_batched_tokens and for the vision tower over the
-patches of the largest image the limits allow (4 patches per image token); sampling adds fp32 logits and
-probabilities for max_num_seqs rows. What is left of gpu_memory x utilization goes to the KV cache.
+patches of the largest image the limits allow (4 patches per image token) and over one step's part of a video
+(whole temporal patches up to max_num_batched_tokens tokens); sampling adds fp32 logits and probabilities for
+max_num_seqs rows. What is left of gpu_memory x utilization goes to the KV cache. Videos are listed with the
+tokens they take in a prompt (Qwen's sampling at fps 2), up to the largest the limits allow (max_frames frames).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from fovea.config import ModelConfig, resolve_dtype
 
 IMAGE_SIZES = [(448, 448), (1280, 720), (1920, 1080), (3840, 2160)]  # width x height, as a user would send them
+VIDEO_CLIPS = [(10, 1280, 720), (60, 1280, 720), (600, 1920, 1080)]  # seconds, width, height (30 fps)
 GIB = 2**30
 
 
@@ -26,6 +29,7 @@ class MemoryPlan:
     kv_bytes_per_token: int
     lm_activation_bytes: int
     images: list[tuple[int, int, int, int]]  # width, height, image tokens, vision-tower activation bytes
+    videos: list[tuple[str, int, int, int]]  # what, frames kept, tokens, vision-tower activation bytes per step
     kv_tokens: int
     max_model_len: int
 
@@ -46,6 +50,7 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
                 tensor_parallel_size: int = 1, max_pixels: int | None = None) -> MemoryPlan:
     from fovea.multimodal.image import ImageProcessorConfig, smart_resize
+    from fovea.multimodal.video import VideoOptions, frame_indices, frame_max_pixels, frame_size
 
     config = ModelConfig.from_dir(model_dir)
     text, vision = config.text, config.vision
@@ -59,18 +64,34 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
     processor = ImageProcessorConfig.from_dir(model_dir).with_overrides({"max_pixels": max_pixels}
                                                                          if max_pixels else None)
     factor = processor.patch_size * processor.merge_size
+
+    def vision_activations(tokens: int) -> int:
+        patches = tokens * processor.merge_size**2
+        activations = patches * (3 * vision.intermediate_size + 4 * vision.hidden_size) * size
+        return activations + patches * vision.frame_patch_dim * 4 + tokens * vision.out_hidden_size * size
+
     images = []
     for width, height in IMAGE_SIZES + [(largest_side(processor.max_pixels, factor),) * 2]:
         h, w = smart_resize(height, width, factor, processor.min_pixels, processor.max_pixels)
         tokens = (h // factor) * (w // factor)
-        patches = tokens * processor.merge_size**2
-        activations = patches * (3 * vision.intermediate_size + 4 * vision.hidden_size) * size
-        activations += patches * vision.frame_patch_dim * 4 + tokens * vision.out_hidden_size * size  # patches, output
-        images.append((width, height, tokens, activations))
-    peak = max(lm, max(a for *_, a in images))
+        images.append((width, height, tokens, vision_activations(tokens)))
+    options = VideoOptions().with_kwargs({"max_pixels": max_pixels} if max_pixels else None)
+    clips = [(f"{seconds} s {width}x{height}", frame_indices(seconds * 30, 30, options), (height, width))
+             for seconds, width, height in VIDEO_CLIPS]
+    most = options.max_frames // 2 * 2  # the largest video: max_frames kept, frames as large as that allows
+    side = largest_side(frame_max_pixels(options, most), factor)
+    clips.append((f"largest ({most} frames)", range(most), (side, side)))
+    videos = []
+    for what, kept, (height, width) in clips:
+        h, w = frame_size(height, width, len(kept), options, factor)
+        per_patch = (h // factor) * (w // factor)
+        tokens = len(kept) // 2 * per_patch
+        step = min(tokens, max(per_patch, max_num_batched_tokens // per_patch * per_patch))
+        videos.append((what, len(kept), tokens, vision_activations(step)))
+    peak = max(lm, max(a for *_, a in images + videos))
     budget = gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak
     max_model_len = max_model_len or text.max_position_embeddings
-    return MemoryPlan(weights, kv_per_token, lm, images, max(0, int(budget // kv_per_token)), max_model_len)
+    return MemoryPlan(weights, kv_per_token, lm, images, videos, max(0, int(budget // kv_per_token)), max_model_len)
 
 
 def smallest_fitting_size(model_dir, gpu_memory_gib: float, **options) -> int | None:
@@ -96,6 +117,10 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
              f"{'LM step activations (estimate)':<34}{plan.lm_activation_bytes / GIB:>10.2f} GiB",
              "", f"{'image (w x h)':<16}{'tokens':>8}{'vision activations (estimate)':>34}"]
     lines += [f"{f'{w}x{h}':<16}{tokens:>8}{activations / GIB:>30.2f} GiB" for w, h, tokens, activations in plan.images]
+    lines += ["", f"{'video at fps 2':<24}{'frames':>7}{'tokens':>8}{'vision activations per step':>31}"]
+    lines += [f"{what:<24}{frames:>7}{tokens:>8}{activations / GIB:>27.2f} GiB"
+              + ("  (over max_model_len)" if tokens > plan.max_model_len else "")
+              for what, frames, tokens, activations in plan.videos]
     lines += ["", f"KV cache: {plan.kv_tokens} tokens, max concurrency {plan.max_concurrency:.2f}x for max_model_len "
                   f"{plan.max_model_len}"]
     if plan.kv_tokens < plan.max_model_len:

@@ -1,8 +1,8 @@
 """Start-up memory profile: run the heaviest step the limits allow once, then give what is left to the KV cache.
 
 The heaviest step is max_num_batched_tokens prompt tokens through the language model, plus one step's worth of
-the largest image the limits allow through the vision tower (copies of it up to the encoder budget), plus fp32
-logits for max_num_seqs rows. On a GPU the peak allocation above the resident weights is measured for the vision
+the largest image (or video frame) the limits allow through the vision tower (copies of it up to the encoder
+budget), plus fp32 logits for max_num_seqs rows. On a GPU the peak allocation above the resident weights is measured for the vision
 tower and the language model apart and summed (the encoder runs beside the language model); the KV cache
 gets gpu_memory_utilization x the card, less everything in use (weights, CUDA context, other processes), less
 that peak and the encoder cache. It runs before the KV cache exists, so a limit that cannot fit fails at start-up.
@@ -22,13 +22,14 @@ GIB = 2**30
 
 
 def largest_image_grid(config: EngineConfig) -> tuple[int, int, int]:
-    """(t, h, w) patches of the largest square image max_pixels allows."""
+    """(t, h, w) patches of the largest square image, or video frame, the limits allow (the vision tower attends
+    within one image or one temporal patch of a video, and a video reaches it in parts of one step's budget)."""
     from fovea.engine.memory_plan import largest_side
     from fovea.multimodal.image import ImageProcessorConfig
 
     image = ImageProcessorConfig.from_dir(config.model_dir).with_overrides(config.mm_processor_kwargs)
     factor = image.patch_size * image.merge_size
-    side = max(factor, largest_side(image.max_pixels, factor)) // image.patch_size
+    side = max(factor, largest_side(config.largest_frame_pixels, factor)) // image.patch_size
     return 1, side, side
 
 

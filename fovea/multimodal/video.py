@@ -62,10 +62,14 @@ def frame_indices(total: int, video_fps: float, options: VideoOptions) -> list[i
     return np.linspace(0, total - 1, count).round().astype(np.int64).tolist()
 
 
+def frame_max_pixels(options: VideoOptions, frames: int = FRAME_FACTOR) -> float:
+    """The area frames are resized to at most when `frames` are kept (the fewest, two, get the most); a float,
+    as the published code passes it on."""
+    return max(min(options.max_pixels, options.total_pixels / frames * FRAME_FACTOR), int(options.min_pixels * 1.05))
+
+
 def frame_size(height: int, width: int, frames: int, options: VideoOptions, factor: int = 28) -> tuple[int, int]:
-    max_pixels = max(min(options.max_pixels, options.total_pixels / frames * FRAME_FACTOR),
-                     int(options.min_pixels * 1.05))
-    return smart_resize(height, width, factor, options.min_pixels, max_pixels)
+    return smart_resize(height, width, factor, options.min_pixels, frame_max_pixels(options, frames))
 
 
 def as_frames(video) -> tuple[list, float | None]:
