@@ -2,8 +2,9 @@
 
 The heaviest step is max_num_batched_tokens prompt tokens through the language model, plus one step's worth of
 the largest image (or video frame) the limits allow through the vision tower (copies of it up to the encoder
-budget), plus fp32 logits for max_num_seqs rows. On a GPU the peak allocation above the resident weights is measured for the vision
-tower and the language model apart and summed (the encoder runs beside the language model); the KV cache
+budget), plus fp32 logits for max_num_seqs rows. On a GPU the peak allocation above the resident weights is
+measured for the vision tower and the language model apart and summed (the encoder runs beside the language
+model); the KV cache
 gets gpu_memory_utilization x the card, less everything in use (weights, CUDA context, other processes), less
 that peak and the encoder cache. It runs before the KV cache exists, so a limit that cannot fit fails at start-up.
 """
