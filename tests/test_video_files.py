@@ -70,6 +70,9 @@ def test_bad_files_are_value_errors(monkeypatch):
     monkeypatch.setattr(video_decode, "MAX_VIDEO_FRAMES", 10)
     with pytest.raises(ValueError, match="18 frames; at most 10"):
         video_decode.probe(mp4)
+    monkeypatch.setattr(video_decode, "MAX_FRAME_PIXELS", 84 * 59)
+    with pytest.raises(ValueError, match="frames of 84x60 are outside what is read"):
+        video_decode.probe(video_file(CLIP[:4], 6))
     with pytest.raises(ValueError, match="bytes, a path or a URL"):
         processed(42)
 
