@@ -186,3 +186,27 @@ def test_a_long_video_is_encoded_in_parts_of_one_steps_budget(tiny_dirs):
     for ours, theirs in zip(parts.logprobs, whole.logprobs):
         assert ours.keys() == theirs.keys()
         assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-4 for t in ours)
+
+
+def test_prefix_cache_reuses_a_video_only_for_the_same_frames_and_time_step(tiny_dirs):
+    """Block hashes cover a video by its content and time step: the same file again reuses every full block; the
+    same frames at another rate (other M-RoPE time positions) or other frames reuse only the text before them."""
+    llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=512, block_size=16,
+              max_num_encoder_input_tokens=12, mm_processor_kwargs=SMALL)  # parts of 2 temporal patches
+    text = " ".join(["word"] * 40)
+
+    def run(video):
+        prompt = {"prompt": f"{text}<|vision_start|><|video_pad|><|vision_end|>What happens?",
+                  "multi_modal_data": {"video": video}}
+        output = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+        return output.num_cached_tokens, len(output.prompt_token_ids), output.prompt_token_ids.index(151656)
+
+    assert run(video_file(CLIP, 6))[0] == 0
+    cached, length, video_start = run(video_file(CLIP, 6))
+    assert cached == (length - 1) // 16 * 16 and cached > video_start  # every full block, the video's included
+    before_video = video_start // 16 * 16
+    assert run(video_file(frames(18, 60, 84, 9), 6))[0] == before_video
+    assert run((CLIP[:6], {"fps": 2}))[0] == before_video
+    assert run((CLIP[:6], {"fps": 2}))[0] > video_start
+    # the same 6 frames, all kept either way, but 2 s per temporal patch instead of 1: other time positions
+    assert run((CLIP[:6], {"fps": 1}))[0] == before_video
