@@ -160,7 +160,7 @@ def test_table_datasets_bytes_images_and_data_override(tmp_path, monkeypatch):
     pyarrow.parquet.write_table(pyarrow.table({"image": pngs[:2], "label": [0, 1]}), tmp_path / "raw.parquet")
     assert [s.image for s in Task.find("patch_camelyon").with_data(tmp_path / "raw.parquet").samples()] == pngs[:2]
     (tmp_path / "bad.jsonl").write_text('{"image": "0.png", "answer": "no"}\n{"image": "1.png"}\n')
-    with pytest.raises(ValueError, match="row 2 needs the columns 'image' and 'answer'"):
+    with pytest.raises(ValueError, match="row 2 needs the columns 'image' \\(or 'video'\\) and 'answer'"):
         Task("t", {"path": str(tmp_path / "bad.jsonl"), "type": "jsonl"}, "q", ["no", "yes"]).samples()
     with pytest.raises(ValueError, match="cannot tell the dataset type"):
         shipped.with_data(tmp_path / "0.png")

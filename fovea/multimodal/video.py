@@ -92,7 +92,7 @@ def as_frames(video) -> tuple[list, float | None]:
 def video_list(value) -> list:
     """multi_modal_data["video"] as a list of videos: one video is a file, an array, a list of frames or (frames,
     metadata); several are a list of those."""
-    if value is None:
+    if value is None or (isinstance(value, list) and not value):
         return []
     one = not isinstance(value, list) or not value or not isinstance(value[0], (list, tuple, np.ndarray, bytes, str))
     return [value] if one else list(value)
