@@ -17,7 +17,7 @@ from conftest import video_file
 from serving import running_server
 from fovea import LLM, SamplingParams
 from fovea.multimodal import video_decode
-from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, plan_video, process_video
+from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, plan_video, process_video, video_list
 
 KEY = "sk-video"
 SMALL = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}  # at most 16 tokens per two frames
@@ -54,6 +54,16 @@ def test_a_file_gives_back_its_frames_and_plans_as_the_array_does():
     decoded = video_decode.decode(h264, list(range(18)))
     brightness = [float(frame.mean()) for frame in decoded]
     assert all(abs(b - float(f.mean())) < 4 for b, f in zip(brightness, CLIP))  # in order, lossy but close
+
+
+def test_multi_modal_data_video_forms():
+    """vLLM's forms: one video is a file, a 4-D array, a list of frames (PIL images or 3-D arrays) or (frames,
+    metadata); a list of those is several."""
+    frame_list = list(CLIP[:4])
+    assert video_list(frame_list) == [frame_list] and video_list(CLIP) == [CLIP] and video_list([]) == []
+    assert len(video_list([CLIP, CLIP[:4]])) == 2 and len(video_list([b"a", b"b"])) == 2
+    assert len(video_list([(CLIP, {"fps": 6}), frame_list])) == 2
+    assert processed(frame_list).grid_thw == processed(CLIP[:4]).grid_thw == (2, 4, 6)
 
 
 def test_bad_files_are_value_errors(monkeypatch):

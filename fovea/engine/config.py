@@ -106,7 +106,6 @@ class EngineConfig:
     def build(cls, model_dir: Path, dtype: str | torch.dtype = "auto", device: str = "auto",
               max_model_len: int | None = None, **options) -> "EngineConfig":
         from fovea.engine.encoder_buckets import parse_buckets
-        from fovea.multimodal.image import ImageProcessorConfig
 
         model = ModelConfig.from_dir(model_dir)
         if device == "auto":
@@ -134,8 +133,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
         check_tensor_parallel(config)
         if not config.encoder_cache_size:  # a video's parts are at most one step's budget or one temporal patch
-            image = ImageProcessorConfig.from_dir(model_dir).with_overrides(config.mm_processor_kwargs)
-            max_item_tokens = int(config.largest_frame_pixels) // (image.patch_size * image.merge_size) ** 2
+            vision = config.model.vision
+            max_item_tokens = int(config.largest_frame_pixels) // (vision.patch_size * vision.spatial_merge_size) ** 2
             config.encoder_cache_size = max_item_tokens + config.encoder_budget
         return config
 

@@ -11,8 +11,6 @@ import itertools
 import time
 import weakref
 
-import numpy as np
-
 from fovea.engine.block_manager import MMSpan
 from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
@@ -148,14 +146,15 @@ class InputProcessor:
         t, h, w = video.grid_thw
         per_patch = h * w // video.merge_size ** 2
         step = max(1, self.config.encoder_budget // per_patch)
+        if step >= t:
+            return [MMItem(MMSpan(start, video.num_tokens, video.content_hash), (t, h, w), video.pixels)]
         parts = []
         for first in range(0, t, step):
             count = min(step, t - first)
-            frames = (first * 2, (first + count) * 2)
-            whole = count == t
-            pixels = video.pixels if whole or not isinstance(video.pixels, np.ndarray) else \
-                video.pixels[frames[0]:frames[1]]
-            key = video.content_hash if whole else f"{video.content_hash}-p{first}"
-            parts.append(MMItem(MMSpan(start + first * per_patch, count * per_patch, key), (count, h, w), pixels,
-                                None if whole or isinstance(pixels, np.ndarray) else frames))
+            frames = (first * 2, (first + count) * 2)  # two frames per temporal patch
+            span = MMSpan(start + first * per_patch, count * per_patch, f"{video.content_hash}-p{first}")
+            if isinstance(video.pixels, SharedPixels):  # sliced when the engine takes the segment
+                parts.append(MMItem(span, (count, h, w), video.pixels, frames))
+            else:
+                parts.append(MMItem(span, (count, h, w), video.pixels[frames[0]:frames[1]]))
         return parts

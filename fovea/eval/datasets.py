@@ -95,7 +95,8 @@ def _row(record: dict, columns: dict[str, str], path: Path, number: int) -> Row:
     if isinstance(media, str) and "://" not in media and not media.startswith("data:"):
         media = str(path.parent / media)
     if not isinstance(media, (str, bytes)) or not media:
-        raise ValueError(f"{path}: row {number} has no image (a path, URL or image bytes)")
+        kind = "video" if video else "image"
+        raise ValueError(f"{path}: row {number} has no {kind} (a path, URL or {kind} bytes)")
     options = record.get(columns["options"])
     if isinstance(options, str):
         options = json.loads(options)

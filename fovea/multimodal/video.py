@@ -94,8 +94,9 @@ def video_list(value) -> list:
     metadata); several are a list of those."""
     if value is None or (isinstance(value, list) and not value):
         return []
-    one = not isinstance(value, list) or not value or not isinstance(value[0], (list, tuple, np.ndarray, bytes, str))
-    return [value] if one else list(value)
+    first = value[0] if isinstance(value, list) else None
+    several = isinstance(first, (list, tuple, bytes, str)) or (isinstance(first, np.ndarray) and first.ndim == 4)
+    return list(value) if several else [value]  # a list of (height, width, 3) arrays is one video's frames
 
 
 def is_encoded(source) -> bool:
