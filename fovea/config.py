@@ -1,8 +1,9 @@
-"""Model configuration read once from a Hugging Face `config.json` and passed down to every layer.
+"""Model configuration read once from a Hugging Face model directory and passed down to every layer.
 
-Two on-disk forms exist for Qwen2.5-VL: the flat one of the published checkpoints (text keys at the top level,
-`rope_scaling: {type: mrope, mrope_section}`, `vision_config.in_chans`) and the one transformers 5 writes
-(`text_config`, `rope_parameters`, `vision_config.in_channels`, `dtype`). Both parse to the same dataclasses.
+`ModelConfig.from_dir` reads config.json and preprocessor_config.json once; the family that `architectures` names
+(fovea/models/registry.py) turns them into these dataclasses. The helpers below parse what the families share:
+a decoder language model's keys, flat (published Qwen checkpoints) or nested under `text_config` (transformers 5,
+LLaVA), with the defaults of transformers' config classes for keys a checkpoint leaves out.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from fovea.multimodal.image import ImageProcessorConfig
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,
@@ -29,8 +32,9 @@ class TextConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    mrope_section: tuple[int, int, int]
+    mrope_section: tuple[int, int, int]  # 1-D RoPE: (head_dim / 2, 0, 0)
     max_position_embeddings: int
+    attention_bias: bool = True  # biases on q/k/v (Qwen2); Llama has none
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,13 @@ class VisionConfig:
     window_size: int
     fullatt_block_indexes: tuple[int, ...]
     out_hidden_size: int
-    tokens_per_second: float
+    tokens_per_second: float | None  # M-RoPE time index per second of video; None: one per temporal patch
     rope_theta: float
+    hidden_act: str = "silu"
+    norm_eps: float = 1e-6
+    image_size: int = 0  # a fixed input side (CLIP); 0: any size (Qwen's dynamic resolution)
+    feature_layer: int = -1  # LLaVA: the encoder layer whose output feeds the projector (-2: the one before last)
+    keep_cls: bool = False  # LLaVA's feature select "full" keeps the class token, "default" drops it
 
     @property
     def patch_dim(self) -> int:
@@ -73,50 +82,50 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: torch.dtype
     image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
+    video_token_id: int | None  # None: the model takes no videos
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    image: ImageProcessorConfig = ImageProcessorConfig()  # the checkpoint's preprocessing, as its family reads it
+    mrope: bool = True  # position rule: M-RoPE (t, h, w) for vision tokens, or 1-D for every token
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        preprocessor = Path(model_dir) / "preprocessor_config.json"
+        return cls.from_dict(json.loads(path.read_text()),
+                             json.loads(preprocessor.read_text()) if preprocessor.is_file() else {})
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
-        arch = (raw.get("architectures") or ["Qwen2_5_VLForConditionalGeneration"])[0]
-        if raw.get("model_type") not in (None, "qwen2_5_vl"):
-            raise ValueError(f"unsupported model_type {raw.get('model_type')!r}: fovea runs qwen2_5_vl checkpoints")
-        # transformers 5 nests the language model's keys under text_config; published checkpoints keep them flat.
-        text_raw = {**raw, **raw.get("text_config", {})}
-        text = _parse_text(text_raw)
-        vision = _parse_vision(raw.get("vision_config") or {}, text.hidden_size)
-        tie = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
-        dtype_name = raw.get("torch_dtype") or raw.get("dtype") or text_raw.get("dtype") or "bfloat16"
-        eos = text_raw.get("eos_token_id", 151645)
-        return cls(
-            architecture=arch, text=text, vision=vision, tie_word_embeddings=tie,
-            torch_dtype=resolve_dtype(dtype_name),
-            image_token_id=raw.get("image_token_id", 151655),
-            video_token_id=raw.get("video_token_id", 151656),
-            vision_start_token_id=raw.get("vision_start_token_id", 151652),
-            vision_end_token_id=raw.get("vision_end_token_id", 151653),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
-        )
+    def from_dict(cls, raw: dict, preprocessor: dict | None = None) -> "ModelConfig":
+        from fovea.models.registry import architecture_of, family
+
+        return family(architecture_of(raw)).parse_config(raw, preprocessor or {})
 
 
-def _parse_text(raw: dict) -> TextConfig:
+def text_keys(raw: dict) -> dict:
+    """The language model's keys: transformers 5 and LLaVA nest them under text_config."""
+    return {**raw, **(raw.get("text_config") or {})}
+
+
+def parse_text(raw: dict, mrope: bool, attention_bias: bool, defaults: dict | None = None) -> TextConfig:
+    """A decoder's settings from its (text_keys) dict; `defaults` for keys the checkpoint leaves out."""
+    raw = {**(defaults or {}), **{k: v for k, v in raw.items() if v is not None}}
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    section = rope.get("mrope_section")
-    if section is None or len(section) != 3:
-        raise ValueError(f"config has no 3-axis mrope_section in rope_scaling/rope_parameters: {rope}")
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    if 2 * sum(section) != head_dim:
-        raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
+    if mrope:
+        section = rope.get("mrope_section")
+        if section is None or len(section) != 3:
+            raise ValueError(f"config has no 3-axis mrope_section in rope_scaling/rope_parameters: {rope}")
+        if 2 * sum(section) != head_dim:
+            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
+    else:
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"rope scaling {rope} is not supported; fovea runs the default RoPE")
+        section = (head_dim // 2, 0, 0)  # every frequency reads the first position axis: 1-D RoPE
     return TextConfig(
         vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
         num_layers=raw["num_hidden_layers"], num_heads=heads,
@@ -124,22 +133,18 @@ def _parse_text(raw: dict) -> TextConfig:
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1e6)),
         mrope_section=tuple(section),
-        max_position_embeddings=raw.get("max_position_embeddings", 128000),
+        max_position_embeddings=raw.get("max_position_embeddings", 128000), attention_bias=attention_bias,
     )
 
 
-def _parse_vision(raw: dict, text_hidden: int) -> VisionConfig:
-    rope = raw.get("rope_parameters") or {}
-    return VisionConfig(
-        depth=raw.get("depth", 32), hidden_size=raw.get("hidden_size", 1280),
-        intermediate_size=raw.get("intermediate_size", 3420), num_heads=raw.get("num_heads", 16),
-        in_channels=raw.get("in_channels", raw.get("in_chans", 3)), patch_size=raw.get("patch_size", 14),
-        temporal_patch_size=raw.get("temporal_patch_size", 2), spatial_merge_size=raw.get("spatial_merge_size", 2),
-        window_size=raw.get("window_size", 112),
-        fullatt_block_indexes=tuple(raw.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        out_hidden_size=raw.get("out_hidden_size", text_hidden),
-        tokens_per_second=raw.get("tokens_per_second", 2), rope_theta=rope.get("rope_theta", 10000.0),
-    )
+def checkpoint_dtype(raw: dict) -> torch.dtype:
+    text = raw.get("text_config") or {}
+    return resolve_dtype(raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype")
+                         or text.get("dtype") or "bfloat16")
+
+
+def eos_ids(eos) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -48,7 +48,7 @@ def test_padded_static_buffer_decode_gives_the_eager_tokens(tiny_dirs):
 
     llm = LLM(str(tiny_dirs["tiny-7b"]), **options)
     runner = llm.engine.runner
-    runner.graphs = graphs = DecodeGraphs(runner.model, runner.backend, 6, 256, 16, runner.device,
+    runner.graphs = graphs = DecodeGraphs(runner.model, runner.backend, 6, 256, 16, runner.kv_caches, runner.device,
                                           capture=torch.cuda.is_available())
     buckets = []
     run = graphs.run

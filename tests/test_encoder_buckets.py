@@ -14,6 +14,7 @@ from conftest import image_patches, random_image  # noqa: E402
 
 from fovea import LLM, SamplingParams  # noqa: E402
 from fovea.engine.encoder_buckets import EncoderBuckets, parse_buckets  # noqa: E402
+from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model  # noqa: E402
 from fovea.multimodal.image import ImageProcessor  # noqa: E402
 
@@ -32,14 +33,13 @@ def test_parse_buckets():
 def test_padded_bucket_gives_the_unpadded_embeddings(tiny_dirs, kernel):
     """Three images (24 + 48 + 16 patches) in a 128-patch bucket: 40 filler patches, windows and full-attention
     frames alike. With our kernel the tile tables are padded to the bucket's fixed size too."""
-    model, _ = load_model(tiny_dirs["tiny-7b"], dtype="float32")
+    model, _ = load_model(tiny_dirs["tiny-7b"], dtype="float32", options=ModelOptions(vision_kernel=kernel))
     processor = ImageProcessor()
     images = [processor(random_image(w, h, seed=i)) for i, (w, h) in enumerate([(84, 56), (112, 84), (56, 56)])]
     pixels = image_patches(images)
     grids = [im.grid_thw for im in images]
     assert pixels.shape[0] == 88
     expected = model.visual(pixels, grids)
-    model.visual.use_kernel = kernel
     buckets = EncoderBuckets(model.visual, [64, 128, 512], torch.float32, torch.device("cpu"), capture=False)
     assert buckets.bucket(88) == 128 and buckets.bucket(513) is None
     got = buckets.encode(pixels, grids, 128)

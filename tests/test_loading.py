@@ -121,8 +121,8 @@ def test_missing_weights_and_bad_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="no safetensors"):
         load_model(d)
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
-    with pytest.raises(ValueError, match="unsupported model_type"):
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(ValueError, match="unsupported architecture 'LlamaForCausalLM'"):
         ModelConfig.from_dir(d)
     (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 1]}}))
     with pytest.raises(ValueError, match="must sum to head_dim/2"):

@@ -75,10 +75,11 @@ class EngineConfig:
     def largest_frame_pixels(self) -> float:
         """The most pixels the vision tower sees at once: the largest image, or a video's largest frame (two
         frames kept), that the limits allow."""
-        from fovea.multimodal.image import ImageProcessorConfig
         from fovea.multimodal.video import VideoOptions, frame_max_pixels
 
-        image = ImageProcessorConfig.from_dir(self.model_dir).with_overrides(self.mm_processor_kwargs)
+        image = self.model.image.with_overrides(self.mm_processor_kwargs)
+        if self.model.video_token_id is None:
+            return image.max_pixels
         return max(image.max_pixels, frame_max_pixels(VideoOptions().with_kwargs(self.mm_processor_kwargs)))
 
     @classmethod
@@ -123,7 +124,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         config = cls(model_dir=Path(model_dir), model=model, dtype=torch_dtype, device=torch.device(device),
                      max_model_len=max_model_len, max_model_len_from_model=max_model_len_from_model, **options)
-        config.mm_buckets = parse_buckets(config.mm_buckets, model.vision.spatial_merge_size ** 2)
+        config.mm_buckets = parse_buckets(config.mm_buckets, model.image.encoder_unit)
         if config.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
         if config.generation_config not in ("auto", "vllm") and not Path(config.generation_config).is_dir():

@@ -33,8 +33,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device, capture: bool):
-        self.model, self.backend, self.block_size = model, backend, block_size
+                 block_size: int, kv_caches: list[torch.Tensor], device: torch.device, capture: bool):
+        self.model, self.backend, self.block_size, self.kv_caches = model, backend, block_size, kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         n = self.sizes[-1]
@@ -57,10 +57,9 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         meta = PagedAttentionMetadata(self.backend, self.slots[:size], self.query_start[:size + 1],
                                       self.seq_lens[:size], self.block_tables[:size], 1, self.max_model_len,
-                                      self.block_size)
+                                      self.block_size, self.kv_caches)
         self.backend.prepare(meta)
-        lm = self.model.model
-        return lm(lm.embed_tokens(self.ids[:size]), self.positions[:, :size], meta)
+        return self.model.text_forward(self.ids[:size], self.positions[:, :size], meta)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -1,10 +1,11 @@
 """Encoder shape buckets (--mm-buckets): the vision tower only ever runs on a few patch counts.
 
 One step's images are encoded together; their patches are padded up to the smallest bucket that holds them with
-a blank filler image (grid 1 x 2 x pad/2) that is its own attention segment in every layer, so the real images'
-embeddings do not change; the filler's rows are dropped. Each bucket is warmed up at start-up and, on a GPU with
-our kernels, captured as a CUDA graph whose inputs (pixels, window order, rotary positions, tile tables) live in
-static buffers. Steps with more patches than the largest bucket run eagerly.
+blank filler images (the tower's `filler_grids`: Qwen's one image of grid 1 x 2 x pad/2, or whole fixed-size
+images for CLIP) that are their own attention segments in every layer, so the real images' embeddings do not
+change; the fillers' rows are dropped. A fixed-size encoder (LLaVA's CLIP) thus gets one bucket per image count.
+Each bucket is warmed up at start-up and, on a GPU with our kernels, captured as a CUDA graph whose inputs
+(pixels, and the tower's layout: window order, rotary positions, tile tables) live in static buffers. Steps with more patches than the largest bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ logger = logging.getLogger("fovea")
 
 
 def parse_buckets(text: str | list[int] | None, merge_unit: int) -> list[int]:
-    """'1024,4096' or [1024, 4096] -> sorted patch counts, each a positive multiple of merge_unit (4 patches
-    make one image token)."""
+    """'1024,4096' or [1024, 4096] -> sorted patch counts, each a positive multiple of merge_unit (Qwen: 4
+    patches make one image token; LLaVA: 576 patches make one image)."""
     if not text:
         return []
     values = [int(v) for v in text.split(",")] if isinstance(text, str) else [int(v) for v in text]
@@ -66,7 +67,7 @@ class EncoderBuckets:
         `size`."""
         real = patches.shape[0]
         pad = size - real
-        layout_grids = list(grids) + ([(1, 2, pad // 2)] if pad else [])
+        layout_grids = list(grids) + (self.visual.filler_grids(pad) if pad else [])
         layout = self.visual.layout(layout_grids, self.tile_rows.get(size))
         values = torch.zeros(size, patches.shape[1], dtype=self.dtype, device=self.device)
         values[:real] = patches
@@ -76,17 +77,15 @@ class EncoderBuckets:
             self._capture(size, values, layout)
         static_values, static_layout = self.inputs[size]
         static_values.copy_(values)
-        for key in ("window_index", "rope_pos"):
-            static_layout[key].copy_(layout[key])
-        for key in ("window_meta", "frame_meta"):
-            static_layout[key].tiles.copy_(layout[key].tiles)
+        for key, value in layout.items():  # index tensors, and attention metadata whose tile table is the input
+            target = static_layout[key]
+            (target if isinstance(target, torch.Tensor) else target.tiles).copy_(
+                value if isinstance(value, torch.Tensor) else value.tiles)
         self.graphs[size].replay()
         return self.outputs[size][:real // self.unit].clone()
 
     def _capture(self, size: int, values: torch.Tensor, layout: dict) -> None:
-        static = {key: layout[key].to(self.device) for key in ("window_index", "rope_pos")}
-        for key in ("window_meta", "frame_meta"):
-            static[key] = layout[key].to(self.device)
+        static = {key: value.to(self.device) for key, value in layout.items()}
         values = values.clone()
         self.visual.run(values, static)  # compiles the kernels before recording
         torch.cuda.synchronize(self.device)

@@ -39,17 +39,16 @@ class MemoryPlan:
 
 
 def count_parameters(config: ModelConfig) -> int:
-    from fovea.models.loader import ARCHITECTURES
+    from fovea.models.registry import family
 
     with torch.device("meta"):
-        model = ARCHITECTURES[config.architecture](config)
+        model = family(config.architecture).Model(config)
     return sum(p.numel() for p in model.parameters())
 
 
 def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_model_len: int | None = None,
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
                 tensor_parallel_size: int = 1, max_pixels: int | None = None) -> MemoryPlan:
-    from fovea.multimodal.image import ImageProcessorConfig, smart_resize
     from fovea.multimodal.video import VideoOptions, frame_indices, frame_max_pixels, frame_size
 
     config = ModelConfig.from_dir(model_dir)
@@ -61,8 +60,7 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
     kv_per_token = text.num_layers * kv_heads * text.head_dim * 2 * size
     lm = max_num_batched_tokens * (3 * text.intermediate_size + 4 * text.hidden_size) * size // tensor_parallel_size
     lm += max_num_seqs * text.vocab_size * 4 * 2
-    processor = ImageProcessorConfig.from_dir(model_dir).with_overrides({"max_pixels": max_pixels}
-                                                                         if max_pixels else None)
+    processor = config.image.with_overrides({"max_pixels": max_pixels} if max_pixels else None)
     factor = processor.patch_size * processor.merge_size
 
     def vision_activations(tokens: int) -> int:
@@ -72,15 +70,16 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
 
     images = []
     for width, height in IMAGE_SIZES + [(largest_side(processor.max_pixels, factor),) * 2]:
-        h, w = smart_resize(height, width, factor, processor.min_pixels, processor.max_pixels)
+        h, w = processor.input_size(height, width)
         tokens = (h // factor) * (w // factor)
         images.append((width, height, tokens, vision_activations(tokens)))
     options = VideoOptions().with_kwargs({"max_pixels": max_pixels} if max_pixels else None)
     clips = [(f"{seconds} s {width}x{height}", frame_indices(seconds * 30, 30, options), (height, width))
-             for seconds, width, height in VIDEO_CLIPS]
+             for seconds, width, height in VIDEO_CLIPS] if config.video_token_id is not None else []
     most = options.max_frames // 2 * 2  # the largest video: max_frames kept, frames as large as that allows
     side = largest_side(frame_max_pixels(options, most), factor)
-    clips.append((f"largest ({most} frames)", range(most), (side, side)))
+    if clips:
+        clips.append((f"largest ({most} frames)", range(most), (side, side)))
     videos = []
     for what, kept, (height, width) in clips:
         h, w = frame_size(height, width, len(kept), options, factor)

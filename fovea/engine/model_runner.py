@@ -26,7 +26,7 @@ from fovea.engine.scheduler import ScheduledBatch
 from fovea.engine.step_input import StepInput, build_step
 from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata, TorchAttention
 from fovea.models.loader import load_model
-from fovea.multimodal.image import ImageProcessorConfig
+from fovea.models.base import ModelOptions
 from fovea.multimodal.patchify import patchify
 
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU backend sizes its cache by a fixed space too (VLLM_CPU_KVCACHE_SPACE)
@@ -54,21 +54,18 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         self.parallel = parallel
+        gpu_kernels = self.device.type == "cuda" and config.resolved_attention_backend == "triton"
+        # fp32_softmax: the uncached path (start-up profile); the Triton kernels always are fp32
+        options = ModelOptions(config.fp32_softmax, config.fp32_softmax_vision, vision_kernel=gpu_kernels)
         self.model, _ = load_model(config.model_dir, dtype=config.dtype, device=config.device,
                                    lm_tp=parallel.lm if parallel else SINGLE,
-                                   vision_tp=parallel.vision if parallel else SINGLE)
-        self.image_config = ImageProcessorConfig.from_dir(config.model_dir)  # mean, std, patch and merge sizes
-        self.layers = [layer.self_attn for layer in self.model.model.layers]
-        self.num_kv_heads = self.layers[0].num_kv_heads  # this rank's
-        self.backend = make_attention_backend(config, self.layers[0].num_heads // self.num_kv_heads)
-        for block in self.model.visual.blocks:
-            block.attn.fp32_softmax = config.fp32_softmax_vision
-        for attn in self.layers:
-            attn.fp32_softmax = config.fp32_softmax  # the uncached path (start-up profile); Triton is always fp32
-        gpu_kernels = self.device.type == "cuda" and config.resolved_attention_backend == "triton"
+                                   vision_tp=parallel.vision if parallel else SINGLE, options=options)
+        self.image_config = config.model.image  # mean, std, patch and merge sizes
+        first = self.model.model.layers[0].self_attn
+        self.num_layers, self.num_kv_heads = config.model.text.num_layers, first.num_kv_heads  # this rank's heads
+        self.backend = make_attention_backend(config, first.num_heads // self.num_kv_heads)
         # collectives inside CUDA graphs are not set up yet: with several ranks everything runs eagerly
         capture = gpu_kernels and not config.enforce_eager and not config.distributed
-        self.model.visual.use_kernel = gpu_kernels
         self.encoder_buckets = None
         if config.mm_buckets:  # before the memory profile: captured graphs keep their memory
             self.encoder_buckets = EncoderBuckets(self.model.visual, config.mm_buckets, config.dtype, self.device,
@@ -82,20 +79,18 @@ class ModelRunner:
         text = config.model.text
         shape = (2, self.num_blocks, config.block_size, self.num_kv_heads, text.head_dim)
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would still be NaN
-        self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in self.layers]
+        self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(self.num_layers)]
         self.kv_cache_bytes = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
-        for attn, cache in zip(self.layers, self.kv_caches):
-            attn.kv_cache = cache
         self.logits_buffer = torch.empty(config.max_num_seqs, config.model.text.vocab_size, dtype=config.dtype,
                                          device=self.device)
         self.graphs: DecodeGraphs | None = None
         if capture:  # the reference backend sizes its tensors from the batch, so only our kernels can be captured
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
-                                       config.block_size, self.device, capture=True)
+                                       config.block_size, self.kv_caches, self.device, capture=True)
 
     def _count_kv_blocks(self) -> int:
         cfg, text = self.config, self.config.model.text
-        block_bytes = 2 * len(self.layers) * cfg.block_size * self.num_kv_heads * text.head_dim * cfg.dtype.itemsize
+        block_bytes = 2 * self.num_layers * cfg.block_size * self.num_kv_heads * text.head_dim * cfg.dtype.itemsize
         if cfg.num_gpu_blocks_override:
             return cfg.num_gpu_blocks_override
         if cfg.kv_cache_memory_bytes:
@@ -147,7 +142,7 @@ class ModelRunner:
         ids, positions = to(step.token_ids), to(step.positions)
         meta = PagedAttentionMetadata(self.backend, to(step.slots), to(step.query_starts), to(step.seq_lens),
                                       to(step.block_tables), step.max_query_len, step.max_seq_len,
-                                      self.config.block_size)
+                                      self.config.block_size, self.kv_caches)
         num_seqs = len(step.seq_lens)
         if self.graphs and meta.max_query_len == 1 and mm_embeds is None and self.graphs.bucket(num_seqs):
             hidden = self.graphs.run(ids, positions, meta)

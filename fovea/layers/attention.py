@@ -1,6 +1,10 @@
-"""Attention over a flattened variable-length batch (pure PyTorch reference).
+"""The one attention entry point of every model (`Attention`), and attention over a flattened variable-length
+batch (pure PyTorch reference).
 
-All sequences' tokens are concatenated into one (num_tokens, heads, head_dim) tensor; `cu_seqlens` marks where
+`Attention` takes q, k, v and the step's metadata and picks the path from it: the language model's paged KV cache
+through the engine's backend (PagedAttentionMetadata), or a whole flat batch without a cache (AttentionMetadata:
+the vision towers' images and windows, and whole prompts in reference checks), on our Triton kernel when the
+metadata carries its tile table. All sequences' tokens are concatenated into one (num_tokens, heads, head_dim) tensor; `cu_seqlens` marks where
 each sequence starts. The vision tower uses the same function for its windows (non-causal) and the language model
 for its prompts (causal). Sequences of equal length are stacked and run through one SDPA call without a mask
 (causal ones with is_causal), so PyTorch can pick its memory-efficient kernels on every device: a dense mask
@@ -13,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from fovea.layers.paged_attention import PagedAttentionMetadata
 
 
 @dataclass
@@ -61,3 +68,25 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         result = F.scaled_dot_product_attention(*group, is_causal=causal, scale=scale, enable_gqa=gqa)
         out[rows] = result.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of one layer. `layer_index` names its KV cache in the engine's list (language
+    models); `fp32`: scores and softmax in fp32 on the uncached path (--fp32-softmax, --fp32-softmax-vision; the
+    paged backends are configured at their own construction)."""
+
+    def __init__(self, head_dim: int, causal: bool, layer_index: int | None = None, fp32: bool = False):
+        super().__init__()
+        self.scale, self.causal, self.layer_index, self.fp32 = head_dim ** -0.5, causal, layer_index, fp32
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata | PagedAttentionMetadata) -> torch.Tensor:
+        """q: (N, Hq, D), k/v: (N, Hkv, D) -> (N, Hq, D)."""
+        if isinstance(meta, PagedAttentionMetadata):
+            return meta.backend.forward(q, k, v, meta.kv_caches[self.layer_index], meta, self.scale)
+        if meta.tiles is not None:
+            from fovea.kernels.varlen_attention import varlen_attention_triton
+
+            return varlen_attention_triton(q, k, v, meta.tiles, self.scale, fp32=self.fp32)
+        return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=self.causal, scale=self.scale,
+                                fp32=self.fp32, lengths=meta.lengths)

@@ -32,6 +32,7 @@ class PagedAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    kv_caches: list[torch.Tensor] = field(default_factory=list)  # one per layer: (2, blocks, block_size, heads, dim)
     plan: dict = field(default_factory=dict)  # what a backend precomputes once per step for all layers
 
 

@@ -13,10 +13,10 @@ from safetensors import safe_open
 from fovea.config import ModelConfig, resolve_dtype
 from fovea.distributed import SINGLE, TPGroup, tensor_parallel
 from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-from fovea.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from fovea.models.base import ModelOptions, VisionLanguageModel
+from fovea.models.registry import family
 
 logger = logging.getLogger("fovea")
-ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration}
 
 
 class CheckpointMismatchError(ValueError):
@@ -89,7 +89,7 @@ def _required_shards(module) -> list[set]:
     return [{None}]
 
 
-def load_weights(model: Qwen2_5_VLForConditionalGeneration, model_dir: Path) -> None:
+def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
     unexpected = []
@@ -130,20 +130,19 @@ def load_weights(model: Qwen2_5_VLForConditionalGeneration, model_dir: Path) -> 
 
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               lm_tp: TPGroup = SINGLE, vision_tp: TPGroup = SINGLE) -> tuple[Qwen2_5_VLForConditionalGeneration, Path]:
+               lm_tp: TPGroup = SINGLE, vision_tp: TPGroup = SINGLE,
+               options: ModelOptions = ModelOptions()) -> tuple[VisionLanguageModel, Path]:
     """Builds the model its config.json names, split over the tensor-parallel groups (this rank's slices), and
     loads the weights; returns (model, model_dir)."""
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_dir(model_dir)
-    cls = ARCHITECTURES.get(config.architecture)
-    if cls is None:
-        raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(ARCHITECTURES)}")
+    cls = family(config.architecture).Model
     torch_dtype = config.torch_dtype if dtype == "auto" else resolve_dtype(dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device), tensor_parallel(lm_tp):
-            net = cls(config, vision_tp)
+            net = cls(config, options, vision_tp)
     finally:
         torch.set_default_dtype(previous)
     load_weights(net, model_dir)

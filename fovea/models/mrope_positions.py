@@ -24,7 +24,7 @@ class VisionSpan:
 
 
 def mrope_positions(token_ids: Sequence[int], spans: Sequence[VisionSpan], spatial_merge_size: int,
-                    tokens_per_second: float = 2.0) -> tuple[np.ndarray, int]:
+                    tokens_per_second: float | None = 2.0) -> tuple[np.ndarray, int]:
     """Returns (positions of shape (3, len(token_ids)) int64, decode delta)."""
     ids = np.asarray(token_ids, dtype=np.int64)
     chunks: list[np.ndarray] = []
@@ -48,7 +48,8 @@ def mrope_positions(token_ids: Sequence[int], spans: Sequence[VisionSpan], spati
         if start + count > ids.size or not np.all(ids[start:start + count] == span.token_id):
             raise ValueError(f"a vision item with grid {span.grid_thw} needs {count} consecutive placeholder "
                              f"tokens (id {span.token_id}) at index {start}")
-        interval = 1.0 if span.second_per_grid_t is None else span.second_per_grid_t * tokens_per_second
+        scaled = span.second_per_grid_t is not None and tokens_per_second is not None  # Qwen2-VL: unscaled
+        interval = span.second_per_grid_t * tokens_per_second if scaled else 1.0
         # float32 then truncation, as the reference implementation does it
         t_index = (np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64)
         grid = np.stack(np.meshgrid(t_index, np.arange(gh), np.arange(gw), indexing="ij")).reshape(3, -1)
@@ -59,6 +60,11 @@ def mrope_positions(token_ids: Sequence[int], spans: Sequence[VisionSpan], spati
     positions = np.concatenate(chunks, axis=1) if chunks else np.zeros((3, 0), dtype=np.int64)
     delta = next_pos - ids.size
     return positions.astype(np.int64), delta
+
+
+def linear_positions(length: int) -> np.ndarray:
+    """1-D RoPE's positions (every token one step, images' tokens too) on all three axes the engine carries."""
+    return np.broadcast_to(np.arange(length, dtype=np.int64), (3, length)).copy()
 
 
 def decode_positions(first_index: int, count: int, delta: int) -> np.ndarray:

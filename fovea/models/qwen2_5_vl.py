@@ -1,9 +1,9 @@
 """Qwen2.5-VL: a windowed ViT whose merged patches become tokens of a Qwen2 decoder with M-RoPE.
 
-Read top to bottom: vision tower (patch embed -> blocks with window/full attention -> patch merger), then the
-language model (embedding -> decoder layers -> norm -> lm_head), then the top-level model that joins them.
-The language model runs on a flattened varlen batch: all sequences' tokens in one dimension, `positions` of
-shape (3, num_tokens) for the t/h/w rotary axes, and `AttentionMetadata` saying where each sequence starts.
+Read top to bottom: the config (two on-disk forms: the flat one of the published checkpoints, with
+`rope_scaling: {type: mrope, mrope_section}` and `vision_config.in_chans`, and the nested one transformers 5 writes,
+with `text_config`, `rope_parameters`, `vision_config.in_channels`, `dtype`), the vision tower (patch embed ->
+blocks with window/full attention -> patch merger), then the model that joins it to the decoder (decoder.py).
 """
 
 from __future__ import annotations
@@ -12,14 +12,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fovea.config import ModelConfig, TextConfig, VisionConfig
+from fovea.config import ModelConfig, TextConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
-from fovea.layers.attention import AttentionMetadata, varlen_attention
-from fovea.layers.basic import ParallelLMHead, RMSNorm, SiluAndMul, VocabParallelEmbedding
-from fovea.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                 RowParallelLinear)
-from fovea.layers.paged_attention import PagedAttentionMetadata
-from fovea.layers.rotary import apply_rotary, mrope, vision_rope
+from fovea.layers.attention import Attention, AttentionMetadata
+from fovea.layers.basic import RMSNorm
+from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
+from fovea.layers.rotary import apply_rotary, vision_rope
+from fovea.models.base import ModelOptions, VisionLanguageModel
+from fovea.models.decoder import DecoderModel, GatedMLP
+from fovea.models.registry import architecture_of
+from fovea.multimodal.image import ImageProcessorConfig
+
+# ----------------------------------------------------------------------------------------------------- config
+
+
+def parse_config(raw: dict, preprocessor: dict) -> ModelConfig:
+    text = parse_text(text_keys(raw), mrope=True, attention_bias=True)
+    vision = raw.get("vision_config") or {}
+    rope = vision.get("rope_parameters") or {}
+    return qwen_model_config(raw, preprocessor, text, VisionConfig(
+        depth=vision.get("depth", 32), hidden_size=vision.get("hidden_size", 1280),
+        intermediate_size=vision.get("intermediate_size", 3420), num_heads=vision.get("num_heads", 16),
+        in_channels=vision.get("in_channels", vision.get("in_chans", 3)), patch_size=vision.get("patch_size", 14),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        spatial_merge_size=vision.get("spatial_merge_size", 2), window_size=vision.get("window_size", 112),
+        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        out_hidden_size=vision.get("out_hidden_size", text.hidden_size),
+        tokens_per_second=vision.get("tokens_per_second", 2), rope_theta=rope.get("rope_theta", 10000.0)))
+
+
+def qwen_model_config(raw: dict, preprocessor: dict, text: TextConfig, vision: VisionConfig) -> ModelConfig:
+    """The settings Qwen2-VL and Qwen2.5-VL share: special tokens, image processor, M-RoPE."""
+    keys = text_keys(raw)
+    return ModelConfig(
+        architecture=architecture_of(raw), text=text, vision=vision,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", keys.get("tie_word_embeddings", False))),
+        torch_dtype=checkpoint_dtype(raw), image_token_id=raw.get("image_token_id", 151655),
+        video_token_id=raw.get("video_token_id", 151656),
+        vision_start_token_id=raw.get("vision_start_token_id", 151652),
+        vision_end_token_id=raw.get("vision_end_token_id", 151653),
+        eos_token_ids=eos_ids(keys.get("eos_token_id", 151645)), image=ImageProcessorConfig.dynamic(preprocessor))
+
 
 # ----------------------------------------------------------------------------------------------- vision tower
 
@@ -48,46 +81,24 @@ class VisionPatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    fp32_softmax = False  # set by the engine (--fp32-softmax-vision)
-
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, fp32_softmax: bool):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
         self.qkv = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_heads, cfg.num_heads, bias=True)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.attn = Attention(self.head_dim, causal=False, fp32=fp32_softmax)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.qkv.num_heads, self.head_dim).unbind(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        scale = self.head_dim ** -0.5
-        if meta.tiles is not None:
-            from fovea.kernels.varlen_attention import varlen_attention_triton
-
-            out = varlen_attention_triton(q, k, v, meta.tiles, scale, fp32=self.fp32_softmax)
-        else:
-            out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=False, scale=scale,
-                                   fp32=self.fp32_softmax, lengths=meta.lengths)
+        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, meta)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU MLP used by both towers (the vision one has biases, the language one does not)."""
-
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
-        self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, fp32_softmax: bool):
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg)
+        self.attn = VisionAttention(cfg, fp32_softmax)
         self.norm2 = RMSNorm(cfg.hidden_size, eps=1e-6)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=True)
 
@@ -99,10 +110,10 @@ class VisionBlock(nn.Module):
 class PatchMerger(nn.Module):
     """Concatenates each 2x2 group of patches (contiguous in our ordering) and projects to the LM width."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, norm: type[nn.Module]):
         super().__init__()
         self.group_dim = cfg.hidden_size * cfg.spatial_merge_size ** 2
-        self.ln_q = RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.ln_q = norm(cfg.hidden_size, eps=1e-6)
         self.mlp = nn.Sequential(ColumnParallelLinear(self.group_dim, self.group_dim, bias=True), nn.GELU(),
                                  RowParallelLinear(self.group_dim, cfg.out_hidden_size, bias=True))
 
@@ -150,19 +161,24 @@ def vision_layout(grids: list[tuple[int, int, int]], merge: int, window: int, ke
 
 
 class VisionTransformer(nn.Module):
-    use_kernel = False  # our Triton attention instead of the PyTorch reference (set by the engine on GPUs)
+    block, norm = VisionBlock, RMSNorm  # what Qwen2-VL's tower (qwen2_vl.py) replaces
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, options: ModelOptions):
         super().__init__()
         self.cfg = cfg
+        self.use_kernel = options.vision_kernel  # our Triton attention instead of the PyTorch reference
         self.patch_embed = VisionPatchEmbed(cfg)
         self.rotary = vision_rope(cfg.hidden_size // cfg.num_heads, cfg.rope_theta)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg)
+        self.blocks = nn.ModuleList(self.block(cfg, options.fp32_softmax_vision) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, self.norm)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: (num_patches, patch_dim) of all items -> (num_patches / merge^2, out_hidden_size)."""
         return self.run(pixel_values, self.layout(grids))
+
+    def filler_grids(self, pad: int) -> list[tuple[int, int, int]]:
+        """Blank images that fill `pad` patches of an encoder bucket (encoder_buckets.py)."""
+        return [(1, 2, pad // 2)]
 
     def layout(self, grids: list[tuple[int, int, int]], tile_rows: int | None = None) -> dict:
         return vision_layout(grids, self.cfg.spatial_merge_size, self.cfg.window_merged, self.use_kernel, tile_rows)
@@ -184,135 +200,25 @@ class VisionTransformer(nn.Module):
         return self.merger(x)[torch.argsort(index)]
 
 
-# --------------------------------------------------------------------------------------------- language model
-
-
-class Qwen2Attention(nn.Module):
-    fp32_softmax = False  # set by the engine (--fp32-softmax); the paged backends take it at construction
-
-    def __init__(self, cfg: TextConfig):
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=True)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.kv_cache: torch.Tensor | None = None  # this layer's paged KV cache, bound by the model runner
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata | PagedAttentionMetadata):
-        n = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        scale = self.head_dim ** -0.5
-        if isinstance(meta, PagedAttentionMetadata):
-            out = meta.backend.forward(q, k, v, self.kv_cache, meta, scale)
-        else:  # whole prompts, no cache (reference checks, the demo)
-            out = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=True, scale=scale,
-                                   fp32=self.fp32_softmax, lengths=meta.lengths)
-        return self.o_proj(out.reshape(n, -1))
-
-
-class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen2Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
-
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Qwen2Model(nn.Module):
-    def __init__(self, cfg: TextConfig):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        cos, sin = self.rotary.cos_sin(positions)
-        x = inputs_embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
-
-
 # ---------------------------------------------------------------------------------------------- the full model
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
-    # checkpoint sub-module name -> (our fused module, which piece)
-    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+class Model(VisionLanguageModel):
+    vision_tower = VisionTransformer
 
-    def __init__(self, config: ModelConfig, vision_tp: TPGroup | None = None):
+    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
         """Layers are split over the tensor-parallel group being built (fovea.distributed.tensor_parallel); the
         vision tower over `vision_tp` when given (its own group, or none when each rank holds it whole)."""
-        super().__init__()
-        self.config = config
+        super().__init__(config, options)
         with tensor_parallel(vision_tp or current_tp()):
-            self.visual = VisionTransformer(config.vision)
-        self.model = Qwen2Model(config.text)
-        self.lm_head = ParallelLMHead(config.text.vocab_size, config.text.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.visual = self.vision_tower(config.vision, options)
+        self.model = DecoderModel(config.text, options.fp32_softmax)
+        self.make_lm_head()
 
-    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Runs the vision tower once over several items; returns one (num_tokens_i, hidden) tensor per item."""
-        return self.split_by_item(self.visual(pixel_values, grids), grids)
-
-    def split_by_item(self, merged: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        unit = self.config.vision.spatial_merge_size ** 2
-        return list(merged.split([t * h * w // unit for t, h, w in grids]))
-
-    def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
-              mm_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings with `mm_embeds` rows written over the image/video placeholder positions, in order.
-        `mm_mask` says which rows are placeholders when ids alone cannot (a generated placeholder id is text)."""
-        x = self.model.embed_tokens(input_ids)
-        is_placeholder = mm_mask if mm_mask is not None else (
-            (input_ids == self.config.image_token_id) | (input_ids == self.config.video_token_id))
-        count = int(is_placeholder.sum())
-        given = 0 if mm_embeds is None else mm_embeds.shape[0]
-        if count != given:
-            raise ValueError(f"prompt has {count} image/video placeholder tokens but {given} vision embeddings")
-        if count:
-            x = x.masked_scatter(is_placeholder[:, None], mm_embeds.to(x.dtype))
-        return x
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata | PagedAttentionMetadata, mm_embeds: torch.Tensor | None = None,
-                mm_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids: (N,), positions: (3, N) -> final hidden states (N, hidden)."""
-        return self.model(self.embed(input_ids, mm_embeds, mm_mask), positions, meta)
-
-    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(hidden_states, out)
-
-    def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
-        """Checkpoint tensor name -> (our parameter name, shard id), or None for tensors we do not use.
-
-        Accepts the published layout (`model.layers.*`, `visual.*`, `lm_head`) and the transformers-5 one
-        (`model.language_model.*`, `model.visual.*`).
-        """
+    def rename(self, name: str) -> str:
+        """The published layout (`model.layers.*`, `visual.*`, `lm_head`) is ours; the transformers-5 one
+        (`model.language_model.*`, `model.visual.*`) is mapped onto it."""
         if name.startswith("model.language_model."):
-            name = "model." + name.removeprefix("model.language_model.")
-        elif name.startswith("model.visual."):
-            name = name.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq"):
-            return None  # recomputed, never loaded
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return None  # some tied checkpoints still store it; the embedding is the source
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part in self.packed_modules:
-                fused, shard = self.packed_modules[part]
-                return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
-        return name, None
+            return "model." + name.removeprefix("model.language_model.")
+        return name.removeprefix("model.") if name.startswith("model.visual.") else name
+

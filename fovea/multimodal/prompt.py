@@ -1,7 +1,8 @@
 """From a user's prompt (chat messages or text + images) to what the model consumes.
 
 chat messages (OpenAI content parts) -> the checkpoint's chat template -> token ids -> each image's single
-`<|image_pad|>` (a video's `<|video_pad|>`) expanded to its t*h*w/4 placeholder tokens -> M-RoPE positions.
+placeholder (Qwen's `<|image_pad|>`, a video's `<|video_pad|>`; LLaVA's `<image>`) expanded to its item's tokens
+-> positions by the model's rule (M-RoPE t/h/w, or 1-D).
 
 Given a token limit (max_model_len), too-long prompts are refused as cheaply as possible: by their character
 count before templating or tokenizing (no token is longer than the vocabulary's longest string), by counting
@@ -22,8 +23,8 @@ import jinja2
 import numpy as np
 
 from fovea.config import ModelConfig
-from fovea.models.mrope_positions import VisionSpan, mrope_positions
-from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, ProcessedImage
+from fovea.models.mrope_positions import VisionSpan, linear_positions, mrope_positions
+from fovea.multimodal.image import ImageProcessor, ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, release_images
 from fovea.multimodal.video import VideoOptions, plan_video
 
@@ -177,7 +178,7 @@ class PromptProcessor:
         self.config = config
         self.tokenizer = load_tokenizer(model_dir)
         self.chat_template = chat_template or find_chat_template(model_dir, self.tokenizer)
-        image_cfg = ImageProcessorConfig.from_dir(model_dir).with_overrides(mm_processor_kwargs)
+        image_cfg = config.image.with_overrides(mm_processor_kwargs)
         self.image_processor = ImageProcessor(image_cfg)
         self.video_options = VideoOptions().with_kwargs(mm_processor_kwargs)
         self.decoder = decoder or LocalDecoder()
@@ -252,6 +253,8 @@ class PromptProcessor:
         writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
         videos' pixels are decoded."""
         ids = self.encode(prompt, max_tokens) if isinstance(prompt, str) else list(prompt)
+        if videos and self.config.video_token_id is None:
+            raise ValueError(f"{self.config.architecture} takes no videos")
         planned = [self.image_processor.plan(image, mm_processor_kwargs) for image in images]
         cfg, options = self.image_processor.config, self.video_options.with_kwargs(mm_processor_kwargs, capped=True)
         planned_videos = [plan_video(video, options, self.decoder.probe, cfg.patch_size, cfg.merge_size)
@@ -277,14 +280,16 @@ class PromptProcessor:
     def expand(self, ids: list[int], images: list[ProcessedImage],
                videos: list[ProcessedImage] = ()) -> ProcessedPrompt:
         """Each placeholder token becomes its item's run of tokens; the items come back in prompt order."""
-        items = {self.config.image_token_id: ("image", images), self.config.video_token_id: ("video", videos)}
+        items = {self.config.image_token_id: ("image", images)}
+        if self.config.video_token_id is not None:
+            items[self.config.video_token_id] = ("video", videos)
         slots = [i for i, tok in enumerate(ids) if tok in items]
         queues = {}
         for token, (name, given) in items.items():
             count = sum(ids[i] == token for i in slots)
             if count != len(given):
-                raise ValueError(f"prompt has {count} {name} placeholders (<|{name}_pad|>) but {len(given)} "
-                                 f"{name}s were given")
+                raise ValueError(f"prompt has {count} {name} placeholders ({self.tokenizer.convert_ids_to_tokens(token)})"
+                                 f" but {len(given)} {name}s were given")
             queues[token] = iter(given)
         expanded: list[int] = []
         ordered: list[ProcessedImage] = []
@@ -299,6 +304,8 @@ class PromptProcessor:
             expanded += [token] * item.num_tokens
             prev = slot + 1
         expanded += ids[prev:]
+        if not self.config.mrope:
+            return ProcessedPrompt(expanded, ordered, linear_positions(len(expanded)), 0)
         positions, delta = mrope_positions(expanded, spans, self.config.vision.spatial_merge_size,
                                            self.config.vision.tokens_per_second)
         return ProcessedPrompt(expanded, ordered, positions, delta)

@@ -1,0 +1,82 @@
+"""The decoder-only language model every family here ends in: Qwen2 and Llama are the same network
+(pre-norm RMSNorm, grouped-query attention with rotary positions, SwiGLU MLP) apart from biases on q/k/v.
+
+It runs on a flattened varlen batch: all sequences' tokens in one dimension, `positions` of shape (3, num_tokens)
+and the step's attention metadata. Three position axes serve both rules: M-RoPE reads t/h/w from them by
+`mrope_section`; 1-D RoPE is the section (head_dim/2, 0, 0), every frequency reading the first axis.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fovea.config import TextConfig
+from fovea.layers.attention import Attention, AttentionMetadata
+from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding
+from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fovea.layers.paged_attention import PagedAttentionMetadata
+from fovea.layers.rotary import apply_rotary, mrope
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP (Qwen2.5-VL's vision blocks use it with biases, the language models without)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_index: int, fp32_softmax: bool):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.attn = Attention(cfg.head_dim, causal=True, layer_index=layer_index, fp32=fp32_softmax)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata | PagedAttentionMetadata):
+        n = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        out = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_index: int, fp32_softmax: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, layer_index, fp32_softmax)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
+
+    def forward(self, x, cos, sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: TextConfig, fp32_softmax: bool = False):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, fp32_softmax) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions)
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
