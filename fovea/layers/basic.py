@@ -70,3 +70,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         if out is None:
             return F.linear(hidden_states, self.weight)
         return torch.mm(hidden_states, self.weight.t(), out=out)
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the GELU approximation CLIP and Qwen2-VL's vision towers were trained with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"quick_gelu": QuickGELU, "gelu": nn.GELU, "silu": nn.SiLU}
+
+
+def activation(name: str) -> nn.Module:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]()

@@ -1,4 +1,5 @@
-"""Tiny random-weight Qwen2.5-VL checkpoints in the real Hugging Face layout (tests and the demo model).
+"""Tiny random-weight Qwen2.5-VL and Qwen2-VL checkpoints in the real Hugging Face layout (tests and the demo
+model); LLaVA's are in tiny_llava.py.
 
 Shapes are tiny but every file a published checkpoint has is here, with the same keys: config.json (flat
 published form or the transformers-5 form), model.safetensors (or shards + index), tokenizer.json and
@@ -36,6 +37,11 @@ TINY_SHAPES = {
     # Qwen2.5-VL-7B's exact shapes (random weights): what the GPU benchmarks serve, no download being possible
     "qwen2.5-vl-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv=4, mrope=[16, 24, 24], vocab=152064,
                           tied=False, v_hidden=1280, v_inter=3420, v_depth=32, v_heads=16, v_full=[7, 15, 23, 31]),
+    # Qwen2-VL (v_inter is mlp_ratio x v_hidden; no windows)
+    "tiny-qwen2-vl": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, mrope=[2, 3, 3], vocab=151936, tied=True,
+                          v_hidden=32, v_inter=128, v_depth=2, v_heads=2, v_full=None),
+    "qwen2-vl-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv=4, mrope=[16, 24, 24], vocab=152064,
+                        tied=False, v_hidden=1280, v_inter=5120, v_depth=32, v_heads=16, v_full=None),
 }
 
 
@@ -61,7 +67,21 @@ def tiny_config(name: str = "tiny-3b", dtype: str = "float32") -> dict:
             "temporal_patch_size": 2},
         "rope_scaling": {"type": "mrope", "mrope_section": s["mrope"]},
         "vocab_size": s["vocab"],
-    }
+    } if s["v_full"] is not None else qwen2_vl_config(tiny_config("tiny-3b", dtype), s)
+
+
+def qwen2_vl_config(qwen25: dict, s: dict) -> dict:
+    """Qwen2-VL's published config.json: Qwen2.5-VL's text keys, its own vision keys."""
+    text = {k: v for k, v in qwen25.items() if k not in ("vision_config", "max_window_layers")}
+    text.update(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl", hidden_size=s["hidden"],
+                intermediate_size=s["inter"], num_hidden_layers=s["layers"], max_window_layers=s["layers"],
+                num_attention_heads=s["heads"], num_key_value_heads=s["kv"], tie_word_embeddings=s["tied"],
+                vocab_size=s["vocab"], rope_scaling={"type": "mrope", "mrope_section": s["mrope"]})
+    text["vision_config"] = {"depth": s["v_depth"], "embed_dim": s["v_hidden"], "hidden_size": s["hidden"],
+                             "mlp_ratio": s["v_inter"] // s["v_hidden"], "num_heads": s["v_heads"], "in_chans": 3,
+                             "hidden_act": "quick_gelu", "patch_size": 14, "spatial_merge_size": 2,
+                             "temporal_patch_size": 2}
+    return text
 
 
 def to_transformers5_config(flat: dict) -> dict:
@@ -97,17 +117,25 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
     vc = cfg["vision_config"]
-    e, vi = vc["hidden_size"], vc["intermediate_size"]
+    qwen2 = "embed_dim" in vc  # Qwen2-VL: LayerNorms with biases, fc1/fc2 MLP
+    e = vc["embed_dim"] if qwen2 else vc["hidden_size"]
+    vi = int(e * vc["mlp_ratio"]) if qwen2 else vc["intermediate_size"]
     shapes["visual.patch_embed.proj.weight"] = (e, vc["in_chans"], vc["temporal_patch_size"], vc["patch_size"],
                                                 vc["patch_size"])
     for n in range(vc["depth"]):
         p = f"visual.blocks.{n}."
         shapes.update({p + "norm1.weight": (e,), p + "norm2.weight": (e,), p + "attn.qkv.weight": (3 * e, e),
                        p + "attn.qkv.bias": (3 * e,), p + "attn.proj.weight": (e, e), p + "attn.proj.bias": (e,)})
-        for name, shape in (("gate_proj", (vi, e)), ("up_proj", (vi, e)), ("down_proj", (e, vi))):
+        mlp = (("fc1", (vi, e)), ("fc2", (e, vi))) if qwen2 else (
+            ("gate_proj", (vi, e)), ("up_proj", (vi, e)), ("down_proj", (e, vi)))
+        for name, shape in mlp:
             shapes[p + f"mlp.{name}.weight"] = shape
             shapes[p + f"mlp.{name}.bias"] = shape[:1]
+        if qwen2:
+            shapes.update({p + "norm1.bias": (e,), p + "norm2.bias": (e,)})
     g = 4 * e
+    if qwen2:
+        shapes["visual.merger.ln_q.bias"] = (e,)
     shapes.update({"visual.merger.ln_q.weight": (e,), "visual.merger.mlp.0.weight": (g, g),
                    "visual.merger.mlp.0.bias": (g,), "visual.merger.mlp.2.weight": (h, g),
                    "visual.merger.mlp.2.bias": (h,)})
@@ -122,10 +150,10 @@ def random_weights(shapes: dict[str, tuple[int, ...]], seed: int, dtype: torch.d
     out = {}
     for name, shape in shapes.items():
         t = torch.randn(shape, generator=gen, device=device)
-        if "norm" in name or "ln_q" in name:
-            t = 1.0 + 0.1 * t
-        elif name.endswith("bias"):
+        if name.endswith("bias"):
             t = 0.02 * t
+        elif "norm" in name or "ln_q" in name or "layer_norm" in name or "layrnorm" in name:
+            t = 1.0 + 0.1 * t
         elif "embed_tokens" in name or name == "lm_head.weight":
             t = (0.02 if "embed_tokens" in name else 0.5) * t
         else:

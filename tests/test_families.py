@@ -1,0 +1,168 @@
+"""LLaVA-1.5 and Qwen2-VL against transformers on tiny fp32 checkpoints: preprocessing, logits, and greedy tokens
+through the whole engine (chunked prefill, prefix caching, preemption) with text, one image and two images."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import hf_inputs, random_image
+from fovea import LLM, SamplingParams
+from fovea.layers.attention import AttentionMetadata
+from fovea.models.loader import load_model
+from fovea.models.mrope_positions import decode_positions
+from fovea.multimodal.patchify import patchify
+from fovea.multimodal.prompt import PromptProcessor
+
+FAMILIES = ["llava", "qwen2-vl"]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    from fovea.models.tiny import write_tiny_checkpoint
+    from fovea.models.tiny_llava import write_llava_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    return {"llava": write_llava_checkpoint(root / "llava", seed=3),
+            "qwen2-vl": write_tiny_checkpoint(root / "qwen2-vl", "tiny-qwen2-vl", seed=4)}
+
+
+_HF: dict = {}
+
+
+def hf_model(model_dir):
+    from transformers import GenerationConfig, LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    if str(model_dir) not in _HF:
+        arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+        cls = LlavaForConditionalGeneration if arch.startswith("Llava") else Qwen2VLForConditionalGeneration
+        model = cls.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+        model.generation_config = GenerationConfig(do_sample=False)  # plain greedy, no stop token
+        _HF[str(model_dir)] = model
+    return _HF[str(model_dir)]
+
+
+def llava_template(model_dir) -> str:
+    return json.loads((model_dir / "chat_template.json").read_text())["chat_template"]
+
+
+def hf_llava_inputs(model_dir, messages, images):
+    """transformers only: its tokenizer with the template, CLIPImageProcessorPil, 576 <image> tokens per image."""
+    from transformers import AutoTokenizer
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                   chat_template=llava_template(model_dir))
+    out = {}
+    if images:
+        out["pixel_values"] = CLIPImageProcessorPil.from_pretrained(str(model_dir))(
+            images=images, return_tensors="pt")["pixel_values"]
+        text = text.replace("<image>", "<image>" * 576)
+    out["input_ids"] = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    return out
+
+
+def reference_inputs(family, model_dir, messages, images):
+    return hf_llava_inputs(model_dir, messages, images) if family == "llava" else hf_inputs(model_dir, messages,
+                                                                                           images)
+
+
+def conversation(kind: str):
+    """(messages as the template sees them, images)."""
+    text = {"type": "text", "text": "Describe the colours, then count the objects."}
+    if kind == "text":
+        return [{"role": "user", "content": "Write a haiku about the sea, please."}], []
+    if kind == "one_image":
+        return [{"role": "user", "content": [{"type": "image"}, text]}], [random_image(500, 375, 21)]
+    content = [{"type": "image"}, {"type": "text", "text": "and then"}, {"type": "image"}, text]
+    return [{"role": "user", "content": content}], [random_image(200, 333, 22), random_image(351, 349, 23)]
+
+
+def with_pil(messages, images):
+    it = iter(images)
+    return [{**m, "content": m["content"] if isinstance(m["content"], str) else
+             [{"type": "image_pil", "image_pil": next(it)} if p["type"] == "image" else p for p in m["content"]]}
+            for m in messages]
+
+
+@pytest.mark.parametrize("size", [(640, 480), (333, 517), (336, 336), (200, 90), (1000, 336)])
+def test_llava_pixels_equal_clip_image_processor(family_dirs, size):
+    """Shortest side to 336 (bicubic on uint8), centre crop, rescale and normalise: bit for bit."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    model_dir = family_dirs["llava"]
+    image = random_image(*size, seed=sum(size))
+    processor = PromptProcessor(model_dir, load_model(model_dir, dtype="float32")[0].config).image_processor
+    processed = processor(image)
+    assert processed.grid_thw == (1, 24, 24) and processed.num_tokens == 576
+    ours = patchify(torch.from_numpy(processed.pixels), processor.config)  # (576, 3 * 14 * 14), row-major patches
+    ref = CLIPImageProcessorPil.from_pretrained(str(model_dir))(images=[image], return_tensors="pt")["pixel_values"]
+    ref = ref[0].reshape(3, 24, 14, 24, 14).permute(1, 3, 0, 2, 4).reshape(576, -1)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", ["text", "one_image", "two_images"])
+def test_logits_match_transformers(family_dirs, family, kind):
+    model_dir = family_dirs[family]
+    model, _ = load_model(model_dir, dtype="float32")
+    template = llava_template(model_dir) if family == "llava" else None
+    prompts = PromptProcessor(model_dir, model.config, chat_template=template)
+    messages, images = conversation(kind)
+    prompt = prompts.process_chat(with_pil(messages, images))
+    reference = reference_inputs(family, model_dir, messages, images)
+    assert prompt.token_ids == reference["input_ids"][0].tolist()
+    extra = [5, 17, 9]  # decode steps after the prompt: positions continue by the model's rule
+    ids = prompt.token_ids + extra
+    positions = np.concatenate([prompt.positions, decode_positions(len(prompt.token_ids), 3, prompt.mrope_delta)], 1)
+    with torch.no_grad():
+        mm = None
+        if prompt.images:
+            pixels = torch.cat([patchify(torch.from_numpy(im.pixels), model.config.image) for im in prompt.images])
+            mm = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prompt.images]))
+        hidden = model(torch.tensor(ids), torch.from_numpy(positions), AttentionMetadata.from_lengths([len(ids)]), mm)
+        ours = model.compute_logits(hidden)
+        reference["input_ids"] = torch.tensor([ids])
+        if "mm_token_type_ids" in reference:
+            reference["mm_token_type_ids"] = torch.nn.functional.pad(reference["mm_token_type_ids"], (0, 3))
+        ref = hf_model(model_dir)(**reference).logits[0]
+    assert (ours - ref).abs().max().item() <= 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def hf_greedy(family, model_dir, messages, images) -> list[int]:
+    inputs = reference_inputs(family, model_dir, messages, images)
+    with torch.no_grad():
+        out = hf_model(model_dir).generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_greedy_matches_transformers(family_dirs, family):
+    """Budgets small enough that long prompts are prefilled in chunks, sequences are preempted, and repeated
+    system prompts and images come from the prefix cache."""
+    model_dir = family_dirs[family]
+    system = "You are a careful assistant. Name colours precisely and count objects. " * 4
+    cases = []
+    for kind in ("text", "one_image", "two_images", "one_image", "two_images"):
+        messages, images = conversation(kind)
+        cases.append(([{"role": "system", "content": system}] + messages, images))
+    cases.append(conversation("one_image"))  # the same image again: encoder cache and prefix cache
+    per_image = 576 if family == "llava" else None
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, block_size=16,
+              num_gpu_blocks_override=120 if per_image else 40, max_model_len=1536 if per_image else 640)
+    outputs = llm.chat([with_pil(m, i) for m, i in cases], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                          ignore_eos=True), use_tqdm=False)
+    engine = llm.engine
+    assert max(len(o.prompt_token_ids) for o in outputs) > engine.config.max_num_batched_tokens  # chunked
+    assert engine.scheduler.num_preemptions > 0
+    assert sum(o.num_cached_tokens > 0 for o in outputs) >= 2
+    if per_image:
+        assert outputs[1].prompt_token_ids.count(engine.config.model.image_token_id) == per_image
+    for (messages, images), out in zip(cases, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(family, model_dir, messages, images), messages
