@@ -20,9 +20,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _tiny(args: argparse.Namespace) -> None:
     from fovea.models.tiny import write_tiny_checkpoint
+    from fovea.models.tiny_llava import LLAVA_SHAPES, write_llava_checkpoint
 
-    out = write_tiny_checkpoint(args.out_dir, args.config, seed=args.seed, layout=args.layout, shards=args.shards,
-                                dtype=args.dtype, device=args.device)
+    write = write_llava_checkpoint if args.config in LLAVA_SHAPES else write_tiny_checkpoint
+    out = write(args.out_dir, args.config, seed=args.seed, layout=args.layout, shards=args.shards, dtype=args.dtype,
+                device=args.device)
     print(f"wrote a random-weight {args.config} checkpoint to {out}")
 
 
@@ -76,10 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-pixels", type=int, default=None, help="image resize cap (default: the checkpoint's)")
     plan.set_defaults(func=_plan)
 
-    tiny = sub.add_parser("tiny", help="write a tiny random-weight Qwen2.5-VL checkpoint (HF layout)")
+    tiny = sub.add_parser("tiny", help="write a random-weight checkpoint in the HF layout (Qwen2.5-VL, Qwen2-VL, "
+                          "LLaVA-1.5)")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--config", default="tiny-3b", choices=["tiny-3b", "tiny-7b", "qwen2.5-vl-7b"],
-                      help="qwen2.5-vl-7b: the published 7B shapes (16 GB in bf16; use --device cuda)")
+    tiny.add_argument("--config", default="tiny-3b", choices=["tiny-3b", "tiny-7b", "qwen2.5-vl-7b", "tiny-qwen2-vl",
+                                                              "qwen2-vl-7b", "tiny-llava", "llava-1.5-7b"],
+                      help="the 7b ones: the published 7B shapes (14-16 GB in bf16; use --device cuda)")
     tiny.add_argument("--device", default="cpu", help="where the random weights are drawn")
     tiny.add_argument("--layout", default="published", choices=["published", "transformers5"])
     tiny.add_argument("--shards", type=int, default=1)

@@ -1,11 +1,12 @@
 """Encoder shape buckets (--mm-buckets): the vision tower only ever runs on a few patch counts.
 
 One step's images are encoded together; their patches are padded up to the smallest bucket that holds them with
-blank filler images (the tower's `filler_grids`: Qwen's one image of grid 1 x 2 x pad/2, or whole fixed-size
-images for CLIP) that are their own attention segments in every layer, so the real images' embeddings do not
-change; the fillers' rows are dropped. A fixed-size encoder (LLaVA's CLIP) thus gets one bucket per image count.
+blank filler images (the tower's `filler_grids`: one image of grid 1 x 2 x pad/2 for a dynamic-resolution tower,
+whole images for a fixed-size one) that are their own attention segments in every layer, so the real images'
+embeddings do not change; the fillers' rows are dropped. A fixed-size encoder thus gets one bucket per image count.
 Each bucket is warmed up at start-up and, on a GPU with our kernels, captured as a CUDA graph whose inputs
-(pixels, and the tower's layout: window order, rotary positions, tile tables) live in static buffers. Steps with more patches than the largest bucket run eagerly.
+(pixels, and the tower's layout: window order, rotary positions, tile tables) live in static buffers. Steps with
+more patches than the largest bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ logger = logging.getLogger("fovea")
 
 
 def parse_buckets(text: str | list[int] | None, merge_unit: int) -> list[int]:
-    """'1024,4096' or [1024, 4096] -> sorted patch counts, each a positive multiple of merge_unit (Qwen: 4
-    patches make one image token; LLaVA: 576 patches make one image)."""
+    """'1024,4096' or [1024, 4096] -> sorted patch counts, each a positive multiple of merge_unit (the
+    model's ImageProcessorConfig.encoder_unit: the patches of one token, or of one whole fixed-size image)."""
     if not text:
         return []
     values = [int(v) for v in text.split(",")] if isinstance(text, str) else [int(v) for v in text]

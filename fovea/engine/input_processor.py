@@ -66,7 +66,8 @@ class InputProcessor:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         self._check_count("image", len(images))
         self._check_count("video", len(videos))
-        return self.prompts.process(prompt, images, mm_processor_kwargs or None, self.config.max_model_len, videos)
+        return self.prompts.process(prompt, images, mm_processor_kwargs or None, self.config.max_model_len, videos,
+                                    add_special_tokens=True)
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
                      chat: ChatOptions | None = None) -> ProcessedPrompt:

@@ -7,7 +7,7 @@ hidden-size rows), for the language model over one step's max_num_batched_tokens
 patches of the largest image the limits allow (4 patches per image token) and over one step's part of a video
 (whole temporal patches up to max_num_batched_tokens tokens); sampling adds fp32 logits and probabilities for
 max_num_seqs rows. What is left of gpu_memory x utilization goes to the KV cache. Videos are listed with the
-tokens they take in a prompt (Qwen's sampling at fps 2), up to the largest the limits allow (max_frames frames).
+tokens they take in a prompt (sampled at fps 2), up to the largest the limits allow (max_frames frames).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class SamplingParams:
 
 def generation_config_defaults(model_dir: str | Path) -> dict:
     """vLLM's `generation_config="auto"`: the sampling fields the checkpoint's generation_config.json sets
-    (Qwen2.5-VL ships a repetition penalty, for example); requests that leave a field out get these."""
+    (a checkpoint may ship a repetition penalty); requests that leave a field out get these."""
     path = Path(model_dir) / "generation_config.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

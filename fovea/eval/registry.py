@@ -110,3 +110,9 @@ for _size, _tp in (("3B", 1), ("7B", 1), ("32B", 2), ("72B", 4)):
     MODELS[f"qwen2.5-vl-{_size.lower()}"] = ModelEntry(
         name=f"qwen2.5-vl-{_size.lower()}", path=f"Qwen/Qwen2.5-VL-{_size}-Instruct", tensor_parallel_size=_tp,
         max_pixels=QWEN_MAX_PIXELS, engine_kwargs={"max_model_len": 8192})
+# The other families, one GPU each (bf16 weights: LLaVA-1.5-7B 14 GB, Qwen2-VL-7B 16.6 GB); LLaVA-1.5's images are
+# always 576 tokens (no max_pixels), its language model reaches 4096 positions
+MODELS["llava-1.5-7b"] = ModelEntry(name="llava-1.5-7b", path="llava-hf/llava-1.5-7b-hf",
+                                    engine_kwargs={"max_model_len": 4096})
+MODELS["qwen2-vl-7b"] = ModelEntry(name="qwen2-vl-7b", path="Qwen/Qwen2-VL-7B-Instruct", max_pixels=QWEN_MAX_PIXELS,
+                                   engine_kwargs={"max_model_len": 8192})

@@ -4,7 +4,9 @@ batch (pure PyTorch reference).
 `Attention` takes q, k, v and the step's metadata and picks the path from it: the language model's paged KV cache
 through the engine's backend (PagedAttentionMetadata), or a whole flat batch without a cache (AttentionMetadata:
 the vision towers' images and windows, and whole prompts in reference checks), on our Triton kernel when the
-metadata carries its tile table. All sequences' tokens are concatenated into one (num_tokens, heads, head_dim) tensor; `cu_seqlens` marks where
+metadata carries its tile table.
+
+All sequences' tokens are concatenated into one (num_tokens, heads, head_dim) tensor; `cu_seqlens` marks where
 each sequence starts. The vision tower uses the same function for its windows (non-causal) and the language model
 for its prompts (causal). Sequences of equal length are stacked and run through one SDPA call without a mask
 (causal ones with is_causal), so PyTorch can pick its memory-efficient kernels on every device: a dense mask

@@ -26,15 +26,17 @@ from fovea.models.tiny import random_weights, save_weights
 from fovea.multimodal.image import CLIP_MEAN, CLIP_STD
 
 # name -> text (hidden, intermediate, layers, heads, kv heads, vocab) and vision (hidden, intermediate, layers, heads)
+BPE_TOKENS = 600  # learned vocabulary, specials included; <image> and <pad> follow
+IMAGE_TOKEN, PAD_TOKEN = BPE_TOKENS, BPE_TOKENS + 1
 LLAVA_SHAPES = {
-    "tiny-llava": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, vocab=1024, v_hidden=32, v_inter=64,
-                       v_layers=3, v_heads=2),
+    # the vocabulary exactly the tokenizer's: padded rows (llava-hf has 32064 for 32002 tokens) are ids no
+    # tokenizer can decode, which random weights would pick
+    "tiny-llava": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, vocab=BPE_TOKENS + 2, v_hidden=32,
+                       v_inter=64, v_layers=3, v_heads=2),
     # llava-hf/llava-1.5-7b-hf's shapes (Vicuna-7B + CLIP ViT-L/14-336), random weights
     "llava-1.5-7b": dict(hidden=4096, inter=11008, layers=32, heads=32, kv=32, vocab=32064, v_hidden=1024,
                          v_inter=4096, v_layers=24, v_heads=16),
 }
-BPE_TOKENS = 600  # learned vocabulary, specials included; <image> and <pad> follow
-IMAGE_TOKEN, PAD_TOKEN = BPE_TOKENS, BPE_TOKENS + 1
 WORDS = ("the a an and or but of to in on at by with from for is are was were be this that these those what which "
          "who how why where when image picture photo painting colour colours red green blue yellow white black grey "
          "cat dog bird horse boat ship sea sky sun tree house street car people person man woman child table chair "
@@ -134,7 +136,8 @@ def write_tokenizer(out: Path, chat_template: bool) -> None:
 
 
 def write_llava_checkpoint(out_dir: str | Path, name: str = "tiny-llava", *, seed: int = 0, dtype: str = "float32",
-                           layout: str = "published", device: str = "cpu", chat_template: bool = True) -> Path:
+                           layout: str = "published", device: str = "cpu", shards: int = 1,
+                           chat_template: bool = True) -> Path:
     """A complete random-weight LLaVA-1.5 checkpoint; `chat_template=False` leaves the template out (as older
     llava-hf uploads do: the server then needs --chat-template)."""
     if layout not in ("published", "transformers5"):
@@ -143,7 +146,7 @@ def write_llava_checkpoint(out_dir: str | Path, name: str = "tiny-llava", *, see
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(llava_config(name, dtype), indent=2))
     weights = random_weights(weight_shapes(name), seed, getattr(torch, dtype), device)
-    save_weights(weights if layout == "published" else to_transformers5_names(weights), out)
+    save_weights(weights if layout == "published" else to_transformers5_names(weights), out, shards)
     write_tokenizer(out, chat_template)
     (out / "preprocessor_config.json").write_text(json.dumps({
         "crop_size": {"height": 336, "width": 336}, "do_center_crop": True, "do_convert_rgb": True,

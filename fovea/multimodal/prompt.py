@@ -186,14 +186,15 @@ class PromptProcessor:
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         self._warned_tools = False
 
-    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+    def encode(self, text: str, max_tokens: int | None = None, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `max_tokens`, a text that clearly has more is refused before it is
-        tokenized whole."""
+        tokenized whole. `add_special_tokens`: what the tokenizer adds around a plain prompt (Llama's BOS; Qwen's
+        adds nothing), as vLLM does for completions; a rendered chat template has its own."""
         check_text(text)
         self._check_characters(len(text), max_tokens)
         if max_tokens is not None and len(text) > COUNT_CHUNK_CHARS:
             self._count_up_to(text, max_tokens)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_characters(self, length: int, max_tokens: int | None) -> None:
         """Text of `length` characters has at least length / max_token_chars tokens."""
@@ -248,11 +249,11 @@ class PromptProcessor:
         return self.process(text, media.images, mm_processor_kwargs, videos=media.videos)
 
     def process(self, prompt: str | list[int], images: list = (), mm_processor_kwargs: dict | None = None,
-                max_tokens: int | None = None, videos: list = ()) -> ProcessedPrompt:
+                max_tokens: int | None = None, videos: list = (), add_special_tokens: bool = False) -> ProcessedPrompt:
         """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
         writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
         videos' pixels are decoded."""
-        ids = self.encode(prompt, max_tokens) if isinstance(prompt, str) else list(prompt)
+        ids = self.encode(prompt, max_tokens, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if videos and self.config.video_token_id is None:
             raise ValueError(f"{self.config.architecture} takes no videos")
         planned = [self.image_processor.plan(image, mm_processor_kwargs) for image in images]
@@ -288,8 +289,9 @@ class PromptProcessor:
         for token, (name, given) in items.items():
             count = sum(ids[i] == token for i in slots)
             if count != len(given):
-                raise ValueError(f"prompt has {count} {name} placeholders ({self.tokenizer.convert_ids_to_tokens(token)})"
-                                 f" but {len(given)} {name}s were given")
+                placeholder = self.tokenizer.convert_ids_to_tokens(token)
+                raise ValueError(f"prompt has {count} {name} placeholders ({placeholder}) but {len(given)} {name}s "
+                                 "were given")
             queues[token] = iter(given)
         expanded: list[int] = []
         ordered: list[ProcessedImage] = []
