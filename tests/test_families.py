@@ -166,3 +166,31 @@ def test_engine_greedy_matches_transformers(family_dirs, family):
         assert outputs[1].prompt_token_ids.count(engine.config.model.image_token_id) == per_image
     for (messages, images), out in zip(cases, outputs):
         assert out.outputs[0].token_ids == hf_greedy(family, model_dir, messages, images), messages
+
+
+def test_llava_encoder_buckets_per_image_count(family_dirs):
+    """A fixed-size encoder's buckets count whole images: two images in a four-image bucket (two blank fillers,
+    each its own attention segment) give the unpadded embeddings, and the engine's tokens do not change."""
+    from fovea.engine.encoder_buckets import EncoderBuckets, parse_buckets
+
+    model_dir = family_dirs["llava"]
+    model, _ = load_model(model_dir, dtype="float32")
+    processor = PromptProcessor(model_dir, model.config).image_processor
+    images = [processor(random_image(300, 200, seed=31)), processor(random_image(200, 300, seed=32))]
+    pixels = torch.cat([patchify(torch.from_numpy(im.pixels), model.config.image) for im in images])
+    grids = [im.grid_thw for im in images]
+    with pytest.raises(ValueError, match="multiples of 576"):
+        parse_buckets("576,1000", model.config.image.encoder_unit)
+    buckets = EncoderBuckets(model.visual, [576, 2304], torch.float32, torch.device("cpu"), capture=False)
+    assert buckets.bucket(1152) == 2304
+    with torch.no_grad():
+        torch.testing.assert_close(buckets.encode(pixels, grids, 2304), model.visual(pixels, grids),
+                                   rtol=1e-5, atol=1e-5)
+    messages, pictures = conversation("two_images")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = LLM(str(model_dir), dtype="float32", max_model_len=1536).chat([with_pil(messages, pictures)], params,
+                                                                          use_tqdm=False)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=1536, mm_buckets=[576, 1152])
+    assert llm.engine.runner.encoder_buckets.buckets == [576, 1152]
+    bucketed = llm.chat([with_pil(messages, pictures)], params, use_tqdm=False)
+    assert bucketed[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
