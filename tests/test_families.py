@@ -12,6 +12,7 @@ import torch
 from conftest import hf_inputs, random_image
 from fovea import LLM, SamplingParams
 from fovea.layers.attention import AttentionMetadata
+from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 from fovea.models.mrope_positions import decode_positions
 from fovea.multimodal.patchify import patchify
@@ -186,6 +187,12 @@ def test_llava_encoder_buckets_per_image_count(family_dirs):
     with torch.no_grad():
         torch.testing.assert_close(buckets.encode(pixels, grids, 2304), model.visual(pixels, grids),
                                    rtol=1e-5, atol=1e-5)
+    # our Triton attention (under its interpreter without a GPU): the tile table padded to the bucket's fixed size
+    kernel, _ = load_model(model_dir, dtype="float32", options=ModelOptions(vision_kernel=True))
+    kernel_buckets = EncoderBuckets(kernel.visual, [1152], torch.float32, torch.device("cpu"), capture=False)
+    with torch.no_grad():
+        torch.testing.assert_close(kernel_buckets.encode(pixels[:576], grids[:1], 1152),
+                                   model.visual(pixels[:576], grids[:1]), rtol=1e-4, atol=1e-4)
     messages, pictures = conversation("two_images")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     plain = LLM(str(model_dir), dtype="float32", max_model_len=1536).chat([with_pil(messages, pictures)], params,
