@@ -13,8 +13,9 @@ from torch import nn
 
 from fovea.config import TextConfig
 from fovea.layers.attention import Attention, AttentionMetadata
-from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding
-from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding, activation
+from fovea.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                 RowParallelLinear)
 from fovea.layers.paged_attention import PagedAttentionMetadata
 from fovea.layers.rotary import apply_rotary, mrope
 
@@ -30,6 +31,19 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class FeedForward(nn.Module):
+    """fc1 -> activation -> fc2, with biases: the MLP of CLIP's and Qwen2-VL's vision layers."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(hidden, intermediate, bias=True)
+        self.act = activation(act)
+        self.fc2 = RowParallelLinear(intermediate, hidden, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class DecoderAttention(nn.Module):

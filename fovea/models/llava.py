@@ -15,10 +15,9 @@ from torch import nn
 from fovea.config import ModelConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.attention import Attention, AttentionMetadata
-from fovea.layers.basic import activation
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
-from fovea.models.decoder import DecoderModel
+from fovea.models.decoder import DecoderModel, FeedForward
 from fovea.multimodal.image import ImageProcessorConfig
 
 # ----------------------------------------------------------------------------------------------------- config
@@ -103,24 +102,13 @@ class ClipAttention(nn.Module):
         return self.out_proj(self.attn(q, k, v, meta).reshape(x.shape[0], -1))
 
 
-class ClipMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig):
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.act = activation(cfg.hidden_act)
-        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class ClipLayer(nn.Module):
     def __init__(self, cfg: VisionConfig, fp32_softmax: bool):
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.self_attn = ClipAttention(cfg, fp32_softmax)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = ClipMLP(cfg)
+        self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), meta)

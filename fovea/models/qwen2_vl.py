@@ -9,14 +9,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from fovea.config import ModelConfig, VisionConfig, parse_text, text_keys
 from fovea.layers.attention import AttentionMetadata
-from fovea.layers.basic import activation
-from fovea.layers.linear import ColumnParallelLinear, RowParallelLinear
 from fovea.models import qwen2_5_vl
+from fovea.models.decoder import FeedForward
 
 
 def parse_config(raw: dict, preprocessor: dict) -> ModelConfig:
@@ -34,24 +32,13 @@ def parse_config(raw: dict, preprocessor: dict) -> ModelConfig:
         hidden_act=vision.get("hidden_act", "quick_gelu")))
 
 
-class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig):
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.act = activation(cfg.hidden_act)
-        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig, fp32_softmax: bool):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.attn = qwen2_5_vl.VisionAttention(cfg, fp32_softmax)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         x = x + self.attn(self.norm1(x), cos, sin, meta)
