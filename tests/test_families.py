@@ -201,3 +201,21 @@ def test_llava_encoder_buckets_per_image_count(family_dirs):
     assert llm.engine.runner.encoder_buckets.buckets == [576, 1152]
     bucketed = llm.chat([with_pil(messages, pictures)], params, use_tqdm=False)
     assert bucketed[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+def test_llava_layouts_and_plan(family_dirs, tmp_path):
+    """The llava-hf names and the transformers-5 ones (sharded) load to the same model; `fovea plan` sizes it with
+    576 tokens for every image and no video rows."""
+    from fovea.engine.memory_plan import format_plan, plan_memory
+    from fovea.models.tiny_llava import write_llava_checkpoint
+
+    published = write_llava_checkpoint(tmp_path / "a", seed=7)
+    tf5 = write_llava_checkpoint(tmp_path / "b", seed=7, layout="transformers5", shards=2)
+    assert any(name.startswith("model.language_model.") for name in json.loads(
+        (tf5 / "model.safetensors.index.json").read_text())["weight_map"])
+    a, b = load_model(published, dtype="float32")[0], load_model(tf5, dtype="float32")[0]
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert len(a.visual.layers) == 2  # three CLIP layers, feature layer -2: the last one is not built
+    plan = plan_memory(published, 80, max_model_len=4096)
+    assert {tokens for _, _, tokens, _ in plan.images} == {576} and plan.videos == []
+    assert "video" not in format_plan(plan, "tiny-llava")

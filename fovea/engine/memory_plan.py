@@ -116,7 +116,8 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
              f"{'LM step activations (estimate)':<34}{plan.lm_activation_bytes / GIB:>10.2f} GiB",
              "", f"{'image (w x h)':<16}{'tokens':>8}{'vision activations (estimate)':>34}"]
     lines += [f"{f'{w}x{h}':<16}{tokens:>8}{activations / GIB:>30.2f} GiB" for w, h, tokens, activations in plan.images]
-    lines += ["", f"{'video at fps 2':<24}{'frames':>7}{'tokens':>8}{'vision activations per step':>31}"]
+    if plan.videos:  # none for a model that takes no videos
+        lines += ["", f"{'video at fps 2':<24}{'frames':>7}{'tokens':>8}{'vision activations per step':>31}"]
     lines += [f"{what:<24}{frames:>7}{tokens:>8}{activations / GIB:>27.2f} GiB"
               + ("  (over max_model_len)" if tokens > plan.max_model_len else "")
               for what, frames, tokens, activations in plan.videos]
