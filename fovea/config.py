@@ -55,7 +55,6 @@ class VisionConfig:
     hidden_act: str = "silu"
     norm_eps: float = 1e-6
     image_size: int = 0  # a fixed input side (CLIP); 0: any size (Qwen's dynamic resolution)
-    feature_layer: int = -1  # LLaVA: the encoder layer whose output feeds the projector (-2: the one before last)
 
     @property
     def patch_dim(self) -> int:

@@ -11,7 +11,8 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from conftest import image_patches, jpeg_bytes, random_image
-from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, load_image, smart_resize
+from fovea.config import ModelConfig
+from fovea.multimodal.image import ImageProcessor, load_image, smart_resize
 
 
 def reference(image, **kwargs):
@@ -58,7 +59,7 @@ def test_min_max_overrides_match_transformers(overrides):
 
 
 def test_checkpoint_config_and_its_overrides(tiny_dirs):
-    cfg = ImageProcessorConfig.from_dir(tiny_dirs["tiny-3b"])
+    cfg = ModelConfig.from_dir(tiny_dirs["tiny-3b"]).image
     assert (cfg.min_pixels, cfg.max_pixels, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size) == \
         (3136, 12845056, 14, 2, 2)
     assert cfg.with_overrides({"max_pixels": 5000}).max_pixels == 5000

@@ -32,7 +32,6 @@ LLAVA_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=
 
 def parse_config(raw: dict, preprocessor: dict) -> ModelConfig:
     text_raw = text_keys(raw)
-    text_raw.pop("vision_config", None)
     text = parse_text(text_raw, mrope=False, attention_bias=bool(text_raw.get("attention_bias", False)),
                       defaults=LLAMA_DEFAULTS)
     given = raw.get("vision_config")
@@ -56,7 +55,7 @@ def parse_config(raw: dict, preprocessor: dict) -> ModelConfig:
             num_heads=vision["num_attention_heads"], in_channels=vision["num_channels"], patch_size=patch,
             temporal_patch_size=1, spatial_merge_size=1, window_size=0, fullatt_block_indexes=(),
             out_hidden_size=text.hidden_size, tokens_per_second=None, rope_theta=0.0,
-            hidden_act=vision["hidden_act"], norm_eps=vision["layer_norm_eps"], image_size=side, feature_layer=layer),
+            hidden_act=vision["hidden_act"], norm_eps=vision["layer_norm_eps"], image_size=side),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), torch_dtype=checkpoint_dtype(raw),
         image_token_id=image_token, video_token_id=None, vision_start_token_id=None, vision_end_token_id=None,
         eos_token_ids=eos_ids(text_raw.get("eos_token_id", 2)),

@@ -44,13 +44,6 @@ class ImageProcessorConfig:
     shortest_edge: int = 0
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ImageProcessorConfig":
-        """What the model directory's family reads (its ModelConfig.image); engine code uses that instead."""
-        from fovea.config import ModelConfig
-
-        return ModelConfig.from_dir(model_dir).image
-
-    @classmethod
     def dynamic(cls, raw: dict) -> "ImageProcessorConfig":
         """Qwen2-VL's processor (Qwen2VLImageProcessor) from its preprocessor_config.json."""
         size = raw.get("size") or {}
