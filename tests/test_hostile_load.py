@@ -124,7 +124,11 @@ def test_hostile_traffic_beside_normal_traffic(tiny_dirs, drip):
         assert normal == [200] * 20, normal
         assert hostile["slow host"] == [400] * 6 and hostile["many prompts"] == [200], hostile
         assert_idle(base)
-        # the second round left no more threads or memory behind than the first (pools are bounded)
+        # the second round left no more threads or memory behind than the first (pools are bounded); a worker
+        # thread that has just answered may take a moment to end (seen once on a loaded machine: 23 for 22)
+        settle = time.time() + 5
+        while status_of(server.pid, "Threads:") > threads + 2 and time.time() < settle:
+            time.sleep(0.2)
         assert status_of(server.pid, "Threads:") <= threads + 2
         assert status_of(server.pid, "VmRSS:") <= rss + 150_000  # kB
         # SIGTERM to the whole process group (systemd, `timeout`, Ctrl-C do that): a clean stop, no restart
