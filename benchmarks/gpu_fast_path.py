@@ -3,7 +3,7 @@
     python benchmarks/gpu_fast_path.py --model DIR --out DIR [--commit SHA] [--steps rates,serve,hf] [--quick]
 
 rates:  bf16 matmul rate (8192^3, mean of 10 after 3 warm-ups) and device-to-device copy bandwidth (read + written)
-serve:  `fovea serve DIR` (prefix caching off, --attention-backend triton, CUDA graphs) measured with `fovea bench
+serve:  `fovea serve DIR` (prefix caching off, otherwise default flags: the fast path) measured with `fovea bench
         serve`: seed-001 (8000/1000 x16), 1000/1000 x256, random-mm (one 1280x720 image + 100 text tokens, 128 out,
         x500) with GPU utilisation sampled by nvidia-smi every 100 ms during the image run
 hf:     `fovea bench throughput --compare hf` (1000 in / 256 out x64) on the same checkpoint
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--commit", default=os.environ.get("FOVEA_COMMIT", "unknown"))
     parser.add_argument("--steps", default="rates,serve,hf")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--server-args", default="--attention-backend triton", help="extra `fovea serve` flags")
+    parser.add_argument("--server-args", default="", help="extra `fovea serve` flags (none: the defaults)")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()

@@ -84,6 +84,25 @@ def test_triton_attention_bf16_within_bf16_tolerance(specs):
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("programs", [1, 12, 200])
+def test_decode_splits_the_context_and_combines_exactly(dtype, tol, programs):
+    """Decode-only steps take the split-context kernel: 1 split (written directly), a few, and more splits than a
+    short sequence has tiles (empty splits must not count); contexts cross block and tile edges; 7 query heads per
+    KV head as in Qwen2.5-VL-7B."""
+    from fovea.kernels.paged_attention import decode_splits
+
+    specs = [(300, 1), (15, 1), (64, 1), (129, 1), (0, 1)]
+    q, k, v, cache, meta = ragged_batch(specs, 14, 2, 32, 16, dtype, seed=programs)
+    splits = decode_splits(len(specs), 2, 301, 16, programs)
+    assert splits == {1: 1, 12: 2, 200: 19}[programs]
+    expected, expected_cache = run(TorchAttention(), q.float(), k.float(), v.float(), cache.float(), meta)
+    got, got_cache = run(TritonAttention(group=7, decode_block_n=16, decode_programs=programs), q, k, v, cache, meta)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got_cache.float(), expected_cache, rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
 def test_padding_slots_are_not_written():
     q, k, v, cache, meta = ragged_batch([(0, 3)], 2, 1, 16, 16, torch.float32)
     m = meta(TritonAttention())

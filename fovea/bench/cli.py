@@ -88,6 +88,11 @@ def add_bench_parser(sub) -> None:
     mm.add_argument("--output-json", default=None)
     mm.set_defaults(func=run_bench_mm_processor)
 
+    kernels = kinds.add_parser("kernels", help="attention kernels against the measured bandwidth and matmul rate")
+    kernels.add_argument("--out", default=None, help="write the raw rows as JSON here")
+    kernels.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check of the script)")
+    kernels.set_defaults(func=run_bench_kernels)
+
 
 def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "random-mm", "sharegpt", "jsonl")):
     data = parser.add_argument_group("workload")
@@ -130,6 +135,12 @@ def write_json(path: str | None, result: dict) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=2))
         print(f"result written to {path}")
+
+
+def run_bench_kernels(args: argparse.Namespace) -> dict:
+    from fovea.bench.kernels import bench_kernels
+
+    return bench_kernels(args.out, args.quick)
 
 
 def run_bench_throughput(args: argparse.Namespace) -> dict:

@@ -61,9 +61,11 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        """auto stays on the PyTorch reference until our Triton kernels (and the decode CUDA graphs, which need
-        them) have been checked and measured on a GPU; then it becomes triton on CUDA."""
-        return "torch" if self.attention_backend == "auto" else self.attention_backend
+        """auto: our Triton kernels on CUDA (they, and the decode CUDA graphs that need them, are the fast path),
+        the PyTorch reference elsewhere."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device.type == "cuda" else "torch"
 
     @property
     def encoder_budget(self) -> int:

@@ -1,13 +1,18 @@
 """Paged attention in Triton: the engine's attention backend on NVIDIA GPUs.
 
-Two kernels, both over the flat batch described in fovea/layers/paged_attention.py:
+Kernels over the flat batch described in fovea/layers/paged_attention.py:
 - `_store_kv`: one program per new token copies its K and V into the token's cache slot (slot -1 = padding, as in
   a CUDA-graph batch larger than the real one, is skipped).
-- `_attention`: one program per (tile of query tokens of one sequence, KV head). The rows of a tile are its
-  query tokens times the query heads sharing that KV head (GQA), so each K/V tile is loaded once for all of them.
-  The program walks the sequence's context in tiles of BLOCK_N keys through the block table, with an online
-  softmax in fp32, and stops at the last key its last query may see (causal over cached prefix + new tokens).
-  Prefill, chunked prefill over a cached prefix and decode are the same code with different query lengths.
+- `_attention` (steps with prompt tokens): one program per (tile of query tokens of one sequence, KV head). The
+  rows of a tile are its query tokens times the query heads sharing that KV head (GQA), so each K/V tile is loaded
+  once for all of them. The program walks the sequence's context in tiles of BLOCK_N keys through the block table,
+  with an online softmax in fp32, and stops at the last key its last query may see (causal over cached prefix +
+  new tokens). Prefill, chunked prefill over a cached prefix and decode rows beside them are the same code.
+- `_decode` + `_combine` (steps of decode tokens only): decode reads the whole KV cache once per step and is bound
+  by memory bandwidth, so the work must fill the GPU even at small batches: one program per (sequence, KV head,
+  split of the context). Each split keeps its own running max, sum and weighted values; `_combine` rescales the
+  splits to a common max and adds them up. The number of splits depends only on the batch size and the longest
+  context the step may see, so a CUDA graph captured for a batch size replays the same grid at any context.
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1), which is how CI checks them; the
 bf16 dot products themselves are only exercised on a GPU.
@@ -99,18 +104,94 @@ def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_st
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def _block_q(meta, group_p2: int) -> int:
-    """Query tokens per program: 16 rows for decode (at least what tl.dot takes), 64 for steps with prefill."""
-    return max(1, (16 if meta.max_query_len == 1 else 64) // group_p2)
+@triton.jit
+def _decode(q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_stat_ptr, seq_lens_ptr, block_tables_ptr, scale,
+            q_stride_token, q_stride_head, out_stride_token, out_stride_head, cache_stride_kv, cache_stride_block,
+            cache_stride_offset, cache_stride_head, block_tables_stride,
+            GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+            HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+            UPCAST: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS)
+    begin = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(begin + tiles_per_split * BLOCK_N, seq_len)
+
+    rows = tl.arange(0, ROWS)  # the query heads of this KV head; ROWS >= 16 for tl.dot, the extra rows masked
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_token + head[:, None] * q_stride_head + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    best = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_P2], tl.float32)
+    cache_head = cache_ptr + kv_head * cache_stride_head
+    for start in range(begin, end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        offsets = block.to(tl.int64) * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(cache_head + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(cache_head + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))  # every tile holds at least one key: finite
+        weights = tl.exp(scores - new_best[:, None])
+        rescale = tl.exp(best - new_best)
+        total = total * rescale + tl.sum(weights, 1)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        best = new_best
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * out_stride_token + head[:, None] * out_stride_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # partials of (sequence, query head, split): an empty split leaves max -inf, sum 0
+        part = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + head) * SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_stat_ptr + part * 2, best, mask=row_ok)
+        tl.store(part_stat_ptr + part * 2 + 1, total, mask=row_ok)
+
+
+@triton.jit
+def _combine(part_acc_ptr, part_stat_ptr, out_ptr, out_stride_token, out_stride_head, q_heads,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    split_ok = splits < SPLITS
+    part = (seq.to(tl.int64) * q_heads + head) * SPLITS + splits
+    best = tl.load(part_stat_ptr + part * 2, mask=split_ok, other=float("-inf"))
+    total = tl.load(part_stat_ptr + part * 2 + 1, mask=split_ok, other=0.0)
+    dims = tl.arange(0, HEAD_DIM_P2)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :], mask=split_ok[:, None], other=0.0)
+    top = tl.max(best, 0)  # the first split always holds keys: finite
+    weights = tl.exp(best - top)  # 0 for empty splits
+    out = tl.sum(acc * weights[:, None], 0) / tl.sum(total * weights, 0)
+    tl.store(out_ptr + seq.to(tl.int64) * out_stride_token + head * out_stride_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def _block_q(meta, group_p2: int, rows: int = 64) -> int:
+    """Query tokens per program of `_attention`: `rows` rows of (query, head) for steps with prompt tokens."""
+    return max(1, rows // group_p2)
+
+
+def decode_splits(num_seqs: int, kv_heads: int, max_seq_len: int, block_n: int, programs: int) -> int:
+    """Splits of the context per (sequence, KV head): enough programs to fill the GPU (`programs`), no more
+    splits than tiles of the longest context, at most 64."""
+    wanted = -(-programs // (num_seqs * kv_heads))
+    return max(1, min(wanted, -(-max_seq_len // block_n), 64))
 
 
 def _tiles(meta, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence, first query) of every tile of `block_q` new tokens."""
     query_start_loc = meta.query_start_loc
-    if meta.max_query_len == 1:  # decode: a tile per sequence, sized without reading the GPU (CUDA graphs)
-        num_seqs = meta.seq_lens.numel()
-        return (torch.arange(num_seqs, dtype=torch.int32, device=query_start_loc.device),
-                torch.zeros(num_seqs, dtype=torch.int32, device=query_start_loc.device))
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     tiles_per_seq = (query_lens + block_q - 1) // block_q
     tile_seq = torch.repeat_interleave(torch.arange(query_lens.numel(), device=query_lens.device), tiles_per_seq)
@@ -120,13 +201,23 @@ def _tiles(meta, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TritonAttention(AttentionBackend):
-    def __init__(self, block_n: int = 16, group: int = 1):
-        self.block_n = block_n
+    """`block_n`: keys per tile; `prefill_rows`: (query, head) rows per `_attention` program; `decode_programs`:
+    how many programs a decode step should launch at least (default: 4 per multiprocessor on a GPU, 8 under the
+    interpreter); `*_warps`, `*_stages`: Triton launch settings (None: Triton's defaults)."""
+
+    def __init__(self, group: int = 1, block_n: int = 64, prefill_rows: int = 64, decode_block_n: int = 64,
+                 decode_programs: int | None = None, prefill_warps: int | None = None,
+                 decode_warps: int | None = None, decode_stages: int | None = None):
+        self.block_n, self.prefill_rows, self.decode_block_n = block_n, prefill_rows, decode_block_n
+        self.decode_programs = decode_programs
+        self.prefill_launch = {"num_warps": prefill_warps} if prefill_warps else {}
+        self.decode_launch = {k: v for k, v in (("num_warps", decode_warps), ("num_stages", decode_stages)) if v}
         self.group_p2 = triton.next_power_of_2(group)  # the model's query heads per KV head
 
     def prepare(self, meta):
-        block_q = _block_q(meta, self.group_p2)
-        meta.plan[("tiles", block_q)] = _tiles(meta, block_q)
+        if meta.max_query_len > 1:
+            block_q = _block_q(meta, self.group_p2, self.prefill_rows)
+            meta.plan[("tiles", block_q)] = _tiles(meta, block_q)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         if q.stride(2) != 1:
@@ -137,20 +228,45 @@ class TritonAttention(AttentionBackend):
         row = kv_heads * head_dim
         _store_kv[(num_tokens,)](k, v, kv_cache, meta.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
                                  kv_cache.stride(2), ROW=row, ROW_P2=triton.next_power_of_2(row))
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 = no-op for bf16
+        if meta.max_query_len == 1:
+            self._decode(q, kv_cache, out, meta, scale, kv_heads, cache_strides, precision)
+            return out
         group = q_heads // kv_heads
         group_p2 = triton.next_power_of_2(group)
-        block_q = _block_q(meta, group_p2)
+        block_q = _block_q(meta, group_p2, self.prefill_rows)
         key = ("tiles", block_q)
         if key not in meta.plan:  # layers with another GQA group than prepare() planned for
             meta.plan[key] = _tiles(meta, block_q)
         tile_seq, tile_first = meta.plan[key]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _attention[(tile_seq.numel(), kv_heads)](
             q, kv_cache, out, tile_seq, tile_first, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, meta.block_tables.stride(0),
             GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=self.block_n, HEAD_DIM=head_dim,
-            HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact; tf32 = no-op for bf16
-            UPCAST=INTERPRETED)
+            HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size, PRECISION=precision,
+            UPCAST=INTERPRETED, **self.prefill_launch)
         return out
+
+    def _decode(self, q, kv_cache, out, meta, scale, kv_heads, cache_strides, precision) -> None:
+        num_seqs, q_heads, head_dim = q.shape
+        group, head_dim_p2 = q_heads // kv_heads, triton.next_power_of_2(head_dim)
+        if self.decode_programs is None:
+            self.decode_programs = (4 * torch.cuda.get_device_properties(q.device).multi_processor_count
+                                    if q.is_cuda else 8)
+        splits = decode_splits(num_seqs, kv_heads, meta.max_seq_len, self.decode_block_n, self.decode_programs)
+        part_acc = part_stat = out  # unused with one split
+        if splits > 1:
+            part_acc = torch.empty(num_seqs * q_heads * splits, head_dim_p2, dtype=torch.float32, device=q.device)
+            part_stat = torch.empty(num_seqs * q_heads * splits, 2, dtype=torch.float32, device=q.device)
+        _decode[(num_seqs, kv_heads, splits)](
+            q, kv_cache, out, part_acc, part_stat, meta.seq_lens, meta.block_tables, scale, q.stride(0),
+            q.stride(1), out.stride(0), out.stride(1), *cache_strides, meta.block_tables.stride(0),
+            GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), BLOCK_N=self.decode_block_n,
+            HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=meta.block_size, SPLITS=splits,
+            PRECISION=precision, UPCAST=INTERPRETED, **self.decode_launch)
+        if splits > 1:
+            _combine[(num_seqs, q_heads)](part_acc, part_stat, out, out.stride(0), out.stride(1), q_heads,
+                                          HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, SPLITS=splits,
+                                          SPLITS_P2=triton.next_power_of_2(splits))

@@ -115,7 +115,7 @@ def add_vllm_only_args(group) -> None:
 def add_fast_path_args(group) -> None:
     """GPU fast-path flags, shared by `fovea serve` and the offline benchmarks."""
     group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                       help="triton: our kernels (opt-in until checked on a GPU); auto: the PyTorch reference")
+                       help="auto: our Triton kernels on CUDA, the PyTorch reference elsewhere")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--mm-buckets", default=None, help="vision encoder patch-count buckets, e.g. 1024,4096,16384")
     group.add_argument("--skip-warmup", action="store_true", help="capture encoder buckets on first use")
