@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # The whole GPU verdict in three runs of under 10 minutes each (one device call each), raw JSON and logs under OUT,
 # a summary table printed last. Run from the repository root on the GPU machine:
-#   bash benchmarks/gpu_check.sh tests   OUT   # the test suite on the GPU; 7B-shape fp32/bf16 greedy parity against
-#                                              # transformers
+#   bash benchmarks/gpu_check.sh tests   OUT   # the test suite on the GPU
 #   bash benchmarks/gpu_check.sh serve   OUT   # gpu_fast_path.py with default serve flags (seed-001, 1000/1000 x256,
 #                                              # random-mm 720p x500 with GPU utilisation, HF generate side by side),
 #                                              # the decode-step profile at batch 16 / 8k and 256 / 1k, our video
 #                                              # patches against transformers' video processor, the LLaVA-7B CLIP
 #                                              # tower on CUDA
 #   bash benchmarks/gpu_check.sh kernels OUT   # attention kernels side by side (ours, FlashInfer where it installs,
-#                                              # PyTorch SDPA) against measured bandwidth and matmul rate; NCCL's
-#                                              # per-step cost (tp_overhead.py)
+#                                              # PyTorch SDPA) against measured bandwidth and matmul rate; 7B-shape
+#                                              # fp32/bf16 greedy parity against transformers (gpu_parity.py)
 # Add --quick to any of them for a dry run on the CPU with the tiny model. Packages the GPU machine lacks travel as
 # wheels in .whl/ (benchmarks/README.md says which and how to fetch them); they are installed here first.
 set -uo pipefail
@@ -25,8 +24,9 @@ if compgen -G ".whl*/*.whl" >/dev/null && ! python3 -c "import fastapi" 2>/dev/n
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 py=python3
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${FOVEA_COMMIT:-unknown}")
-{ echo "commit $commit$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+# the device machine's copy of the tree may not hold this commit: FOVEA_COMMIT names it
+commit=${FOVEA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+{ echo "commit $commit"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null
   $py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'
   $py -c 'import triton; print("triton", triton.__version__)' 2>/dev/null
@@ -53,29 +53,27 @@ case "$stage" in
     if [[ $quick == --quick ]]; then
       step pytest 300 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py
     else  # Ray is not on the GPU machine (and too large to carry): its three tests are deselected there
-      step pytest 390 $py -m pytest -v --tb=short -p no:cacheprovider --timeout 150 --durations=25 tests \
+      step pytest 480 $py -m pytest -v --tb=short -p no:cacheprovider --timeout 150 --durations=25 tests \
         --deselect tests/test_eval_backends.py::test_in_process_server_and_ray_give_identical_predictions \
         --deselect tests/test_eval_backends.py::test_tensor_parallel_registry_entry_in_process_and_on_ray \
         --deselect tests/test_parallel_serving.py::test_ray_replicas_are_actors_that_answer_like_one_engine_then_one_dying_is_fatal
     fi
-    build_7b
-    step parity 140 $py benchmarks/gpu_parity.py --model $model --out "$out" --prompts 17,250,1000,2500,80 $quick
     grep -E "PASSED|FAILED|ERROR" "$out/pytest.log" | grep -vc PASSED | sed 's/^/tests not passed: /'
-    grep -E "FAILED|ERROR" "$out/pytest.log" | grep "::" | head -40; tail -n 30 "$out/pytest.log"
-    tail -n 9 "$out/parity.log" ;;
+    grep -E "FAILED|ERROR" "$out/pytest.log" | grep "::" | head -40; tail -n 30 "$out/pytest.log" ;;
   serve)
     build_7b
     step fast_path 400 $py benchmarks/gpu_fast_path.py --model $model --out "$out" --commit "$commit" $quick
     rates=$($py -c "import json; r = json.load(open('$out/summary.json'))['rates']; \
 print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
-    step decode_step 70 $py benchmarks/decode_step.py --model $model --out "$out" --rates "$rates" $quick
-    step media 50 $py benchmarks/gpu_media_checks.py --out "$out" $quick
+    step decode_step 60 $py benchmarks/decode_step.py --model $model --out "$out" --rates "$rates" $quick
+    step media 40 $py benchmarks/gpu_media_checks.py --out "$out" $quick
     cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"; cat "$out/summary.md" ;;
-  kernels)
-    step kernels 330 $py -m fovea.cli bench kernels --out "$out/kernels.json" $quick
+  kernels)  # PARITY_DONE: a folder of parity runs taken earlier, copied in so that they are not repeated
+    step kernels 250 $py -m fovea.cli bench kernels --out "$out/kernels.json" $quick
     build_7b
-    step tp_overhead 120 $py benchmarks/tp_overhead.py $model --out "$out/tp_overhead.json"
-    tail -n 8 "$out/tp_overhead.log"; grep "^|" "$out/kernels.log" ;;
+    [[ -n ${PARITY_DONE:-} ]] && cp "$PARITY_DONE"/parity-*.json "$out"/
+    step parity 200 $py benchmarks/gpu_parity.py --model $model --out "$out" --prompts 17,250,1000,2500,80 $quick
+    tail -n 9 "$out/parity.log"; grep "^|" "$out/kernels.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
 cat "$out/steps.txt"
