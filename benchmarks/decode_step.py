@@ -28,6 +28,7 @@ from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 
 BLOCK = 16
+ATTENTION_KERNELS = {"_decode", "_combine", "_attention"}  # fovea/kernels/paged_attention.py
 
 
 def make_step(config: ModelConfig, batch: int, context: int, device, dtype, backend):
@@ -104,7 +105,7 @@ def measure(model, config: ModelConfig, batch: int, context: int, rates: tuple[f
     matmul, bandwidth = rates
     floor_ms = max(flops / matmul, step_bytes / bandwidth) * 1e3
     kernels = top_kernels(prof, cuda)
-    attention_us = sum(k["us"] for k in kernels if "attention" in k["kernel"].lower())
+    attention_us = sum(k["us"] for k in kernels if k["kernel"] in ATTENTION_KERNELS)
     return {"batch": batch, "context": context, "step_ms": statistics.median(times), "floor_ms": floor_ms,
             "attention_us_per_layer": attention_us / text.num_layers,
             "attention_floor_us_per_layer": kv_bytes / text.num_layers / bandwidth * 1e6, "top_kernels": kernels}

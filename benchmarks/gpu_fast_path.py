@@ -143,6 +143,7 @@ def bench_serve(model: str, port: int, name: str, flags: list[str], out: Path, q
     result = json.loads((out / f"{name}.json").read_text())
     if sampler:
         result.update(sampler.stop())
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2))  # kept even if a later step fails
     return result
 
 
@@ -183,7 +184,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "fovea.cli", "bench", "throughput", "--model", args.model, "--compare", "hf",
                "--dataset-name", "random", "--output-json", str(out / "hf-compare.json")] + (quick if args.quick else [
                "--random-input-len", "1000", "--random-output-len", "256", "--num-prompts", "64"]) \
-            + args.server_args.split()
+            + ["--gpu-memory-utilization", "0.45"] + args.server_args.split()  # transformers' model fits beside
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         summary["hf"] = json.loads((out / "hf-compare.json").read_text())

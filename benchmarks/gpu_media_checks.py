@@ -52,8 +52,8 @@ def check_video(quick: bool) -> dict:
         same_input = processor(videos=[torch.from_numpy(ours.pixels).permute(0, 3, 1, 2)], do_resize=False,
                                return_tensors="pt")
         grid = tuple(theirs["video_grid_thw"][0].tolist())
-        row = {"grid_ours": list(ours.grid), "grid_transformers": list(grid)}
-        if grid == tuple(ours.grid):
+        row = {"grid_ours": list(ours.grid_thw), "grid_transformers": list(grid)}
+        if grid == tuple(ours.grid_thw):
             diff = (our_patches - theirs["pixel_values_videos"]).abs()
             row.update(resized_max_abs=float(diff.max()), resized_mean_abs=float(diff.mean()),
                        resized_fraction_differing=float((diff > 1e-6).float().mean()))

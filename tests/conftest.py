@@ -19,6 +19,24 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 IMAGE_TOKEN_ID = 151655
 
 
+@pytest.fixture(scope="session", autouse=True)
+def small_gpu_share():
+    """On a GPU, engines built in this process default to a small share of the card (serving.GPU_SHARE), as the
+    servers the tests start do: many share one card over a run."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    from fovea.engine.config import EngineConfig
+    from serving import GPU_SHARE
+
+    build = EngineConfig.build.__func__
+    patch = pytest.MonkeyPatch()
+    patch.setattr(EngineConfig, "build", classmethod(
+        lambda cls, *args, **options: build(cls, *args, **{"gpu_memory_utilization": GPU_SHARE, **options})))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """{"tiny-3b": dir, "tiny-7b": dir}: the two tiny configs in the published layout, fp32 weights."""

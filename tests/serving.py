@@ -13,6 +13,13 @@ import threading
 import time
 
 import httpx
+import torch
+
+
+# On a GPU, the test process's engines and the servers it starts share one card: each takes a small share of it
+# (a later --gpu-memory-utilization in a test's own flags wins). Tiny models need little.
+GPU_SHARE = 0.06
+GPU_SHARE_FLAGS = ["--gpu-memory-utilization", str(GPU_SHARE)] if torch.cuda.is_available() else []
 
 
 def free_port() -> int:
@@ -28,7 +35,7 @@ def running_server(model_dir, *flags: str, startup_s: float = 120, env: dict | N
     port = free_port()
     model = [] if model_dir is None else [str(model_dir)]  # None: the flags name it
     cmd = [sys.executable, "-m", "fovea.cli", "serve", *model, "--port", str(port),
-           "--uvicorn-log-level", "warning", *flags]
+           "--uvicorn-log-level", "warning", *GPU_SHARE_FLAGS, *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                             start_new_session=True)  # its own process group, as under a terminal or systemd

@@ -183,7 +183,7 @@ def test_the_reference_builds_no_queries_by_keys_mask(monkeypatch):
 
     monkeypatch.setattr(reference, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
     batch = ragged_batch(MIXED, 4, 2, 16, 16, torch.float32)
-    run(TorchAttention(), *batch)
+    run(TorchAttention(device=DEVICE), *batch)
     assert len(masks) == 1 + 3  # the decodes together, then each of the three prefill chunks
     chunk_over_prefix = [mask for mask in masks if mask is not None and (isinstance(mask, CausalBias)
                                                                           or mask.shape[-2] > 1)]

@@ -120,7 +120,7 @@ def add_engine_args(parser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
     engine.add_argument("--mm-processor-kwargs", type=json.loads, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None, help="the engine's share (0.9)")
     add_fast_path_args(engine)
 
 

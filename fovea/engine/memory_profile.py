@@ -4,9 +4,10 @@ The heaviest step is max_num_batched_tokens prompt tokens through the language m
 the largest image (or video frame) the limits allow through the vision tower (copies of it up to the encoder
 budget), plus fp32 logits for max_num_seqs rows. On a GPU the peak allocation above the resident weights is
 measured for the vision tower and the language model apart and summed (the encoder runs beside the language
-model); the KV cache
-gets gpu_memory_utilization x the card, less everything in use (weights, CUDA context, other processes), less
-that peak and the encoder cache. It runs before the KV cache exists, so a limit that cannot fit fails at start-up.
+model). As in vLLM, gpu_memory_utilization is this engine's share of the card, whatever else runs on it: the KV
+cache gets that share less what this engine took since it started (weights, captured graphs), that peak and the
+encoder cache; two engines at 0.45 fit on one GPU. An engine refuses to start when less than its share is free.
+It runs before the KV cache exists, so a limit that cannot fit fails at start-up.
 """
 
 from __future__ import annotations
@@ -64,14 +65,24 @@ def language_model_step(model: torch.nn.Module, config: EngineConfig) -> None:
     model.compute_logits(rows).float().softmax(-1)  # the sampler works on fp32 probabilities
 
 
-def kv_cache_budget(total: int, free: int, utilization: float, peak_extra: int, reserved: int) -> int:
-    """Bytes for the KV cache: the allowed share of the card, less what is in use now, the step's peak above
-    that, and `reserved` (the encoder cache)."""
-    used = total - free
-    return int(total * utilization - used - peak_extra - reserved)
+def free_memory_at_start(config: EngineConfig) -> int:
+    """Free bytes on the engine's GPU before it loads anything; fails when its share of the card is not free."""
+    free, total = torch.cuda.mem_get_info(config.device)
+    wanted = total * config.gpu_memory_utilization
+    if free < wanted and not config.kv_cache_memory_bytes:
+        raise ValueError(f"only {free / GIB:.2f} GiB of the GPU's {total / GIB:.2f} GiB are free, less than "
+                         f"gpu_memory_utilization {config.gpu_memory_utilization} asks for ({wanted / GIB:.2f} GiB): "
+                         "lower gpu_memory_utilization, or free the memory other processes hold")
+    return free
 
 
-def profile_kv_budget(model: torch.nn.Module, config: EngineConfig) -> int:
+def kv_cache_budget(total: int, utilization: float, used_by_engine: int, peak_extra: int, reserved: int) -> int:
+    """Bytes for the KV cache: the engine's share of the card, less what it took since it started, the step's
+    peak above that, and `reserved` (the encoder cache)."""
+    return int(total * utilization - used_by_engine - peak_extra - reserved)
+
+
+def profile_kv_budget(model: torch.nn.Module, config: EngineConfig, free_at_start: int) -> int:
     device = config.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -86,8 +97,9 @@ def profile_kv_budget(model: torch.nn.Module, config: EngineConfig) -> int:
     free, total = torch.cuda.mem_get_info(device)
     text = config.model.text
     encoder_cache = config.encoder_cache_size * text.hidden_size * config.dtype.itemsize
-    budget = kv_cache_budget(total, free, config.gpu_memory_utilization, peak_extra, encoder_cache)
-    logger.info("memory profile: %.2f GiB in use (weights %.2f GiB), step peak %.2f GiB, encoder cache %.2f GiB, "
-                "KV cache %.2f GiB of %.2f GiB x %.2f", (total - free) / GIB, resident / GIB, peak_extra / GIB,
+    used = free_at_start - free
+    budget = kv_cache_budget(total, config.gpu_memory_utilization, used, peak_extra, encoder_cache)
+    logger.info("memory profile: this engine uses %.2f GiB (weights %.2f GiB), step peak %.2f GiB, encoder cache "
+                "%.2f GiB, KV cache %.2f GiB of %.2f GiB x %.2f", used / GIB, resident / GIB, peak_extra / GIB,
                 encoder_cache / GIB, budget / GIB, total / GIB, config.gpu_memory_utilization)
     return budget

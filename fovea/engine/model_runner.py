@@ -18,7 +18,7 @@ from fovea.engine.config import EngineConfig
 from fovea.engine.cuda_graphs import DecodeGraphs
 from fovea.engine.encoder_buckets import EncoderBuckets
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.memory_profile import profile_kv_budget
+from fovea.engine.memory_profile import free_memory_at_start, profile_kv_budget
 from fovea.engine.request import MMItem
 from fovea.engine.sampler import Sampler, SamplerOutput, top_logprobs
 from fovea.engine.structured_outputs import GrammarMasks
@@ -57,6 +57,7 @@ class ModelRunner:
         gpu_kernels = self.device.type == "cuda" and config.resolved_attention_backend == "triton"
         # fp32_softmax: the uncached path (start-up profile); the Triton kernels always are fp32
         options = ModelOptions(config.fp32_softmax, config.fp32_softmax_vision, vision_kernel=gpu_kernels)
+        self.free_at_start = free_memory_at_start(config) if self.device.type == "cuda" else 0
         self.model, _ = load_model(config.model_dir, dtype=config.dtype, device=config.device,
                                    lm_tp=parallel.lm if parallel else SINGLE,
                                    vision_tp=parallel.vision if parallel else SINGLE, options=options)
@@ -96,7 +97,7 @@ class ModelRunner:
         if cfg.kv_cache_memory_bytes:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            budget = profile_kv_budget(self.model, cfg)
+            budget = profile_kv_budget(self.model, cfg, self.free_at_start)
         else:
             budget = min(CPU_KV_CACHE_BYTES, block_bytes * cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size))
         blocks = int(budget // block_bytes)
