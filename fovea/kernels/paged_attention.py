@@ -47,6 +47,20 @@ def _store_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, cache_strid
 
 
 @triton.jit
+def _kv_tile(cache_head, block_table, keys, key_ok, dims, dim_ok, cache_stride_kv, cache_stride_block,
+             cache_stride_offset, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """The keys and values at context positions `keys` of one sequence (its block table row) and KV head."""
+    block = tl.load(block_table + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    offsets = block.to(tl.int64) * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
+    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(cache_head + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(cache_head + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr,
                block_tables_ptr, scale, q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                cache_stride_kv, cache_stride_block, cache_stride_offset, cache_stride_head, block_tables_stride,
@@ -82,13 +96,8 @@ def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_st
     for start in range(0, last_key, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < last_key
-        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        offsets = block.to(tl.int64) * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(cache_head + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(cache_head + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = _kv_tile(cache_head, block_tables_ptr + seq * block_tables_stride, keys, key_ok, dims, dim_ok,
+                        cache_stride_kv, cache_stride_block, cache_stride_offset, BLOCK_SIZE, UPCAST)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -133,13 +142,8 @@ def _decode(q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_stat_ptr, seq_lens_ptr
     for start in range(begin, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        offsets = block.to(tl.int64) * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(cache_head + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(cache_head + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = _kv_tile(cache_head, block_tables_ptr + seq * block_tables_stride, keys, key_ok, dims, dim_ok,
+                        cache_stride_kv, cache_stride_block, cache_stride_offset, BLOCK_SIZE, UPCAST)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))  # every tile holds at least one key: finite
