@@ -66,6 +66,14 @@ def test_llava_serve_with_template_file_and_bench(llava_dir, tmp_path):
                                                                  "ignore_eos": True}, timeout=60).json()
         assert completion["choices"][0]["text"] == plain.outputs[0].text
         assert completion["usage"]["prompt_tokens"] == len(plain.prompt_token_ids)
+        for special in (True, False):  # /tokenize adds what the installed tokenizer adds (BOS); /detokenize undoes it
+            counted = httpx.post(base + "/tokenize", json={"model": "llava", "prompt": "The cat sat on the",
+                                                           "add_special_tokens": special}, timeout=30).json()
+            assert counted["tokens"] == tokenizer.encode("The cat sat on the", add_special_tokens=special)
+            assert counted["tokens"][0] == 1 if special else counted["tokens"][0] != 1
+            text = httpx.post(base + "/detokenize", json={"model": "llava", "tokens": counted["tokens"]},
+                              timeout=30).json()["prompt"]
+            assert text == tokenizer.decode(counted["tokens"]) and text.endswith("The cat sat on the")
         args = build_parser().parse_args([
             "bench", "serve", "--base-url", base, "--tokenizer", str(llava_dir), "--model", "llava",
             "--backend", "openai-chat", "--dataset-name", "random-mm", "--num-prompts", "4",

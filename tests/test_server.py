@@ -176,3 +176,18 @@ def test_errors_are_sdk_exceptions_and_the_server_keeps_serving(server, client, 
     assert body.status_code == 400 and body.json()["error"]["param"] == "messages"
     reply = client.chat.completions.create(model="tiny", messages=ok, max_tokens=2)
     assert reply.choices[0].message.content is not None
+
+
+def test_tokenize_and_detokenize_round_trip(server, llm):
+    """Qwen's tokenizer adds no special tokens around a plain prompt, whichever way add_special_tokens is set."""
+    tokenizer = llm.get_tokenizer()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    text = "Hello, world: 42 boats"
+    for special in (True, False):
+        counted = httpx.post(server + "/tokenize", headers=headers, timeout=30,
+                             json={"model": "tiny", "prompt": text, "add_special_tokens": special}).json()
+        assert counted["tokens"] == tokenizer.encode(text, add_special_tokens=special) == tokenizer.encode(text)
+        assert counted["count"] == len(counted["tokens"]) and counted["max_model_len"] == 2048
+        back = httpx.post(server + "/detokenize", headers=headers, timeout=30,
+                          json={"model": "tiny", "tokens": counted["tokens"]}).json()
+        assert back["prompt"] == text

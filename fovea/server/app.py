@@ -266,8 +266,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
                                    body.chat_template_kwargs)
                 processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None, chat)
                 return processed.token_ids
-            ids = await engine.run_in_pool(engine.inputs.prompts.encode, body.prompt, max_len)
-            return engine.tokenizer.build_inputs_with_special_tokens(ids) if body.add_special_tokens else ids
+            # the special tokens the installed tokenizer itself puts around a plain prompt (Llama's BOS; none for
+            # Qwen), as a completion's prompt gets them
+            return await engine.run_in_pool(engine.inputs.prompts.encode, body.prompt, max_len,
+                                            body.add_special_tokens)
 
         tokens = await unless_disconnected(request, count())
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
