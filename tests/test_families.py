@@ -219,3 +219,42 @@ def test_llava_layouts_and_plan(family_dirs, tmp_path):
     plan = plan_memory(published, 80, max_model_len=4096)
     assert {tokens for _, _, tokens, _ in plan.images} == {576} and plan.videos == []
     assert "video" not in format_plan(plan, "tiny-llava")
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen2-vl", "llava"])
+def test_what_installed_transformers_saves_loads(family_dirs, tiny_dirs, family, tmp_path):
+    """Each family loads the checkpoint that the installed transformers' save_pretrained writes (its config and
+    weight layout, whatever its version), to the same weights as the published layout and to transformers' logits;
+    LLaVA also without `vision_model.` in its tower's keys (what transformers 5.23 wrote)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    source = tiny_dirs["tiny-3b"] if family == "qwen2.5-vl" else family_dirs[family]
+    reference = AutoModelForImageTextToText.from_pretrained(str(source), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    saved = tmp_path / "saved"
+    reference.save_pretrained(saved)
+    for extra in source.iterdir():  # tokenizer and preprocessor files: save_pretrained writes the model only
+        if not (saved / extra.name).exists() and not extra.name.endswith((".safetensors", ".json.index")):
+            shutil.copy(extra, saved / extra.name)
+    layouts = [saved]
+    if family == "llava":
+        stripped = tmp_path / "no-vision-model"
+        shutil.copytree(saved, stripped)
+        for shard in stripped.glob("*.safetensors"):
+            save_file({k.replace("vision_tower.vision_model.", "vision_tower."): v
+                       for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+        layouts.append(stripped)
+    published = load_model(source, dtype="float32")[0].state_dict()
+    ids = torch.tensor([[9707, 11, 1879, 0, 151, 17, 4, 33]]) % reference.config.get_text_config().vocab_size
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits[0]
+    for layout in layouts:
+        ours = load_model(layout, dtype="float32")[0]
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), published.values())), layout
+        with torch.no_grad():
+            positions = torch.arange(ids.shape[1]).expand(3, -1)
+            logits = ours.compute_logits(ours(ids[0], positions, AttentionMetadata.from_lengths([ids.shape[1]])))
+        assert (logits - expected).abs().max().item() <= 1e-4

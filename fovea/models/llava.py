@@ -176,8 +176,8 @@ class Model(VisionLanguageModel):
 
     def rename(self, name: str) -> str | None:
         """transformers 5 (`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
-        `lm_head.*`) and the earlier llava-hf layout (`vision_tower.*`, `multi_modal_projector.*`,
-        `language_model.model.*`, `language_model.lm_head.*`) onto ours."""
+        `lm_head.*`), what its save_pretrained writes, and the earlier llava-hf layout (`vision_tower.*`,
+        `multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`) onto ours."""
         for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
                          ("language_model.lm_head.", "lm_head."), ("model.vision_tower.", "visual."),
                          ("vision_tower.", "visual."), ("model.multi_modal_projector.", "visual.projector."),
@@ -185,9 +185,11 @@ class Model(VisionLanguageModel):
             if name.startswith(old):
                 name = new + name.removeprefix(old)
                 break
-        if not name.startswith("visual.vision_model."):
+        if not name.startswith("visual.") or name.startswith("visual.projector."):
             return name
-        name = "visual." + name.removeprefix("visual.vision_model.").removeprefix("encoder.")
+        # the CLIP tower's keys come with `vision_model.` (llava-hf, transformers 5.24's save_pretrained) or without
+        # it (transformers 5.23's save_pretrained)
+        name = "visual." + name.removeprefix("visual.").removeprefix("vision_model.").removeprefix("encoder.")
         if name.startswith("visual.post_layernorm") or name.endswith("position_ids"):
             return None  # the post-norm only feeds CLIP's pooled output
         if name.startswith("visual.layers.") and int(name.split(".")[2]) >= self.config.vision.depth:
