@@ -41,7 +41,7 @@ def check_video(quick: bool) -> dict:
 
     options, config = VideoOptions(), ImageProcessorConfig()
     results = {}
-    for frames, height, width in ([(4, 90, 160)] if quick else [(8, 360, 640), (16, 720, 1280), (6, 480, 270)]):
+    for frames, height, width in ([(4, 90, 160)] if quick else [(8, 360, 640), (16, 720, 1280), (5, 480, 270)]):
         clip = smooth_clip(frames, height, width, seed=frames)
         planned = plan_video(clip, options)  # frames given without a rate are taken as already sampled
         ours = process_video(planned)

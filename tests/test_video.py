@@ -65,6 +65,19 @@ def published_video_patches(frames: np.ndarray, config: ImageProcessorConfig) ->
     return x.reshape(t // tp * (h // p) * (w // p), c * tp * p * p)
 
 
+@pytest.mark.parametrize("count", [1, 5, 6])
+def test_frames_in_memory_are_all_kept_and_an_odd_count_padded_as_transformers_does(count):
+    """transformers' video processor (which vLLM hands frames to) keeps every frame it is given and repeats the last
+    one up to a whole temporal patch: 5 frames -> 3 temporal patches, 1 frame -> 1."""
+    frames = clip(count, 56, 56, count)
+    for video in (frames, list(frames)):
+        processed = processed_video(video, SMALL)
+        padded = np.concatenate([frames, frames[-1:].repeat(count % 2, axis=0)])
+        assert processed.grid_thw == (len(padded) // 2, 4, 4)
+        assert np.array_equal(processed.pixels, padded)  # 56 x 56 needs no resize under SMALL
+        assert processed.second_per_grid_t == 1.0  # 2 frames at the default fps 2, as the processor's default
+
+
 def test_video_patches_follow_the_published_layout():
     config = ImageProcessorConfig()
     frames = np.random.default_rng(0).integers(0, 256, (6, 56, 84, 3), dtype=np.uint8)

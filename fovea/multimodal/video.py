@@ -8,6 +8,8 @@ Qwen's published video path (qwen-vl-utils, which the model was trained with), s
   total_pixels / n * 2), min_pixels * 1.05) (a long video gets smaller frames);
 - time: the kept frames' rate is n / total * video_fps, so one temporal patch (2 frames) spans
   second_per_grid_t = 2 / that rate seconds, which stretches the M-RoPE time index (mrope_positions.py).
+Frames handed over in memory without a rate are taken as already sampled at fps (transformers' processor and vLLM
+do the same): all are kept, an odd count padded with its last frame.
 Frames are resized one by one like still images (PIL bicubic on uint8). A video is planned before any pixel is
 decoded (frames kept, their size, so its token count), as images are: a file's header says its frame count, rate
 and size (video_decode.py), and a prompt too long is refused before decoding.
@@ -133,12 +135,18 @@ def plan_video(source, options: VideoOptions, probe=video_decode.probe, patch_si
         frames, fps = as_frames(source)
         first = frames[0]
         height, width = first.shape[:2] if isinstance(first, np.ndarray) else (first.height, first.width)
-        # frames given without a rate are taken as already sampled at fps
         info = VideoInfo(len(frames), fps or options.fps, height, width)
-    indices = frame_indices(info.frames, info.fps, options)
+    if frames is not None and fps is None and len(frames) <= options.max_frames:
+        # frames given without a rate are already sampled at fps: all are kept, and an odd count gets its last frame
+        # repeated to whole temporal patches, as transformers' video processor does (and vLLM, which hands it them)
+        indices = list(range(len(frames)))
+        indices += indices[-1:] * (-len(indices) % FRAME_FACTOR)
+        second_per_grid_t = FRAME_FACTOR / options.fps
+    else:
+        indices = frame_indices(info.frames, info.fps, options)
+        second_per_grid_t = FRAME_FACTOR / (len(indices) / info.frames * info.fps)
     height, width = frame_size(info.height, info.width, len(indices), options, patch_size * merge_size)
     grid = (len(indices) // FRAME_FACTOR, height // patch_size, width // patch_size)
-    second_per_grid_t = FRAME_FACTOR / (len(indices) / info.frames * info.fps)
     return PlannedVideo(indices, height, width, grid, second_per_grid_t, merge_size, frames, data)
 
 
