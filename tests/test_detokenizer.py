@@ -37,3 +37,20 @@ def test_stop_string_search_only_looks_at_new_text():
     assert find_stop_string("abc ST", 2, ["STOP"]) is None
     assert find_stop_string("abc STOP", 2, ["STOP"]) == ("STOP", 4)  # completed by the new characters
     assert find_stop_string("xx ab cd", 5, ["cd", "ab"]) == ("ab", 3)  # earliest end wins
+
+
+def test_ids_past_a_small_tokenizer_give_no_text_and_leave_the_stream_intact(tmp_path):
+    """LLaVA's tiny byte-level BPE has 602 ids under a 32,064-row embedding, as padded checkpoints do: ids past it
+    give no text and do not disturb the characters around them (the server and offline share this path)."""
+    import random
+
+    from fovea.models.tiny_llava import write_llava_checkpoint
+
+    small = AutoTokenizer.from_pretrained(str(write_llava_checkpoint(tmp_path / "llava", seed=1)))
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice([rng.randrange(3, len(small)), rng.randrange(len(small), 32064)]) for _ in range(8)]
+        detok = IncrementalDetokenizer(small, [1, 50, 60])
+        text = "".join(detok.decode(i) for i in ids)
+        whole = small.decode([i for i in ids if i < len(small)], skip_special_tokens=True)
+        assert text == whole.rstrip("\ufffd")  # bytes of a character still partial at the end are held back

@@ -191,3 +191,21 @@ def test_tokenize_and_detokenize_round_trip(server, llm):
         back = httpx.post(server + "/detokenize", headers=headers, timeout=30,
                           json={"model": "tiny", "tokens": counted["tokens"]}).json()
         assert back["prompt"] == text
+
+
+def test_ids_past_the_tokenizer_read_the_same_everywhere(client, llm):
+    """The model's vocabulary (151,936 rows) is larger than its tokenizer's (151,665 ids): ids past the tokenizer
+    (which random weights can pick; logit_bias forces them here, beside ordinary ones) give no text, and the rest
+    read the same in the server (whole and streamed) as offline and as the tokenizer's decode of the whole."""
+    tokenizer = llm.get_tokenizer()
+    past = [len(tokenizer) + 5, llm.engine.config.model.text.vocab_size - 1]
+    bias = {past[0]: 30, past[1]: 30, 1879: 30, 3579: 30, 198: 30}  # two past the tokenizer, " world", " boat", "\n"
+    params = greedy(llm, 12).clone(logit_bias=bias)
+    expected = llm.generate(["The harbour at dawn"], params, use_tqdm=False)[0].outputs[0]
+    assert set(expected.token_ids) & set(past) and set(expected.token_ids) - set(past)  # both kinds were drawn
+    assert expected.text == tokenizer.decode([t for t in expected.token_ids if t < len(tokenizer)])
+    kwargs = dict(model="tiny", prompt="The harbour at dawn", temperature=0, max_tokens=12,
+                  logit_bias={str(k): v for k, v in bias.items()})
+    assert client.completions.create(**kwargs).choices[0].text == expected.text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices)
+    assert streamed == expected.text
