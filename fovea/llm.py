@@ -53,11 +53,14 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations; `tools`
-        (OpenAI's function definitions) and `chat_template_kwargs` go to the chat template, as in vLLM."""
+        (OpenAI's function definitions) and `chat_template_kwargs` go to the chat template, as in vLLM;
+        `chat_template_content_format`: auto, string or openai (fovea/multimodal/chat_format.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        chat = ChatOptions(chat_template, add_generation_prompt, tools, chat_template_kwargs)
+        chat = ChatOptions(chat_template, add_generation_prompt, tools, chat_template_kwargs,
+                           chat_template_content_format)
         processed = [self.engine.inputs.process_chat(conversation, mm_processor_kwargs, chat)
                      for conversation in conversations]
         return self._run(processed, sampling_params, use_tqdm)

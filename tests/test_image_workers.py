@@ -32,10 +32,15 @@ def workers():
     pool.close()
 
 
-def test_workers_give_the_in_process_pixels(workers):
+@pytest.mark.parametrize("config", ["qwen", "clip"])
+def test_workers_give_the_in_process_pixels(workers, config):
+    """Qwen's dynamic resolution, and CLIP's shortest-side resize and centre crop (LLaVA), in both places."""
+    from fovea.multimodal.image import ImageProcessorConfig
+
     before = segments()
-    processor = ImageProcessor()
-    for width, height in ((640, 480), (333, 517), (3000, 2000)):  # the last one decodes at a reduced scale
+    processor = ImageProcessor(ImageProcessorConfig() if config == "qwen" else ImageProcessorConfig.center_crop(
+        {"crop_size": 336, "size": {"shortest_edge": 336}}, 14, 336))
+    for width, height in ((640, 480), (333, 517), (200, 150), (3000, 2000)):  # the last decodes at reduced scale
         planned = processor.plan(jpeg_bytes(random_image(width, height, seed=width)))
         local = processor.process(planned)
         remote = workers.process(processor.plan(planned.data))

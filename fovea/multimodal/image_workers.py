@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from fovea.multimodal import video_decode
-from fovea.multimodal.image import ImageProcessor, PlannedImage, ProcessedImage, pixels_hash, planned_grid
+from fovea.multimodal.image import ImageProcessor, PlannedImage, ProcessedImage, planned_grid
 from fovea.multimodal.video import PlannedVideo, process_video
 from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
 
@@ -92,16 +92,16 @@ def _decode_worker(conn) -> None:
 
 
 def _run(kind: str, *args):
-    from fovea.multimodal.image import open_image, resize
+    from fovea.multimodal.image import open_image
 
     if kind == "probe":
         return video_decode.probe(*args)
     if kind == "video":
         processed = process_video(*args)
-        return SharedPixels.create(processed.pixels), processed.content_hash
-    data, width, height, grid = args
-    pixels = resize(open_image(data), width, height)
-    return SharedPixels.create(pixels), pixels_hash(pixels, grid)
+    else:  # the same steps as in process (a centre crop after the resize, for CLIP-style processors)
+        data, config, height, width = args
+        processed = LocalDecoder.process(PlannedImage(open_image(data), config, height, width, data))
+    return SharedPixels.create(processed.pixels), processed.content_hash
 
 
 def default_workers() -> int:
@@ -135,9 +135,8 @@ class ImageWorkers:
         if isinstance(planned, PlannedVideo):
             shared, content_hash = self._call("video", planned)
             return ProcessedImage(shared, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t)
-        grid = planned_grid(planned)
-        shared, content_hash = self._call("image", planned.data, planned.width, planned.height, grid)
-        return ProcessedImage(shared, grid, content_hash, planned.config.merge_size)
+        shared, content_hash = self._call("image", planned.data, planned.config, planned.height, planned.width)
+        return ProcessedImage(shared, planned_grid(planned), content_hash, planned.config.merge_size)
 
     def probe(self, data: bytes) -> video_decode.VideoInfo:
         return self._call("probe", data)

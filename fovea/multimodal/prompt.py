@@ -18,11 +18,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jinja2
-
 import numpy as np
 
 from fovea.config import ModelConfig
+from fovea.multimodal.chat_format import CONTENT_FORMATS, as_string_content, detect_content_format
 from fovea.models.mrope_positions import VisionSpan, linear_positions, mrope_positions
 from fovea.multimodal.image import ImageProcessor, ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, release_images
@@ -57,11 +56,15 @@ class ChatOptions:
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     template_kwargs: dict | None = None
+    content_format: str = "auto"  # the shape of message content the template expects (chat_format.py)
 
     def __post_init__(self):
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs or {}))
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: they are request fields of their own")
+        if self.content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat template content format must be one of {CONTENT_FORMATS}, got "
+                             f"{self.content_format!r}")
 
     def render(self, tokenizer, messages: list[dict], template: str) -> str:
         return tokenizer.apply_chat_template(messages, chat_template=template, tools=self.tools or None,
@@ -182,9 +185,21 @@ class PromptProcessor:
         self.image_processor = ImageProcessor(image_cfg)
         self.video_options = VideoOptions().with_kwargs(mm_processor_kwargs)
         self.decoder = decoder or LocalDecoder()
+        self.placeholders = {"image": self._placeholder(config.image_token_id)}  # for "string" chat templates
+        if config.video_token_id is not None:
+            self.placeholders["video"] = self._placeholder(config.video_token_id)
         # an upper bound on the characters of one token (byte-level strings are at least as long as their text)
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         self._warned_tools = False
+
+    def _placeholder(self, token_id: int) -> str:
+        """What a template writes for one image or video: the placeholder token, inside the vision start and end
+        tokens where the model has them."""
+        text = self.tokenizer.convert_ids_to_tokens(token_id)
+        start, end = self.config.vision_start_token_id, self.config.vision_end_token_id
+        if start is None:
+            return text
+        return self.tokenizer.convert_ids_to_tokens(start) + text + self.tokenizer.convert_ids_to_tokens(end)
 
     def encode(self, text: str, max_tokens: int | None = None, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `max_tokens`, a text that clearly has more is refused before it is
@@ -230,18 +245,27 @@ class PromptProcessor:
             self._warned_tools = True  # as in vLLM, the request goes on; the model just does not see the tools
             logger.warning("the chat template does not list tools; pass one that does (--chat-template), e.g. "
                            "fovea/models/qwen2_5_vl_chat_template.jinja")
-        normalized, media = self.normalize_chat(messages, max_tokens, chat.tools)
+        normalized, media = self.normalize_chat(messages, max_tokens, chat, template)
         try:
             text = chat.render(self.tokenizer, normalized, template)
-        except jinja2.TemplateError as exc:  # a template's raise_exception, or a bad template sent with a request
-            raise ValueError(f"the chat template failed on these messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a template's raise_exception or its own error is the request's
+            raise ValueError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
         return text, media
 
-    def normalize_chat(self, messages: list[dict], max_tokens: int | None = None,
-                       tools: list[dict] | None = None) -> tuple[list[dict], ChatMedia]:
-        """split_chat_media, refusing (before any templating) text too long for `max_tokens` tokens."""
+    def normalize_chat(self, messages: list[dict], max_tokens: int | None = None, chat: ChatOptions | None = None,
+                       template: str | None = None) -> tuple[list[dict], ChatMedia]:
+        """split_chat_media, refusing (before any templating) text too long for `max_tokens` tokens; the content
+        in the shape `template` expects (chat.content_format, or read off the template when "auto")."""
+        chat = chat or ChatOptions()
         normalized, media = split_chat_media(messages)
+        tools = chat.tools
         self._check_characters(text_length(normalized) + (len(json.dumps(tools)) if tools else 0), max_tokens)
+        template = template or chat.template or self.chat_template
+        content_format = chat.content_format
+        if content_format == "auto":
+            content_format = detect_content_format(template) if template else "openai"
+        if content_format == "string":
+            normalized = as_string_content(normalized, self.placeholders)
         return normalized, media
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:

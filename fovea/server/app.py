@@ -51,6 +51,7 @@ class ServerOptions:
     served_model_names: list[str] = field(default_factory=list)
     api_key: str | None = None
     chat_template: str | None = None
+    chat_template_content_format: str = "auto"  # auto, string or openai (fovea/multimodal/chat_format.py)
     media: MediaPolicy = field(default_factory=MediaPolicy)
     max_body_bytes: int = 64 << 20
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -202,7 +203,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             raise APIError(400, "chat_template in a request needs the server to run with "
                                 "--trust-request-chat-template", param="chat_template")
         chat = ChatOptions(body.chat_template or options.chat_template, body.add_generation_prompt, tools,
-                           body.chat_template_kwargs)
+                           body.chat_template_kwargs, options.chat_template_content_format)
         request_id = serving.new_id("chatcmpl")
 
         async def start():
@@ -211,7 +212,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
                 stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
                                          mm_processor_kwargs=body.mm_processor_kwargs, chat=chat)
             else:
-                normalized, media = engine.inputs.prompts.normalize_chat(messages, max_len, chat.tools)
+                normalized, media = engine.inputs.prompts.normalize_chat(messages, max_len, chat)
                 text = await asyncio.to_thread(sandbox.render, normalized, chat)
                 data = {"image": media.images, "video": media.videos}
                 stream = engine.generate(prompt={"prompt": text, "multi_modal_data": data},
@@ -263,7 +264,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             if body.messages is not None:
                 messages = await fetch_media(body.messages, options.media, media_limits)
                 chat = ChatOptions(options.chat_template, body.add_generation_prompt, tool_list(body.tools),
-                                   body.chat_template_kwargs)
+                                   body.chat_template_kwargs, options.chat_template_content_format)
                 processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None, chat)
                 return processed.token_ids
             # the special tokens the installed tokenizer itself puts around a plain prompt (Llama's BOS; none for

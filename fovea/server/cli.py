@@ -37,6 +37,8 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--served-model-name", nargs="+", default=None, help="names clients may use (several allowed)")
     net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     net.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    net.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                     help="message content as a string or as a list of parts; auto: read off the template")
     net.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept chat_template in requests (rendered in sandboxed worker processes)")
     net.add_argument("--uvicorn-log-level", default="info",
@@ -162,6 +164,8 @@ def run_serve(args: argparse.Namespace) -> None:
     template = args.chat_template
     if template and Path(template).is_file():
         template = Path(template).read_text()
+    elif template and not any(char in template for char in "{}\n"):  # vLLM's test: a template has one of these
+        sys.exit(f"fovea serve: --chat-template {template!r} names no file, and is not a template either")
     server_socket = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
     vllm_only = [name for name in VLLM_ONLY_ARGS if hasattr(args, name)]  # the ones add_vllm_only_args declared
     names = ["max_num_seqs", "max_num_batched_tokens", "max_num_encoder_input_tokens", "block_size",
@@ -178,7 +182,7 @@ def run_serve(args: argparse.Namespace) -> None:
         policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              [d.lower() for d in args.allowed_media_domains or []])
         options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template,
-                                policy, args.max_request_body_mb << 20,
+                                args.chat_template_content_format, policy, args.max_request_body_mb << 20,
                                 trust_request_chat_template=args.trust_request_chat_template,
                                 response_role=args.response_role, log_requests=args.enable_log_requests,
                                 tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
