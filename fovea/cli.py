@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
+    parser.subcommands = sub.choices  # main() shows a subcommand's own usage for its unknown flags
 
     plan = sub.add_parser("plan", help="what fits on a GPU (weights, activations, KV cache), from config.json alone")
     plan.add_argument("model", help="model directory (config.json is enough) or hub id in the local HF cache")
@@ -95,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported with the usage of the subcommand they were given to, not the top-level one
+        parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.version:
         from fovea import __version__
 

@@ -37,14 +37,15 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
     model = tiny_dirs["tiny-3b"]
     config = EngineConfig.from_args(str(model), pipeline_parallel_size=1, kv_cache_dtype="auto", load_format="auto",
                                     enable_chunked_prefill=False, trust_remote_code=True, tokenizer=str(model),
-                                    max_model_len="1K", swap_space=4)
+                                    max_model_len="1K", swap_space=4, mm_processor_cache_gb=0)
     assert config.max_model_len == 1024
     for args, words in [(dict(pipeline_parallel_size=2), "pipeline parallelism is not implemented"),
                         (dict(kv_cache_dtype="fp8"), "quantized KV is not implemented"),
                         (dict(quantization="awq"), "quantized checkpoints are not supported"),
                         (dict(load_format="pt"), "only safetensors"),
                         (dict(tokenizer=str(tiny_dirs["tiny-7b"])), "a tokenizer other than the model's own"),
-                        (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or")]:
+                        (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or"),
+                        (dict(mm_processor_cache_gb=4), "multimodal processor cache is not implemented")]:
         with pytest.raises(ValueError, match=words):
             EngineConfig.from_args(str(model), **args)
     with pytest.raises(TypeError, match="unexpected engine arguments"):
@@ -114,3 +115,52 @@ def test_refusals_come_before_the_model_loads(tiny_dirs):
         done, _ = fovea_serve(model, "--port", str(port))
     assert done.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "KV cache" not in done.stderr  # the engine never started
+
+
+def test_unknown_flags_show_the_subcommands_usage():
+    done, _ = fovea_serve("--no-such-flag", "3")
+    assert done.returncode == 2 and "usage: fovea serve" in done.stderr
+    assert "fovea serve: error: unrecognized arguments: --no-such-flag" in done.stderr
+
+
+def test_serve_help_shows_every_default():
+    import re
+
+    from fovea.cli import build_parser
+
+    text = build_parser().subcommands["serve"].format_help().split("options:", 1)[1]  # past the usage lines
+    for flag, default in (("--host HOST", "127.0.0.1"), ("--port PORT", "8000"), ("--dtype", "auto"),
+                          ("--max-num-seqs MAX_NUM_SEQS", "256"), ("--max-num-batched-tokens", "2048"),
+                          ("--gpu-memory-utilization", "0.9"), ("--seed SEED", "0"), ("--api-key", "none"),
+                          ("--enable-prefix-caching", "True")):
+        entry = text[text.index(flag):]
+        assert f"(default: {default})" in " ".join(entry[:entry.index("\n  -", 1)].split()), flag
+    entries = re.split(r"\n(?=  -)", text)
+    switches = ("-h, --help", "--trust", "--disable", "--enable-log", "--enable-auto", "--enforce", "--skip", "--fp32",
+                "--enable-chunked")
+    for entry in entries:
+        if entry.strip() and not entry.strip().startswith(switches):
+            assert "default" in entry, entry
+
+
+def test_the_vllm_module_entry_point_serves(tiny_dirs):
+    """`python -m fovea.entrypoints.openai.api_server --model M` (vLLM's older form), with seed 002's
+    --mm-processor-cache-gb 0; the address is logged at start."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "fovea.entrypoints.openai.api_server", "--model",
+                             str(tiny_dirs["tiny-3b"]), "--port", str(port), "--max-model-len", "512",
+                             "--mm-processor-cache-gb", "0", "--served-model-name", "m"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]] == ["m"]
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=60)[0]
+    assert f"listening on 127.0.0.1:{port} (this machine only; --host 0.0.0.0 serves others)" in output

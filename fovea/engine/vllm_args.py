@@ -35,6 +35,8 @@ ONLY_AT = {
     "cpu_offload_gb": ((0, None), "offloading weights to the CPU is not implemented"),
     "tokenizer_mode": (("auto", "hf", None), "only the checkpoint's Hugging Face tokenizer is supported"),
     "worker_cls": (("auto", None), "custom worker classes are not supported"),
+    "mm_processor_cache_gb": ((0, None), "the multimodal processor cache is not implemented yet; only 0 (off) "
+                                         "is accepted"),
 }
 
 VLLM_ONLY_ARGS = set(NO_EFFECT) | set(ONLY_AT)

@@ -27,13 +27,16 @@ def _json_arg(text: str) -> dict:
 
 
 def add_serve_parser(sub) -> None:
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded demo model)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded demo model)",
+                           formatter_class=DefaultsShown)
     serve.add_argument("model", nargs="?", default=None,
                        help="model directory or hub id (downloaded unless HF_HUB_OFFLINE is set)")
     serve.add_argument("--model", dest="model_flag", default=None, help="the model, as vLLM's older flag")
     net = serve.add_argument_group("server")
-    net.add_argument("--host", default="127.0.0.1")
-    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on: this machine only unless --host 0.0.0.0 (vLLM listens on every "
+                          "address)")
+    net.add_argument("--port", type=int, default=8000, help="port to listen on")
     net.add_argument("--served-model-name", nargs="+", default=None, help="names clients may use (several allowed)")
     net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     net.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
@@ -42,7 +45,7 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept chat_template in requests (rendered in sandboxed worker processes)")
     net.add_argument("--uvicorn-log-level", default="info",
-                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+                     choices=["critical", "error", "warning", "info", "debug", "trace"], help="the HTTP server's log")
     net.add_argument("--disable-log-requests", action="store_true", help="no access log")
     net.add_argument("--enable-log-requests", action="store_true", help="log each request's id, length, parameters")
     net.add_argument("--response-role", default="assistant", help="role of the chat completion's message")
@@ -50,8 +53,8 @@ def add_serve_parser(sub) -> None:
                      help='tool_choice "auto": calls found in the answer (needs --tool-call-parser)')
     net.add_argument("--tool-call-parser", default=None, help="how calls are written: hermes (Qwen2.5's format)")
     net.add_argument("--root-path", default="", help="path prefix when behind a proxy that strips it")
-    net.add_argument("--ssl-keyfile", default=None)
-    net.add_argument("--ssl-certfile", default=None)
+    net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
+    net.add_argument("--ssl-certfile", default=None, help="the certificate for --ssl-keyfile")
     net.add_argument("--max-request-body-mb", type=int, default=64, help="larger bodies get 413 (fovea only)")
     net.add_argument("--max-engine-restarts", type=int, default=3,
                      help="engine processes restarted after dying within 10 minutes before the server exits "
@@ -67,18 +70,22 @@ def add_serve_parser(sub) -> None:
     media.add_argument("--allowed-media-domains", nargs="+", default=None,
                        help="the only hosts http(s) images may come from")
     engine = serve.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
+    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"],
+                        help="weights and activations; auto: the checkpoint's (bf16 for fp32 ones on a GPU)")
     engine.add_argument("--max-model-len", type=max_model_len_arg, default=None,
                         help="tokens per sequence: 32768, 32k (32000), 32K (32768), or auto (the model's own, "
                              "shortened to what the KV cache holds)")
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens per engine step (prompts are chunked to fit)")
     engine.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
                         help="image tokens handed to the vision encoder per step (default: max-num-batched-tokens)")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="this engine's share of the GPU's memory (weights, activations, KV cache)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV cache of prompt prefixes (images included) seen before")
+    engine.add_argument("--seed", type=int, default=0, help="seed of requests that set none")
     add_fast_path_args(engine)
     parallel = serve.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (ranks) per engine")
@@ -88,7 +95,8 @@ def add_serve_parser(sub) -> None:
                           help="vision tower split over the ranks (weights) or whole on each, images shared out (data)")
     parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                           help="ranks and replicas as local processes (mp, default) or actors on a running Ray cluster")
-    engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="KV-cache blocks, instead of the memory profile's count")
     engine.add_argument("--generation-config", default="auto",
                         help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; "
                              "or a directory holding one")
@@ -101,17 +109,32 @@ def add_serve_parser(sub) -> None:
     serve.set_defaults(func=run_serve)
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every flag's help ends with its default, as vLLM's does."""
+
+    def _get_help_string(self, action):
+        switch_off = action.nargs == 0 and action.default in (None, False)  # a switch: off unless given
+        if not action.option_strings or "(default" in action.help or action.default is argparse.SUPPRESS \
+                or switch_off:
+            return action.help
+        return action.help + (" (default: none)" if action.default is None else " (default: %(default)s)")
+
+
 def add_vllm_only_args(group) -> None:
     """Accepted so that vLLM launch lines run: they change nothing here, or fail naming what is not implemented."""
-    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    group.add_argument("--kv-cache-dtype", default="auto")
-    group.add_argument("--load-format", default="auto")
-    group.add_argument("--quantization", "-q", default=None)
-    group.add_argument("--tokenizer-mode", default="auto")
-    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    only = "only this value; others fail naming what is missing"
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=only)
+    group.add_argument("--kv-cache-dtype", default="auto", help=only)
+    group.add_argument("--load-format", default="auto", help="auto or safetensors")
+    group.add_argument("--quantization", "-q", default=None, help="none yet: any value fails naming what is missing")
+    group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
+    group.add_argument("--mm-processor-cache-gb", type=float, default=None, help="0 only (no such cache yet)")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="accepted and logged: long prompts are always chunked")
     for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-frontend-multiprocessing",
                  "--disable-custom-all-reduce", "--disable-mm-preprocessor-cache"):
-        group.add_argument(flag, action="store_true", default=None)  # None: not given, nothing to log
+        group.add_argument(flag, action="store_true", default=None,  # None: not given, nothing to log
+                           help="accepted and logged: changes nothing here")
 
 
 def add_fast_path_args(group) -> None:
@@ -140,6 +163,8 @@ def bind(host: str, port: int) -> socket.socket:
         sys.exit(f"fovea serve: cannot listen on {host}:{port}: {error.strerror}")
     server_socket.listen(2048)
     server_socket.set_inheritable(True)
+    where = "this machine only; --host 0.0.0.0 serves others" if host in ("127.0.0.1", "localhost", "::1") else host
+    print(f"fovea serve: listening on {host}:{port} ({where}); the model loads next", file=sys.stderr, flush=True)
     return server_socket
 
 
