@@ -209,3 +209,13 @@ def test_ids_past_the_tokenizer_read_the_same_everywhere(client, llm):
     assert client.completions.create(**kwargs).choices[0].text == expected.text
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices)
     assert streamed == expected.text
+
+
+def test_fields_that_ask_nothing_of_this_model_are_accepted(client):
+    """reasoning_effort and its kin ask nothing of a model that neither reasons nor searches: vLLM accepts them,
+    and so the answer is the one without them."""
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Name a boat."}], temperature=0, max_tokens=6)
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    extra = client.chat.completions.create(**kwargs, reasoning_effort="high", extra_body={
+        "include_reasoning": True, "web_search_options": {}, "verbosity": "low"}).choices[0].message.content
+    assert extra == plain

@@ -46,15 +46,17 @@ class StreamOptions(BaseModel):
 NOT_IMPLEMENTED = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
     "priority": (None, 0), "chat_template_kwargs": (None, {}), "documents": (None, []),
     "continue_final_message": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False), "prompt_embeds": (None,),
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
-    "reasoning_effort": (None,), "web_search_options": (None,), "echo": (None, False),
+    "echo": (None, False),
     "add_special_tokens": (None, False),  # chat (completions has its own echo)
 }
-IGNORED = {"store", "metadata", "service_tier", "request_id", "cache_salt"}  # no effect on the answer
+# no effect on the answer, or asking nothing of a model that does not reason or search (vLLM accepts them too)
+IGNORED = {"store", "metadata", "service_tier", "request_id", "cache_salt", "reasoning_effort", "include_reasoning",
+           "web_search_options", "prediction", "verbosity"}
 
 
 class SamplingFields(BaseModel):
