@@ -266,3 +266,29 @@ def test_vllm_backend_names_and_sampling_flags():
         args.func(args)
     args = parse(["bench", "serve", "--top-k", "5", "--temperature", "0.5"])
     assert (args.top_k, args.temperature, args.top_p) == (5, 0.5, None)
+
+
+def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, tmp_path, monkeypatch):
+    """No server, a refused key, or every request failing: a non-zero exit naming why, and no result file. The
+    client reads OPENAI_API_KEY (vLLM's bench does), the server VLLM_API_KEY."""
+    from fovea.cli import main
+    from serving import free_port
+
+    model = str(tiny_dirs["tiny-3b"])
+    common = ["bench", "serve", "--tokenizer", model, "--dataset-name", "random", "--num-prompts", "2",
+              "--random-input-len", "8", "--random-output-len", "2", "--disable-tqdm", "--save-result",
+              "--result-dir", str(tmp_path)]
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(SystemExit, match="could not reach the server at http://127.0.0.1:"):
+        main([*common, "--base-url", f"http://127.0.0.1:{free_port()}"])
+    with running_server(model, "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64",
+                        env={"VLLM_API_KEY": "sk-env"}) as (base, _):
+        with pytest.raises(SystemExit, match="answered 401 .give the key with --api-key or OPENAI_API_KEY"):
+            main([*common, "--base-url", base])
+        with pytest.raises(SystemExit, match=r"no request completed \(2 failed\); the first failure: .*401"):
+            main([*common, "--base-url", base, "--model", "fovea-demo"])  # past the model lookup
+        assert not list(tmp_path.iterdir())  # nothing written for runs that measured nothing
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+        main([*common, "--base-url", base])
+    written = json.loads(next(tmp_path.iterdir()).read_text())
+    assert written["completed"] == 2 and written["failed"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from datetime import datetime
@@ -204,6 +205,18 @@ def build_requests(args, tokenizer):
         **common)
 
 
+def served_model(httpx, base_url: str, headers: dict) -> str:
+    """The server's first model name; a clear error when the server cannot be reached or refuses the key."""
+    try:
+        reply = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as error:
+        raise ValueError(f"could not reach the server at {base_url} ({type(error).__name__}: {error})") from None
+    if reply.status_code != 200:
+        hint = " (give the key with --api-key or OPENAI_API_KEY)" if reply.status_code == 401 else ""
+        raise ValueError(f"{base_url}/v1/models answered {reply.status_code}{hint}: {reply.text[:200]}")
+    return reply.json()["data"][0]["id"]
+
+
 def run_bench_serve(args: argparse.Namespace) -> dict:
     import httpx
     from transformers import AutoTokenizer
@@ -219,8 +232,9 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     extra_body = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
     extra_body.update(args.extra_body or {})
     base_url = args.base_url or f"http://{args.host}:{args.port}"
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")  # as vLLM's bench client reads it
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model or httpx.get(base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    model = args.model or served_model(httpx, base_url, headers)
     tokenizer_id = args.tokenizer or model
     selected = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
     unknown = set(selected) - {"ttft", "tpot", "itl", "e2el"}
@@ -248,6 +262,8 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     failures = [r.error for r in results if not r.success]
     if failures:
         print(f"first failure: {failures[0]}", file=sys.stderr)
+    if len(failures) == len(results):  # no figure above means anything: no result file, a non-zero exit
+        raise ValueError(f"no request completed ({len(failures)} failed); the first failure: {failures[0]}")
     rate = "inf" if args.request_rate == float("inf") else args.request_rate
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend,
               "backend": args.backend, "label": args.label, "model_id": model, "tokenizer_id": tokenizer_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import sys
@@ -38,7 +39,8 @@ def add_serve_parser(sub) -> None:
                           "address)")
     net.add_argument("--port", type=int, default=8000, help="port to listen on")
     net.add_argument("--served-model-name", nargs="+", default=None, help="names clients may use (several allowed)")
-    net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    net.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (else the VLLM_API_KEY variable's)")
     net.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     net.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
                      help="message content as a string or as a list of parts; auto: read off the template")
@@ -206,7 +208,8 @@ def run_serve(args: argparse.Namespace) -> None:
     try:
         policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              [d.lower() for d in args.allowed_media_domains or []])
-        options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], args.api_key, template,
+        api_key = args.api_key or os.environ.get("VLLM_API_KEY")  # vLLM's variable
+        options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], api_key, template,
                                 args.chat_template_content_format, policy, args.max_request_body_mb << 20,
                                 trust_request_chat_template=args.trust_request_chat_template,
                                 response_role=args.response_role, log_requests=args.enable_log_requests,
