@@ -19,6 +19,15 @@ class LatencyEvents:
     finished: Counter = field(default_factory=Counter)  # finish reason -> requests
     prompt_tokens: int = 0  # of finished requests
     generation_tokens: int = 0
+    # one entry per finished request: its token counts, the max_tokens it asked for, and the phases of its life
+    # (queued: arrival to first scheduled; prefill: to the first token; decode: first to last token; inference:
+    # first scheduled to last token), in seconds
+    request_prompt_tokens: list[int] = field(default_factory=list)
+    request_generation_tokens: list[int] = field(default_factory=list)
+    request_max_tokens: list[int] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=lambda: {"queue": [], "prefill": [], "decode": [],
+                                                                    "inference": []})
+    iteration_tokens: list[int] = field(default_factory=list)  # tokens of each engine step
 
 
 @dataclass

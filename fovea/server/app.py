@@ -93,7 +93,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     media_limits = engine.config.limit_mm_per_prompt
     max_len = engine.config.max_model_len
     started = int(time.time())
-    metrics = ServerMetrics(names[0])
+    config = engine.config
+    metrics = ServerMetrics(names[0], config.max_model_len, {
+        "block_size": config.block_size, "cache_dtype": "auto", "enable_prefix_caching": config.enable_prefix_caching,
+        "gpu_memory_utilization": config.gpu_memory_utilization})
     metrics.update(engine.stats)
     engine.on_stats = metrics.update
     tag_tokens = START in engine.tokenizer.get_added_vocab()  # <tool_call> is one token (forced tool calls)

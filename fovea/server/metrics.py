@@ -18,7 +18,19 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0]
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0]
+               480.0, 960.0, 1920.0, 7680.0]  # also the request phases' (queue, prefill, decode, inference)
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def one_two_five_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (token-count histograms, as vLLM buckets them)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 # running totals in EngineStats -> the counter each one feeds
 TOTALS = {
@@ -46,7 +58,8 @@ class _BothPrefixes:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20, cache_config: dict | None = None):
+        """`cache_config`: labels of the cache_config_info series (block_size, gpu_memory_utilization, ...)."""
         own = CollectorRegistry()
         self.registry = CollectorRegistry()  # what /metrics shows: `own`, under both prefixes
         self.registry.register(_BothPrefixes(own))
@@ -68,9 +81,31 @@ class ServerMetrics:
                                 buckets=ITL_BUCKETS)
         self.end_to_end = make(Histogram, "fovea:e2e_request_latency_seconds", "From arrival to finish",
                                buckets=E2E_BUCKETS)
+        # vLLM's name for the inter-token latency (its Grafana dashboard plots it): the same observations
+        self.time_per_output_token = make(Histogram, "fovea:time_per_output_token_seconds",
+                                          "Between a sequence's tokens", buckets=ITL_BUCKETS)
+        token_buckets = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = make(Histogram, "fovea:request_prompt_tokens", "Prompt tokens per request",
+                                          buckets=token_buckets)
+        self.request_generation_tokens = make(Histogram, "fovea:request_generation_tokens",
+                                              "Generated tokens per request", buckets=token_buckets)
+        self.request_max_tokens = make(Histogram, "fovea:request_max_num_generation_tokens",
+                                       "max_tokens asked for per request", buckets=token_buckets)
+        self.phases = {phase: make(Histogram, f"fovea:request_{phase}_time_seconds", doc, buckets=E2E_BUCKETS)
+                       for phase, doc in (("queue", "From arrival to first scheduled"),
+                                          ("prefill", "From first scheduled to the first token"),
+                                          ("decode", "From the first token to the last"),
+                                          ("inference", "From first scheduled to the last token"))}
+        self.iteration_tokens = make(Histogram, "fovea:iteration_tokens_total", "Tokens per engine step",
+                                     buckets=ITERATION_TOKEN_BUCKETS)
+        self.cache_config = {key: str(value) for key, value in (cache_config or {}).items()}
+        self.cache_info = Gauge("fovea:cache_config_info", "The KV cache's settings (labels; value 1)",
+                                [*self.cache_config, "num_gpu_blocks"], registry=own)
         self.running = make(Gauge, "fovea:num_requests_running", "Requests in the running batch")
         self.waiting = make(Gauge, "fovea:num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = make(Gauge, "fovea:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.gpu_cache_usage = make(Gauge, "fovea:gpu_cache_usage_perc",
+                                    "Fraction of KV blocks in use (0-1; vLLM's older name, which dashboards plot)")
         self.kv_used_blocks = make(Gauge, "fovea:kv_cache_used_blocks", "KV blocks held by sequences")
         self.kv_total_blocks = make(Gauge, "fovea:kv_cache_total_blocks", "KV blocks in the cache")
         self.encoder_references = make(Gauge, "fovea:encoder_cache_references",
@@ -91,6 +126,10 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        self.gpu_cache_usage.set(stats.kv_usage)
+        if stats.kv_total_blocks and self.last.kv_total_blocks != stats.kv_total_blocks:  # known once it started
+            self.cache_info.clear()
+            self.cache_info.labels(**self.cache_config, num_gpu_blocks=str(stats.kv_total_blocks)).set(1)
         self.kv_used_blocks.set(stats.kv_used_blocks)
         self.kv_total_blocks.set(stats.kv_total_blocks)
         self.encoder_references.set(stats.encoder_cache_references)
@@ -107,6 +146,14 @@ class ServerMetrics:
             self.ttft.observe(value)
         for value in events.inter_token:
             self.inter_token.observe(value)
+            self.time_per_output_token.observe(value)
+        for histogram, values in ((self.request_prompt_tokens, events.request_prompt_tokens),
+                                  (self.request_generation_tokens, events.request_generation_tokens),
+                                  (self.request_max_tokens, events.request_max_tokens),
+                                  (self.iteration_tokens, events.iteration_tokens),
+                                  *((self.phases[phase], events.phases[phase]) for phase in self.phases)):
+            for value in values:
+                histogram.observe(value)
         for value in events.end_to_end:
             self.end_to_end.observe(value)
         for reason, count in events.finished.items():
