@@ -96,8 +96,12 @@ class Detection(BaseModel):
 @pytest.fixture(scope="module")
 def client(tiny_dirs):
     with running_server(tiny_dirs["tiny-3b"], "--max-model-len", "1024", "--mm-processor-workers", "0",
-                        "--served-model-name", "tiny") as (base, _):
+                        "--served-model-name", "tiny", "--enable-log-requests") as (base, proc):
         yield openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    # the grammar engine (its vocabulary table, its compiled masking step) started before any request came
+    ready = proc.output.index("structured outputs: grammar engine ready in")
+    assert proc.output.index("structured outputs: starting the grammar engine") < ready < \
+        proc.output.index("request chatcmpl-")
 
 
 def chat(client, stream: bool = False, **body):
@@ -175,3 +179,12 @@ def test_protocol_fields_fovea_lacks_are_refused_by_name(client, extra, refused)
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, extra_body=extra, max_tokens=2)
     assert f"{refused} is not supported by fovea yet" in str(error.value)
+
+
+def test_an_offline_engine_says_when_it_starts_the_grammar_engine(tiny_dirs, fovea_log):
+    llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=256)
+    assert "grammar engine" not in fovea_log.text  # offline, it starts with the first structured request
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert llm.generate("Well?", params, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    assert "structured outputs: starting the grammar engine (once; can take seconds)" in fovea_log.text
+    assert "structured outputs: grammar engine ready in" in fovea_log.text

@@ -8,6 +8,7 @@ request happens here, before the engine sees it.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import weakref
 
@@ -15,11 +16,13 @@ from fovea.engine.block_manager import MMSpan
 from fovea.engine.config import EngineConfig
 from fovea.engine.request import MMItem, Request
 from fovea.engine.sampling_params import SamplingParams
-from fovea.engine.structured_outputs import GrammarCompiler
+from fovea.engine.structured_outputs import GrammarCompiler, warm_up_masks
 from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
 from fovea.multimodal.image import ProcessedImage
 from fovea.multimodal.prompt import ChatOptions, ProcessedPrompt, PromptProcessor, prompt_too_long
 from fovea.multimodal.video import video_list
+
+logger = logging.getLogger("fovea")
 
 
 class InputProcessor:
@@ -34,10 +37,22 @@ class InputProcessor:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """Structured-output grammars for this tokenizer (made on first use: it reads the whole vocabulary)."""
+        """Structured-output grammars for this tokenizer (made on first use, or by warm_up_grammars)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.config.model.eos_token_ids)
+            self.warm_up_grammars()
         return self._grammars
+
+    def warm_up_grammars(self) -> None:
+        """Starts the grammar engine: reads the whole vocabulary, and compiles (torch.compile) the step that
+        applies masks to logits on the engine's device, by applying one. Seconds, once per process; `fovea serve`
+        does it before it answers, an offline engine on its first structured request."""
+        if self._grammars is not None:
+            return
+        start = time.perf_counter()
+        logger.info("structured outputs: starting the grammar engine (once; can take seconds)")
+        self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.config.model.eos_token_ids)
+        warm_up_masks(self._grammars, self.vocab_size, self.config.device)
+        logger.info("structured outputs: grammar engine ready in %.1f s", time.perf_counter() - start)
 
     def process(self, prompt, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """A prompt is a string, a list of token ids, or {"prompt" | "prompt_token_ids": ...,

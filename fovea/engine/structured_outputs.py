@@ -141,3 +141,12 @@ class GrammarMasks:
         masked = logits[index]
         lt.apply_token_bitmask_inplace(masked, bitmask)
         logits[index] = masked
+
+
+def warm_up_masks(compiler: GrammarCompiler, vocab_size: int, device) -> None:
+    """One mask applied to one row of logits on `device`: llguidance compiles that step (torch.compile) on its
+    first use, seconds that would otherwise fall on the first structured request."""
+    import torch
+
+    masks = GrammarMasks.start([compiler.matcher(StructuredOutputsParams(choice=["a"]))], vocab_size)
+    masks.apply(torch.zeros(1, vocab_size, device=device))
