@@ -52,6 +52,34 @@ def test_shared_system_prompt_hits_the_prefix_cache(llm, tiny_dirs):
     assert tokens(first + rest) == tokens(reference)
 
 
+@pytest.mark.parametrize("budget", [8192, 2048])
+def test_requests_arriving_together_share_an_image_and_a_prefix(tiny_dirs, budget):
+    """32 chats with one 448x448 image and different questions in one call: one sequence fills the image's
+    blocks, the others (deferred a step when they would fill the same blocks in the same step) take them from
+    the cache; the same for a shared text prefix. Tokens equal an engine without prefix caching."""
+    image = random_image(448, 448, seed=31)
+    chats = [image_chat(image, f"Question number {i}: what is it?") for i in range(32)]
+    texts = [LOREM * 3 + f" Item {i}:" for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=2048, max_num_batched_tokens=budget,
+              num_gpu_blocks_override=1200)
+    together = llm.chat(chats, params, use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    assert scheduler.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in together)
+    full_blocks = (min(len(o.prompt_token_ids) for o in together) - 1) // 16 * 16  # the last token's is computed
+    assert scheduler.prefix_cache_hits >= 31 * (full_blocks - 32)  # all but a few tokens before the image
+    assert all(o.num_cached_tokens >= full_blocks - 32 for o in together[1:])
+    hits = scheduler.prefix_cache_hits
+    text_outputs = llm.generate(texts, params, use_tqdm=False)
+    shared = min(len(o.prompt_token_ids) for o in text_outputs) - 8  # the lorem part, in whole blocks
+    assert scheduler.prefix_cache_hits - hits >= 11 * (shared // 16 * 16 - 16)
+    assert_engine_idle(llm.engine)
+    plain = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=2048, enable_prefix_caching=False,
+                num_gpu_blocks_override=1200)
+    assert tokens(together) == tokens(plain.chat(chats, params, use_tqdm=False))
+    assert tokens(text_outputs) == tokens(plain.generate(texts, params, use_tqdm=False))
+
+
 def test_images_key_the_prefix_and_encoder_caches(llm):
     params = SamplingParams(temperature=0, max_tokens=6)
     a, b = random_image(320, 240, 21), random_image(320, 240, 22)

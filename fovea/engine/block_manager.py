@@ -81,6 +81,33 @@ class BlockManager:
             prefix.append(block)
         return prefix
 
+    def adopt_cached(self, table: list[int], hashes: list[bytes], first: int, num_tokens: int) -> int:
+        """A running prefill's blocks from index `first` on, replaced by cached blocks of the same hashes while
+        there are any (computed by another sequence since this one was admitted; the block of the last token is
+        never taken, as in cached_prefix). Its own blocks there hold nothing registered and go back to the free
+        list first in line. Returns how many blocks were taken."""
+        if not self.enable_prefix_caching:
+            return 0
+        taken = 0
+        for index in range(first, min(len(hashes), (num_tokens - 1) // self.block_size)):
+            block = self.cached.get(hashes[index])
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+            if index < len(table):
+                own = table[index]
+                self.ref_counts[own] -= 1
+                if self.ref_counts[own] == 0:
+                    self.free[own] = None
+                    self.free.move_to_end(own, last=False)  # nothing cached in it: the first to hand out
+                table[index] = block
+            else:
+                table.append(block)
+            taken += 1
+        return taken
+
     def can_allocate(self, prefix: list[int], num_tokens: int, extra_blocks: int = 0) -> bool:
         """Whether a table starting with the cached `prefix` can grow to `num_tokens` tokens (plus
         `extra_blocks` spare ones)."""

@@ -3,7 +3,10 @@
 Continuous batching under two budgets: `max_num_batched_tokens` tokens and `max_num_seqs` sequences per step.
 Running sequences go first, decodes before prefills, so a long prompt never stalls generation: its prefill is
 cut into chunks that fill what the budget leaves. Waiting sequences are admitted in arrival order, starting after
-their longest cached prefix. When KV blocks run out, the latest-arrived running sequence is preempted: its blocks
+their longest cached prefix. Requests that arrive together with the same image or prefix share it too: in a
+step, one sequence fills each block; the others wait a step and take the filled blocks from the cache (also
+when they were admitted before it was filled, as all are while their image is being encoded). When KV blocks
+run out, the latest-arrived running sequence is preempted: its blocks
 are freed and it waits again, to be recomputed (prefix caching usually finds its blocks still there).
 """
 
@@ -60,11 +63,16 @@ class Scheduler:
         decodes, prefills = [], []
         for seq in self.running:
             (prefills if seq.is_prefill else decodes).append(seq)
+        computing: set[bytes] = set()  # hashes of the blocks this step fills: one sequence computes each
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.is_prefill and self._shares_blocks(seq):
+                self._adopt_cached(seq)
+                if self._next_block(seq) in computing:
+                    continue  # another sequence fills that block now; this one takes it next step
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
             if seq.request.mm_items:
@@ -82,26 +90,63 @@ class Scheduler:
                 continue
             self.blocks.append_slots(seq.block_table, start + n)
             self._add_to_batch(batch, seq, n)
+            self._note_filled(seq, start, n, computing)
             budget -= n
         if not preempted:
-            budget = self._admit_waiting(batch, budget)
+            budget = self._admit_waiting(batch, budget, computing)
         return batch
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+    def _shares_blocks(self, seq: Sequence) -> bool:
+        """Whether the prefix cache may stand in for this sequence's prompt blocks (prompt log-probabilities
+        need every prompt position computed)."""
+        logprobs = seq.request.prompt_logprobs
+        return self.blocks.enable_prefix_caching and (logprobs is None or len(logprobs) >= seq.num_prompt_tokens)
+
+    def _next_block(self, seq: Sequence) -> bytes | None:
+        index = seq.num_computed_tokens // self.blocks.block_size
+        return seq.block_hashes[index] if index < len(seq.block_hashes) else None
+
+    def _note_filled(self, seq: Sequence, start: int, n: int, computing: set[bytes]) -> None:
+        if self._shares_blocks(seq):
+            computing.update(seq.block_hashes[start // self.blocks.block_size:(start + n) // self.blocks.block_size])
+
+    def _adopt_cached(self, seq: Sequence) -> None:
+        """A prefill admitted before another sequence filled the blocks it needs next (requests that came
+        together with the same image or prefix) takes those blocks instead of computing them again."""
+        block_size = self.blocks.block_size
+        first = seq.num_computed_tokens // block_size
+        taken = self.blocks.adopt_cached(seq.block_table, seq.block_hashes, first, seq.num_tokens)
+        if not taken:
+            return
+        skipped = (first + taken) * block_size - seq.num_computed_tokens
+        seq.num_computed_tokens += skipped
+        seq.num_registered_blocks = first + taken
+        self.prefix_cache_hits += skipped
+        if seq.index == 0 and seq.num_output_tokens == 0:
+            seq.request.num_cached_tokens += skipped
+        for item in seq.request.mm_items:
+            if item.end <= seq.num_computed_tokens:  # an image it no longer needs embeddings of
+                self.encoder_cache.release(item.content_hash, seq.seq_id)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, computing: set[bytes]) -> int:
+        position = 0  # in the waiting list: sequences deferred by a step stay ahead of later arrivals
+        while position < len(self.waiting) and budget > 0:
+            seq = self.waiting[position]
             if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
             extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.request.mm_spans)
-            wants_prompt_logprobs = seq.request.prompt_logprobs is not None and \
-                len(seq.request.prompt_logprobs) < seq.num_prompt_tokens
             # prompt logprobs need logits at every prompt position, so cached blocks cannot be skipped
-            prefix = [] if wants_prompt_logprobs else self.blocks.cached_prefix(seq.block_hashes, seq.num_tokens)
+            shares = self._shares_blocks(seq)
+            prefix = self.blocks.cached_prefix(seq.block_hashes, seq.num_tokens) if shares else []
             start = len(prefix) * self.blocks.block_size
+            seq.num_computed_tokens = start
+            if shares and self._next_block(seq) in computing:
+                position += 1  # a sequence fills its next block in this step: admitted next step, it reuses it
+                continue
             n = self._fit_encoder(seq, start, min(seq.num_tokens - start, budget), batch)
             if not self.blocks.can_allocate(prefix, start + n, self._fork_blocks(seq, start + n)):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += start
             seq.block_table = self.blocks.allocate(prefix, start + n)
@@ -113,6 +158,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.order)
             if n:  # 0: its next token is an image still being encoded; it runs from there once it is ready
                 self._add_to_batch(batch, seq, n)
+                self._note_filled(seq, start, n, computing)
                 budget -= n
         return budget
 
