@@ -112,6 +112,28 @@ def test_load_image_errors(source, message):
         load_image(source)
 
 
+@pytest.mark.parametrize("kind", ["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"])
+def test_the_common_formats_open(kind):
+    image = random_image(40, 30, seed=4)
+    buf = io.BytesIO()
+    image.save(buf, format=kind)
+    assert load_image(buf.getvalue()).size == (40, 30)
+
+
+@pytest.mark.parametrize("kind", ["EPS", "PCX", "TGA", "PPM", "ICO", "SGI", "IM"])
+def test_other_formats_are_refused_before_any_decoder_runs(kind, monkeypatch):
+    """Pillow knows more formats than an image request needs; some hand the bytes on (EPS to Ghostscript). Only
+    the listed ones are opened, and the error names them, not the file object."""
+    buf = io.BytesIO()
+    if kind == "EPS":
+        buf.write(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 40 30\n%%EndComments\nshowpage\n")
+    else:
+        random_image(40, 30, seed=4).save(buf, format=kind)
+    with pytest.raises(ValueError, match=r"image bytes is not a readable image in a supported format \(JPEG, ") as error:
+        load_image(buf.getvalue())
+    assert "0x" not in str(error.value) and "BytesIO" not in str(error.value)
+
+
 def test_truncated_jpeg_is_rejected():
     data = jpeg_bytes(random_image(200, 200))
     with pytest.raises(ValueError, match="not a readable image"):

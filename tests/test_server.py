@@ -165,7 +165,7 @@ def test_errors_are_sdk_exceptions_and_the_server_keeps_serving(server, client, 
         client.chat.completions.create(model="tiny", messages=ok, temperature=-1)
     outside = tmp_path / "secret.jpg"
     outside.write_bytes((media_dir / "boat.jpg").read_bytes())
-    with pytest.raises(openai.BadRequestError, match="must be under"):
+    with pytest.raises(openai.BadRequestError, match="outside the folder the server allows"):
         client.chat.completions.create(model="tiny", messages=image_message(f"file://{outside}"))
     with pytest.raises(openai.BadRequestError, match="not a readable image"):
         client.chat.completions.create(model="tiny", messages=image_message("data:image/png;base64,aGVsbG8="))

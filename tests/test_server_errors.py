@@ -4,6 +4,7 @@ that names the problem, in OpenAI's error shape, and the server goes on serving;
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import time
 import zlib
@@ -86,10 +87,10 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
         ("image url not a string", chat, chat_with(image(42), TEXT), 400, "non-empty string"),
         ("ftp url", chat, chat_with(image("ftp://example.com/a.png"), TEXT), 400, "must be a data:"),
         ("file outside the allowed path", chat, chat_with(image(f"file://{media['outside']}"), TEXT), 400,
-         "must be under"),
+         "outside the folder the server allows"),
         ("file url escaping with %2e%2e", chat,  # the check must see the path the loader opens
          chat_with(image(f"file://{media['root']}/%2e%2e/{media['outside'].parent.name}/secret.jpg"), TEXT), 400,
-         "must be under"),
+         "outside the folder the server allows"),
         ("loopback http url", chat, chat_with(image("http://127.0.0.1:9/a.png"), TEXT), 400, "non-public address"),
         ("link-local http url", chat, chat_with(image("http://169.254.169.254/latest"), TEXT), 400,
          "non-public address"),
@@ -98,6 +99,11 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
         ("truncated jpeg", chat, chat_with(image(data_url(media["good"][:len(media["good"]) // 2], "jpeg")), TEXT),
          400, "not a readable image"),
         ("0-pixel image", chat, chat_with(image(data_url(png(0, 16))), TEXT), 400, "not a readable image"),
+        ("an EPS image (Ghostscript's format)", chat, chat_with(image(data_url(
+            b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n", "eps")), TEXT), 400,
+         "in a supported format (JPEG, PNG, WEBP, GIF, BMP, TIFF)"),
+        ("NaN in a video kwarg", chat, json.dumps({**chat_with(TEXT), "mm_processor_kwargs": {"max_frames": float(
+            "nan")}}).encode(), 400, "must be a positive finite number"),  # JSON's NaN, as a client can send it
         ("extreme aspect ratio", chat, chat_with(image(data_url(png(4000, 4, b"\x00" * (4000 * 3 + 1) * 4))), TEXT),
          400, "aspect ratio"),
         ("decompression bomb", chat, chat_with(image(data_url(png(40000, 40000))), TEXT), 413, "pixels"),
@@ -162,7 +168,7 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
         ("suffix", completions, {"model": "tiny", "prompt": "a", "suffix": "b"}, 400, "suffix"),
         ("not JSON", chat, b"{not json", 400, "JSON"),
         ("tokenize under the media policy", "/tokenize", {"model": "tiny", "messages": [
-            {"role": "user", "content": [image(f"file://{media['outside']}"), TEXT]}]}, 400, "must be under"),
+            {"role": "user", "content": [image(f"file://{media['outside']}"), TEXT]}]}, 400, "outside the folder the server allows"),
         ("detokenize bad id", "/detokenize", {"model": "tiny", "tokens": [-1]}, 400, "token ids must be"),
         ("tokenize with nothing", "/tokenize", {"model": "tiny"}, 400, "exactly one of prompt and messages"),
     ]
@@ -182,6 +188,8 @@ def test_bad_input_table(server, media):
             failures.append(f"{name}: {response.status_code} {response.text[:300]}")
         if ".py" in response.text or "Traceback" in response.text:  # no source paths, no tracebacks
             failures.append(f"{name} names source files: {response.text[:300]}")
+        if " at 0x" in response.text or str(media["root"]) in response.text or "NaN to integer" in response.text:
+            failures.append(f"{name} shows an object, a server path or an interpreter message: {response.text[:300]}")
     assert not failures, "\n".join(failures)
     for headers in ({}, {"Authorization": "Bearer wrong"}):  # every /v1 route, /tokenize and /detokenize want the key
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),

@@ -151,7 +151,7 @@ def read_local_file(path: Path, root: Path, kind: str = "image") -> bytes:
     root = root.resolve()
     resolved = path.resolve()
     if not resolved.is_relative_to(root):
-        raise ValueError(f"file:// {kind} URLs must be under {root}")
+        raise ValueError(f"file:// {kind} URL is outside the folder the server allows (--allowed-local-media-path)")
     try:
         fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
@@ -161,7 +161,7 @@ def read_local_file(path: Path, root: Path, kind: str = "image") -> bytes:
         link = f"/proc/self/fd/{fd}"  # Linux names the file the descriptor really is
         opened = Path(os.readlink(link)) if os.path.exists(link) else resolved
         if not opened.is_relative_to(root):
-            raise ValueError(f"file:// {kind} URLs must be under {root}")
+            raise ValueError(f"file:// {kind} URL is outside the folder the server allows (--allowed-local-media-path)")
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{kind} file is not a regular file: {path}")
         if info.st_size > MAX_FETCH_BYTES[kind]:

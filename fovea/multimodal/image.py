@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from fovea.multimodal.fetch import ImageTooLarge, fetch_url, file_url_path
 
@@ -26,6 +26,10 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels"}  # mm_processor_kwargs (multimodal/video.py)
 MAX_IMAGE_PIXELS = int(os.environ.get("FOVEA_MAX_IMAGE_PIXELS", 8192 * 8192))  # decoded RGB: 200 MB at most
+# The formats an image may come in (what browsers and vLLM's users send; Pillow's JPEG opener also reads a phone
+# camera's MPO). Pillow knows many more, some of which hand the bytes to other programs (EPS to Ghostscript) or to
+# little-used parsers.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 @dataclass(frozen=True)
@@ -221,9 +225,12 @@ def encoded_bytes(source, kind: str = "image") -> tuple[bytes, str]:
 
 def _open(fp, what: str) -> Image.Image:
     try:
-        image = Image.open(fp)
+        image = Image.open(fp, formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"{what}: image too large to decode safely ({exc})") from None
+    except UnidentifiedImageError:  # its message would name the file object (`<_io.BytesIO object at 0x...>`)
+        raise ValueError(f"{what} is not a readable image in a supported format "
+                         f"({', '.join(IMAGE_FORMATS)})") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ValueError(f"{what} is not a readable image ({exc})") from None
     if image.width * image.height > MAX_IMAGE_PIXELS:  # known from the header, before any decoding

@@ -45,8 +45,8 @@ class VideoOptions:
         above this config's, which the engine sized its memory and encoder cache for."""
         kwargs = {k: v for k, v in (kwargs or {}).items() if k in self.__dataclass_fields__}
         for key, value in kwargs.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive number, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive finite number, got {value!r}")
         if capped:
             bounds = {"min_frames": self.max_frames, "max_frames": self.max_frames, "min_pixels": self.max_pixels,
                       "max_pixels": self.max_pixels, "total_pixels": self.total_pixels}

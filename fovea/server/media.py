@@ -29,7 +29,15 @@ from fovea.multimodal.fetch import Cancellation, fetch_timeout, fetch_url, file_
 
 logger = logging.getLogger("fovea")
 DOWNLOADS = concurrent.futures.ThreadPoolExecutor(int(os.environ.get("FOVEA_MEDIA_THREADS", "16")), "fovea-media")
-NAT64 = ipaddress.ip_network("64:ff9b::/96")
+IPV6_GLOBAL_UNICAST = ipaddress.ip_network("2000::/3")
+# inside 2000::/3 but not a host on the internet: IETF protocol assignments (Teredo among them), documentation
+IPV6_NOT_HOSTS = [ipaddress.ip_network(n) for n in ("2001::/23", "2001:db8::/32", "3fff::/20")]
+# IPv6 forms that carry an IPv4 address in their last 32 bits (6to4 carries it in bits 16-48: ip.sixtofour)
+IPV4_CARRIERS = [ipaddress.ip_network(n) for n in (
+    "::ffff:0:0/96",  # IPv4-mapped
+    "::ffff:0:0:0/96",  # SIIT (RFC 6052's IPv4-translated)
+    "::/96",  # IPv4-compatible (deprecated), :: and ::1 included
+    "64:ff9b::/96")]  # well-known NAT64 (the local-use 64:ff9b:1::/48 is a site's own: outside 2000::/3, refused)
 
 
 @dataclass
@@ -107,7 +115,7 @@ def check_url(url, policy: MediaPolicy, kind: str = "image") -> None:
         if root is None:
             raise ValueError(f"file:// {kind} URLs are disabled; start the server with --allowed-local-media-path")
         if not file_url_path(url).resolve().is_relative_to(root.resolve()):
-            raise ValueError(f"file:// {kind} URLs must be under {root}")
+            raise ValueError(f"file:// {kind} URL is outside the folder the server allows (--allowed-local-media-path)")
         return
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ValueError(f"{kind}_url.url must be a data:, http(s):// or file:// URL")
@@ -121,14 +129,21 @@ def explicitly_allowed(url: str, policy: MediaPolicy) -> bool:
     return (urlparse(url).hostname or "").lower() in policy.allowed_media_domains
 
 
+def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """A globally routable unicast host. IPv6 forms that carry an IPv4 address (mapped, translated, compatible,
+    NAT64, 6to4) are judged by that address alone; any other IPv6 address must be global unicast (2000::/3)
+    outside the blocks that hold no internet hosts. Spelled out rather than left to `ipaddress.is_global`, whose
+    IPv6 tables differ between Python versions."""
+    if ip.version == 4:
+        return ip.is_global and not ip.is_multicast and not ip.is_reserved
+    if ip.sixtofour is not None:
+        return is_public(ip.sixtofour)
+    if any(ip in network for network in IPV4_CARRIERS):
+        return is_public(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return ip in IPV6_GLOBAL_UNICAST and not any(ip in network for network in IPV6_NOT_HOSTS)
+
+
 def check_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
-    """Only globally routable unicast addresses; IPv6 addresses that carry an IPv4 one (mapped, 6to4, NAT64)
-    are judged by it too."""
-    candidates = [ip]
-    if ip.version == 6:
-        candidates += [a for a in (ip.ipv4_mapped, ip.sixtofour) if a is not None]
-        if ip in NAT64:
-            candidates.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
-    if any(not a.is_global or a.is_multicast for a in candidates):
+    if not is_public(ip):
         raise ValueError("image URL leads to a non-public address; refused (name the host in "
                          "--allowed-media-domains to allow it)")

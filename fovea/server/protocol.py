@@ -6,6 +6,7 @@ strings, stop token ids, logit_bias) and the prompts of one completions request 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -249,6 +250,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")  # `<_io.BytesIO object at 0x7f...>` and its kin
+
+
 def error_body(message: str, kind: str = "BadRequestError", code: int = 400, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error shape. Object reprs from library messages are cut: they tell a client nothing and show
+    the server's memory layout."""
+    return {"error": {"message": OBJECT_REPR.sub("<object>", message), "type": kind, "param": param, "code": code}}
 
