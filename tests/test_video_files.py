@@ -159,7 +159,7 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
             "could not be read": video_chat((tmp_path / "broken.mp4").as_uri()),
             "could not be read: End of file": video_chat((tmp_path / "empty.mkv").as_uri()),
             "limit_mm_per_prompt allows 1": video_chat(data_url(b"x"), second=data_url(b"y")),
-            "must be under": video_chat(outside.as_uri()),
+            "outside the folder the server allows": video_chat(outside.as_uri()),
             "data URL holds invalid base64": video_chat("data:video/mp4;base64,@@@"),
             "not in --allowed-media-domains": video_chat("http://example.com/a.mp4"),
         }
