@@ -104,6 +104,7 @@ class LLMEngine:
         request.generators = [None if request.params.seed is None else torch.Generator(
             device=self.config.device).manual_seed(request.params.seed + i) for i in range(request.params.n)]
         if request.params.structured_outputs is not None:  # one grammar state per sample
+            self.inputs.warm_up_grammars()
             request.grammars = [self.inputs.grammars.matcher(request.params.structured_outputs)
                                 for _ in range(request.params.n)]
         self.requests[request.request_id] = request

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import weakref
 
@@ -34,24 +35,29 @@ class InputProcessor:
         self.vocab_size = config.model.text.vocab_size
         self._arrivals = itertools.count()
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self._masks_ready = False
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """Structured-output grammars for this tokenizer (made on first use, or by warm_up_grammars)."""
-        if self._grammars is None:
-            self.warm_up_grammars()
+        """Structured-output grammars for this tokenizer, made on first use (it reads the whole vocabulary): the
+        front end only checks that requests' grammars compile."""
+        with self._grammars_lock:  # the preparation pool's threads would each build one (seconds of the GIL)
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.config.model.eos_token_ids)
         return self._grammars
 
     def warm_up_grammars(self) -> None:
-        """Starts the grammar engine: reads the whole vocabulary, and compiles (torch.compile) the step that
-        applies masks to logits on the engine's device, by applying one. Seconds, once per process; `fovea serve`
-        does it before it answers, an offline engine on its first structured request."""
-        if self._grammars is not None:
+        """The engine's side of the grammar engine: the compiler, and the step that applies masks to logits on
+        the engine's device (llguidance compiles it with torch.compile on first use), by applying one. Seconds,
+        once per process: `fovea serve` does it before it answers, an offline engine on its first structured
+        request."""
+        if self._masks_ready:
             return
         start = time.perf_counter()
         logger.info("structured outputs: starting the grammar engine (once; can take seconds)")
-        self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.config.model.eos_token_ids)
-        warm_up_masks(self._grammars, self.vocab_size, self.config.device)
+        warm_up_masks(self.grammars, self.vocab_size, self.config.device)
+        self._masks_ready = True
         logger.info("structured outputs: grammar engine ready in %.1f s", time.perf_counter() - start)
 
     def process(self, prompt, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
@@ -96,9 +102,10 @@ class InputProcessor:
         if limit is not None and count > limit:
             raise ValueError(f"the prompt has {count} {kind}s but limit_mm_per_prompt allows {limit}")
 
-    def check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams, grammar: bool = True) -> None:
         """What SamplingParams cannot check alone: ids against the vocabulary, n against max_num_seqs, logprobs
-        against max_logprobs, that a structured-output grammar compiles."""
+        against max_logprobs, that a structured-output grammar compiles (`grammar`: seconds for a large one, so the
+        server leaves it to the preparation pool, where make_request checks again)."""
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences can run "
                              "at once")
@@ -106,7 +113,7 @@ class InputProcessor:
             if (getattr(params, name) or 0) > self.config.max_logprobs:
                 raise ValueError(f"{name}={getattr(params, name)} is more than max_logprobs="
                                  f"{self.config.max_logprobs} (a server flag: --max-logprobs)")
-        if params.structured_outputs is not None:
+        if grammar and params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -93,6 +94,9 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     media_limits = engine.config.limit_mm_per_prompt
     max_len = engine.config.max_model_len
     started = int(time.time())
+    # the front end checks that requests' grammars compile: its compiler (seconds: it reads the whole vocabulary)
+    # is made now, beside start-up, not by the first structured request
+    threading.Thread(target=lambda: engine.inputs.grammars, name="grammar-compiler", daemon=True).start()
     config = engine.config
     metrics = ServerMetrics(names[0], config.max_model_len, {
         "block_size": config.block_size, "cache_dtype": "auto", "enable_prefix_caching": config.enable_prefix_caching,
@@ -167,12 +171,12 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
                 raise ValueError(f"tool_choice {tool_use.choice!r} constrains the output already; drop "
                                  "response_format / structured_outputs")
             params = params.clone(structured_outputs=tool_use.structured_outputs())
-        engine.inputs.check_params(params)
+        engine.inputs.check_params(params, grammar=False)  # on the event loop: compiling waits for the pool
         return params
 
-    def log_request(request_id: str, first, params) -> None:
-        if options.log_requests:
-            logger.info("request %s: %d prompt tokens, %s", request_id, len(first.prompt_token_ids), params)
+    def log_request(request_id: str, prompt_tokens: int, params) -> None:
+        if options.log_requests:  # a 100,000-entry choice list would make one log line of megabytes
+            logger.info("request %s: %d prompt tokens, %.1000s", request_id, prompt_tokens, params)
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -224,7 +228,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             return stream, await anext(stream)  # bad input fails here, before any 200
 
         stream, first = await unless_disconnected(request, start())
-        log_request(request_id, first, params)
+        log_request(request_id, len(first.prompt_token_ids), params)
         top, role = body.top_logprobs or 0, options.response_role
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -244,10 +248,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         async def start():
             requests = await engine.prepare_many(prompts, params, request_id, body.mm_processor_kwargs)
             merged = serving.merge([engine.stream(r) for r in requests])
-            return merged, await anext(merged)
+            return merged, await anext(merged), sum(len(r.prompt_token_ids) for r in requests)
 
-        merged, first = await unless_disconnected(request, start())
-        log_request(request_id, first, params)
+        merged, first, prompt_tokens = await unless_disconnected(request, start())
+        log_request(request_id, prompt_tokens, params)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs,
