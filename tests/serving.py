@@ -70,17 +70,24 @@ def metric(base: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def drip_host(interval_s: float):
-    """An image host that sends headers, then one byte every `interval_s` for as long as the client stays.
+def drip_host(interval_s: float, headers: bool = False):
+    """An image host that sends headers, then one byte every `interval_s` for as long as the client stays
+    (`headers`: the status line, then the headers themselves one byte at a time, never finishing them).
     Yields (base URL, an event set when a client hangs up)."""
     closed = threading.Event()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", "1000000")
-            self.end_headers()
             try:
+                if headers:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                    while True:
+                        self.wfile.write(b"X")  # a header name that never ends
+                        self.wfile.flush()
+                        time.sleep(interval_s)
+                self.send_response(200)
+                self.send_header("Content-Length", "1000000")
+                self.end_headers()
                 while True:
                     self.wfile.write(b"\xff")
                     self.wfile.flush()

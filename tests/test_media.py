@@ -131,6 +131,23 @@ def slow_host():
         yield int(url.rsplit(":", 1)[1]), closed
 
 
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_the_deadline_bounds_headers_too(kind, monkeypatch):
+    """A host that sends its status line and then drips header bytes forever: the download still ends at the
+    deadline (every read on its own would wait a second at most), for images and videos alike."""
+    import time
+
+    from fovea.multimodal.fetch import fetch_url
+
+    monkeypatch.setenv(f"FOVEA_{kind.upper()}_FETCH_TIMEOUT", "1.5")
+    with drip_host(0.2, headers=True) as (url, closed):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="timed out"):
+            fetch_url(url + "/a", kind=kind)
+        assert time.monotonic() - start < 3
+        assert closed.wait(5)  # the connection was shut, not left dripping
+
+
 def test_downloads_have_one_deadline_and_stop_when_cancelled(slow_host, monkeypatch):
     import time
 

@@ -83,13 +83,20 @@ def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int =
             connection = connection_class(parsed.hostname, parsed.port, timeout=max(deadline - time.monotonic(), 0.001))
         except (ValueError, http.client.HTTPException) as exc:
             raise failed(str(exc)) from None
+        # Socket timeouts bound each wait, not the whole: a host that sends a byte a second would hold a download
+        # forever. At the deadline a timer shuts the socket, whatever it is doing (connecting, TLS, status line,
+        # headers, body); a cancellation does the same.
+        sockets: list = []
+        connection._create_connection = _guarded_connect(check_address, sockets)
+        shut_all = lambda: [_shut(sock, socket) for sock in sockets]  # noqa: E731
+        timer = threading.Timer(max(deadline - time.monotonic(), 0.0), shut_all)
+        timer.daemon = True
+        timer.start()
+        cancel.on_cancel(shut_all)
         try:
-            if check_address is not None:
-                connection._create_connection = _guarded_connect(check_address)
             connection.request("GET", (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else ""),
                                headers={"User-Agent": "fovea", "Accept": f"{kind}/*"})
             sock = connection.sock  # the response reads from it; the connection may drop its own reference
-            cancel.on_cancel(lambda: _shut(sock, socket))
             response = connection.getresponse()
             location = response.getheader("Location")
             if response.status in (301, 302, 303, 307, 308) and location:
@@ -105,11 +112,17 @@ def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int =
                 sock.settimeout(left)  # each read waits at most until the deadline
                 chunk = response.read1(1 << 16)
                 if not chunk:
+                    if cancel.cancelled or time.monotonic() >= deadline:  # the timer shut it: not the end
+                        raise failed("cancelled" if cancel.cancelled else "timed out")
+                    if response.length:  # the host closed before the Content-Length it announced
+                        raise failed("the connection closed early")
                     break
                 data += chunk
         except (OSError, http.client.HTTPException) as exc:
-            raise failed("cancelled" if cancel.cancelled else str(exc)) from None
+            why = "cancelled" if cancel.cancelled else "timed out" if time.monotonic() >= deadline else str(exc)
+            raise failed(why) from None
         finally:
+            timer.cancel()
             connection.close()
         if len(data) > max_bytes:
             raise ImageTooLarge(f"{kind} at {url} is larger than {max_bytes >> 20} MiB")
@@ -124,15 +137,19 @@ def _shut(sock, socket) -> None:
         pass
 
 
-def _guarded_connect(check_address):
+def _guarded_connect(check_address, sockets: list):
+    """http.client's connect, with each address vetted by `check_address` (when given) before connecting, and
+    each socket made put in `sockets` (so that a timer can shut it)."""
     import socket
 
     def connect(address, timeout, source_address=None):
         host, port = address
         last_error: OSError = OSError(f"cannot resolve {host}")
         for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-            check_address(ipaddress.ip_address(sockaddr[0].split("%")[0]))
+            if check_address is not None:
+                check_address(ipaddress.ip_address(sockaddr[0].split("%")[0]))
             sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
             try:
                 sock.settimeout(timeout)
                 sock.connect(sockaddr)
