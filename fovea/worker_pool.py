@@ -10,9 +10,9 @@ receives (an exception it catches is part of its answer; it should not let one e
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import multiprocessing
-import queue
 import signal
 import threading
 import time
@@ -54,13 +54,17 @@ class _Worker:
 class WorkerPool:
     def __init__(self, target, args: tuple, size: int, name: str, startup_s: float = 120.0):
         self.target, self.args, self.name, self.startup_s = target, args, name, startup_s
-        self._idle: queue.Queue[_Worker] = queue.Queue()
+        # Workers go to callers strictly in the order they asked: a request whose many images are decoded one
+        # after another cannot take a freed worker again ahead of another request's image that waits already.
+        self._changed = threading.Condition()
+        self._idle: collections.deque[_Worker] = collections.deque()
+        self._waiting: collections.deque[object] = collections.deque()  # one ticket per waiting caller, oldest first
         self._started: set = set()  # every process started and not yet killed, busy or starting included
         self._closed = False
         # before multiprocessing's own exit handler, which would SIGTERM (ignored by workers) and join them
         atexit.register(self.close)
         for _ in range(size):
-            self._idle.put(self._start())
+            self._give_back(self._start())
 
     def _start(self) -> _Worker:
         return _Worker(self.target, self.args, self.name, self.startup_s, self._started)
@@ -75,17 +79,14 @@ class WorkerPool:
         if self._closed:
             worker.kill()
         else:
-            self._idle.put(worker)
+            self._give_back(worker)
 
     def call(self, message, timeout_s: float, wait_s: float | None = None):
         """Blocking (call it from a thread): a free worker's answer to `message`. Waits up to `wait_s` (default:
         `timeout_s`) for a free worker (TimeoutError if none), then up to `timeout_s` for the answer."""
         deadline = time.monotonic() + (timeout_s if wait_s is None else wait_s)
         while True:
-            try:
-                worker = self._idle.get(timeout=max(deadline - time.monotonic(), 0))
-            except queue.Empty:
-                raise TimeoutError(f"all {self.name} workers are busy") from None
+            worker = self._take(deadline)
             if worker.process.is_alive():
                 break
             self._lost(worker, "died while idle")  # killed from outside (the OOM killer, say): not this job's fault
@@ -97,8 +98,29 @@ class WorkerPool:
         except (TimeoutError, EOFError, OSError) as error:
             self._lost(worker, "overran its time limit" if isinstance(error, TimeoutError) else "died")
             raise WorkerFailed(self.name) from None
-        self._idle.put(worker)
+        self._give_back(worker)
         return answer
+
+    def _take(self, deadline: float) -> _Worker:
+        """An idle worker, once every caller that asked earlier has had one; TimeoutError past `deadline`."""
+        ticket = object()
+        with self._changed:
+            self._waiting.append(ticket)
+            try:
+                while not (self._idle and self._waiting[0] is ticket):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"all {self.name} workers are busy")
+                    self._changed.wait(left)
+                return self._idle.popleft()
+            finally:
+                self._waiting.remove(ticket)
+                self._changed.notify_all()
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._changed:
+            self._idle.append(worker)
+            self._changed.notify_all()
 
     def _lost(self, worker: _Worker, why: str) -> None:
         logger.warning("worker %r %s; it is replaced", self.name, why)

@@ -50,6 +50,81 @@ def test_workers_give_the_in_process_pixels(workers, config):
     assert segments() == before  # taken: freed
 
 
+def _sleeping_worker(conn) -> None:  # a WorkerPool target: answers each message after sleeping that long
+    conn.send("ready")
+    while True:
+        try:
+            seconds = conn.recv()
+        except EOFError:
+            return
+        time.sleep(seconds)
+        conn.send(seconds)
+
+
+def test_a_freed_worker_goes_to_whoever_asked_first():
+    """One worker; a caller that asks again the moment it gives the worker back cannot take it ahead of one that
+    has been waiting (a request's images are decoded one after another, each asking for a worker anew)."""
+    from fovea.worker_pool import WorkerPool
+
+    pool = WorkerPool(_sleeping_worker, (), 1, "sleeper")
+    order: list[str] = []
+    try:
+        busy = threading.Thread(target=lambda: [order.append("busy") for _ in range(8) if pool.call(0.05, 10)])
+        busy.start()
+        time.sleep(0.02)  # the busy caller holds the worker now
+        pool.call(0.0, 10)
+        order.append("waiting")
+        busy.join()
+    finally:
+        pool.close()
+    assert order.index("waiting") <= 1, order
+
+
+def test_workers_go_to_requests_in_the_order_they_asked(workers):
+    """Two requests of large blank PNGs (cheap to send, costly to decode, tiny once resized) keep both workers
+    busy; a small image asked for meanwhile gets the next freed worker instead of waiting behind their queues
+    (before: a request that gave a worker back could take it again at once)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (6000, 6000)).save(buf, format="PNG")
+    processor = ImageProcessor()
+    bomb = buf.getvalue()
+    finished: dict[str, list[float]] = {"a": [], "b": [], "small": []}
+
+    def run(name, images):
+        for data in images:
+            workers.process(processor.plan(data, {"max_pixels": 3136})).pixels.release()
+            finished[name].append(time.monotonic())
+
+    threads = [threading.Thread(target=run, args=(name, [bomb] * 4)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)  # both workers are decoding now
+    run("small", [jpeg_bytes(random_image(56, 56, seed=3))])
+    for thread in threads:
+        thread.join()
+    assert finished["small"][0] < min(finished["a"][1], finished["b"][1])
+
+
+def test_one_request_may_not_decode_more_than_its_share_of_pixels(tiny_dirs, monkeypatch):
+    """Decoding costs by source pixels, not tokens: a request's images together are bounded before any is
+    decoded (FOVEA_MAX_REQUEST_PIXELS), however small max_pixels makes them."""
+    import fovea.multimodal.prompt as prompt
+    from fovea.config import ModelConfig
+    from fovea.multimodal.fetch import ImageTooLarge
+
+    prompts = prompt.PromptProcessor(tiny_dirs["tiny-3b"], ModelConfig.from_dir(tiny_dirs["tiny-3b"]))
+    monkeypatch.setattr(prompt, "MAX_REQUEST_PIXELS", 100 * 100)
+    images = [jpeg_bytes(random_image(80, 80, seed=s)) for s in (1, 2)]
+    text = "<|vision_start|><|image_pad|><|vision_end|>" * 2
+    with pytest.raises(ImageTooLarge, match=r"0.0 megapixels before resizing, more than the 0.0 one request may have"):
+        prompts.process(text, images)
+    assert len(prompts.process(text[:len(text) // 2], images[:1]).images) == 1
+
+
 def test_a_bad_or_crashing_image_fails_alone(workers):
     processor = ImageProcessor()
     good = jpeg_bytes(random_image(320, 240, seed=1))

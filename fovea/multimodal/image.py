@@ -26,6 +26,9 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels"}  # mm_processor_kwargs (multimodal/video.py)
 MAX_IMAGE_PIXELS = int(os.environ.get("FOVEA_MAX_IMAGE_PIXELS", 8192 * 8192))  # decoded RGB: 200 MB at most
+# Decoding costs by the source's pixels, whatever size the image is resized to: a request's images together may
+# have at most this many (four of the largest images, or some thirty 12-megapixel photos).
+MAX_REQUEST_PIXELS = int(os.environ.get("FOVEA_MAX_REQUEST_PIXELS", 4 * 8192 * 8192))
 # The formats an image may come in (what browsers and vLLM's users send; Pillow's JPEG opener also reads a phone
 # camera's MPO). Pillow knows many more, some of which hand the bytes to other programs (EPS to Ghostscript) or to
 # little-used parsers.

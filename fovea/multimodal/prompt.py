@@ -23,7 +23,8 @@ import numpy as np
 from fovea.config import ModelConfig
 from fovea.multimodal.chat_format import CONTENT_FORMATS, as_string_content, detect_content_format
 from fovea.models.mrope_positions import VisionSpan, linear_positions, mrope_positions
-from fovea.multimodal.image import ImageProcessor, ProcessedImage
+from fovea.multimodal.fetch import ImageTooLarge
+from fovea.multimodal.image import MAX_REQUEST_PIXELS, ImageProcessor, ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, release_images
 from fovea.multimodal.video import VideoOptions, plan_video
 
@@ -281,6 +282,11 @@ class PromptProcessor:
         if videos and self.config.video_token_id is None:
             raise ValueError(f"{self.config.architecture} takes no videos")
         planned = [self.image_processor.plan(image, mm_processor_kwargs) for image in images]
+        source_pixels = sum(p.image.width * p.image.height for p in planned)
+        if source_pixels > MAX_REQUEST_PIXELS:  # known from the headers: refused before any pixel is decoded
+            raise ImageTooLarge(f"the prompt's images have {source_pixels / 1e6:.1f} megapixels before resizing, more "
+                                f"than the {MAX_REQUEST_PIXELS / 1e6:.1f} one request may have "
+                                "(FOVEA_MAX_REQUEST_PIXELS)")
         cfg, options = self.image_processor.config, self.video_options.with_kwargs(mm_processor_kwargs, capped=True)
         planned_videos = [plan_video(video, options, self.decoder.probe, cfg.patch_size, cfg.merge_size)
                           for video in videos]
