@@ -222,3 +222,76 @@ def test_large_grammars_compile_off_the_event_loop(client):
     assert len(answers) == 6 and all(answer.status_code == 200 for answer in answers)
     assert all(answer.json()["choices"][0]["text"].startswith("option-") for answer in answers)
     assert len(waits) >= 5 and max(waits) < 1.0, waits
+
+
+def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
+    """A grammar that takes long to build (a crafted schema; here a build made slow on purpose): the check gives
+    up after FOVEA_GRAMMAR_TIMEOUT and refuses the same grammar at once afterwards; in the engine the build runs
+    beside the steps, so a plain request runs to its end meanwhile, and the structured one starts once built."""
+    import concurrent.futures
+    import threading
+    import time
+
+    import fovea.engine.engine as engine_module
+    import fovea.engine.structured_outputs as so
+    from fovea.engine.sampling_params import RequestOutputKind
+
+    llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=256)
+    compiler = llm.engine.inputs.grammars
+    slow = StructuredOutputsParams(choice=["slow", "down"])
+    fresh = compiler._fresh
+
+    def slowed(params):
+        if params.key() == slow.key():
+            time.sleep(1.0)
+        return fresh(params)
+
+    monkeypatch.setattr(compiler, "_fresh", slowed)
+    monkeypatch.setattr(so, "COMPILE_TIMEOUT_S", 0.3)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="did not compile within 0.3 s"):
+        compiler.check(slow)
+    with pytest.raises(ValueError, match="did not compile within"):  # known to be slow: refused at once
+        compiler.check(slow)
+    assert time.monotonic() - start < 0.9
+
+    engine = llm.engine
+    inputs = engine.inputs
+    plain = inputs.make_request("plain", inputs.process("Tell me"), SamplingParams(
+        max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
+    monkeypatch.setattr(inputs, "check_params", lambda params, grammar=True: None)  # the front end let it through
+    structured = inputs.make_request("structured", inputs.process("Pick"), SamplingParams(
+        max_tokens=4, structured_outputs=slow, output_kind=RequestOutputKind.FINAL_ONLY))
+    released = threading.Event()
+    build = compiler.build
+
+    def held_build(params, copies=1):  # the engine's build finishes only when the test says so
+        future = concurrent.futures.Future()
+
+        def finish():
+            released.wait(30)
+            future.set_result(build(params, copies).result())
+        threading.Thread(target=finish, daemon=True).start()
+        return future
+
+    monkeypatch.setattr(compiler, "build", held_build)
+    engine.add_request(structured)
+    engine.add_request(plain)
+    finished = {}
+    while "plain" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "structured" not in finished and len(finished["plain"].outputs[0].token_ids) == 12
+    released.set()
+    while "structured" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["structured"].outputs[0].text in ("slow", "down")
+
+    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.2)  # a build past the engine's limit fails alone
+    released.clear()
+    engine.add_request(inputs.make_request("late", inputs.process("Pick"), SamplingParams(
+        max_tokens=4, structured_outputs=slow, output_kind=RequestOutputKind.FINAL_ONLY)))
+    time.sleep(0.3)
+    with pytest.raises(Exception, match="did not compile within 0.2 s") as failure:
+        engine.step()
+    assert failure.value.request_ids == ["late"] and not engine.has_unfinished_requests()
+    released.set()

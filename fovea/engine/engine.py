@@ -7,6 +7,7 @@ A step that raises fails only the requests it ran (StepFailed names them); the e
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -26,6 +27,7 @@ from fovea.engine.request import (CompletionOutput, Logprob, Request, RequestOut
 from fovea.engine.sampling_params import RequestOutputKind
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
 from fovea.engine.stats import EngineStats, LatencyEvents
+from fovea.engine.structured_outputs import COMPILE_TIMEOUT_S
 from fovea.engine.tp_workers import WorkerDied, start_workers
 
 logger = logging.getLogger("fovea")
@@ -62,6 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.blocks, self.encoder_cache)
         self.image_encoder = ImageEncoder(self.runner.encode_images, config.device)
         self.requests: dict[str, Request] = {}
+        self.compiling: list[tuple] = []  # (request, deadline, its matchers being built) before it is scheduled
         self.num_requests_added = 0
         self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
         self._seq_ids = itertools.count()
@@ -103,13 +106,35 @@ class LLMEngine:
         # One RNG per sample when seeded (sample i draws from seed + i), so its tokens do not depend on the batch.
         request.generators = [None if request.params.seed is None else torch.Generator(
             device=self.config.device).manual_seed(request.params.seed + i) for i in range(request.params.n)]
-        if request.params.structured_outputs is not None:  # one grammar state per sample
-            self.inputs.warm_up_grammars()
-            request.grammars = [self.inputs.grammars.matcher(request.params.structured_outputs)
-                                for _ in range(request.params.n)]
         self.requests[request.request_id] = request
         self.num_requests_added += 1
+        if request.params.structured_outputs is not None:  # one grammar state per sample, built off the step loop
+            self.inputs.warm_up_grammars()
+            build = self.inputs.grammars.build(request.params.structured_outputs, request.params.n)
+            self.compiling.append((request, time.monotonic() + COMPILE_TIMEOUT_S, build))
+            return  # scheduled once its grammar is built (_admit_compiled)
         self.scheduler.add(self._new_sequence(request, 0))
+
+    def _admit_compiled(self) -> StepFailed | None:
+        """Requests whose grammars are built go to the scheduler; those whose grammar failed, or overran the time
+        limit, fail alone. A crafted schema costs its own request time, not everyone's steps."""
+        failed: list[tuple[Request, Exception]] = []
+        for entry in list(self.compiling):
+            request, deadline, build = entry
+            if request.request_id not in self.requests:  # aborted while its grammar was being built
+                self.compiling.remove(entry)
+            elif build.done():
+                self.compiling.remove(entry)
+                try:
+                    request.grammars = build.result()
+                except ValueError as error:
+                    failed.append((request, error))
+                    continue
+                self.scheduler.add(self._new_sequence(request, 0))
+            elif time.monotonic() > deadline:
+                self.compiling.remove(entry)
+                failed.append((request, ValueError(f"the grammar did not compile within {COMPILE_TIMEOUT_S:g} s")))
+        return self._fail({request for request, _ in failed}, failed[0][1]) if failed else None
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, index)
@@ -149,7 +174,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.workers is not None:
             self.workers.check()
-        failed = self._collect_images()
+        failed = self._collect_images() or self._admit_compiled()
         if failed is not None:
             raise failed
         outputs, self.finished_outputs = self.finished_outputs, []
@@ -163,6 +188,9 @@ class LLMEngine:
                 if failed is not None:
                     raise failed
                 outputs, self.finished_outputs = self.finished_outputs, []
+            elif self.compiling:  # everything waits for grammars: wait for one, briefly
+                concurrent.futures.wait([build for _, _, build in self.compiling], timeout=IDLE_WAIT_S,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
             elif self.scheduler.waiting or self.scheduler.running:  # cannot happen after admission checks
                 self.finished_outputs = outputs
                 stuck = (self.scheduler.running or self.scheduler.waiting)[0].request

@@ -10,7 +10,9 @@ consumes the token drawn. JSON is generated compact (no free whitespace), so a m
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -61,16 +63,24 @@ class StructuredOutputsParams:
             raise ValueError(f"{WHERE}.json is not a JSON schema: {error}") from None
 
 
+# A grammar may take long to build (a crafted schema: tens of seconds); no request waits longer for its own
+COMPILE_TIMEOUT_S = float(os.environ.get("FOVEA_GRAMMAR_TIMEOUT", "10"))
+
+
 class GrammarCompiler:
     """Turns requests into matchers for one tokenizer; a grammar that does not compile raises ValueError with
     llguidance's reason. Each distinct request compiles once (about 0.7 ms for a small schema); its samples get
-    copies of that matcher (microseconds), so admitting requests between steps stays cheap."""
+    copies of that matcher (microseconds), so admitting requests between steps stays cheap. Building runs in two
+    threads of its own (llguidance releases the GIL meanwhile): `check` waits at most COMPILE_TIMEOUT_S, and a
+    grammar that overran is refused at once the next time."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         import llguidance.hf
 
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._compiled: dict[tuple, object] = {}  # request key -> a fresh matcher, known to compile
+        self._too_slow: set[tuple] = set()  # request keys whose grammar overran the time limit
+        self._builders = concurrent.futures.ThreadPoolExecutor(2, "grammar-build")
 
     def _fresh(self, params: StructuredOutputsParams):
         from llguidance import LLMatcher
@@ -87,7 +97,24 @@ class GrammarCompiler:
         return matcher
 
     def check(self, params: StructuredOutputsParams) -> None:
-        self._fresh(params)
+        """Raises ValueError unless the grammar compiles within COMPILE_TIMEOUT_S (the build itself runs on past
+        it: llguidance cannot be interrupted; that grammar is refused at once from then on)."""
+        key = params.key()
+        if key not in self._too_slow:
+            try:
+                self.build(params).result(timeout=COMPILE_TIMEOUT_S)
+                return
+            except concurrent.futures.TimeoutError:
+                if len(self._too_slow) > 1024:
+                    self._too_slow.clear()
+                self._too_slow.add(key)
+        raise ValueError(f"{WHERE}: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s "
+                         "(FOVEA_GRAMMAR_TIMEOUT)")
+
+    def build(self, params: StructuredOutputsParams, copies: int = 1) -> concurrent.futures.Future:
+        """`copies` fresh matchers, built in the builders' threads (the future raises ValueError if the grammar
+        does not compile)."""
+        return self._builders.submit(lambda: [self.matcher(params) for _ in range(copies)])
 
     def matcher(self, params: StructuredOutputsParams):
         return self._fresh(params).deep_copy()
@@ -99,8 +126,6 @@ _threads = None  # (llguidance's pool, which fills a batch's masks in parallel o
 def _fill_threads():
     global _threads
     if _threads is None:
-        import concurrent.futures
-
         import llguidance
 
         _threads = llguidance.LLExecutor(), concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
