@@ -168,7 +168,8 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
         ("suffix", completions, {"model": "tiny", "prompt": "a", "suffix": "b"}, 400, "suffix"),
         ("not JSON", chat, b"{not json", 400, "JSON"),
         ("tokenize under the media policy", "/tokenize", {"model": "tiny", "messages": [
-            {"role": "user", "content": [image(f"file://{media['outside']}"), TEXT]}]}, 400, "outside the folder the server allows"),
+            {"role": "user", "content": [image(f"file://{media['outside']}"), TEXT]}]}, 400,
+         "outside the folder the server allows"),
         ("detokenize bad id", "/detokenize", {"model": "tiny", "tokens": [-1]}, 400, "token ids must be"),
         ("tokenize with nothing", "/tokenize", {"model": "tiny"}, 400, "exactly one of prompt and messages"),
     ]
