@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_fast_path.py --model DIR --out DIR [--commit SHA] [--steps rates,serve,hf] [--quick]
 
-rates:  bf16 matmul rate (8192^3, mean of 10 after 3 warm-ups) and device-to-device copy bandwidth (read + written)
+rates:  bf16 matmul rate (8192^3) and device-to-device copy bandwidth (read + written), as `fovea bench kernels`
+        measures them (medians of CUDA-event-timed runs)
 serve:  `fovea serve DIR` (prefix caching off, otherwise default flags: the fast path) measured with `fovea bench
         serve`: seed-001 (8000/1000 x16), 1000/1000 x256, random-mm (one 1280x720 image + 100 text tokens, 128 out,
         x500) with GPU utilisation sampled by nvidia-smi every 100 ms during the image run
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from fovea.bench.floors import Hardware, workload_floor
+from fovea.bench.kernels import measure_rates
 from fovea.config import ModelConfig
 
 WORKLOADS = {  # name -> (bench flags, input tokens for the floor, output tokens, prompts, image patches)
@@ -58,31 +60,6 @@ def hardware(commit: str) -> dict:
     else:
         info["gpu"] = "none (CPU: " + platform.processor() + ")"
     return info
-
-
-def measure_rates(quick: bool) -> dict:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    n = 512 if quick else 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    src = torch.empty(((64 if quick else 4096) << 20) // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-
-    def timed(fn, reps: int) -> float:
-        for _ in range(3):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / reps
-
-    matmul_s = timed(lambda: a @ b, 10)
-    copy_s = timed(lambda: dst.copy_(src), 10)
-    return {"matmul_tflops": 2 * n**3 / matmul_s / 1e12, "copy_tb_s": 2 * src.numel() * 2 / copy_s / 1e12}
 
 
 class GpuSampler(threading.Thread):

@@ -311,25 +311,8 @@ class LLMEngine:
         metrics.last_token_time = seq.last_token_time = now
 
     def _record_finish(self, request: Request) -> None:
-        if self.events is None:
-            return
-        events = self.events
-        events.end_to_end.append(time.time() - request.metrics.arrival_time)
-        events.finished["abort" if request.aborted else request.sequences[0].finish_reason] += 1
-        events.prompt_tokens += len(request.prompt_token_ids)
-        generated = sum(seq.num_output_tokens for seq in request.sequences)
-        events.generation_tokens += generated
-        events.request_prompt_tokens.append(len(request.prompt_token_ids))
-        events.request_generation_tokens.append(generated)
-        if request.params.max_tokens is not None:
-            events.request_max_tokens.append(request.params.max_tokens)
-        times = request.metrics
-        for phase, start, end in (("queue", times.arrival_time, times.first_scheduled_time),
-                                  ("prefill", times.first_scheduled_time, times.first_token_time),
-                                  ("decode", times.first_token_time, times.last_token_time),
-                                  ("inference", times.first_scheduled_time, times.last_token_time)):
-            if start is not None and end is not None:  # an aborted request may not have reached a phase
-                events.phases[phase].append(end - start)
+        if self.events is not None:
+            self.events.add_finished(request)
 
     def stats(self) -> EngineStats:
         """The engine's state now, and the latency events since the previous call (the first call starts

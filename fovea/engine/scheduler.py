@@ -71,7 +71,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if seq.is_prefill and self._shares_blocks(seq):
                 self._adopt_cached(seq)
-                if self._next_block(seq) in computing:
+                if self._block_at(seq, seq.num_computed_tokens) in computing:
                     continue  # another sequence fills that block now; this one takes it next step
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
@@ -102,8 +102,9 @@ class Scheduler:
         logprobs = seq.request.prompt_logprobs
         return self.blocks.enable_prefix_caching and (logprobs is None or len(logprobs) >= seq.num_prompt_tokens)
 
-    def _next_block(self, seq: Sequence) -> bytes | None:
-        index = seq.num_computed_tokens // self.blocks.block_size
+    def _block_at(self, seq: Sequence, position: int) -> bytes | None:
+        """The hash of the full prompt block holding `position` (None past the last full one)."""
+        index = position // self.blocks.block_size
         return seq.block_hashes[index] if index < len(seq.block_hashes) else None
 
     def _note_filled(self, seq: Sequence, start: int, n: int, computing: set[bytes]) -> None:
@@ -139,8 +140,7 @@ class Scheduler:
             shares = self._shares_blocks(seq)
             prefix = self.blocks.cached_prefix(seq.block_hashes, seq.num_tokens) if shares else []
             start = len(prefix) * self.blocks.block_size
-            seq.num_computed_tokens = start
-            if shares and self._next_block(seq) in computing:
+            if shares and self._block_at(seq, start) in computing:
                 position += 1  # a sequence fills its next block in this step: admitted next step, it reuses it
                 continue
             n = self._fit_encoder(seq, start, min(seq.num_tokens - start, budget), batch)

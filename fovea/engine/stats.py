@@ -7,6 +7,7 @@ them into Prometheus metrics. Latencies are measured from the request's arrival 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -17,8 +18,6 @@ class LatencyEvents:
     inter_token: list[float] = field(default_factory=list)
     end_to_end: list[float] = field(default_factory=list)
     finished: Counter = field(default_factory=Counter)  # finish reason -> requests
-    prompt_tokens: int = 0  # of finished requests
-    generation_tokens: int = 0
     # one entry per finished request: its token counts, the max_tokens it asked for, and the phases of its life
     # (queued: arrival to first scheduled; prefill: to the first token; decode: first to last token; inference:
     # first scheduled to last token), in seconds
@@ -28,6 +27,22 @@ class LatencyEvents:
     phases: dict[str, list[float]] = field(default_factory=lambda: {"queue": [], "prefill": [], "decode": [],
                                                                     "inference": []})
     iteration_tokens: list[int] = field(default_factory=list)  # tokens of each engine step
+
+    def add_finished(self, request) -> None:
+        """A request that finished (or was aborted): its latency, finish reason, token counts and phases."""
+        times = request.metrics
+        self.end_to_end.append(time.time() - times.arrival_time)
+        self.finished["abort" if request.aborted else request.sequences[0].finish_reason] += 1
+        self.request_prompt_tokens.append(len(request.prompt_token_ids))
+        self.request_generation_tokens.append(sum(seq.num_output_tokens for seq in request.sequences))
+        if request.params.max_tokens is not None:
+            self.request_max_tokens.append(request.params.max_tokens)
+        for phase, start, end in (("queue", times.arrival_time, times.first_scheduled_time),
+                                  ("prefill", times.first_scheduled_time, times.first_token_time),
+                                  ("decode", times.first_token_time, times.last_token_time),
+                                  ("inference", times.first_scheduled_time, times.last_token_time)):
+            if start is not None and end is not None:  # an aborted request may not have reached a phase
+                self.phases[phase].append(end - start)
 
 
 @dataclass

@@ -158,5 +158,5 @@ class ServerMetrics:
             self.end_to_end.observe(value)
         for reason, count in events.finished.items():
             self.finished_by_reason(reason).inc(count)
-        self.prompt_tokens.inc(events.prompt_tokens)
-        self.generation_tokens.inc(events.generation_tokens)
+        self.prompt_tokens.inc(sum(events.request_prompt_tokens))
+        self.generation_tokens.inc(sum(events.request_generation_tokens))
