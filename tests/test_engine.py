@@ -134,6 +134,32 @@ def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
                                                                            abs=1e-4)
 
 
+def test_prompt_logprobs_scored_in_blocks_match_the_model(llm, tiny_dirs, monkeypatch):
+    """Prompt log-probabilities are scored a few rows at a time (PROMPT_LOGPROB_BLOCK); blocks of 5 rows, with
+    spans that do not divide evenly, must give every position's log-probability, rank and top tokens."""
+    import fovea.engine.model_runner as model_runner
+
+    vocab = llm.engine.config.model.text.vocab_size
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_BLOCK", 5 * vocab)
+    scored, compute_logits = [], llm.engine.runner.model.compute_logits
+    monkeypatch.setattr(llm.engine.runner.model, "compute_logits",
+                        lambda rows, out=None: scored.append(len(rows)) or compute_logits(rows, out))
+    model, processor = our_model(tiny_dirs["tiny-3b"])
+    messages = [{"role": "user", "content": LOREM}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    prompt = processor.process_chat(messages)
+    reference = our_logits(model, prompt, []).log_softmax(-1)
+    assert len(out.prompt_logprobs) == len(prompt.token_ids) > 23
+    for index in range(1, len(prompt.token_ids)):
+        row, target = reference[index - 1], prompt.token_ids[index]
+        entry = out.prompt_logprobs[index]
+        assert entry[target].logprob == pytest.approx(row[target].item(), abs=1e-4)
+        value = row[target].item()  # near-ties of a random model: the rank within the tolerance's bounds
+        assert 1 + int((row > value + 1e-4).sum()) <= entry[target].rank <= 1 + int((row > value - 1e-4).sum())
+        assert {t for t, lp in entry.items() if lp.rank <= 3} >= set(row.topk(3).indices.tolist()) - {target}
+    assert max(scored) <= 5  # never the whole prompt's logits at once
+
+
 def test_stop_strings_cut_the_text_exactly(llm):
     base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     full = llm.generate(PROMPTS[1], base, use_tqdm=False)[0].outputs[0]

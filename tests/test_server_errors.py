@@ -159,6 +159,8 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
         ("6to4 loopback", chat, chat_with(image("http://[2002:7f00:1::]:9/a.png"), TEXT), 400, "non-public address"),
         ("detokenize more than max_model_len ids", "/detokenize", {"model": "tiny", "tokens": [1] * 513}, 400,
          "max_model_len"),
+        ("body with more JSON objects than FOVEA_MAX_BODY_OBJECTS", chat,
+         {"model": "tiny", "messages": HELLO, "pad": [[]] * 100_001}, 413, "more than 100000 JSON objects"),
         ("body over --max-request-body-mb", chat, {"model": "tiny", "messages": HELLO, "pad": "x" * (1 << 20)}, 413,
          "larger than"),
         ("prompt longer than max_model_len", completions, {"model": "tiny", "prompt": list(range(1, 600))}, 400,

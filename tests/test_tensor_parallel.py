@@ -30,12 +30,12 @@ def workload() -> list:
 
 
 def run(model_dir, **engine_args) -> tuple[list, dict]:
-    """Greedy tokens and top-2 log-probabilities of the workload, in two rounds (the second hits the prefix
+    """Greedy tokens and top-2 log-probabilities (of the prompts too) of the workload, in two rounds (the second hits the prefix
     cache), on an engine small enough to chunk prompts and preempt sequences."""
     llm = LLM(str(model_dir), max_model_len=160, max_num_batched_tokens=48, num_gpu_blocks_override=10,
               block_size=16, **engine_args)
     try:
-        params = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=20, logprobs=2, prompt_logprobs=2, ignore_eos=True)
         outputs = llm.generate(workload(), params, use_tqdm=False) + llm.generate(workload()[1:3], params,
                                                                                   use_tqdm=False)
         runner = llm.engine.runner
@@ -43,7 +43,8 @@ def run(model_dir, **engine_args) -> tuple[list, dict]:
                  "prefix_hits": llm.engine.scheduler.prefix_cache_hits,
                  "kv_bytes_per_token": runner.kv_cache_bytes // (runner.num_blocks * 16),
                  "ranks": runner.parallel.size if runner.parallel else 0}
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], stats
+        # the prompt's log-probabilities too: every rank joins in scoring them (a gathered vocabulary)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs + o.prompt_logprobs[1:]) for o in outputs], stats
     finally:
         llm.close()
 

@@ -30,6 +30,9 @@ from fovea.models.base import ModelOptions
 from fovea.multimodal.patchify import patchify
 
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU backend sizes its cache by a fixed space too (VLLM_CPU_KVCACHE_SPACE)
+# prompt log-probabilities are scored this many logits at a time: a whole 8k-token chunk would be a 5 GB fp32
+# tensor, and on the CPU an 8k-token echo with logprobs took 29 s of engine steps in one piece, 11 s in blocks
+PROMPT_LOGPROB_BLOCK = 1 << 24
 
 
 @dataclass
@@ -116,14 +119,26 @@ class ModelRunner:
             self.parallel.send(step, self.parallel.lm_control)
             if mm_embeds is not None:
                 self.parallel.broadcast(mm_embeds.to(self.config.dtype).contiguous())
-        logits, span_logits = self.run_step(step, mm_embeds)
+        logits, hidden = self.run_step(step, mm_embeds)
         out = StepOutput(row_owners=plan.owners)
         if logits is not None:
             out.sampled = self.sampler(logits, plan.rows, masks)
-        for rows, (index, targets, k) in zip(span_logits, plan.prompt_logprobs):
-            logprobs = rows.float().log_softmax(-1)
-            out.prompt_logprobs[index] = top_logprobs(logprobs, torch.tensor(targets, device=self.device), k)
+        parts: list[list[tuple]] = [[] for _ in plan.prompt_logprobs]
+        for span, offset, rows in self.span_logits(hidden, step.logprob_spans):
+            _, targets, k = plan.prompt_logprobs[span]
+            ids = torch.tensor(targets[offset:offset + len(rows)], device=self.device)
+            parts[span].append(top_logprobs(rows.float().log_softmax(-1), ids, k))
+        for (index, _, _), blocks in zip(plan.prompt_logprobs, parts):  # the blocks joined field by field
+            out.prompt_logprobs[index] = tuple(None if field[0] is None else torch.cat(field) for field in zip(*blocks))
         return out
+
+    def span_logits(self, hidden: torch.Tensor, spans: list[tuple[int, int]]):
+        """(span number, offset in the span, logits) of the prompt log-probability spans, a block of rows at a
+        time. Every rank runs it: under tensor parallelism each block's logits are gathered from all ranks."""
+        rows = max(1, PROMPT_LOGPROB_BLOCK // self.config.model.text.vocab_size)
+        for span, (first, count) in enumerate(spans):
+            for offset in range(0, count, rows):
+                yield span, offset, self.model.compute_logits(hidden[first + offset:first + min(count, offset + rows)])
 
     def run_worker_step(self, step: StepInput) -> None:
         """Ranks above 0: the step rank 0 sent, with the image embeddings it broadcasts after it."""
@@ -132,10 +147,13 @@ class ModelRunner:
             shape = (step.num_mm_rows, self.config.model.text.hidden_size)
             mm_embeds = self.parallel.broadcast(torch.empty(shape, dtype=self.config.dtype, device=self.device))
         with torch.inference_mode():
-            self.run_step(step, mm_embeds)
+            _, hidden = self.run_step(step, mm_embeds)
+            for _ in self.span_logits(hidden, step.logprob_spans):
+                pass
 
     def run_step(self, step: StepInput, mm_embeds: torch.Tensor | None):
-        """Every rank: the forward pass and the logits (rows to sample, prompt log-probability spans)."""
+        """Every rank: the forward pass, the logits of the rows to sample, and the hidden states (whose prompt
+        log-probability spans `span_logits` scores)."""
         for src, dst in step.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
@@ -158,7 +176,7 @@ class ModelRunner:
             count = len(step.logits_rows)
             logits = self.model.compute_logits(rows, out=self.logits_buffer[:count]
                                                if count <= len(self.logits_buffer) else None)
-        return logits, [self.model.compute_logits(hidden[first:first + count]) for first, count in step.logprob_spans]
+        return logits, hidden
 
     def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
         """The vision tower over several images at once (the ImageEncoder's thread calls it): one (tokens,

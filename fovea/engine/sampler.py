@@ -56,7 +56,8 @@ class SamplerOutput:
 def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
     """Log-probability and rank of `token_ids` in each row, and each row's k most likely tokens."""
     chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
-    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+    # summed as int32: the default int64 sum (or count_nonzero) of the (rows x vocab) comparison is 2x slower
+    ranks = (logprobs > chosen[:, None]).sum(-1, dtype=torch.int32) + 1
     top = logprobs.topk(k, dim=-1) if k else None
     return chosen, ranks, (top.indices if top else None), (top.values if top else None)
 

@@ -1,9 +1,11 @@
 """The HTTP front end: OpenAI routes over an AsyncLLM, API key check, OpenAI-shaped errors.
 
-A request's path: body size check -> API key -> route -> body validated (pydantic) -> sampling params and the
-per-request limits (cheap checks first) -> images fetched under the media policy (their own thread pool) ->
-AsyncLLM.generate (templating, tokenization and image preprocessing in the preparation pool, then the engine
-process) -> response or SSE stream (openai_serving). A client that leaves at any point cancels what is left.
+A request's path: body size check -> API key -> route -> body parsed and validated (pydantic) -> sampling params
+and the per-request limits (cheap checks first) -> images fetched under the media policy (their own thread pool)
+-> AsyncLLM.generate (templating, tokenization and image preprocessing, then the engine process) -> response or
+SSE stream (openai_serving). A client that leaves at any point cancels what is left. Work that grows with a
+request (parsing its body, templating, tokenizing, images, building a whole response) runs in the preparation
+pool, never on the event loop, so one large request does not hold up the others' streams and /health.
 Errors become OpenAI-shaped bodies: 400 bad input, 401 key, 404 model or route, 405 method, 413 too large,
 500 a failure while running the request, 503 engine down (restarting). Tracebacks go to the log, never out.
 """
@@ -18,22 +20,21 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fovea import __version__
 from fovea.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailed
-from fovea.engine.sampling_params import sampling_defaults
+from fovea.engine.sampling_params import SamplingParams, sampling_defaults
 from fovea.multimodal.fetch import ImageTooLarge
 from fovea.server import openai_serving as serving
-from fovea.server.guards import APIKeyCheck, BodyLimit
+from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit
 from fovea.server.media import MediaPolicy, fetch_media
 from fovea.server.metrics import ServerMetrics
 from fovea.multimodal.prompt import ChatOptions
-from fovea.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
-                                   RequestLimits, TokenizeRequest, error_body, tool_list)
+from fovea.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidBody,
+                                   NamedToolChoice, RequestLimits, TokenizeRequest, error_body, parse_body, tool_list)
 from fovea.server.tool_calls import START, ToolUse
 
 logger = logging.getLogger("fovea")
@@ -55,6 +56,7 @@ class ServerOptions:
     chat_template_content_format: str = "auto"  # auto, string or openai (fovea/multimodal/chat_format.py)
     media: MediaPolicy = field(default_factory=MediaPolicy)
     max_body_bytes: int = 64 << 20
+    max_body_objects: int = MAX_BODY_OBJECTS  # JSON objects and arrays (FOVEA_MAX_BODY_OBJECTS)
     limits: RequestLimits = field(default_factory=RequestLimits)
     trust_request_chat_template: bool = False  # vLLM's flag: client chat templates, in the sandbox
     response_role: str = "assistant"  # the role of a chat completion's message
@@ -118,12 +120,9 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     async def on_api_error(_, exc: APIError):
         return error(exc.status, exc.message, exc.kind, exc.param)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:])
-        message = str(first.get("msg", "invalid request"))  # never str(exc): it names our source files
-        return error(400, f"{where}: {message}" if where else message, "BadRequestError", where or None)
+    @app.exception_handler(InvalidBody)
+    async def on_invalid(_, exc: InvalidBody):
+        return error(400, str(exc), "BadRequestError", exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_, exc: StarletteHTTPException):
@@ -154,7 +153,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         # a bug hit while handling this request: it fails alone (uvicorn logs the traceback), the server goes on
         return error(500, f"internal error: {type(exc).__name__}: {exc}"[:1000], "InternalServerError")
 
-    app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, max_objects=options.max_body_objects)
     app.add_middleware(APIKeyCheck, api_key=options.api_key)  # added last: runs first
 
     def model_name(requested: str | None) -> str:
@@ -171,8 +170,28 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
                 raise ValueError(f"tool_choice {tool_use.choice!r} constrains the output already; drop "
                                  "response_format / structured_outputs")
             params = params.clone(structured_outputs=tool_use.structured_outputs())
-        engine.inputs.check_params(params, grammar=False)  # on the event loop: compiling waits for the pool
+        engine.inputs.check_params(params, grammar=False)  # the grammar compiles once, as the request is prepared
         return params
+
+    def chat_params(body: ChatCompletionRequest) -> tuple[list[dict] | None, ToolUse | None, SamplingParams]:
+        """The tools as the template sees them, how tool calls are handled, and the checked SamplingParams
+        (run in the pool: a body of thousands of tools takes tens of milliseconds)."""
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+        tools = tool_list(body.tools)
+        tool_use = ToolUse.from_request(tools, choice, body.parallel_tool_calls, options.tool_call_parser, tag_tokens)
+        return tools, tool_use, checked_params(body, tool_use)
+
+    def render_in_sandbox(messages: list[dict], chat: ChatOptions):
+        normalized, media = engine.inputs.prompts.normalize_chat(messages, max_len, chat)
+        return sandbox.render(normalized, chat), media
+
+    async def read_body(request: Request, model):
+        return await engine.run_in_pool(parse_body, await request.body(), model)
+
+    async def json_off_loop(build, *args) -> JSONResponse:
+        """A response built and rendered in the preparation pool: 8 choices x 1000 tokens x 20 top logprobs took
+        seconds to build and encode, which on the event loop stalled every other client."""
+        return await engine.run_in_pool(lambda: JSONResponse(build(*args)))
 
     def log_request(request_id: str, prompt_tokens: int, params) -> None:
         if options.log_requests:  # a 100,000-entry choice list would make one log line of megabytes
@@ -200,12 +219,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             for name in names]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await read_body(request, ChatCompletionRequest)
         model = model_name(body.model)
-        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-        tools = tool_list(body.tools)
-        tool_use = ToolUse.from_request(tools, choice, body.parallel_tool_calls, options.tool_call_parser, tag_tokens)
-        params = checked_params(body, tool_use)
+        tools, tool_use, params = await engine.run_in_pool(chat_params, body)
         if body.chat_template is not None and sandbox is None:
             raise APIError(400, "chat_template in a request needs the server to run with "
                                 "--trust-request-chat-template", param="chat_template")
@@ -218,9 +235,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             if body.chat_template is None:
                 stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
                                          mm_processor_kwargs=body.mm_processor_kwargs, chat=chat)
-            else:
-                normalized, media = engine.inputs.prompts.normalize_chat(messages, max_len, chat)
-                text = await asyncio.to_thread(sandbox.render, normalized, chat)
+            else:  # a thread of its own, not the pool: it waits up to 2 s for a sandbox process
+                text, media = await asyncio.to_thread(render_in_sandbox, messages, chat)
                 data = {"image": media.images, "video": media.videos}
                 stream = engine.generate(prompt={"prompt": text, "multi_modal_data": data},
                                          sampling_params=params, request_id=request_id,
@@ -236,13 +252,14 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
                                                          include_usage, role, tool_use),
                                      media_type="text/event-stream")
         await stream.aclose()
-        return serving.chat_response(first, model, request_id, top, role, tool_use)
+        return await json_off_loop(serving.chat_response, first, model, request_id, top, role, tool_use)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await read_body(request, CompletionRequest)
         model = model_name(body.model)
         prompts = body.prompts(options.limits.max_prompts)
-        params = checked_params(body)
+        params = await engine.run_in_pool(checked_params, body)
         request_id = serving.new_id("cmpl")
 
         async def start():
@@ -257,13 +274,15 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
             return StreamingResponse(serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs,
                                                                include_usage), media_type="text/event-stream")
         try:
-            return await unless_disconnected(request, serving.completion_response(
-                first, merged, len(prompts), model, request_id, body.n, body.echo, body.logprobs))
+            finals = await unless_disconnected(request, serving.final_outputs(first, merged, len(prompts)))
         finally:
             await merged.aclose()
+        return await json_off_loop(serving.completion_response, finals, model, request_id, body.n, body.echo,
+                                   body.logprobs)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request):
+    async def tokenize(request: Request):
+        body = await read_body(request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages")
 
@@ -283,7 +302,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(request: Request):
+        body = await read_body(request, DetokenizeRequest)
         vocab = engine.config.model.text.vocab_size
         if len(body.tokens) > max_len:
             raise APIError(400, f"at most max_model_len={max_len} token ids can be detokenized", param="tokens")

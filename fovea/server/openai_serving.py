@@ -208,20 +208,23 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
             await stream.aclose()
 
 
-async def completion_response(first, merged, num_prompts: int, model: str, request_id: str, n: int,
-                              echo_prompts: bool, logprobs: int | None) -> dict:
-    """All prompts' final outputs (from `merge`) as one text_completion; choice i*n+j is prompt i's sample j."""
+async def final_outputs(first, merged, num_prompts: int) -> list[RequestOutput]:
+    """Every prompt's final output (from `merge`), in prompt order."""
     finals: dict[int, RequestOutput] = {}
     index, output = first
     while True:
         finals[index] = output
         if len(finals) == num_prompts:
-            break
+            return [finals[i] for i in range(num_prompts)]
         index, output = await anext(merged)
+
+
+def completion_response(finals: list[RequestOutput], model: str, request_id: str, n: int, echo_prompts: bool,
+                        logprobs: int | None) -> dict:
+    """The prompts' final outputs as one text_completion; choice i*n+j is prompt i's sample j."""
     usage = Usage()
     choices = []
-    for i in range(num_prompts):
-        output = finals[i]
+    for i, output in enumerate(finals):
         usage.add_prompt(output)
         echo = output.prompt if echo_prompts else None
         for c in output.outputs:

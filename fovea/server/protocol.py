@@ -5,12 +5,13 @@ strings, stop token ids, logit_bias) and the prompts of one completions request 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fovea.engine.sampling_params import RequestOutputKind, SamplingParams
 from fovea.engine.structured_outputs import StructuredOutputsParams
@@ -248,6 +249,28 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+class InvalidBody(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """A request body as `model`; InvalidBody names the first problem (never pydantic's whole report: it names
+    our source files). The server runs this in its preparation pool: a 60 MB body of small JSON objects takes
+    seconds to parse, and the event loop must not wait for it."""
+    try:
+        data = json.loads(raw)
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise InvalidBody(f"the body is not valid JSON ({getattr(error, 'msg', 'not UTF-8 text')})") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise InvalidBody(f"{where}: {first['msg']}" if where else first["msg"], where or None) from None
 
 
 OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")  # `<_io.BytesIO object at 0x7f...>` and its kin
