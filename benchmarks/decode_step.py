@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from fovea.bench.floors import decode_step_bytes, lm_matmul_params
-from fovea.config import ModelConfig
-from fovea.layers.paged_attention import PagedAttentionMetadata
+from fovea.config.model import ModelConfig
+from fovea.attention.backend import PagedAttentionMetadata
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 
 BLOCK = 16
-ATTENTION_KERNELS = {"_decode", "_combine", "_attention"}  # fovea/kernels/paged_attention.py
+ATTENTION_KERNELS = {"_decode", "_combine", "_attention"}  # fovea/attention/triton_paged.py
 
 
 def make_step(config: ModelConfig, batch: int, context: int, device, dtype, backend):
@@ -63,7 +63,7 @@ def top_kernels(prof, cuda: bool, count: int = 10) -> list[dict]:
 
 
 def measure(model, config: ModelConfig, batch: int, context: int, rates: tuple[float, float], quick: bool) -> dict:
-    from fovea.kernels.paged_attention import TritonAttention
+    from fovea.attention.triton_paged import TritonAttention
 
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     text = config.text

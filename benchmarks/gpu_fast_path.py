@@ -29,7 +29,7 @@ import torch
 
 from fovea.bench.floors import Hardware, workload_floor
 from fovea.bench.kernels import measure_rates
-from fovea.config import ModelConfig
+from fovea.config.model import ModelConfig
 
 WORKLOADS = {  # name -> (bench flags, input tokens for the floor, output tokens, prompts, image patches)
     "seed-001": (["--dataset-name", "random", "--random-input-len", "8000", "--random-output-len", "1000",

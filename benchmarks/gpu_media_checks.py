@@ -66,7 +66,7 @@ def check_video(quick: bool) -> dict:
 def check_llava_tower(quick: bool) -> dict:
     from fovea.models.base import ModelOptions
     from fovea.models.llava import ClipVisionTower, parse_config
-    from fovea.models.tiny_llava import llava_config
+    from fovea.testing.tiny_llava import llava_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = parse_config(llava_config("tiny-llava" if quick else "llava-1.5-7b"), {})

@@ -88,7 +88,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    from fovea.models.tiny import demo_model_dir
+    from fovea.testing.tiny import demo_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir()))
     answer_ids = tokenizer.encode(ANSWER)

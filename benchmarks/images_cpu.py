@@ -31,8 +31,8 @@ import base64, io, json, pickle, sys, time, concurrent.futures
 import numpy as np
 from PIL import Image
 from fovea import SamplingParams
-from fovea.engine.config import EngineConfig
-from fovea.engine.input_processor import InputProcessor
+from fovea.config.engine import EngineConfig
+from fovea.frontend.input_processor import InputProcessor
 
 model_dir, variant = sys.argv[1], sys.argv[2]
 
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--rate", type=float, default=1.0)
     args = parser.parse_args()
-    from fovea.models.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny import write_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp())
     model_dir = str(write_tiny_checkpoint(work / "tiny-3b", "tiny-3b", seed=0))

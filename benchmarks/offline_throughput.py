@@ -50,7 +50,7 @@ def host_overhead(model_dir, batch: int, steps: int) -> dict:
     """Decode steps at `batch` sequences: wall time per step split into the model (transformer + LM head), the
     sampler, and the host-side rest (scheduling, input building, detokenizing, stop checks, outputs)."""
     from fovea import LLM, SamplingParams
-    from fovea.engine.sampling_params import RequestOutputKind
+    from fovea.core.sampling_params import RequestOutputKind
 
     llm = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=batch)
     engine = llm.engine
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from fovea.models.tiny import TINY_SHAPES, write_tiny_checkpoint
+    from fovea.testing.tiny import TINY_SHAPES, write_tiny_checkpoint
 
     model_dir = Path(args.model)
     if args.model in TINY_SHAPES:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fovea import LLM, SamplingParams
-from fovea.models.tiny import write_tiny_checkpoint
+from fovea.testing.tiny import write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

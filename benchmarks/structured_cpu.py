@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fovea import LLM, SamplingParams, StructuredOutputsParams
-from fovea.models.tiny import write_tiny_checkpoint
+from fovea.testing.tiny import write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["label", "box", "note"],

@@ -24,12 +24,12 @@ def __getattr__(name: str):
         from fovea.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from fovea.engine.sampling_params import SamplingParams
+        from fovea.core.sampling_params import SamplingParams
         return SamplingParams
     if name == "StructuredOutputsParams":
         from fovea.engine.structured_outputs import StructuredOutputsParams
         return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):
-        from fovea.engine import request
+        from fovea.core import request
         return getattr(request, name)
     raise AttributeError(f"module 'fovea' has no attribute {name!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fovea.engine.vllm_args import max_model_len_arg
+from fovea.config.vllm_args import max_model_len_arg
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -19,8 +19,8 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _tiny(args: argparse.Namespace) -> None:
-    from fovea.models.tiny import write_tiny_checkpoint
-    from fovea.models.tiny_llava import LLAVA_SHAPES, write_llava_checkpoint
+    from fovea.testing.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny_llava import LLAVA_SHAPES, write_llava_checkpoint
 
     write = write_llava_checkpoint if args.config in LLAVA_SHAPES else write_tiny_checkpoint
     out = write(args.out_dir, args.config, seed=args.seed, layout=args.layout, shards=args.shards, dtype=args.dtype,
@@ -29,7 +29,7 @@ def _tiny(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from fovea.engine.memory_plan import format_plan, plan_memory, smallest_fitting_size
+    from fovea.config.memory_plan import format_plan, plan_memory, smallest_fitting_size
     from fovea.models.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)

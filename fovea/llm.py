@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Sequence
 
-from fovea.engine.config import EngineConfig
+from fovea.config.engine import EngineConfig
 from fovea.engine.engine import LLMEngine
-from fovea.engine.request import RequestOutput
-from fovea.engine.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
+from fovea.core.request import RequestOutput
+from fovea.core.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
 from fovea.multimodal.prompt import ChatOptions
 
 

@@ -26,7 +26,7 @@ def small_gpu_share():
     if not torch.cuda.is_available():
         yield
         return
-    from fovea.engine.config import EngineConfig
+    from fovea.config.engine import EngineConfig
     from serving import GPU_SHARE
 
     build = EngineConfig.build.__func__
@@ -40,7 +40,7 @@ def small_gpu_share():
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """{"tiny-3b": dir, "tiny-7b": dir}: the two tiny configs in the published layout, fp32 weights."""
-    from fovea.models.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     return {name: write_tiny_checkpoint(root / name, name, seed=1 + i)

@@ -125,7 +125,7 @@ def test_vision_attention_never_builds_a_dense_mask(tiny_dirs, monkeypatch):
 
 MEMORY_PROBE = """
 import resource, torch
-from fovea.layers.attention import AttentionMetadata, varlen_attention
+from fovea.attention.layer import AttentionMetadata, varlen_attention
 torch.set_num_threads(1)
 q, k, v = (torch.randn(16384, 2, 16) for _ in range(3))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import random_image
 from fovea import LLM, SamplingParams
-from fovea.engine.async_engine import AsyncLLM, EngineDeadError
-from fovea.engine.sampling_params import RequestOutputKind
+from fovea.frontend.async_llm import AsyncLLM, EngineDeadError
+from fovea.core.sampling_params import RequestOutputKind
 from test_engine_vs_hf import LOREM
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_batched_tokens=128)
@@ -119,7 +119,7 @@ def test_an_engine_that_keeps_dying_is_given_up(tiny_dirs):
     the server to exit (fovea serve then exits non-zero)."""
     import httpx
 
-    from fovea.engine.config import EngineConfig
+    from fovea.config.engine import EngineConfig
     from fovea.server.app import ServerOptions, build_app
 
     engine = AsyncLLM(EngineConfig.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS), max_restarts=0)

@@ -45,7 +45,7 @@ def test_shipped_templates_iterate_over_parts(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory):
-    from fovea.models.tiny_llava import write_llava_checkpoint
+    from fovea.testing.tiny_llava import write_llava_checkpoint
 
     return write_llava_checkpoint(tmp_path_factory.mktemp("llava"), seed=5, chat_template=False)
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fovea.models.tiny import DEMO_DIR_NAME
+from fovea.testing.tiny import DEMO_DIR_NAME
 
 
 def run_fovea(*args, env=None):

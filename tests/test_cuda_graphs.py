@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from conftest import random_image  # noqa: E402
 
 from fovea import LLM, SamplingParams  # noqa: E402
-from fovea.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
+from fovea.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
 
 
 def test_graph_batch_sizes():

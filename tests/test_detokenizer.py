@@ -44,7 +44,7 @@ def test_ids_past_a_small_tokenizer_give_no_text_and_leave_the_stream_intact(tmp
     give no text and do not disturb the characters around them (the server and offline share this path)."""
     import random
 
-    from fovea.models.tiny_llava import write_llava_checkpoint
+    from fovea.testing.tiny_llava import write_llava_checkpoint
 
     small = AutoTokenizer.from_pretrained(str(write_llava_checkpoint(tmp_path / "llava", seed=1)))
     rng = random.Random(0)

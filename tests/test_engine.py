@@ -6,7 +6,7 @@ import pytest
 
 from conftest import our_model, random_image
 from fovea import LLM, SamplingParams
-from fovea.engine.sampling_params import RequestOutputKind
+from fovea.core.sampling_params import RequestOutputKind
 from test_engine_vs_hf import LOREM, SYSTEM, assert_engine_idle
 from test_model_vs_hf import our_logits
 
@@ -137,7 +137,7 @@ def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
 def test_prompt_logprobs_scored_in_blocks_match_the_model(llm, tiny_dirs, monkeypatch):
     """Prompt log-probabilities are scored a few rows at a time (PROMPT_LOGPROB_BLOCK); blocks of 5 rows, with
     spans that do not divide evenly, must give every position's log-probability, rank and top tokens."""
-    import fovea.engine.model_runner as model_runner
+    import fovea.runner.model_runner as model_runner
 
     vocab = llm.engine.config.model.text.vocab_size
     monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_BLOCK", 5 * vocab)
@@ -284,8 +284,8 @@ def test_fp32_softmax_flags_reach_the_attention(tiny_dirs, monkeypatch, flags):
     import torch
     import torch.nn.functional as F
 
-    import fovea.layers.attention as vision_attention
-    import fovea.layers.paged_attention as paged_attention
+    import fovea.attention.layer as vision_attention
+    import fovea.attention.backend as paged_attention
 
     seen = {"lm": set(), "vision": set()}
 
@@ -314,7 +314,7 @@ def test_default_dtype_is_bf16_on_gpus(tiny_dirs, tmp_path):
 
     import torch
 
-    from fovea.engine.config import EngineConfig
+    from fovea.config.engine import EngineConfig
 
     def config_dir(dtype: str):
         target = tmp_path / dtype

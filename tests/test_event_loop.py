@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from fovea.engine.async_engine import AsyncLLM
+from fovea.frontend.async_llm import AsyncLLM
 from fovea.server import app as app_module
 from fovea.server import openai_serving
 from fovea.server.app import ServerOptions, build_app

@@ -11,7 +11,7 @@ import torch
 
 from conftest import hf_inputs, random_image
 from fovea import LLM, SamplingParams
-from fovea.layers.attention import AttentionMetadata
+from fovea.attention.layer import AttentionMetadata
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 from fovea.models.mrope_positions import decode_positions
@@ -24,8 +24,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
-    from fovea.models.tiny import write_tiny_checkpoint
-    from fovea.models.tiny_llava import write_llava_checkpoint
+    from fovea.testing.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny_llava import write_llava_checkpoint
 
     root = tmp_path_factory.mktemp("families")
     return {"llava": write_llava_checkpoint(root / "llava", seed=3),
@@ -172,7 +172,7 @@ def test_engine_greedy_matches_transformers(family_dirs, family):
 def test_llava_encoder_buckets_per_image_count(family_dirs):
     """A fixed-size encoder's buckets count whole images: two images in a four-image bucket (two blank fillers,
     each its own attention segment) give the unpadded embeddings, and the engine's tokens do not change."""
-    from fovea.engine.encoder_buckets import EncoderBuckets, parse_buckets
+    from fovea.runner.encoder_buckets import EncoderBuckets, parse_buckets
 
     model_dir = family_dirs["llava"]
     model, _ = load_model(model_dir, dtype="float32")
@@ -206,8 +206,8 @@ def test_llava_encoder_buckets_per_image_count(family_dirs):
 def test_llava_layouts_and_plan(family_dirs, tmp_path):
     """The llava-hf names and the transformers-5 ones (sharded) load to the same model; `fovea plan` sizes it with
     576 tokens for every image and no video rows."""
-    from fovea.engine.memory_plan import format_plan, plan_memory
-    from fovea.models.tiny_llava import write_llava_checkpoint
+    from fovea.config.memory_plan import format_plan, plan_memory
+    from fovea.testing.tiny_llava import write_llava_checkpoint
 
     published = write_llava_checkpoint(tmp_path / "a", seed=7)
     tf5 = write_llava_checkpoint(tmp_path / "b", seed=7, layout="transformers5", shards=2)

@@ -7,7 +7,7 @@ import threading
 
 from conftest import random_image
 from fovea import LLM, SamplingParams
-from fovea.engine.sampling_params import RequestOutputKind
+from fovea.core.sampling_params import RequestOutputKind
 from test_engine_vs_hf import LOREM, assert_engine_idle
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_batched_tokens=256)

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import jpeg_bytes, random_image
 from fovea import SamplingParams
-from fovea.engine.async_engine import AsyncLLM
-from fovea.engine.sampling_params import RequestOutputKind
+from fovea.frontend.async_llm import AsyncLLM
+from fovea.core.sampling_params import RequestOutputKind
 from fovea.multimodal.image import ImageProcessor
 from fovea.multimodal.image_workers import ImageWorkers, SharedPixels
 
@@ -113,7 +113,7 @@ def test_one_request_may_not_decode_more_than_its_share_of_pixels(tiny_dirs, mon
     """Decoding costs by source pixels, not tokens: a request's images together are bounded before any is
     decoded (FOVEA_MAX_REQUEST_PIXELS), however small max_pixels makes them."""
     import fovea.multimodal.prompt as prompt
-    from fovea.config import ModelConfig
+    from fovea.config.model import ModelConfig
     from fovea.multimodal.fetch import ImageTooLarge
 
     prompts = prompt.PromptProcessor(tiny_dirs["tiny-3b"], ModelConfig.from_dir(tiny_dirs["tiny-3b"]))

@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fovea.kernels.paged_attention import TritonAttention  # noqa: E402
-from fovea.layers.paged_attention import PagedAttentionMetadata, TorchAttention  # noqa: E402
+from fovea.attention.triton_paged import TritonAttention  # noqa: E402
+from fovea.attention.backend import PagedAttentionMetadata, TorchAttention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,7 +90,7 @@ def test_decode_splits_the_context_and_combines_exactly(dtype, tol, programs):
     """Decode-only steps take the split-context kernel: 1 split (written directly), a few, and more splits than a
     short sequence has tiles (empty splits must not count); contexts cross block and tile edges; 7 query heads per
     KV head as in Qwen2.5-VL-7B."""
-    from fovea.kernels.paged_attention import decode_splits
+    from fovea.attention.triton_paged import decode_splits
 
     specs = [(300, 1), (15, 1), (64, 1), (129, 1), (0, 1)]
     q, k, v, cache, meta = ragged_batch(specs, 14, 2, 32, 16, dtype, seed=programs)
@@ -144,8 +144,8 @@ def test_engine_with_triton_backend_generates_the_reference_tokens(tiny_dirs):
 def test_vision_varlen_kernel_matches_reference(dtype, tol):
     """Windows of 64, a ragged edge window, a 4-patch segment and a whole image longer than one tile; q/k/v are
     strided views of one qkv tensor as in the model; the tile table has unused zero-length rows."""
-    from fovea.kernels.varlen_attention import tile_table, varlen_attention_triton
-    from fovea.layers.attention import AttentionMetadata, varlen_attention
+    from fovea.attention.triton_varlen import tile_table, varlen_attention_triton
+    from fovea.attention.layer import AttentionMetadata, varlen_attention
 
     lengths = [64, 64, 36, 4, 140]
     n, heads, head_dim = sum(lengths), 3, 20
@@ -173,7 +173,7 @@ def test_the_reference_builds_no_queries_by_keys_mask(monkeypatch):
     import torch.nn.functional as F
     from torch.nn.attention.bias import CausalBias
 
-    import fovea.layers.paged_attention as reference
+    import fovea.attention.backend as reference
 
     masks = []
 

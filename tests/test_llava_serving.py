@@ -22,7 +22,7 @@ SEED_FLAGS = ["--max-model-len", "4096", "--max-num-seqs", "32", "--max-num-batc
 
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory):
-    from fovea.models.tiny_llava import write_llava_checkpoint
+    from fovea.testing.tiny_llava import write_llava_checkpoint
 
     # no template in the checkpoint, as in older llava-hf uploads: the server needs --chat-template
     return write_llava_checkpoint(tmp_path_factory.mktemp("llava"), seed=5, chat_template=False)
@@ -90,7 +90,7 @@ def test_llava_eval_in_process(tmp_path):
     from fovea.eval.registry import MODELS, ModelEntry
     from fovea.eval.runner import evaluate
     from fovea.eval.tasks import Task
-    from fovea.models.tiny_llava import write_llava_checkpoint
+    from fovea.testing.tiny_llava import write_llava_checkpoint
 
     model_dir = write_llava_checkpoint(tmp_path / "llava", seed=6)  # with its template
     make_image_folder(tmp_path / "data", {"no": 2, "yes": 2})

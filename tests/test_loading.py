@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import hf_inputs, our_model, random_image
-from fovea.config import ModelConfig
+from fovea.config.model import ModelConfig
 from fovea.models.loader import CheckpointMismatchError, load_model, resolve_model_dir
-from fovea.models.tiny import write_tiny_checkpoint
+from fovea.testing.tiny import write_tiny_checkpoint
 from test_model_vs_hf import our_logits
 
 MESSAGES = [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(200, 150, 9)},

@@ -7,12 +7,12 @@ import torch
 
 from conftest import QWEN_SHAPES, published_param_count, published_shape_dir
 from fovea.cli import main
-from fovea.engine.memory_plan import count_parameters, plan_memory
+from fovea.config.memory_plan import count_parameters, plan_memory
 
 
 def test_sizes_match_what_the_engine_loads_and_allocates(tiny_dirs):
     from fovea import LLM
-    from fovea.config import ModelConfig
+    from fovea.config.model import ModelConfig
 
     for name, model_dir in tiny_dirs.items():
         llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=20)
@@ -25,7 +25,7 @@ def test_sizes_match_what_the_engine_loads_and_allocates(tiny_dirs):
 @pytest.mark.parametrize("size", sorted(QWEN_SHAPES))
 def test_published_sizes(tiny_dirs, tmp_path, size):
     model_dir = published_shape_dir(tmp_path / size, tiny_dirs["tiny-3b"], size)
-    from fovea.config import ModelConfig
+    from fovea.config.model import ModelConfig
 
     assert count_parameters(ModelConfig.from_dir(model_dir)) == published_param_count(size)
     hidden, layers, heads, kv_heads, *_ = QWEN_SHAPES[size]
@@ -71,8 +71,8 @@ def test_startup_profile_step_and_kv_budget(tiny_dirs):
     """The profile step encodes the largest image the limits allow (copies up to the encoder budget) and runs
     max_num_batched_tokens through the language model; on a GPU its measured peak sizes the KV cache."""
     from fovea import LLM
-    from fovea.engine.config import EngineConfig
-    from fovea.engine.memory_profile import dummy_step, kv_cache_budget, largest_image_grid
+    from fovea.config.engine import EngineConfig
+    from fovea.runner.memory_profile import dummy_step, kv_cache_budget, largest_image_grid
     from fovea.models.loader import load_model
 
     model_dir = tiny_dirs["tiny-3b"]
@@ -105,8 +105,8 @@ def test_seven_b_shaped_random_checkpoint_config(tmp_path):
     only its config is built here (the weights are 16 GB)."""
     import json
 
-    from fovea.config import ModelConfig
-    from fovea.models.tiny import tiny_config, weight_shapes
+    from fovea.config.model import ModelConfig
+    from fovea.testing.tiny import tiny_config, weight_shapes
 
     flat = tiny_config("qwen2.5-vl-7b", "bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(flat))
@@ -122,8 +122,8 @@ def test_workload_floors_for_the_seven_b_shapes(tmp_path):
     import json
 
     from fovea.bench.floors import Hardware, decode_step_bytes, workload_floor
-    from fovea.config import ModelConfig
-    from fovea.models.tiny import tiny_config
+    from fovea.config.model import ModelConfig
+    from fovea.testing.tiny import tiny_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen2.5-vl-7b", "bfloat16")))
     config = ModelConfig.from_dir(tmp_path)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import hf_inputs, hf_model, image_patches, our_model, random_image
-from fovea.layers.attention import AttentionMetadata
+from fovea.attention.layer import AttentionMetadata
 from fovea.models.mrope_positions import decode_positions
 
 EOS = [151645, 151643]

@@ -13,7 +13,7 @@ import httpx
 
 from conftest import random_image
 from fovea import LLM
-from fovea.engine.async_engine import AsyncLLM
+from fovea.frontend.async_llm import AsyncLLM
 from serving import running_server
 
 COMMON = ("--max-model-len", "256", "--mm-processor-workers", "0")
@@ -82,7 +82,7 @@ def test_killed_tensor_parallel_worker_stops_the_server_with_its_message(tiny_di
     with running_server(model, "--tensor-parallel-size", "2", *COMMON) as (base, proc):
         assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
         engine, = children(proc.pid, "spawn_main")
-        worker, = children(engine, "fovea.engine.tp_workers")
+        worker, = children(engine, "fovea.runner.tp_workers")
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=60) != 0
     assert f"tensor-parallel worker rank 1 stopped (pid {worker}, signal 9)" in proc.output, proc.output[-2000:]

@@ -11,7 +11,7 @@ import torch
 
 from conftest import jpeg_bytes, our_model, random_image
 from fovea.models.mrope_positions import VisionSpan, decode_positions, mrope_positions
-from fovea.models.tiny import SPECIAL_TOKENS
+from fovea.testing.tiny import SPECIAL_TOKENS
 
 IMG, VID = 151655, 151656
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fovea.engine.sampler import SampleRow, Sampler, apply_penalties_and_bias
-from fovea.engine.sampling_params import SamplingParams
+from fovea.runner.sampler import SampleRow, Sampler, apply_penalties_and_bias
+from fovea.core.sampling_params import SamplingParams
 
 DRAWS = 4000
 
@@ -153,7 +153,7 @@ def mixed_rows(vocab: int):
 
 
 def test_candidate_filters_equal_the_whole_vocabulary_filters():
-    from fovea.engine.sampler import MAX_CANDIDATE_TOP_K, filter_candidates, filter_logits
+    from fovea.runner.sampler import MAX_CANDIDATE_TOP_K, filter_candidates, filter_logits
 
     vocab = 5000
     logits, batch = mixed_rows(vocab)
@@ -172,7 +172,7 @@ def test_candidate_filters_equal_the_whole_vocabulary_filters():
 def test_seeded_rows_draw_the_same_token_on_either_path():
     """A seeded row draws a whole vocabulary of noise from its generator on the candidate path too, so its
     tokens are those of the plain whole-vocabulary draw (the path taken may depend on the batch)."""
-    from fovea.engine.sampler import filter_logits
+    from fovea.runner.sampler import filter_logits
 
     vocab = 5000
     logits, batch = mixed_rows(vocab)

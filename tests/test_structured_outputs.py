@@ -234,7 +234,7 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
 
     import fovea.engine.engine as engine_module
     import fovea.engine.structured_outputs as so
-    from fovea.engine.sampling_params import RequestOutputKind
+    from fovea.core.sampling_params import RequestOutputKind
 
     llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=256)
     compiler = llm.engine.inputs.grammars

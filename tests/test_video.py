@@ -12,7 +12,7 @@ import torch
 
 from conftest import hf_model, random_image
 from fovea import LLM, SamplingParams
-from fovea.config import ModelConfig
+from fovea.config.model import ModelConfig
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, smart_resize
 from fovea.multimodal.patchify import patchify
 from fovea.multimodal.prompt import PromptProcessor

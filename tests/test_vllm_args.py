@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from fovea import LLM, SamplingParams
-from fovea.engine.config import EngineConfig
-from fovea.engine.sampling_params import default_sampling_params
-from fovea.engine.vllm_args import parse_max_model_len
+from fovea.config.engine import EngineConfig
+from fovea.core.sampling_params import default_sampling_params
+from fovea.config.vllm_args import parse_max_model_len
 from serving import free_port, running_server
 
 

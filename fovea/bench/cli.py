@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from fovea.engine.vllm_args import max_model_len_arg
+from fovea.config.vllm_args import max_model_len_arg
 from fovea.server.cli import add_fast_path_args, fast_path_args
 
 # vLLM's --backend values for OpenAI-compatible servers, and the endpoint each speaks to

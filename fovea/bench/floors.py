@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fovea.config import ModelConfig
+from fovea.config.model import ModelConfig
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.layers.paged_attention import PagedAttentionMetadata
+from fovea.attention.backend import PagedAttentionMetadata
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
 DECODE_CASES = [(b, c) for b in (1, 16, 64, 256) for c in (1024, 8192, 32768)]
@@ -68,7 +68,7 @@ def paged_decode_inputs(batch: int, context: int, device: str, dtype=torch.bfloa
 
 
 def ours_decode(config=(64, None, None)):
-    from fovea.kernels.paged_attention import TritonAttention
+    from fovea.attention.triton_paged import TritonAttention
 
     block_n, warps, stages = config
     return TritonAttention(group=Q_HEADS // KV_HEADS, decode_block_n=block_n, decode_warps=warps,
@@ -135,7 +135,7 @@ def bench_prefill(quick: bool, rate: float, device: str) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fovea.kernels.paged_attention import TritonAttention
+    from fovea.attention.triton_paged import TritonAttention
 
     length = 128 if quick else 8192
     q, k, v, cache, meta_fn = paged_prefill_inputs(length, device)
@@ -191,8 +191,8 @@ def paged_prefill_inputs(length: int, device: str):
 
 def bench_vision(quick: bool, rate: float, device: str) -> list[dict]:
     """One 1280x720 image's window layer (64-patch windows) and full layer, 16 heads of 80."""
-    from fovea.kernels.varlen_attention import tile_table, varlen_attention_triton
-    from fovea.layers.attention import AttentionMetadata, varlen_attention
+    from fovea.attention.triton_varlen import tile_table, varlen_attention_triton
+    from fovea.attention.layer import AttentionMetadata, varlen_attention
 
     patches, heads, dim = (256, 2, 80) if quick else (4784, 16, 80)
     rows = []

@@ -17,18 +17,18 @@ from typing import Callable
 import torch
 
 from fovea.engine.block_manager import BlockManager
-from fovea.engine.config import EngineConfig
+from fovea.config.engine import EngineConfig
 from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.image_encoder import ImageEncoder
-from fovea.engine.input_processor import InputProcessor
-from fovea.engine.model_runner import ModelRunner, StepOutput
-from fovea.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus)
-from fovea.engine.sampling_params import RequestOutputKind
+from fovea.runner.image_encoder import ImageEncoder
+from fovea.frontend.input_processor import InputProcessor
+from fovea.runner.model_runner import ModelRunner, StepOutput
+from fovea.core.request import (CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus)
+from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
-from fovea.engine.stats import EngineStats, LatencyEvents
+from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.structured_outputs import COMPILE_TIMEOUT_S
-from fovea.engine.tp_workers import WorkerDied, start_workers
+from fovea.runner.tp_workers import WorkerDied, start_workers
 
 logger = logging.getLogger("fovea")
 IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them

@@ -25,8 +25,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from fovea.engine.config import EngineConfig
-from fovea.engine.tp_workers import WorkerDied
+from fovea.config.engine import EngineConfig
+from fovea.runner.tp_workers import WorkerDied
 from fovea.worker_pool import ignore_group_signals  # stops when the front end says so, after in-flight requests
 
 MAX_FAILED_STEPS_IN_A_ROW = 3

@@ -16,9 +16,9 @@ import bisect
 from dataclasses import dataclass, field
 
 from fovea.engine.block_manager import BlockManager, extend_block_hashes
-from fovea.engine.config import EngineConfig
+from fovea.config.engine import EngineConfig
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.request import MMItem, Sequence, SequenceStatus
+from fovea.core.request import MMItem, Sequence, SequenceStatus
 
 
 @dataclass

@@ -8,7 +8,7 @@ import re
 import sys
 from dataclasses import replace
 
-from fovea.engine.vllm_args import max_model_len_arg
+from fovea.config.vllm_args import max_model_len_arg
 
 
 def add_eval_parser(sub) -> None:

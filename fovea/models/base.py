@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fovea.config import ModelConfig
+from fovea.config.model import ModelConfig
 from fovea.layers.basic import ParallelLMHead
 
 

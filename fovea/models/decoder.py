@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fovea.config import TextConfig
-from fovea.layers.attention import Attention, AttentionMetadata
+from fovea.config.model import TextConfig
+from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding, activation
 from fovea.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                  RowParallelLinear)
-from fovea.layers.paged_attention import PagedAttentionMetadata
+from fovea.attention.backend import PagedAttentionMetadata
 from fovea.layers.rotary import apply_rotary, mrope
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fovea.config import ModelConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
+from fovea.config.model import ModelConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
-from fovea.layers.attention import Attention, AttentionMetadata
+from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
 from fovea.models.decoder import DecoderModel, FeedForward
@@ -148,7 +148,7 @@ class ClipVisionTower(nn.Module):
         lengths = [1 + t * h * w for t, h, w in grids]  # each image attends over itself and its class token
         meta = AttentionMetadata.from_lengths(lengths) if lengths else AttentionMetadata.from_lengths([0])
         if self.use_kernel:
-            from fovea.kernels.varlen_attention import tile_table
+            from fovea.attention.triton_varlen import tile_table
 
             meta.tiles = tile_table(lengths, tile_rows)
         return {"meta": meta}

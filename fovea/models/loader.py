@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from fovea.config import ModelConfig, resolve_dtype
+from fovea.config.model import ModelConfig, resolve_dtype
 from fovea.distributed import SINGLE, TPGroup, tensor_parallel
 from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
@@ -31,7 +31,7 @@ def resolve_model_dir(model: str | Path | None, revision: str | None = None, dow
     """None -> the embedded demo model; a local directory; or a hub id: from the local Hugging Face cache (or
     `download_dir`), else downloaded unless HF_HUB_OFFLINE is set."""
     if model is None:
-        from fovea.models.tiny import demo_model_dir
+        from fovea.testing.tiny import demo_model_dir
 
         return demo_model_dir()
     path = Path(model).expanduser()

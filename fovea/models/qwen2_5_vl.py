@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fovea.config import ModelConfig, TextConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
+from fovea.config.model import ModelConfig, TextConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
-from fovea.layers.attention import Attention, AttentionMetadata
+from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.layers.basic import RMSNorm
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.layers.rotary import apply_rotary, vision_rope
@@ -153,7 +153,7 @@ def vision_layout(grids: list[tuple[int, int, int]], merge: int, window: int, ke
     window_lens = torch.cat(window_lens).tolist()
     window_meta, frame_meta = AttentionMetadata.from_lengths(window_lens), AttentionMetadata.from_lengths(frame_lens)
     if kernel:
-        from fovea.kernels.varlen_attention import tile_table
+        from fovea.attention.triton_varlen import tile_table
 
         window_meta.tiles, frame_meta.tiles = tile_table(window_lens, tile_rows), tile_table(frame_lens, tile_rows)
     return {"window_index": torch.cat(window_index), "rope_pos": torch.cat(rope_pos, dim=1),

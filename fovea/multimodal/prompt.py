@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fovea.config import ModelConfig
+from fovea.config.model import ModelConfig
 from fovea.multimodal.chat_format import CONTENT_FORMATS, as_string_content, detect_content_format
 from fovea.models.mrope_positions import VisionSpan, linear_positions, mrope_positions
 from fovea.multimodal.fetch import ImageTooLarge

@@ -25,8 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fovea import __version__
-from fovea.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailed
-from fovea.engine.sampling_params import SamplingParams, sampling_defaults
+from fovea.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailed
+from fovea.core.sampling_params import SamplingParams, sampling_defaults
 from fovea.multimodal.fetch import ImageTooLarge
 from fovea.server import openai_serving as serving
 from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit

@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from fovea.engine.vllm_args import VLLM_ONLY_ARGS, max_model_len_arg
+from fovea.config.vllm_args import VLLM_ONLY_ARGS, max_model_len_arg
 
 
 def _json_arg(text: str) -> dict:
@@ -107,7 +107,7 @@ def add_serve_parser(sub) -> None:
     hub.add_argument("--revision", default=None, help="branch, tag or commit of a hub id")
     hub.add_argument("--download-dir", default=None, help="Hugging Face cache directory for hub ids")
     hub.add_argument("--tokenizer", default=None, help="must be the model's own (a separate one is not supported)")
-    add_vllm_only_args(serve.add_argument_group("vLLM flags kept for launch lines (see fovea/engine/vllm_args.py)"))
+    add_vllm_only_args(serve.add_argument_group("vLLM flags kept for launch lines (see fovea/config/vllm_args.py)"))
     serve.set_defaults(func=run_serve)
 
 
@@ -173,7 +173,7 @@ def bind(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from fovea.engine.async_engine import AsyncLLM
+    from fovea.frontend.async_llm import AsyncLLM
     from fovea.server.app import ServerOptions, build_app
     from fovea.server.media import MediaPolicy
     from fovea.server.tool_calls import PARSERS

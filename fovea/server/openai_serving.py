@@ -13,8 +13,8 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from fovea.engine.async_engine import EngineDeadError
-from fovea.engine.request import CompletionOutput, Logprob, RequestOutput
+from fovea.frontend.async_llm import EngineDeadError
+from fovea.core.request import CompletionOutput, Logprob, RequestOutput
 from fovea.server.protocol import error_body
 from fovea.server.tool_calls import ToolCallStream, ToolUse
 

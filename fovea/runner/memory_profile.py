@@ -16,8 +16,8 @@ import logging
 
 import torch
 
-from fovea.engine.config import EngineConfig
-from fovea.layers.attention import AttentionMetadata
+from fovea.config.engine import EngineConfig
+from fovea.attention.layer import AttentionMetadata
 
 logger = logging.getLogger("fovea")
 GIB = 2**30
@@ -26,7 +26,7 @@ GIB = 2**30
 def largest_image_grid(config: EngineConfig) -> tuple[int, int, int]:
     """(t, h, w) patches of the largest square image, or video frame, the limits allow (the vision tower attends
     within one image or one temporal patch of a video, and a video reaches it in parts of one step's budget)."""
-    from fovea.engine.memory_plan import largest_side
+    from fovea.config.memory_plan import largest_side
 
     image = config.model.image.with_overrides(config.mm_processor_kwargs)
     factor = image.patch_size * image.merge_size

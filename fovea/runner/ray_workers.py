@@ -15,8 +15,8 @@ import threading
 import torch
 
 from fovea.distributed import free_port
-from fovea.engine.config import EngineConfig
-from fovea.engine.tp_workers import TPWorkers, WorkerArgs, run_worker
+from fovea.config.engine import EngineConfig
+from fovea.runner.tp_workers import TPWorkers, WorkerArgs, run_worker
 
 
 class _Rank:

@@ -1,6 +1,6 @@
 """Paged attention in Triton: the engine's attention backend on NVIDIA GPUs.
 
-Kernels over the flat batch described in fovea/layers/paged_attention.py:
+Kernels over the flat batch described in fovea/attention/backend.py:
 - `_store_kv`: one program per new token copies its K and V into the token's cache slot (slot -1 = padding, as in
   a CUDA-graph batch larger than the real one, is skipped).
 - `_attention` (steps with prompt tokens): one program per (tile of query tokens of one sequence, KV head). The
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fovea.layers.paged_attention import AttentionBackend
+from fovea.attention.backend import AttentionBackend
 
 # Triton's interpreter multiplies bf16 tiles as raw integers in tl.dot (triton 3.9): there, dots run in fp32.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -31,12 +31,12 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from fovea.engine.config import EngineConfig
-from fovea.engine.engine_process import EngineProcess
-from fovea.engine.input_processor import InputProcessor
-from fovea.engine.request import Request, RequestOutput
-from fovea.engine.sampling_params import SamplingParams, default_sampling_params
-from fovea.engine.stats import EngineStats, combine
+from fovea.config.engine import EngineConfig
+from fovea.frontend.engine_process import EngineProcess
+from fovea.frontend.input_processor import InputProcessor
+from fovea.core.request import Request, RequestOutput
+from fovea.core.sampling_params import SamplingParams, default_sampling_params
+from fovea.core.stats import EngineStats, combine
 from fovea.multimodal.image_workers import ImageWorkers, default_workers
 from fovea.multimodal.prompt import ChatOptions
 

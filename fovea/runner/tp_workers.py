@@ -4,7 +4,7 @@ Rank 0 starts the workers, hosts the rendezvous and then, every step, sends the 
 each worker runs the same forward pass on its slices of the weights and the KV cache, and the layers' collectives
 join them. A second thread in each worker runs the vision tower when rank 0's image encoder sends it images.
 
-A worker is a plain `python -m fovea.engine.tp_workers` child (the engine process is a daemon and may not have
+A worker is a plain `python -m fovea.runner.tp_workers` child (the engine process is a daemon and may not have
 multiprocessing children): its arguments come pickled on stdin, and stdin closing means rank 0 is gone. A worker
 that stops unexpectedly is fatal to the engine: rank 0 hears of it (`failure`) and the engine stops with that
 message; a worker that cannot go on exits, so that nothing waits forever on it.
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from fovea.distributed import ParallelGroups, free_port, join_groups
-from fovea.engine.config import EngineConfig
+from fovea.config.engine import EngineConfig
 
 logger = logging.getLogger("fovea")
 HANG_EXIT_S = 60.0  # after a worker died, rank 0 still blocked in a collective this long exits the process
@@ -57,7 +57,7 @@ def worker_config(config: EngineConfig, local_rank: int) -> EngineConfig:
 
 def run_worker(args: WorkerArgs) -> None:
     """A rank above 0, until rank 0 says stop (or its stdin / a peer's connection closes)."""
-    from fovea.engine.model_runner import ModelRunner
+    from fovea.runner.model_runner import ModelRunner
 
     torch.set_num_threads(args.num_threads)
     config = worker_config(args.config, args.local_rank)
@@ -161,7 +161,7 @@ class ProcessWorkers(TPWorkers):
         for rank in range(1, config.tensor_parallel_size):
             local_rank = (config.device.index or 0) + rank  # a data-parallel replica starts at its first GPU
             args = WorkerArgs(config, rank, local_rank, address, port, torch.get_num_threads())
-            process = subprocess.Popen([sys.executable, "-m", "fovea.engine.tp_workers"], stdin=subprocess.PIPE)
+            process = subprocess.Popen([sys.executable, "-m", "fovea.runner.tp_workers"], stdin=subprocess.PIPE)
             process.stdin.write(pickle.dumps(args))
             process.stdin.flush()
             self.processes.append(process)
@@ -187,7 +187,7 @@ class ProcessWorkers(TPWorkers):
 def start_workers(config: EngineConfig, on_failure: Callable[[str], None] | None = None):
     """The other ranks, on this machine (mp) or on a Ray cluster (ray)."""
     if config.distributed_executor_backend == "ray":
-        from fovea.engine.ray_workers import RayWorkers
+        from fovea.runner.ray_workers import RayWorkers
 
         return RayWorkers(config, on_failure)
     return ProcessWorkers(config, on_failure)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.models.tiny import random_weights, save_weights
+from fovea.testing.tiny import random_weights, save_weights
 from fovea.multimodal.image import CLIP_MEAN, CLIP_STD
 
 # name -> text (hidden, intermediate, layers, heads, kv heads, vocab) and vision (hidden, intermediate, layers, heads)
@@ -157,7 +157,7 @@ def write_llava_checkpoint(out_dir: str | Path, name: str = "tiny-llava", *, see
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
                                                              "pad_token_id": PAD_TOKEN}, indent=2))
     (out / "README.md").write_text(
-        f"# fovea {name} (RANDOM WEIGHTS)\n\nWritten by `fovea.models.tiny_llava.write_llava_checkpoint` with seed "
+        f"# fovea {name} (RANDOM WEIGHTS)\n\nWritten by `fovea.testing.tiny_llava.write_llava_checkpoint` with seed "
         f"{seed}. Its outputs are meaningless. Vocabulary: a byte-level BPE trained at build time (see the module "
         "docstring), not Llama's.\n")
     return out

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from fovea.engine.request import MMItem
+from fovea.core.request import MMItem
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from multiprocessing.connection import Client, Connection, Listener
 
-from fovea.engine.config import EngineConfig
+from fovea.config.engine import EngineConfig
 from fovea.engine.engine_core import run_engine_core
 
 

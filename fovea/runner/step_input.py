@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.sampler import SampleRow
+from fovea.runner.sampler import SampleRow
 from fovea.engine.scheduler import ScheduledBatch
 
 

@@ -14,9 +14,9 @@ import time
 import weakref
 
 from fovea.engine.block_manager import MMSpan
-from fovea.engine.config import EngineConfig
-from fovea.engine.request import MMItem, Request
-from fovea.engine.sampling_params import SamplingParams
+from fovea.config.engine import EngineConfig
+from fovea.core.request import MMItem, Request
+from fovea.core.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler, warm_up_masks
 from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
 from fovea.multimodal.image import ProcessedImage

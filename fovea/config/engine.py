@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from fovea.config import ModelConfig, resolve_dtype
-from fovea.engine.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
+from fovea.config.model import ModelConfig, resolve_dtype
+from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
 
 # Images and videos a prompt may hold unless limit_mm_per_prompt says otherwise: each may need a full-size decode
@@ -108,7 +108,7 @@ class EngineConfig:
     @classmethod
     def build(cls, model_dir: Path, dtype: str | torch.dtype = "auto", device: str = "auto",
               max_model_len: int | None = None, **options) -> "EngineConfig":
-        from fovea.engine.encoder_buckets import parse_buckets
+        from fovea.runner.encoder_buckets import parse_buckets
 
         model = ModelConfig.from_dir(model_dir)
         if device == "auto":

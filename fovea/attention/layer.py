@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fovea.layers.paged_attention import PagedAttentionMetadata
+from fovea.attention.backend import PagedAttentionMetadata
 
 
 @dataclass
 class AttentionMetadata:
     cu_seqlens: torch.Tensor  # (num_seqs + 1,) int32 offsets into the flat token dimension
     max_seqlen: int
-    tiles: torch.Tensor | None = None  # work table of our Triton kernel (fovea/kernels/varlen_attention.py)
+    tiles: torch.Tensor | None = None  # work table of our Triton kernel (fovea/attention/triton_varlen.py)
     lengths: tuple[int, ...] | None = None  # the same lengths on the host, when known (saves a device read)
 
     @classmethod
@@ -87,7 +87,7 @@ class Attention(nn.Module):
         if isinstance(meta, PagedAttentionMetadata):
             return meta.backend.forward(q, k, v, meta.kv_caches[self.layer_index], meta, self.scale)
         if meta.tiles is not None:
-            from fovea.kernels.varlen_attention import varlen_attention_triton
+            from fovea.attention.triton_varlen import varlen_attention_triton
 
             return varlen_attention_triton(q, k, v, meta.tiles, self.scale, fp32=self.fp32)
         return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=self.causal, scale=self.scale,

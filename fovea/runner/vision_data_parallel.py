@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 
 from fovea.distributed import TPGroup
-from fovea.engine.config import EngineConfig
-from fovea.engine.request import MMItem
+from fovea.config.engine import EngineConfig
+from fovea.core.request import MMItem
 
 
 def share_out(patches: list[int], ranks: int) -> list[list[int]]:

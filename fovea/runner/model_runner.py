@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from fovea.distributed import SINGLE, ParallelGroups
-from fovea.engine.config import EngineConfig
-from fovea.engine.cuda_graphs import DecodeGraphs
-from fovea.engine.encoder_buckets import EncoderBuckets
+from fovea.config.engine import EngineConfig
+from fovea.runner.cuda_graphs import DecodeGraphs
+from fovea.runner.encoder_buckets import EncoderBuckets
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.memory_profile import free_memory_at_start, profile_kv_budget
-from fovea.engine.request import MMItem
-from fovea.engine.sampler import Sampler, SamplerOutput, top_logprobs
+from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget
+from fovea.core.request import MMItem
+from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
 from fovea.engine.structured_outputs import GrammarMasks
 from fovea.engine.scheduler import ScheduledBatch
-from fovea.engine.step_input import StepInput, build_step
-from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata, TorchAttention
+from fovea.runner.step_input import StepInput, build_step
+from fovea.attention.backend import AttentionBackend, PagedAttentionMetadata, TorchAttention
 from fovea.models.loader import load_model
 from fovea.models.base import ModelOptions
 from fovea.multimodal.patchify import patchify
@@ -47,7 +47,7 @@ class StepOutput:
 def make_attention_backend(config: EngineConfig, heads_per_kv_head: int) -> AttentionBackend:
     if config.resolved_attention_backend == "torch":
         return TorchAttention(config.fp32_softmax, config.device)
-    from fovea.kernels.paged_attention import TritonAttention
+    from fovea.attention.triton_paged import TritonAttention
 
     return TritonAttention(group=heads_per_kv_head)
 
@@ -190,7 +190,7 @@ class ModelRunner:
         runs each rank's share of them, and the embeddings are gathered."""
         if self.parallel is None or self.parallel.vision.communicates:
             return self._encode(items)
-        from fovea.engine.vision_data_parallel import encode_data_parallel
+        from fovea.runner.vision_data_parallel import encode_data_parallel
 
         return encode_data_parallel(items, self._encode, self.parallel.vision_data, self.config)
 

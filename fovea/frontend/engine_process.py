@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from fovea.engine.config import EngineConfig
+from fovea.config.engine import EngineConfig
 from fovea.engine.engine_core import run_engine_core
 
 logger = logging.getLogger("fovea")
@@ -28,7 +28,7 @@ class EngineProcess:
         import torch
 
         if config.distributed_executor_backend == "ray":  # an actor, on whichever node has its GPUs
-            from fovea.engine.ray_replicas import RayEngineCore
+            from fovea.frontend.ray_replicas import RayEngineCore
 
             self.process = RayEngineCore(config, torch.get_num_threads())
             self.remote = True

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fovea.engine.sampling_params import SamplingParams
+from fovea.core.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarMasks
 
 CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.config import ModelConfig, resolve_dtype
+from fovea.config.model import ModelConfig, resolve_dtype
 
 IMAGE_SIZES = [(448, 448), (1280, 720), (1920, 1080), (3840, 2160)]  # width x height, as a user would send them
 VIDEO_CLIPS = [(10, 1280, 720), (60, 1280, 720), (600, 1920, 1080)]  # seconds, width, height (30 fps)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from fovea.layers.paged_attention import AttentionBackend, PagedAttentionMetadata
+from fovea.attention.backend import AttentionBackend, PagedAttentionMetadata
 
 logger = logging.getLogger("fovea")
 

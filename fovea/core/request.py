@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fovea.engine.block_manager import MMSpan
-from fovea.engine.sampling_params import SamplingParams
+from fovea.core.sampling_params import SamplingParams
 
 
 @dataclass
