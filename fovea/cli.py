@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fovea.config.vllm_args import max_model_len_arg
+from fovea.config.flags import PLAN_FLAGS, add_engine_flags, engine_kwargs
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -33,12 +33,11 @@ def _plan(args: argparse.Namespace) -> None:
     from fovea.models.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    options = dict(dtype=args.dtype, max_model_len=args.max_model_len,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                   gpu_memory_utilization=args.gpu_memory_utilization, max_pixels=args.max_pixels)
-    plan = plan_memory(model_dir, args.gpu_memory, tensor_parallel_size=args.tensor_parallel_size, **options)
-    print(format_plan(plan, f"{model_dir}: {args.dtype}, {args.gpu_memory:g} GiB x {args.gpu_memory_utilization:g}"
-                            f" per GPU, tensor_parallel_size {args.tensor_parallel_size} (figures per GPU)"))
+    options = {**engine_kwargs(args, PLAN_FLAGS), "max_pixels": args.max_pixels}
+    tensor_parallel_size = options.pop("tensor_parallel_size")
+    plan = plan_memory(model_dir, args.gpu_memory, tensor_parallel_size=tensor_parallel_size, **options)
+    print(format_plan(plan, f"{model_dir}: {plan.dtype}, {args.gpu_memory:g} GiB x {args.gpu_memory_utilization:g}"
+                            f" per GPU, tensor_parallel_size {tensor_parallel_size} (figures per GPU)"))
     smallest = smallest_fitting_size(model_dir, args.gpu_memory, **options)
     print(f"smallest tensor_parallel_size that fits: {smallest}" if smallest else
           "no tensor_parallel_size up to 32 fits these limits")
@@ -70,12 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="what fits on a GPU (weights, activations, KV cache), from config.json alone")
     plan.add_argument("model", help="model directory (config.json is enough) or hub id in the local HF cache")
     plan.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU, e.g. 80")
-    plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    plan.add_argument("--max-model-len", type=max_model_len_arg, default=None)
-    plan.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    plan.add_argument("--max-num-seqs", type=int, default=256)
-    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    add_engine_flags(plan, PLAN_FLAGS)
     plan.add_argument("--max-pixels", type=int, default=None, help="image resize cap (default: the checkpoint's)")
     plan.set_defaults(func=_plan)
 

@@ -41,7 +41,7 @@ def test_tiny_command_and_errors(tmp_path):
 
 
 def test_serve_flags_help_and_errors():
-    from fovea.server.cli import _json_arg
+    from fovea.config.flags import json_arg as _json_arg
 
     assert _json_arg('{"image": 4}') == _json_arg("image=4") == {"image": 4}
     assert _json_arg("image=2, video=0") == {"image": 2, "video": 0}

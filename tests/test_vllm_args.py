@@ -130,7 +130,7 @@ def test_serve_help_shows_every_default():
 
     text = build_parser().subcommands["serve"].format_help().split("options:", 1)[1]  # past the usage lines
     for flag, default in (("--host HOST", "127.0.0.1"), ("--port PORT", "8000"), ("--dtype", "auto"),
-                          ("--max-num-seqs MAX_NUM_SEQS", "256"), ("--max-num-batched-tokens", "2048"),
+                          ("--max-num-seqs MAX_NUM_SEQS", "256"), ("--max-num-batched-tokens", "8192"),
                           ("--gpu-memory-utilization", "0.9"), ("--seed SEED", "0"), ("--api-key", "none"),
                           ("--enable-prefix-caching", "True")):
         entry = text[text.index(flag):]

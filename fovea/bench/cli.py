@@ -11,8 +11,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from fovea.config.vllm_args import max_model_len_arg
-from fovea.server.cli import add_fast_path_args, fast_path_args
+from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs
 
 # vLLM's --backend values for OpenAI-compatible servers, and the endpoint each speaks to
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -68,7 +67,8 @@ def add_bench_parser(sub) -> None:
     throughput.add_argument("--compare", default=None, choices=["hf"], help="also run this backend; print both")
     throughput.add_argument("--endpoint", default="/v1/chat/completions", help=argparse.SUPPRESS)
     add_workload_args(throughput, default_prompts=64, datasets=["random", "random-mm"])
-    add_engine_args(throughput)
+    add_engine_flags(throughput)
+    add_vllm_only_flags(throughput)
     throughput.add_argument("--output-json", default=None)
     throughput.set_defaults(func=run_bench_throughput)
 
@@ -79,7 +79,8 @@ def add_bench_parser(sub) -> None:
     latency.add_argument("--batch-size", type=int, default=8)
     latency.add_argument("--num-iters", type=int, default=30)
     latency.add_argument("--num-iters-warmup", type=int, default=10)
-    add_engine_args(latency)
+    add_engine_flags(latency)
+    add_vllm_only_flags(latency)
     latency.add_argument("--output-json", default=None)
     latency.set_defaults(func=run_bench_latency)
 
@@ -111,24 +112,7 @@ def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "
     data.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
                       help="{(height, width, frames): weight}; frames > 1 is a video (MP4 at 30 fps)")
     data.add_argument("--sharegpt-output-len", type=int, default=None)
-    data.add_argument("--seed", type=int, default=0)
-
-
-def add_engine_args(parser) -> None:
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    engine.add_argument("--max-model-len", type=max_model_len_arg, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    engine.add_argument("--mm-processor-kwargs", type=json.loads, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=None, help="the engine's share (0.9)")
-    add_fast_path_args(engine)
-
-
-def engine_args(args) -> dict:
-    return {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "mm_processor_kwargs": args.mm_processor_kwargs,
-            "gpu_memory_utilization": args.gpu_memory_utilization, **fast_path_args(args)}
+    data.add_argument("--seed", type=int, default=0, help="seeds the workload and, offline, the engine (default: 0)")
 
 
 def write_json(path: str | None, result: dict) -> None:
@@ -153,7 +137,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict:
     model = str(resolve_model_dir(args.model))
     requests = build_requests(args, AutoTokenizer.from_pretrained(model))
     backends = [args.backend] + ([args.compare] if args.compare and args.compare != args.backend else [])
-    runs = {name: throughput(model, requests, name, engine_args(args)) for name in backends}
+    runs = {name: throughput(model, requests, name, engine_kwargs(args)) for name in backends}
     for name, run in runs.items():
         print(f"{name:<6} Throughput: {run['requests_per_second']:.2f} requests/s, {run['tokens_per_second']:.2f} "
               f"total tokens/s, {run['output_tokens_per_second']:.2f} output tokens/s")
@@ -174,7 +158,7 @@ def run_bench_latency(args: argparse.Namespace) -> dict:
     from fovea.models.loader import resolve_model_dir
 
     result = latency(str(resolve_model_dir(args.model)), args.input_len, args.output_len, args.batch_size,
-                     args.num_iters, args.num_iters_warmup, engine_args(args))
+                     args.num_iters, args.num_iters_warmup, engine_kwargs(args))
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
     for p, value in result["percentiles"].items():
         print(f"{p}% percentile latency: {value:.4f} seconds")

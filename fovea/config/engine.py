@@ -1,59 +1,56 @@
-"""Engine settings, resolved once from the user's arguments and the checkpoint, then passed down."""
+"""Engine settings, resolved once from the user's arguments and the checkpoint, then passed down. Frozen: what is
+derived (the model's own max_model_len, the encoder cache size, the KV cache's limit) makes a new config with
+`dataclasses.replace`, never an edit of one that others hold. Defaults: the flag table (fovea/config/flags.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-from fovea.config.model import ModelConfig, resolve_dtype
+from fovea.config.flags import default
+from fovea.config.model import ModelConfig, serving_dtype
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
 
-# Images and videos a prompt may hold unless limit_mm_per_prompt says otherwise: each may need a full-size decode
-# (up to 8192x8192; a video file up to 256 MiB) in the front end, so an unbounded count is a CPU and memory lever
-# for a single request.
-DEFAULT_MM_PER_PROMPT = {"image": 16, "video": 2}
-
-
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
+    # the help of every setting with a flag is in the flag table
     model_dir: Path
     model: ModelConfig
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_num_encoder_input_tokens: int | None = None  # image tokens handed to the encoder per step; None: as above
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    max_num_seqs: int = default("max_num_seqs")
+    max_num_batched_tokens: int = default("max_num_batched_tokens")
+    max_num_encoder_input_tokens: int | None = default("max_num_encoder_input_tokens")
+    block_size: int = default("block_size")
+    enable_prefix_caching: bool = default("enable_prefix_caching")
     encoder_cache_size: int = 0  # embedding rows; 0 = the largest image plus one step's budget
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MM_PER_PROMPT))
-    mm_processor_kwargs: dict | None = None
-    mm_processor_workers: int | None = None  # server image-decoding processes; None: sized to the machine
-    seed: int = 0
-    enforce_eager: bool = False
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: default("limit_mm_per_prompt"))
+    mm_processor_kwargs: dict | None = default("mm_processor_kwargs")
+    mm_processor_workers: int | None = default("mm_processor_workers")
+    seed: int = default("seed")
+    enforce_eager: bool = default("enforce_eager")
     max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it
-    attention_backend: str = "auto"  # auto, torch (the PyTorch reference) or triton (our kernels)
-    fp32_softmax: bool = False  # language-model attention scores and softmax in fp32 (Triton kernels always are)
-    fp32_softmax_vision: bool = False  # the same for the vision tower
+    attention_backend: str = default("attention_backend")
+    fp32_softmax: bool = default("fp32_softmax")
+    fp32_softmax_vision: bool = default("fp32_softmax_vision")
     mm_buckets: list[int] = field(default_factory=list)  # vision encoder patch counts (--mm-buckets)
-    skip_warmup: bool = False  # capture encoder buckets on first use instead of at start-up
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None  # overrides the gpu_memory_utilization sizing
-    num_gpu_blocks_override: int | None = None
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # engine replicas behind one server (each tensor_parallel_size GPUs)
-    mm_encoder_tp_mode: str = "weights"  # weights: the vision tower split like the LM; data: whole on every rank
-    # mp: worker processes on this machine; ray: actors on a Ray cluster; None: mp when tensor_parallel_size > 1.
-    # Named with one rank, the engine still takes the distributed path (a group of one: its cost can be measured).
-    distributed_executor_backend: str | None = None
-    # auto: the checkpoint's generation_config.json gives requests their sampling defaults; vllm: none; or a
-    # directory holding another generation_config.json (vLLM's --generation-config)
-    generation_config: str = "auto"
-    max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for
+    skip_warmup: bool = default("skip_warmup")
+    gpu_memory_utilization: float = default("gpu_memory_utilization")
+    kv_cache_memory_bytes: int | None = default("kv_cache_memory_bytes")
+    num_gpu_blocks_override: int | None = default("num_gpu_blocks_override")
+    tensor_parallel_size: int = default("tensor_parallel_size")
+    data_parallel_size: int = default("data_parallel_size")
+    mm_encoder_tp_mode: str = default("mm_encoder_tp_mode")
+    # None: mp when tensor_parallel_size > 1. Named with one rank, the engine still takes the distributed path (a
+    # group of one: its cost can be measured).
+    distributed_executor_backend: str | None = default("distributed_executor_backend")
+    generation_config: str = default("generation_config")
+    max_logprobs: int = default("max_logprobs")
 
     @property
     def distributed(self) -> bool:
@@ -102,31 +99,28 @@ class EngineConfig:
             raise ValueError(f"tokenizer={tokenizer!r}: a tokenizer other than the model's own is not supported yet")
         args = {k: v for k, v in args.items() if v is not None}
         args["max_model_len"] = parse_max_model_len(args.get("max_model_len"))
-        args["limit_mm_per_prompt"] = {**DEFAULT_MM_PER_PROMPT, **(args.get("limit_mm_per_prompt") or {})}
+        # a kind left out keeps its bound: each image or video may need a full-size decode in the front end
+        args["limit_mm_per_prompt"] = {**default("limit_mm_per_prompt"), **(args.get("limit_mm_per_prompt") or {})}
         return cls.build(model_dir, **args)
 
     @classmethod
-    def build(cls, model_dir: Path, dtype: str | torch.dtype = "auto", device: str = "auto",
-              max_model_len: int | None = None, **options) -> "EngineConfig":
+    def build(cls, model_dir: Path, dtype: str | torch.dtype = default("dtype"), device: str = "auto",
+              max_model_len: int | None = default("max_model_len"), **options) -> "EngineConfig":
         from fovea.runner.encoder_buckets import parse_buckets
 
         model = ModelConfig.from_dir(model_dir)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        torch_dtype = model.torch_dtype if dtype == "auto" else resolve_dtype(dtype)
-        if dtype == "auto" and torch.device(device).type == "cuda" and torch_dtype == torch.float32:
-            torch_dtype = torch.bfloat16  # an fp32 checkpoint serves in bf16 on a GPU, as published ones are
-        if torch.device(device).type == "cpu" and torch_dtype == torch.float16:
-            torch_dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
+        torch_dtype = serving_dtype(model.torch_dtype, dtype, torch.device(device).type)
         limit = model.text.max_position_embeddings
         max_model_len_from_model = max_model_len is None
         if max_model_len_from_model:
             max_model_len = limit
         elif max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+        options["mm_buckets"] = parse_buckets(options.get("mm_buckets"), model.image.encoder_unit)
         config = cls(model_dir=Path(model_dir), model=model, dtype=torch_dtype, device=torch.device(device),
                      max_model_len=max_model_len, max_model_len_from_model=max_model_len_from_model, **options)
-        config.mm_buckets = parse_buckets(config.mm_buckets, model.image.encoder_unit)
         if config.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
         if config.generation_config not in ("auto", "vllm") and not Path(config.generation_config).is_dir():
@@ -138,7 +132,7 @@ class EngineConfig:
         if not config.encoder_cache_size:  # a video's parts are at most one step's budget or one temporal patch
             vision = config.model.vision
             max_item_tokens = int(config.largest_frame_pixels) // (vision.patch_size * vision.spatial_merge_size) ** 2
-            config.encoder_cache_size = max_item_tokens + config.encoder_budget
+            config = dataclasses.replace(config, encoder_cache_size=max_item_tokens + config.encoder_budget)
         return config
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.config.model import ModelConfig, resolve_dtype
+from fovea.config.flags import default
+from fovea.config.model import ModelConfig, serving_dtype
 
 IMAGE_SIZES = [(448, 448), (1280, 720), (1920, 1080), (3840, 2160)]  # width x height, as a user would send them
 VIDEO_CLIPS = [(10, 1280, 720), (60, 1280, 720), (600, 1920, 1080)]  # seconds, width, height (30 fps)
@@ -32,6 +33,7 @@ class MemoryPlan:
     videos: list[tuple[str, int, int, int]]  # what, frames kept, tokens, vision-tower activation bytes per step
     kv_tokens: int
     max_model_len: int
+    dtype: str  # the dtype the engine would serve in on a GPU
 
     @property
     def max_concurrency(self) -> float:
@@ -46,14 +48,18 @@ def count_parameters(config: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_model_len: int | None = None,
-                max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9,
-                tensor_parallel_size: int = 1, max_pixels: int | None = None) -> MemoryPlan:
+def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = default("dtype"),
+                max_model_len: int | None = default("max_model_len"),
+                max_num_batched_tokens: int = default("max_num_batched_tokens"),
+                max_num_seqs: int = default("max_num_seqs"),
+                gpu_memory_utilization: float = default("gpu_memory_utilization"),
+                tensor_parallel_size: int = default("tensor_parallel_size"), max_pixels: int | None = None) -> MemoryPlan:
     from fovea.multimodal.video import VideoOptions, frame_indices, frame_max_pixels, frame_size
 
     config = ModelConfig.from_dir(model_dir)
     text, vision = config.text, config.vision
-    size = resolve_dtype(dtype).itemsize
+    served = serving_dtype(config.torch_dtype, dtype, "cuda")
+    size = served.itemsize
     weights = count_parameters(config) * size // tensor_parallel_size
     # KV heads split over the ranks, or replicated (one per rank) when there are fewer heads than ranks
     kv_heads = max(1, text.num_kv_heads // tensor_parallel_size)
@@ -90,7 +96,8 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = "bfloat16", max_m
     peak = max(lm, max(a for *_, a in images + videos))
     budget = gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak
     max_model_len = max_model_len or text.max_position_embeddings
-    return MemoryPlan(weights, kv_per_token, lm, images, videos, max(0, int(budget // kv_per_token)), max_model_len)
+    return MemoryPlan(weights, kv_per_token, lm, images, videos, max(0, int(budget // kv_per_token)), max_model_len,
+                      str(served).removeprefix("torch."))
 
 
 def smallest_fitting_size(model_dir, gpu_memory_gib: float, **options) -> int | None:

@@ -152,3 +152,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         return _DTYPES[str(name).removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of auto, bfloat16, float16, float32") from None
+
+
+def serving_dtype(checkpoint: torch.dtype, requested: str | torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype weights and activations run in: `requested`, or for auto the checkpoint's; an fp32 checkpoint
+    serves in bf16 on a GPU (as published ones are), and fp16 runs as fp32 on the CPU (slow or missing there)."""
+    dtype = checkpoint if requested == "auto" else resolve_dtype(requested)
+    if requested == "auto" and device_type == "cuda" and dtype == torch.float32:
+        return torch.bfloat16
+    if device_type == "cpu" and dtype == torch.float16:
+        return torch.float32
+    return dtype

@@ -8,6 +8,7 @@ A step that raises fails only the requests it ran (StepFailed names them); the e
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import logging
@@ -57,6 +58,7 @@ class LLMEngine:
                 raise WorkerDied(self.workers.failure) from error
             raise
         self._check_kv_capacity(self.runner.num_blocks * config.block_size)
+        config = self.config  # with max_model_len lowered to what the KV cache holds, when it was the model's
         self.inputs = InputProcessor(config)
         self.tokenizer = self.inputs.tokenizer
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -86,7 +88,8 @@ class LLMEngine:
                     "GPU with more memory.")
             logger.info("max_model_len lowered from the model's %d to the %d tokens the KV cache holds",
                         config.max_model_len, capacity)
-            config.max_model_len = capacity  # a sequence longer than the whole cache could never run
+            # a sequence longer than the whole cache could never run
+            self.config = config = dataclasses.replace(config, max_model_len=capacity)
         logger.info("KV cache: %d tokens, max concurrency %.2fx for max_model_len %d", capacity,
                     capacity / config.max_model_len, config.max_model_len)
 

@@ -8,7 +8,7 @@ import re
 import sys
 from dataclasses import replace
 
-from fovea.config.vllm_args import max_model_len_arg
+from fovea.config.flags import EVAL_FLAGS, add_engine_flags, engine_kwargs
 
 
 def add_eval_parser(sub) -> None:
@@ -32,10 +32,8 @@ def add_eval_parser(sub) -> None:
     asking.add_argument("--system-prompt")
     asking.add_argument("--structured-answer", action="store_true", default=None,
                         help="generate the answer under a JSON schema of the task's options (structured outputs)")
-    engine = parser.add_argument_group("engine (in-process and Ray; override the registry entry)")
-    engine.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
-    engine.add_argument("--max-model-len", type=max_model_len_arg)
-    engine.add_argument("--max-num-seqs", type=int)
+    engine = add_engine_flags(parser, EVAL_FLAGS, given_only=True,
+                              title="engine (in-process and Ray; laid over the registry entry where given)")
     engine.add_argument("--max-pixels", type=int, help="resize images to at most this many pixels")
     server = parser.add_argument_group("server backend")
     server.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://localhost:8000")
@@ -73,7 +71,7 @@ def run_eval(args: argparse.Namespace) -> None:
     task.validate()
     entry = find_model(args.model)
     entry = replace(entry, **_given(args, "max_tokens", "temperature", "system_prompt", "max_pixels"))
-    overrides = _given(args, "dtype", "max_model_len", "max_num_seqs")
+    overrides = {name: value for name, value in engine_kwargs(args, EVAL_FLAGS).items() if value is not None}
     backend = _backend(args, entry, overrides)
     output_dir = args.output_dir or f"eval-results/{_safe(task.name)}/{_safe(entry.name)}"
     try:

@@ -1,0 +1,148 @@
+"""Every engine setting in one table: name, default, help, type. `EngineConfig` takes its defaults from it, and
+`fovea serve`, `fovea bench throughput|latency`, `fovea plan` and `fovea eval` their flags, so `LLM(**kwargs)` and
+every command use (and `--help` shows) the same default: vLLM's, where vLLM has the setting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fovea.config.vllm_args import VLLM_ONLY_ARGS, max_model_len_arg
+
+
+def json_arg(text: str) -> dict:
+    """A JSON object, or vLLM's older key=value[,key=value] form with integer values (image=4)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        pairs = [item.partition("=") for item in text.split(",")]
+        if not all(sep and number.strip().isdigit() for _, sep, number in pairs):
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc}) nor key=value pairs") from None
+        return {key.strip(): int(number) for key, _, number in pairs}
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # the EngineConfig field, LLM keyword and (dashed) flag
+    default: Any
+    help: str
+    group: str = "engine"
+    type: Callable | None = None  # None: the default's type (a switch for booleans)
+    choices: tuple | None = None
+    short: str | None = None
+
+
+FLAGS = (
+    Flag("dtype", "auto", "weights and activations; auto: the checkpoint's (bf16 for fp32 ones on a GPU)",
+         choices=("auto", "bfloat16", "float16", "float32", "half", "float")),
+    Flag("max_model_len", None, "tokens per sequence: 32768, 32k (32000), 32K (32768), or auto (the model's own, "
+         "shortened to what the KV cache holds)", type=max_model_len_arg),
+    Flag("max_num_seqs", 256, "sequences running at once"),
+    Flag("max_num_batched_tokens", 8192, "tokens per engine step (prompts are chunked to fit)"),
+    Flag("max_num_encoder_input_tokens", None, "image tokens handed to the vision encoder per step (default: "
+         "max-num-batched-tokens)", type=int),
+    Flag("block_size", 16, "tokens per KV-cache block"),
+    Flag("gpu_memory_utilization", 0.9, "this engine's share of the GPU's memory (weights, activations, KV cache)"),
+    Flag("kv_cache_memory_bytes", None, "KV-cache bytes per GPU, instead of sizing it by gpu-memory-utilization", type=int),
+    Flag("num_gpu_blocks_override", None, "KV-cache blocks, instead of the memory profile's count", type=int),
+    Flag("enable_prefix_caching", True, "reuse the KV cache of prompt prefixes (images included) seen before",
+         type=argparse.BooleanOptionalAction),
+    Flag("seed", 0, "seed of requests that set none"),
+    Flag("generation_config", "auto", "auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; "
+         "or a directory holding one"),
+    Flag("max_logprobs", 20, "most logprobs a request may ask for"),
+    Flag("attention_backend", "auto", "auto: our Triton kernels on CUDA, the PyTorch reference elsewhere",
+         choices=("auto", "torch", "triton")),
+    Flag("enforce_eager", False, "no CUDA graphs"),
+    Flag("mm_buckets", None, "vision encoder patch-count buckets, e.g. 1024,4096,16384", type=str),
+    Flag("skip_warmup", False, "capture encoder buckets on first use"),
+    Flag("fp32_softmax", False, "language-model attention softmax in fp32"),
+    Flag("fp32_softmax_vision", False, "vision-tower attention softmax in fp32"),
+    # bounded by default: each image or video may need a full-size decode (up to 8192x8192; a video file up to
+    # 256 MiB) in the front end, so an unbounded count is a CPU and memory lever for a single request
+    Flag("limit_mm_per_prompt", {"image": 16, "video": 2}, 'images and videos a prompt may hold, e.g. {"image": 4}',
+         "images", json_arg),
+    Flag("mm_processor_kwargs", None, 'e.g. {"min_pixels": 3136, "max_pixels": 1003520}', "images", json_arg),
+    Flag("mm_processor_workers", None, "processes that decode and resize images (default: one per core, at most 8; 0: "
+         "in the front end's threads)", "images", int),
+    Flag("tensor_parallel_size", 1, "GPUs (ranks) per engine", "parallelism", short="-tp"),
+    Flag("data_parallel_size", 1, "engine replicas behind a server, each tensor-parallel-size GPUs", "parallelism",
+         short="-dp"),
+    Flag("mm_encoder_tp_mode", "weights", "vision tower split over the ranks (weights) or whole on each, images shared out "
+         "(data)", "parallelism", choices=("weights", "data")),
+    Flag("distributed_executor_backend", None, "ranks and replicas as local processes (mp, default) or actors on a "
+         "running Ray cluster", "parallelism", str, choices=("mp", "ray")),
+    Flag("revision", None, "branch, tag or commit of a hub id", "hub", str),
+    Flag("download_dir", None, "Hugging Face cache directory for hub ids", "hub", str),
+    Flag("tokenizer", None, "must be the model's own (a separate one is not supported)", "hub", str),
+)
+BY_NAME = {flag.name: flag for flag in FLAGS}
+# what `fovea plan` can take into account, from config.json alone
+PLAN_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+              "tensor_parallel_size")
+EVAL_FLAGS = ("dtype", "max_model_len", "max_num_seqs")  # laid over a registry entry's engine settings
+
+
+def default(name: str) -> Any:
+    """The one default of an engine setting (a fresh copy: some are dicts)."""
+    value = BY_NAME[name].default
+    return dict(value) if isinstance(value, dict) else value
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, names=None, given_only: bool = False, title: str | None = None):
+    """`names` (default: all) as flags, in groups (all in one group named `title` when given; returned then).
+    `given_only`: the parser's default is None, so that a caller can tell what the user gave (fovea eval lays
+    the flags over its registry entry); the help still shows the engine's default."""
+    groups: dict[str, Any] = {}
+    for flag in FLAGS if names is None else [BY_NAME[name] for name in names]:
+        if "--" + flag.name.replace("_", "-") in parser._option_string_actions:
+            continue  # the command has it already (bench's --seed, which as in vLLM seeds the engine too)
+        key = title or flag.group
+        group = groups.get(key) or groups.setdefault(key, parser.add_argument_group(key))
+        value = default(flag.name)
+        dashed = ["--" + flag.name.replace("_", "-")] + ([flag.short] if flag.short else [])
+        shown = "none" if value is None else json.dumps(value) if isinstance(value, dict) else value
+        help_text = flag.help if "(default" in flag.help else f"{flag.help} (default: {shown})"
+        options: dict[str, Any] = {"default": None if given_only else value, "help": help_text}
+        if flag.type is argparse.BooleanOptionalAction or (flag.type is None and isinstance(value, bool)):
+            options["action"] = argparse.BooleanOptionalAction if flag.type else "store_true"
+        else:
+            options["type"] = flag.type or type(value)
+            if flag.choices:
+                options["choices"] = list(flag.choices)
+        group.add_argument(*dashed, **options)
+    return groups.get(title) if title else None
+
+
+def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
+    """Accepted so that vLLM launch lines run: they change nothing here, or fail naming what is not implemented
+    (fovea/config/vllm_args.py)."""
+    group = parser.add_argument_group("vLLM flags kept for launch lines (see fovea/config/vllm_args.py)")
+    only = "only this value; others fail naming what is missing"
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=only)
+    group.add_argument("--kv-cache-dtype", default="auto", help=only)
+    group.add_argument("--load-format", default="auto", help="auto or safetensors")
+    group.add_argument("--quantization", "-q", default=None, help="none yet: any value fails naming what is missing")
+    group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
+    group.add_argument("--mm-processor-cache-gb", type=float, default=None, help="0 only (no such cache yet)")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="accepted and logged: long prompts are always chunked")
+    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-frontend-multiprocessing",
+                 "--disable-custom-all-reduce", "--disable-mm-preprocessor-cache"):
+        group.add_argument(flag, action="store_true", default=None,  # None: not given, nothing to log
+                           help="accepted and logged: changes nothing here")
+
+
+def engine_kwargs(args: argparse.Namespace, names=None) -> dict:
+    """The engine keywords an `add_engine_flags` parser read (only those the user gave, for a given_only one)."""
+    chosen = [flag.name for flag in FLAGS] if names is None else list(names)
+    chosen += [name for name in VLLM_ONLY_ARGS if hasattr(args, name)]  # the ones add_vllm_only_flags declared
+    values = {name: getattr(args, name) for name in chosen if hasattr(args, name)}
+    if "dtype" in values and values["dtype"] is not None:
+        values["dtype"] = {"half": "float16", "float": "float32"}.get(values["dtype"], values["dtype"])
+    return values
