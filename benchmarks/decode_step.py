@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from fovea.attention.backend import PagedAttentionMetadata
 from fovea.bench.floors import decode_step_bytes, lm_matmul_params
 from fovea.config.model import ModelConfig
-from fovea.attention.backend import PagedAttentionMetadata
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 

@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fovea.engine import sampler as current  # noqa: E402
 from fovea.core.sampling_params import SamplingParams  # noqa: E402
+from fovea.engine import sampler as current  # noqa: E402
 
 VOCAB = 151936
 CASES = {

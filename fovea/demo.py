@@ -18,8 +18,8 @@ def demo_image(width: int = 448, height: int = 336) -> Image.Image:
 
 def run_demo(model: str | None, image: str | None, prompt: str, max_tokens: int, dtype: str) -> None:
     from fovea.config.engine import EngineConfig
-    from fovea.engine.engine import LLMEngine
     from fovea.core.sampling_params import RequestOutputKind, SamplingParams
+    from fovea.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_args(model, dtype=dtype, max_model_len=4096))
     picture = ({"type": "image_pil", "image_pil": demo_image()} if image is None

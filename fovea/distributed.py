@@ -19,8 +19,8 @@ import contextlib
 import datetime
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist

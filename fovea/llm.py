@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from fovea.config.engine import EngineConfig
-from fovea.engine.engine import LLMEngine
 from fovea.core.request import RequestOutput
 from fovea.core.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
+from fovea.engine.engine import LLMEngine
 from fovea.multimodal.prompt import ChatOptions
 
 
@@ -29,7 +29,7 @@ class LLM:
         """Stops the engine's threads and tensor-parallel workers (which also stop when this process exits)."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -26,8 +26,9 @@ def small_gpu_share():
     if not torch.cuda.is_available():
         yield
         return
-    from fovea.config.engine import EngineConfig
     from serving import GPU_SHARE
+
+    from fovea.config.engine import EngineConfig
 
     build = EngineConfig.build.__func__
     patch = pytest.MonkeyPatch()

@@ -15,7 +15,6 @@ import time
 import httpx
 import torch
 
-
 # On a GPU, the test process's engines and the servers it starts share one card: each takes a small share of it
 # (a later --gpu-memory-utilization in a test's own flags wins). Tiny models need little.
 GPU_SHARE = 0.06

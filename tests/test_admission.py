@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
+from conftest import our_model, random_image
 from PIL import Image
 
-from conftest import our_model, random_image
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, smart_resize
 from fovea.multimodal.prompt import COUNT_CHUNK_CHARS
 

@@ -6,12 +6,12 @@ import asyncio
 import time
 
 import pytest
-
 from conftest import random_image
-from fovea import LLM, SamplingParams
-from fovea.frontend.async_llm import AsyncLLM, EngineDeadError
-from fovea.core.sampling_params import RequestOutputKind
 from test_engine_vs_hf import LOREM
+
+from fovea import LLM, SamplingParams
+from fovea.core.sampling_params import RequestOutputKind
+from fovea.frontend.async_llm import AsyncLLM, EngineDeadError
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_batched_tokens=128)
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

@@ -7,12 +7,12 @@ import json
 
 import numpy as np
 import pytest
+from serving import running_server
 
 from fovea.bench.datasets import parse_bucket_config, random_mm_requests, random_requests
 from fovea.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
 from fovea.cli import build_parser
 from fovea.multimodal import video_decode
-from serving import running_server
 
 FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
           "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
@@ -271,8 +271,9 @@ def test_vllm_backend_names_and_sampling_flags():
 def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, tmp_path, monkeypatch):
     """No server, a refused key, or every request failing: a non-zero exit naming why, and no result file. The
     client reads OPENAI_API_KEY (vLLM's bench does), the server VLLM_API_KEY."""
-    from fovea.cli import main
     from serving import free_port
+
+    from fovea.cli import main
 
     model = str(tiny_dirs["tiny-3b"])
     common = ["bench", "serve", "--tokenizer", model, "--dataset-name", "random", "--num-prompts", "2",

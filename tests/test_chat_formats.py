@@ -10,11 +10,11 @@ import sys
 
 import httpx
 import pytest
-
 from conftest import random_image
+from serving import running_server
+
 from fovea import LLM, SamplingParams
 from fovea.multimodal.chat_format import detect_content_format
-from serving import running_server
 
 # vLLM's examples/template_llava.jinja style: content added to strings (written here, not copied)
 STRING_LLAVA = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"

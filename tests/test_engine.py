@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import our_model, random_image
-from fovea import LLM, SamplingParams
-from fovea.core.sampling_params import RequestOutputKind
 from test_engine_vs_hf import LOREM, SYSTEM, assert_engine_idle
 from test_model_vs_hf import our_logits
+
+from fovea import LLM, SamplingParams
+from fovea.core.sampling_params import RequestOutputKind
 
 PROMPTS = ["The cat sat on the", LOREM, "Numbers: 1 2 3 4", LOREM * 4 + "And so", "Hi", "Colours of the sea"]
 
@@ -284,8 +284,8 @@ def test_fp32_softmax_flags_reach_the_attention(tiny_dirs, monkeypatch, flags):
     import torch
     import torch.nn.functional as F
 
-    import fovea.attention.layer as vision_attention
     import fovea.attention.backend as paged_attention
+    import fovea.attention.layer as vision_attention
 
     seen = {"lm": set(), "vision": set()}
 

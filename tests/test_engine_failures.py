@@ -7,12 +7,12 @@ import multiprocessing
 import threading
 
 import pytest
-
 from conftest import random_image
-from fovea import LLM, SamplingParams
-from fovea.engine.engine import StepFailed
-from fovea.core.sampling_params import RequestOutputKind
 from test_engine_vs_hf import LOREM, assert_engine_idle
+
+from fovea import LLM, SamplingParams
+from fovea.core.sampling_params import RequestOutputKind
+from fovea.engine.engine import StepFailed
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_batched_tokens=512)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)

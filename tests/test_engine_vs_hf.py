@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_inputs, hf_model, random_image
+
 from fovea import LLM, SamplingParams
 from fovea.engine.engine import LLMEngine
 

@@ -118,7 +118,6 @@ def test_smallest_task_file_and_balanced_sampling(tmp_path):
 def test_table_datasets_bytes_images_and_data_override(tmp_path, monkeypatch):
     import pyarrow
     import pyarrow.parquet
-
     from conftest import random_image
 
     from fovea.eval.tasks import Task
@@ -208,6 +207,7 @@ def test_model_registry_yaml_decorator_and_defaults(tmp_path, monkeypatch):
 
 def test_builtin_qwen_entries_fit_their_gpus():
     from conftest import QWEN_SHAPES, published_param_count
+
     from fovea.eval.registry import MODELS
 
     for size in QWEN_SHAPES:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import random_image
+from serving import running_server
+
 from fovea.cli import main
 from fovea.eval.answers import extract_answer
-from serving import running_server
 
 SAME_FIELDS = ("run", "id", "target", "output", "answer", "prompt_tokens", "output_tokens")
 ENGINE = ["--dtype", "float32", "--max-model-len", "1024"]
@@ -92,9 +92,10 @@ def test_shipped_patch_camelyon_task_on_a_parquet_copy(tiny_dirs, tmp_path, caps
 
 
 def test_eval_command_errors_name_the_problem(tiny_dirs, task_file):
+    from serving import free_port
+
     from fovea.eval.backends import OpenAIBackend
     from fovea.eval.registry import ModelEntry
-    from serving import free_port
 
     with pytest.raises(ValueError, match="cannot reach the server at http://127.0.0.1:"):
         OpenAIBackend(f"http://127.0.0.1:{free_port()}/v1", ModelEntry("m", "m"))
@@ -149,8 +150,8 @@ def test_structured_answer_leaves_only_failed_requests_missing(tiny_dirs, task_f
 def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, capsys):
     """A jsonl dataset mixing video rows (files next to it), an image row and a video that does not decode."""
     import numpy as np
-
     from conftest import video_file
+
     from fovea.multimodal.video import VideoOptions, frame_size
 
     data = tmp_path / "data"

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import hf_inputs, random_image
+
 from fovea import LLM, SamplingParams
 from fovea.attention.layer import AttentionMetadata
 from fovea.models.base import ModelOptions

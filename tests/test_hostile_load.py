@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import jpeg_bytes, random_image
 from serving import drip_host, metric, running_server
 

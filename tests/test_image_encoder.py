@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 
 from conftest import random_image
+from test_engine_vs_hf import LOREM, assert_engine_idle
+
 from fovea import LLM, SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
-from test_engine_vs_hf import LOREM, assert_engine_idle
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_batched_tokens=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import jpeg_bytes, random_image
+
 from fovea import SamplingParams
-from fovea.frontend.async_llm import AsyncLLM
 from fovea.core.sampling_params import RequestOutputKind
+from fovea.frontend.async_llm import AsyncLLM
 from fovea.multimodal.image import ImageProcessor
 from fovea.multimodal.image_workers import ImageWorkers, SharedPixels
 

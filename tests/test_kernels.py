@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fovea.attention.triton_paged import TritonAttention  # noqa: E402
 from fovea.attention.backend import PagedAttentionMetadata, TorchAttention  # noqa: E402
+from fovea.attention.triton_paged import TritonAttention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -120,6 +120,7 @@ def test_engine_with_triton_backend_generates_the_reference_tokens(tiny_dirs):
     """Whole engine: prefill, chunked prefill (small token budget), prefix-cache hits and decode, text and image
     prompts, GQA (tiny-3b) and one KV head (tiny-7b, head_dim 24)."""
     from conftest import random_image
+
     from fovea import LLM, SamplingParams
 
     image = random_image(84, 56, seed=3)
@@ -144,8 +145,8 @@ def test_engine_with_triton_backend_generates_the_reference_tokens(tiny_dirs):
 def test_vision_varlen_kernel_matches_reference(dtype, tol):
     """Windows of 64, a ragged edge window, a 4-patch segment and a whole image longer than one tile; q/k/v are
     strided views of one qkv tensor as in the model; the tile table has unused zero-length rows."""
-    from fovea.attention.triton_varlen import tile_table, varlen_attention_triton
     from fovea.attention.layer import AttentionMetadata, varlen_attention
+    from fovea.attention.triton_varlen import tile_table, varlen_attention_triton
 
     lengths = [64, 64, 36, 4, 140]
     n, heads, head_dim = sum(lengths), 3, 20

@@ -8,13 +8,13 @@ import io
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
-
 from conftest import random_image
-from fovea import LLM, SamplingParams
-from fovea.cli import build_parser
 from serving import running_server
 from test_eval import make_image_folder
+from transformers import AutoTokenizer
+
+from fovea import LLM, SamplingParams
+from fovea.cli import build_parser
 
 TEMPLATE = "fovea/models/llava_chat_template.jinja"
 SEED_FLAGS = ["--max-model-len", "4096", "--max-num-seqs", "32", "--max-num-batched-tokens", "1024"]

@@ -10,10 +10,10 @@ import threading
 
 import numpy as np
 import pytest
-
 from conftest import jpeg_bytes, random_image
-from fovea.multimodal.image import load_image
 from serving import drip_host
+
+from fovea.multimodal.image import load_image
 from fovea.server.media import MediaPolicy
 from fovea.server.media import fetch_media as fetch_media_async
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import QWEN_SHAPES, published_param_count, published_shape_dir
+
 from fovea.cli import main
 from fovea.config.memory_plan import count_parameters, plan_memory
 
@@ -72,8 +72,8 @@ def test_startup_profile_step_and_kv_budget(tiny_dirs):
     max_num_batched_tokens through the language model; on a GPU its measured peak sizes the KV cache."""
     from fovea import LLM
     from fovea.config.engine import EngineConfig
-    from fovea.runner.memory_profile import dummy_step, kv_cache_budget, largest_image_grid
     from fovea.models.loader import load_model
+    from fovea.runner.memory_profile import dummy_step, kv_cache_budget, largest_image_grid
 
     model_dir = tiny_dirs["tiny-3b"]
     # a video's frames keep at least min_pixels * 1.05 (Qwen's rule), 128 x 28 x 28 by default: 308 px squares

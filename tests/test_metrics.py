@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-
 from serving import running_server
 
 QUERIES = Path(__file__).parent / "data" / "vllm_grafana_queries.txt"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import hf_inputs, hf_model, image_patches, our_model, random_image
+
 from fovea.attention.layer import AttentionMetadata
 from fovea.models.mrope_positions import decode_positions
 

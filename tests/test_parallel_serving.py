@@ -10,11 +10,11 @@ import threading
 from pathlib import Path
 
 import httpx
-
 from conftest import random_image
+from serving import running_server
+
 from fovea import LLM
 from fovea.frontend.async_llm import AsyncLLM
-from serving import running_server
 
 COMMON = ("--max-model-len", "256", "--mm-processor-workers", "0")
 

@@ -7,10 +7,10 @@ import io
 
 import numpy as np
 import pytest
+from conftest import image_patches, jpeg_bytes, random_image
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from conftest import image_patches, jpeg_bytes, random_image
 from fovea.config.model import ModelConfig
 from fovea.multimodal.image import ImageProcessor, load_image, smart_resize
 

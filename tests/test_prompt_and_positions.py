@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import jpeg_bytes, our_model, random_image
+
 from fovea.models.mrope_positions import VisionSpan, decode_positions, mrope_positions
 from fovea.testing.tiny import SPECIAL_TOKENS
 

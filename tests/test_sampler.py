@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fovea.runner.sampler import SampleRow, Sampler, apply_penalties_and_bias
 from fovea.core.sampling_params import SamplingParams
+from fovea.runner.sampler import Sampler, SampleRow, apply_penalties_and_bias
 
 DRAWS = 4000
 

@@ -8,9 +8,9 @@ import base64
 import httpx
 import openai
 import pytest
-
 from conftest import jpeg_bytes, random_image
 from serving import running_server
+
 from fovea import LLM
 
 KEY = "sk-fovea-test"

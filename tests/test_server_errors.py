@@ -11,7 +11,6 @@ import zlib
 
 import httpx
 import pytest
-
 from conftest import jpeg_bytes, random_image
 from serving import metric, running_server
 

@@ -13,9 +13,8 @@ import time
 
 import httpx
 import numpy as np
-from PIL import Image
-
 from conftest import jpeg_bytes
+from PIL import Image
 from serving import running_server
 
 MAX_GAP_S = 0.5  # the bound asserted on the running streams' largest inter-chunk gap while the images arrive

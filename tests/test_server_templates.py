@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from serving import running_server
 
 HELLO = [{"role": "user", "content": "hello"}]

@@ -12,9 +12,9 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from serving import running_server
 
 from fovea import LLM, SamplingParams, StructuredOutputsParams
-from serving import running_server
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "tags", "address"],
           "properties": {

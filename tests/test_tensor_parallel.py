@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import random_image
+
 from fovea import LLM, SamplingParams
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

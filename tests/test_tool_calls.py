@@ -11,12 +11,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from serving import running_server
 from transformers import AutoTokenizer
 
 from fovea import LLM, SamplingParams
 from fovea.multimodal.prompt import ChatOptions
 from fovea.server.tool_calls import ToolCallStream, ToolUse
-from serving import running_server
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 8},

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import hf_model, random_image
+
 from fovea import LLM, SamplingParams
 from fovea.config.model import ModelConfig
 from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, smart_resize

@@ -12,9 +12,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-
 from conftest import video_file
 from serving import running_server
+
 from fovea import LLM, SamplingParams
 from fovea.multimodal import video_decode
 from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, plan_video, process_video, video_list

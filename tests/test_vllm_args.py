@@ -12,12 +12,12 @@ import time
 
 import httpx
 import pytest
+from serving import free_port, running_server
 
 from fovea import LLM, SamplingParams
 from fovea.config.engine import EngineConfig
-from fovea.core.sampling_params import default_sampling_params
 from fovea.config.vllm_args import parse_max_model_len
-from serving import free_port, running_server
+from fovea.core.sampling_params import default_sampling_params
 
 
 @pytest.mark.parametrize("text, tokens", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600),

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 @dataclass
 class PagedAttentionMetadata:
-    backend: "AttentionBackend"
+    backend: AttentionBackend
     slot_mapping: torch.Tensor  # (num_tokens,) int64: flat slot (block * block_size + offset) of each new token
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: where each sequence's new tokens start
     seq_lens: torch.Tensor  # (num_seqs,) int32: context length after this step, new tokens included

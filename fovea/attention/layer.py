@@ -32,12 +32,12 @@ class AttentionMetadata:
     lengths: tuple[int, ...] | None = None  # the same lengths on the host, when known (saves a device read)
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         return cls(cu.to(device), max(lengths), lengths=tuple(lengths))
 
-    def to(self, device: torch.device) -> "AttentionMetadata":
+    def to(self, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata(self.cu_seqlens.to(device), self.max_seqlen,
                                  None if self.tiles is None else self.tiles.to(device), self.lengths)
 

@@ -191,8 +191,8 @@ def paged_prefill_inputs(length: int, device: str):
 
 def bench_vision(quick: bool, rate: float, device: str) -> list[dict]:
     """One 1280x720 image's window layer (64-patch windows) and full layer, 16 heads of 80."""
-    from fovea.attention.triton_varlen import tile_table, varlen_attention_triton
     from fovea.attention.layer import AttentionMetadata, varlen_attention
+    from fovea.attention.triton_varlen import tile_table, varlen_attention_triton
 
     patches, heads, dim = (256, 2, 80) if quick else (4784, 16, 80)
     rows = []

@@ -35,9 +35,8 @@ def time_ms(fn, iters: int) -> tuple[float, float]:
 
 def compare(sizes: list[tuple[int, int]], iters: int, min_pixels: int = 3136, max_pixels: int = 12845056) -> list[dict]:
     """Defaults: the published checkpoints' preprocessor_config.json limits."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     import torch
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, smart_resize
     from fovea.multimodal.patchify import patchify

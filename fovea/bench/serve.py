@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import numpy as np
 

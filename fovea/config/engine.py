@@ -82,7 +82,7 @@ class EngineConfig:
         return max(image.max_pixels, frame_max_pixels(VideoOptions().with_kwargs(self.mm_processor_kwargs)))
 
     @classmethod
-    def from_args(cls, model: str | Path | None = None, **args) -> "EngineConfig":
+    def from_args(cls, model: str | Path | None = None, **args) -> EngineConfig:
         """From vLLM-style engine arguments (what `LLM(...)` and `fovea serve` take)."""
         from fovea.models.loader import resolve_model_dir
 
@@ -105,7 +105,7 @@ class EngineConfig:
 
     @classmethod
     def build(cls, model_dir: Path, dtype: str | torch.dtype = default("dtype"), device: str = "auto",
-              max_model_len: int | None = default("max_model_len"), **options) -> "EngineConfig":
+              max_model_len: int | None = default("max_model_len"), **options) -> EngineConfig:
         from fovea.runner.encoder_buckets import parse_buckets
 
         model = ModelConfig.from_dir(model_dir)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, max_model_len_arg
 

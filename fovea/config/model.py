@@ -88,7 +88,7 @@ class ModelConfig:
     mrope: bool = True  # position rule: M-RoPE (t, h, w) for vision tokens, or 1-D for every token
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
@@ -97,7 +97,7 @@ class ModelConfig:
                              json.loads(preprocessor.read_text()) if preprocessor.is_file() else {})
 
     @classmethod
-    def from_dict(cls, raw: dict, preprocessor: dict | None = None) -> "ModelConfig":
+    def from_dict(cls, raw: dict, preprocessor: dict | None = None) -> ModelConfig:
         from fovea.models.registry import architecture_of, family
 
         return family(architecture_of(raw)).parse_config(raw, preprocessor or {})

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fovea.engine.block_manager import MMSpan
 from fovea.core.sampling_params import SamplingParams
+from fovea.engine.block_manager import MMSpan
 
 
 @dataclass

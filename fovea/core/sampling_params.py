@@ -96,7 +96,7 @@ class SamplingParams:
         # top_k 1 leaves only the best token whatever top_p and min_p say (Qwen2.5-VL's generation_config sets it)
         return self.temperature < 1e-5 or self.top_k == 1
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         known = {f.name for f in fields(self) if f.init}
         return replace(self, **{k: v for k, v in changes.items() if k in known})
 

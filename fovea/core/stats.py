@@ -59,7 +59,7 @@ class EngineStats:
     encoder_cache_references: int = 0  # image embeddings held for running sequences (0 when idle)
     events: LatencyEvents = field(default_factory=LatencyEvents)
     num_requests_added: int = 0  # since start
-    replicas: list["EngineStats"] = field(default_factory=list)  # data-parallel servers: each replica's own
+    replicas: list[EngineStats] = field(default_factory=list)  # data-parallel servers: each replica's own
 
     @property
     def kv_usage(self) -> float:

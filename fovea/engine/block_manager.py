@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

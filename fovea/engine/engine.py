@@ -13,22 +13,22 @@ import functools
 import itertools
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from fovea.engine.block_manager import BlockManager
 from fovea.config.engine import EngineConfig
+from fovea.core.request import CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus
+from fovea.core.sampling_params import RequestOutputKind
+from fovea.core.stats import EngineStats, LatencyEvents
+from fovea.engine.block_manager import BlockManager
 from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.runner.image_encoder import ImageEncoder
-from fovea.frontend.input_processor import InputProcessor
-from fovea.runner.model_runner import ModelRunner, StepOutput
-from fovea.core.request import (CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus)
-from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
-from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.structured_outputs import COMPILE_TIMEOUT_S
+from fovea.frontend.input_processor import InputProcessor
+from fovea.runner.image_encoder import ImageEncoder
+from fovea.runner.model_runner import ModelRunner, StepOutput
 from fovea.runner.tp_workers import WorkerDied, start_workers
 
 logger = logging.getLogger("fovea")

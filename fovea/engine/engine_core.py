@@ -22,8 +22,8 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Callable
 
 from fovea.config.engine import EngineConfig
 from fovea.runner.tp_workers import WorkerDied

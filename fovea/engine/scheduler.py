@@ -15,10 +15,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from fovea.engine.block_manager import BlockManager, extend_block_hashes
 from fovea.config.engine import EngineConfig
-from fovea.engine.encoder_cache import EncoderCache
 from fovea.core.request import MMItem, Sequence, SequenceStatus
+from fovea.engine.block_manager import BlockManager, extend_block_hashes
+from fovea.engine.encoder_cache import EncoderCache
 
 
 @dataclass

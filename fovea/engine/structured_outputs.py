@@ -147,7 +147,7 @@ class GrammarMasks:
                                       self.bitmask)
 
     @classmethod
-    def start(cls, grammars: list, vocab_size: int) -> "GrammarMasks | None":
+    def start(cls, grammars: list, vocab_size: int) -> GrammarMasks | None:
         """Masks for the rows whose grammar (matcher) is not None; None when no row has one."""
         rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
         return cls(rows, [grammars[i] for i in rows], vocab_size) if rows else None

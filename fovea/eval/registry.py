@@ -18,9 +18,9 @@ defaults: greedy decoding, no system prompt, the engine's own settings.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable
 
 QWEN_MAX_PIXELS = 1280 * 28 * 28  # the Qwen2.5-VL model card's suggested cap: at most 1280 visual tokens per image
 

@@ -56,7 +56,7 @@ class Task:
     _samples: list[Sample] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "Task":
+    def from_yaml(cls, path: str | Path) -> Task:
         import yaml
 
         try:
@@ -83,7 +83,7 @@ class Task:
         return task
 
     @classmethod
-    def find(cls, name_or_path: str) -> "Task":
+    def find(cls, name_or_path: str) -> Task:
         """A task file's path, or the name of a shipped task."""
         path = Path(name_or_path)
         if path.is_file():
@@ -99,7 +99,7 @@ class Task:
         return {"type": "object", "properties": {"answer": {"enum": list(self.options)}}, "required": ["answer"],
                 "additionalProperties": False}
 
-    def with_data(self, path: str | Path) -> "Task":
+    def with_data(self, path: str | Path) -> Task:
         """The same task on another copy of its data (`--data`): a class folder or a .jsonl/.csv/.parquet file."""
         return replace(self, dataset={**self.dataset, "path": str(path), "type": guess_type(path)})
 

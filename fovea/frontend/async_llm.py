@@ -27,16 +27,16 @@ import itertools
 import logging
 import os
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
 from fovea.config.engine import EngineConfig
-from fovea.frontend.engine_process import EngineProcess
-from fovea.frontend.input_processor import InputProcessor
 from fovea.core.request import Request, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
+from fovea.frontend.engine_process import EngineProcess
+from fovea.frontend.input_processor import InputProcessor
 from fovea.multimodal.image_workers import ImageWorkers, default_workers
 from fovea.multimodal.prompt import ChatOptions
 
@@ -100,7 +100,7 @@ class AsyncLLM:
         self.default_params = default_sampling_params(self.config.model_dir, self.config.generation_config)
 
     @classmethod
-    def from_args(cls, model: str | None = None, on_stats=None, max_restarts: int = 3, **engine_args) -> "AsyncLLM":
+    def from_args(cls, model: str | None = None, on_stats=None, max_restarts: int = 3, **engine_args) -> AsyncLLM:
         return cls(EngineConfig.from_args(model, **engine_args), on_stats, max_restarts=max_restarts)
 
     def _start(self, replica: int) -> EngineProcess:

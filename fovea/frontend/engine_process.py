@@ -14,7 +14,7 @@ import multiprocessing
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from fovea.config.engine import EngineConfig
 from fovea.engine.engine_core import run_engine_core
@@ -24,7 +24,7 @@ logger = logging.getLogger("fovea")
 
 class EngineProcess:
     def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None],
-                 on_exit: Callable[["EngineProcess", str, bool], None], startup_timeout: float = 600.0):
+                 on_exit: Callable[[EngineProcess, str, bool], None], startup_timeout: float = 600.0):
         import torch
 
         if config.distributed_executor_backend == "ray":  # an actor, on whichever node has its GPUs

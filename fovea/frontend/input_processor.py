@@ -13,13 +13,13 @@ import threading
 import time
 import weakref
 
-from fovea.engine.block_manager import MMSpan
 from fovea.config.engine import EngineConfig
 from fovea.core.request import MMItem, Request
 from fovea.core.sampling_params import SamplingParams
+from fovea.engine.block_manager import MMSpan
 from fovea.engine.structured_outputs import GrammarCompiler, warm_up_masks
-from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
 from fovea.multimodal.image import ProcessedImage
+from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
 from fovea.multimodal.prompt import ChatOptions, ProcessedPrompt, PromptProcessor, prompt_too_long
 from fovea.multimodal.video import video_list
 

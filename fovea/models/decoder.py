@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fovea.config.model import TextConfig
-from fovea.attention.layer import Attention, AttentionMetadata
-from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding, activation
-from fovea.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                 RowParallelLinear)
 from fovea.attention.backend import PagedAttentionMetadata
+from fovea.attention.layer import Attention, AttentionMetadata
+from fovea.config.model import TextConfig
+from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding, activation
+from fovea.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fovea.layers.rotary import apply_rotary, mrope
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import ModelConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
-from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
 from fovea.models.decoder import DecoderModel, FeedForward

@@ -9,8 +9,8 @@ axis, delta = (max prompt position + 1) - prompt length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import ModelConfig, TextConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
-from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.layers.basic import RMSNorm
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.layers.rotary import apply_rotary, vision_rope

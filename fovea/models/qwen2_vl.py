@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from fovea.config.model import ModelConfig, VisionConfig, parse_text, text_keys
 from fovea.attention.layer import AttentionMetadata
+from fovea.config.model import ModelConfig, VisionConfig, parse_text, text_keys
 from fovea.models import qwen2_5_vl
 from fovea.models.decoder import FeedForward
 

@@ -51,7 +51,7 @@ class ImageProcessorConfig:
     shortest_edge: int = 0
 
     @classmethod
-    def dynamic(cls, raw: dict) -> "ImageProcessorConfig":
+    def dynamic(cls, raw: dict) -> ImageProcessorConfig:
         """Qwen2-VL's processor (Qwen2VLImageProcessor) from its preprocessor_config.json."""
         size = raw.get("size") or {}
         return cls(
@@ -62,7 +62,7 @@ class ImageProcessorConfig:
             image_mean=tuple(raw.get("image_mean", CLIP_MEAN)), image_std=tuple(raw.get("image_std", CLIP_STD)))
 
     @classmethod
-    def center_crop(cls, raw: dict, patch_size: int, image_size: int) -> "ImageProcessorConfig":
+    def center_crop(cls, raw: dict, patch_size: int, image_size: int) -> ImageProcessorConfig:
         """CLIPImageProcessor's settings (resize the shortest side, centre crop) for a tower that takes
         image_size x image_size pixels; one token per patch."""
         crop = raw.get("crop_size", image_size)
@@ -88,7 +88,7 @@ class ImageProcessorConfig:
             return self.crop_size, self.crop_size
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
 
-    def with_overrides(self, overrides: dict | None, capped: bool = False) -> "ImageProcessorConfig":
+    def with_overrides(self, overrides: dict | None, capped: bool = False) -> ImageProcessorConfig:
         """`mm_processor_kwargs` such as {"min_pixels": ..., "max_pixels": ...}. `capped` (per request): neither
         may go above this config's max_pixels, which the engine sized its memory and encoder cache for."""
         if not overrides:

@@ -37,7 +37,7 @@ class SharedPixels:
         return int(np.prod(self.shape))
 
     @classmethod
-    def create(cls, pixels: np.ndarray) -> "SharedPixels":
+    def create(cls, pixels: np.ndarray) -> SharedPixels:
         segment = shared_memory.SharedMemory(create=True, size=max(pixels.nbytes, 1))
         view = np.ndarray(pixels.shape, np.uint8, buffer=segment.buf)
         view[:] = pixels

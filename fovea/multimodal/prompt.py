@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from fovea.config.model import ModelConfig
-from fovea.multimodal.chat_format import CONTENT_FORMATS, as_string_content, detect_content_format
 from fovea.models.mrope_positions import VisionSpan, linear_positions, mrope_positions
+from fovea.multimodal.chat_format import CONTENT_FORMATS, as_string_content, detect_content_format
 from fovea.multimodal.fetch import ImageTooLarge
 from fovea.multimodal.image import MAX_REQUEST_PIXELS, ImageProcessor, ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, release_images

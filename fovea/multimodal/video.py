@@ -40,7 +40,7 @@ class VideoOptions:
     max_pixels: int = 768 * 28 * 28
     total_pixels: int = int(128000 * 28 * 28 * 0.9)
 
-    def with_kwargs(self, kwargs: dict | None, capped: bool = False) -> "VideoOptions":
+    def with_kwargs(self, kwargs: dict | None, capped: bool = False) -> VideoOptions:
         """These options with `mm_processor_kwargs` applied. `capped` (per request): frames and pixels may not go
         above this config's, which the engine sized its memory and encoder cache for."""
         kwargs = {k: v for k, v in (kwargs or {}).items() if k in self.__dataclass_fields__}

@@ -14,8 +14,8 @@ import contextlib
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -16,8 +16,8 @@ import logging
 
 import torch
 
-from fovea.config.engine import EngineConfig
 from fovea.attention.layer import AttentionMetadata
+from fovea.config.engine import EngineConfig
 
 logger = logging.getLogger("fovea")
 GIB = 2**30

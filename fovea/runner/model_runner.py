@@ -13,21 +13,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fovea.distributed import SINGLE, ParallelGroups
+from fovea.attention.backend import AttentionBackend, PagedAttentionMetadata, TorchAttention
 from fovea.config.engine import EngineConfig
+from fovea.core.request import MMItem
+from fovea.distributed import SINGLE, ParallelGroups
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.scheduler import ScheduledBatch
+from fovea.engine.structured_outputs import GrammarMasks
+from fovea.models.base import ModelOptions
+from fovea.models.loader import load_model
+from fovea.multimodal.patchify import patchify
 from fovea.runner.cuda_graphs import DecodeGraphs
 from fovea.runner.encoder_buckets import EncoderBuckets
-from fovea.engine.encoder_cache import EncoderCache
 from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget
-from fovea.core.request import MMItem
 from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
-from fovea.engine.structured_outputs import GrammarMasks
-from fovea.engine.scheduler import ScheduledBatch
 from fovea.runner.step_input import StepInput, build_step
-from fovea.attention.backend import AttentionBackend, PagedAttentionMetadata, TorchAttention
-from fovea.models.loader import load_model
-from fovea.models.base import ModelOptions
-from fovea.multimodal.patchify import patchify
 
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU backend sizes its cache by a fixed space too (VLLM_CPU_KVCACHE_SPACE)
 # prompt log-probabilities are scored this many logits at a time: a whole 8k-token chunk would be a 5 GB fp32

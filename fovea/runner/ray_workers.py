@@ -14,8 +14,8 @@ import threading
 
 import torch
 
-from fovea.distributed import free_port
 from fovea.config.engine import EngineConfig
+from fovea.distributed import free_port
 from fovea.runner.tp_workers import TPWorkers, WorkerArgs, run_worker
 
 

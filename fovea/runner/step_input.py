@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.runner.sampler import SampleRow
 from fovea.engine.scheduler import ScheduledBatch
+from fovea.runner.sampler import SampleRow
 
 
 @dataclass

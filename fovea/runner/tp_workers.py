@@ -21,13 +21,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from fovea.distributed import ParallelGroups, free_port, join_groups
 from fovea.config.engine import EngineConfig
+from fovea.distributed import ParallelGroups, free_port, join_groups
 
 logger = logging.getLogger("fovea")
 HANG_EXIT_S = 60.0  # after a worker died, rank 0 still blocked in a collective this long exits the process
@@ -80,7 +80,7 @@ def _encode_loop(runner, parallel: ParallelGroups) -> None:
                 os._exit(1)
 
 
-_current: "TPWorkers | None" = None  # the ranks of this process's distributed engine
+_current: TPWorkers | None = None  # the ranks of this process's distributed engine
 
 
 class TPWorkers:

@@ -7,13 +7,13 @@ many images this beats splitting every layer over the ranks (one all-reduce per 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from fovea.distributed import TPGroup
 from fovea.config.engine import EngineConfig
 from fovea.core.request import MMItem
+from fovea.distributed import TPGroup
 
 
 def share_out(patches: list[int], ranks: int) -> list[list[int]]:

@@ -25,16 +25,26 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fovea import __version__
-from fovea.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailed
 from fovea.core.sampling_params import SamplingParams, sampling_defaults
+from fovea.frontend.async_llm import AsyncLLM, EngineDeadError, RequestFailed
 from fovea.multimodal.fetch import ImageTooLarge
+from fovea.multimodal.prompt import ChatOptions
 from fovea.server import openai_serving as serving
 from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit
 from fovea.server.media import MediaPolicy, fetch_media
 from fovea.server.metrics import ServerMetrics
-from fovea.multimodal.prompt import ChatOptions
-from fovea.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidBody,
-                                   NamedToolChoice, RequestLimits, TokenizeRequest, error_body, parse_body, tool_list)
+from fovea.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    InvalidBody,
+    NamedToolChoice,
+    RequestLimits,
+    TokenizeRequest,
+    error_body,
+    parse_body,
+    tool_list,
+)
 from fovea.server.tool_calls import START, ToolUse
 
 logger = logging.getLogger("fovea")

@@ -11,10 +11,10 @@ import asyncio
 import json
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
-from fovea.frontend.async_llm import EngineDeadError
 from fovea.core.request import CompletionOutput, Logprob, RequestOutput
+from fovea.frontend.async_llm import EngineDeadError
 from fovea.server.protocol import error_body
 from fovea.server.tool_calls import ToolCallStream, ToolUse
 

@@ -27,7 +27,7 @@ class RequestLimits:
     max_logit_bias: int = 1024  # entries
     max_prompts: int = 1024  # prompts in one /v1/completions request
 
-    def check(self, fields: "SamplingFields") -> None:
+    def check(self, fields: SamplingFields) -> None:
         stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop or []
         for name, count, limit in (("stop", len(stop), self.max_stop_strings),
                                    ("stop_token_ids", len(fields.stop_token_ids or ()), self.max_stop_token_ids),

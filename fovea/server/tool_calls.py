@@ -72,7 +72,7 @@ class ToolUse:
 
     @classmethod
     def from_request(cls, tools: list[dict] | None, choice, parallel: bool | None, parser: str | None,
-                     tag_tokens: bool) -> "ToolUse | None":
+                     tag_tokens: bool) -> ToolUse | None:
         if not tools:
             if choice not in (None, "none"):
                 raise ValueError("tool_choice needs tools")

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from fovea.testing.tiny import random_weights, save_weights
 from fovea.multimodal.image import CLIP_MEAN, CLIP_STD
+from fovea.testing.tiny import random_weights, save_weights
 
 # name -> text (hidden, intermediate, layers, heads, kv heads, vocab) and vision (hidden, intermediate, layers, heads)
 BPE_TOKENS = 600  # learned vocabulary, specials included; <image> and <pad> follow
