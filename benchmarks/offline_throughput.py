@@ -71,7 +71,7 @@ def host_overhead(model_dir, batch: int, steps: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(batch):
-        engine.add_request(engine.inputs.make_request(f"o{i}", engine.inputs.process(f"{i} " + " ".join(WORDS)),
+        engine.add_request(llm.inputs.make_request(f"o{i}", llm.inputs.process(f"{i} " + " ".join(WORDS)),
                                                       params))
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()

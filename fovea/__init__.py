@@ -27,7 +27,7 @@ def __getattr__(name: str):
         from fovea.core.sampling_params import SamplingParams
         return SamplingParams
     if name == "StructuredOutputsParams":
-        from fovea.engine.structured_outputs import StructuredOutputsParams
+        from fovea.core.sampling_params import StructuredOutputsParams
         return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):
         from fovea.core import request

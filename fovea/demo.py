@@ -20,17 +20,19 @@ def run_demo(model: str | None, image: str | None, prompt: str, max_tokens: int,
     from fovea.config.engine import EngineConfig
     from fovea.core.sampling_params import RequestOutputKind, SamplingParams
     from fovea.engine.engine import LLMEngine
+    from fovea.frontend.input_processor import InputProcessor
 
     engine = LLMEngine(EngineConfig.from_args(model, dtype=dtype, max_model_len=4096))
+    inputs = InputProcessor(engine.config, tokenizer=engine.tokenizer, grammars=engine.grammars)
     picture = ({"type": "image_pil", "image_pil": demo_image()} if image is None
                else {"type": "image_url", "image_url": {"url": image}})
     messages = [{"role": "user", "content": [picture, {"type": "text", "text": prompt}]}]
-    processed = engine.inputs.process_chat(messages)
+    processed = inputs.process_chat(messages)
     grid = processed.images[0].grid_thw
     print(f"model: {engine.config.model_dir}\nprompt: {len(processed.token_ids)} tokens, image grid {grid} -> "
           f"{processed.images[0].num_tokens} image tokens\n--- output ---", flush=True)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
-    engine.add_request(engine.inputs.make_request("demo", processed, params))
+    engine.add_request(inputs.make_request("demo", processed, params))
     start, count = time.perf_counter(), 0
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -9,6 +9,7 @@ from fovea.config.engine import EngineConfig
 from fovea.core.request import RequestOutput
 from fovea.core.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
 from fovea.engine.engine import LLMEngine
+from fovea.frontend.input_processor import InputProcessor
 from fovea.multimodal.prompt import ChatOptions
 
 
@@ -22,6 +23,9 @@ class LLM:
             raise ValueError("data_parallel_size > 1 is for `fovea serve` (one engine process per replica); offline, "
                              "run one LLM per replica (as `fovea eval --ray --num-replicas N` does)")
         self.engine = LLMEngine(config)
+        # prompts are prepared here, with the engine's tokenizer and grammars (its config: max_model_len may have
+        # been lowered to what the KV cache holds)
+        self.inputs = InputProcessor(self.engine.config, tokenizer=self.engine.tokenizer, grammars=self.engine.grammars)
         self.default_params = default_sampling_params(config.model_dir, config.generation_config)
         self._ids = itertools.count()
 
@@ -47,7 +51,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
-        processed = [self.engine.inputs.process(p, mm_processor_kwargs) for p in prompts]
+        processed = [self.inputs.process(p, mm_processor_kwargs) for p in prompts]
         return self._run(processed, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -61,7 +65,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         chat = ChatOptions(chat_template, add_generation_prompt, tools, chat_template_kwargs,
                            chat_template_content_format)
-        processed = [self.engine.inputs.process_chat(conversation, mm_processor_kwargs, chat)
+        processed = [self.inputs.process_chat(conversation, mm_processor_kwargs, chat)
                      for conversation in conversations]
         return self._run(processed, sampling_params, use_tqdm)
 
@@ -71,7 +75,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(processed)
         if len(params) != len(processed):
             raise ValueError(f"got {len(params)} sampling_params for {len(processed)} prompts")
-        requests = [self.engine.inputs.make_request(str(next(self._ids)), prompt,
+        requests = [self.inputs.make_request(str(next(self._ids)), prompt,
                                                     p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
                     for prompt, p in zip(processed, params)]
         for request in requests:

@@ -13,10 +13,11 @@ if not torch.cuda.is_available():
 from conftest import image_patches, random_image  # noqa: E402
 
 from fovea import LLM, SamplingParams  # noqa: E402
+from fovea.config.engine import parse_buckets  # noqa: E402
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model  # noqa: E402
 from fovea.multimodal.image import ImageProcessor  # noqa: E402
-from fovea.runner.encoder_buckets import EncoderBuckets, parse_buckets  # noqa: E402
+from fovea.runner.encoder_buckets import EncoderBuckets  # noqa: E402
 
 
 def test_parse_buckets():

@@ -188,7 +188,7 @@ def test_min_tokens_holds_back_eos(llm):
 
 def test_abort_frees_blocks_at_once_and_streams_deltas(llm):
     engine = llm.engine
-    inputs = engine.inputs
+    inputs = llm.inputs
     delta = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(inputs.make_request(f"r{i}", inputs.process(prompt), delta))
@@ -212,7 +212,7 @@ def test_abort_frees_blocks_at_once_and_streams_deltas(llm):
 
 
 def test_bad_requests_fail_at_admission_with_a_clear_message(llm, tiny_dirs):
-    inputs = llm.engine.inputs
+    inputs = llm.inputs
     greedy = SamplingParams(temperature=0)
     with pytest.raises(ValueError, match="longer than the maximum model length"):
         llm.generate([0] * 3000, greedy, use_tqdm=False)
@@ -338,7 +338,7 @@ def test_streamed_outputs_carry_the_prompt_only_first_and_last(llm):
     with a request's first and final output; usage can still be counted from either."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    request = engine.inputs.make_request("delta", engine.inputs.process(LOREM), params)
+    request = llm.inputs.make_request("delta", llm.inputs.process(LOREM), params)
     engine.add_request(request)
     outputs = []
     while engine.has_unfinished_requests():

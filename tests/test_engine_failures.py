@@ -28,7 +28,7 @@ def image_prompt(image):
 
 
 def request(llm, request_id, prompt, params=GREEDY, fair_rank=0):
-    return llm.engine.inputs.make_request(request_id, llm.engine.inputs.process(prompt), params, fair_rank=fair_rank)
+    return llm.inputs.make_request(request_id, llm.inputs.process(prompt), params, fair_rank=fair_rank)
 
 
 def run(engine):

@@ -88,7 +88,7 @@ def run_mixed(llm: LLM, requests):
     chat_ids = [i for i, r in enumerate(requests) if r["kind"] == "chat"]
     # one engine run with everything in flight: the chat conversations through chat(), the rest through
     # generate(); both go through the same scheduler, so submit them as one generate() of processed prompts
-    inputs = llm.engine.inputs
+    inputs = llm.inputs
     processed = {i: inputs.process(requests[i]["text"]) for i in text_ids}
     processed.update({i: inputs.process_chat(our_prompt(requests[i])) for i in chat_ids})
     order = sorted(processed)

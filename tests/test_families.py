@@ -172,7 +172,8 @@ def test_engine_greedy_matches_transformers(family_dirs, family):
 def test_llava_encoder_buckets_per_image_count(family_dirs):
     """A fixed-size encoder's buckets count whole images: two images in a four-image bucket (two blank fillers,
     each its own attention segment) give the unpadded embeddings, and the engine's tokens do not change."""
-    from fovea.runner.encoder_buckets import EncoderBuckets, parse_buckets
+    from fovea.config.engine import parse_buckets
+    from fovea.runner.encoder_buckets import EncoderBuckets
 
     model_dir = family_dirs["llava"]
     model, _ = load_model(model_dir, dtype="float32")

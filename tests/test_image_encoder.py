@@ -21,8 +21,7 @@ def image_prompt(*images):
 
 
 def add(llm, request_id, prompt):
-    engine = llm.engine
-    engine.add_request(engine.inputs.make_request(request_id, engine.inputs.process(prompt), GREEDY))
+    llm.engine.add_request(llm.inputs.make_request(request_id, llm.inputs.process(prompt), GREEDY))
 
 
 def test_decoding_goes_on_while_an_image_is_encoded(tiny_dirs):

@@ -237,7 +237,7 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
     from fovea.core.sampling_params import RequestOutputKind
 
     llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=256)
-    compiler = llm.engine.inputs.grammars
+    compiler = llm.inputs.grammars
     slow = StructuredOutputsParams(choice=["slow", "down"])
     fresh = compiler._fresh
 
@@ -256,7 +256,7 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
     assert time.monotonic() - start < 0.9
 
     engine = llm.engine
-    inputs = engine.inputs
+    inputs = llm.inputs
     plain = inputs.make_request("plain", inputs.process("Tell me"), SamplingParams(
         max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
     monkeypatch.setattr(inputs, "check_params", lambda params, grammar=True: None)  # the front end let it through

@@ -101,7 +101,7 @@ def test_template_renders_tools_results_and_kwargs(tiny_dirs):
                                                          "arguments": '{"city": "Paris", "days": 2}'}}]},
         {"role": "tool", "tool_call_id": "a", "content": "sunny"}]
     llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=1024)
-    prompt = llm.engine.inputs.process_chat(history, chat=ChatOptions(tools=TOOLS)).token_ids
+    prompt = llm.inputs.process_chat(history, chat=ChatOptions(tools=TOOLS)).token_ids
     assert tokenizer.decode(prompt) == (
         SYSTEM_WITH_TOOLS + "<|im_start|>user\nWhat will the weather be in Paris?<|im_end|>\n<|im_start|>assistant\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call><|im_end|>\n'

@@ -135,7 +135,7 @@ def prompt_for(name: str):
 def hf_reference_inputs(llm: LLM, name: str) -> dict:
     """transformers' inputs for the same frames: patches written out as published, ids expanded, and the released
     position rule (transformers 5.23 starts text after a video at max(h, w) / merge instead; see the test below)."""
-    processed = llm.engine.inputs.process(prompt_for(name))
+    processed = llm.inputs.process(prompt_for(name))
     config = ImageProcessorConfig()
     videos = [item for item in processed.images if item.is_video]
     images = [item for item in processed.images if not item.is_video]

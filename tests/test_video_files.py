@@ -185,7 +185,7 @@ def test_a_long_video_is_encoded_in_parts_of_one_steps_budget(tiny_dirs):
     for budget in (128, 20):
         llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=512, max_num_batched_tokens=64,
                   max_num_encoder_input_tokens=budget, mm_processor_kwargs=SMALL)
-        request = llm.engine.inputs.make_request("r", llm.engine.inputs.process(prompt), params)
+        request = llm.inputs.make_request("r", llm.inputs.process(prompt), params)
         spans = [(item.span.start, item.span.length, item.grid_thw) for item in request.mm_items]
         answers.append((spans, llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]))
     (whole_spans, whole), (part_spans, parts) = answers

@@ -1,0 +1,56 @@
+"""Attention. Every model calls one entry point, `Attention` (layer.py). The language model's paged KV cache goes
+through the engine's backend, which the runner picks by name from `BACKENDS`:
+
+- `torch`: the pure-PyTorch reference (backend.py): every feature, any device; the ground truth in tests;
+- `triton`: our kernels (triton_paged.py), the default on CUDA.
+
+Each backend declares what it can do. A feature a model's layers need but the chosen backend lacks fails at
+start-up, naming both, rather than computing something else:
+- `sliding_window`: a layer sees only its last W keys (`forward(..., window=W)`);
+- `bidirectional_spans`: tokens inside a span (a prompt's image) also see the later tokens of that span, as
+  Gemma 3's image tokens do (`PagedAttentionMetadata.bidirectional_spans`);
+- `cuda_graphs`: its decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fovea.attention.backend import AttentionBackend, TorchAttention
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    build: Callable[[int, bool, torch.device], AttentionBackend]  # (query heads per KV head, fp32 softmax, device)
+    sliding_window: bool
+    bidirectional_spans: bool
+    cuda_graphs: bool
+
+
+def _triton(heads_per_kv_head: int, fp32_softmax: bool, device: torch.device) -> AttentionBackend:
+    from fovea.attention.triton_paged import TritonAttention  # imports triton
+
+    return TritonAttention(group=heads_per_kv_head)  # its scores and softmax are fp32 always
+
+
+BACKENDS = {
+    "torch": BackendSpec(lambda group, fp32, device: TorchAttention(fp32, device), sliding_window=True,
+                         bidirectional_spans=True, cuda_graphs=False),
+    "triton": BackendSpec(_triton, sliding_window=False, bidirectional_spans=False, cuda_graphs=True),
+}
+
+
+def make_backend(name: str, heads_per_kv_head: int, fp32_softmax: bool, device: torch.device,
+                 needs: tuple[str, ...] = ()) -> AttentionBackend:
+    """The backend `name`; `needs`: the features (BackendSpec's flags) the model's layers use."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
+    spec = BACKENDS[name]
+    missing = [feature for feature in needs if not getattr(spec, feature)]
+    if missing:
+        raise ValueError(f"the model needs {', '.join(missing)} attention, which the {name} backend does not "
+                         f"have; backends that do: {[n for n, s in BACKENDS.items() if all(getattr(s, f) for f in needs)]}")
+    return spec.build(heads_per_kv_head, fp32_softmax, device)

@@ -6,6 +6,9 @@ flat: the new tokens of every scheduled sequence concatenated (prefill chunks an
 A backend writes the new tokens' K/V into their slots, then lets each query attend to its sequence's whole
 context: the cached prefix, earlier chunks and the causal part of its own chunk.
 
+A layer may be a sliding-window one (`window`), and a step may name bidirectional spans per sequence (tokens of a
+prompt's image that see each other both ways); the registry (fovea/attention/__init__.py) says which backends can.
+
 `TorchAttention` gathers each sequence's context from the cache and runs SDPA: the decode rows together, with a
 mask over padded keys only; each prefill chunk on its own, causal (lower-right when a cached prefix precedes the
 chunk: PyTorch's bias on a GPU, which its memory-efficient kernels take without a mask; on the CPU, whose SDPA
@@ -34,6 +37,9 @@ class PagedAttentionMetadata:
     block_size: int
     kv_caches: list[torch.Tensor] = field(default_factory=list)  # one per layer: (2, blocks, block_size, heads, dim)
     plan: dict = field(default_factory=dict)  # what a backend precomputes once per step for all layers
+    # sequence index -> (first, end) positions of prompt spans whose tokens also see each other's later tokens
+    # (Gemma 3's images); a span must lie whole in one step's chunk, with its keys in context
+    bidirectional_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 class AttentionBackend:
@@ -43,8 +49,9 @@ class AttentionBackend:
         """Per-step work shared by all layers (index tensors, kernel plans); called once before the forward."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-        """q: (N, Hq, D), k/v: (N, Hkv, D) for the N new tokens. Stores k/v, returns (N, Hq, D)."""
+                meta: PagedAttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """q: (N, Hq, D), k/v: (N, Hkv, D) for the N new tokens. Stores k/v, returns (N, Hq, D). `window`: a
+        sliding-window layer's W (a query sees itself and the W - 1 keys before it); None: all keys."""
         raise NotImplementedError
 
 
@@ -91,10 +98,26 @@ class TorchAttention(AttentionBackend):
             slots = torch.where(valid, blocks * bs + positions % bs, 0)  # padding reads slot 0, masked
             meta.plan["decode"] = (meta.query_start_loc[index].long(), slots,
                                    valid[:, None, None, :])  # (D, 1, 1, keys): padded keys hidden
-        meta.plan["prefill"] = [(starts[i], starts[i + 1] - starts[i], key_slots(i, seq_lens[i]))
+            meta.plan["decode_positions"] = positions[None, :], lengths[:, None]  # for sliding windows
+        meta.plan["prefill"] = [(i, starts[i], starts[i + 1] - starts[i], key_slots(i, seq_lens[i]))
                                 for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def prefill_mask(self, length: int, context: int, window: int | None, spans: list[tuple[int, int]],
+                     device) -> torch.Tensor | None:
+        """(length, context) bool mask of a chunk's queries (the last `length` of `context` positions): causal,
+        within the window, and both ways inside bidirectional spans. None: plain causal (SDPA's own path)."""
+        if window is None and not spans:
+            return None if context == length else self.causal_over_prefix(length, context, device)
+        queries = torch.arange(context - length, context, device=device)[:, None]
+        keys = torch.arange(context, device=device)[None, :]
+        allowed = keys <= queries
+        if window is not None:
+            allowed &= keys > queries - window
+        for first, end in spans:
+            allowed |= (queries >= first) & (queries < end) & (keys >= first) & (keys < end)
+        return allowed
+
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None):
         write_kv(k, v, kv_cache, meta.slot_mapping)
         _, num_blocks, block_size, heads, dim = kv_cache.shape
         flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
@@ -111,10 +134,13 @@ class TorchAttention(AttentionBackend):
 
         if "decode" in meta.plan:
             rows, slots, valid = meta.plan["decode"]
+            if window is not None:
+                positions, lengths = meta.plan["decode_positions"]
+                valid = valid & (positions >= lengths - window)[:, None, None, :]
             out[rows] = attend(q[rows][:, None], slots, valid)[:, 0]
-        for start, length, slots in meta.plan["prefill"]:
+        for index, start, length, slots in meta.plan["prefill"]:
             context = slots.numel()
-            mask = None if context == length else self.causal_over_prefix(length, context, q.device)
+            mask = self.prefill_mask(length, context, window, meta.bidirectional_spans.get(index, []), q.device)
             out[start:start + length] = attend(q[start:start + length][None], slots[None], mask,
-                                               causal=context == length)[0]
+                                               causal=mask is None)[0]
         return out

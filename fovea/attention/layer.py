@@ -75,17 +75,20 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 class Attention(nn.Module):
     """Scaled dot-product attention of one layer. `layer_index` names its KV cache in the engine's list (language
     models); `fp32`: scores and softmax in fp32 on the uncached path (--fp32-softmax, --fp32-softmax-vision; the
-    paged backends are configured at their own construction)."""
+    paged backends are configured at their own construction); `sliding_window`: W for a sliding-window layer."""
 
-    def __init__(self, head_dim: int, causal: bool, layer_index: int | None = None, fp32: bool = False):
+    def __init__(self, head_dim: int, causal: bool, layer_index: int | None = None, fp32: bool = False,
+                 sliding_window: int | None = None):
         super().__init__()
         self.scale, self.causal, self.layer_index, self.fp32 = head_dim ** -0.5, causal, layer_index, fp32
+        self.sliding_window = sliding_window  # paged path only: the backend must have the feature (see __init__)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata | PagedAttentionMetadata) -> torch.Tensor:
         """q: (N, Hq, D), k/v: (N, Hkv, D) -> (N, Hq, D)."""
         if isinstance(meta, PagedAttentionMetadata):
-            return meta.backend.forward(q, k, v, meta.kv_caches[self.layer_index], meta, self.scale)
+            return meta.backend.forward(q, k, v, meta.kv_caches[self.layer_index], meta, self.scale,
+                                        window=self.sliding_window)
         if meta.tiles is not None:
             from fovea.attention.triton_varlen import varlen_attention_triton
 

@@ -106,8 +106,6 @@ class EngineConfig:
     @classmethod
     def build(cls, model_dir: Path, dtype: str | torch.dtype = default("dtype"), device: str = "auto",
               max_model_len: int | None = default("max_model_len"), **options) -> EngineConfig:
-        from fovea.runner.encoder_buckets import parse_buckets
-
         model = ModelConfig.from_dir(model_dir)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,6 +132,18 @@ class EngineConfig:
             max_item_tokens = int(config.largest_frame_pixels) // (vision.patch_size * vision.spatial_merge_size) ** 2
             config = dataclasses.replace(config, encoder_cache_size=max_item_tokens + config.encoder_budget)
         return config
+
+
+def parse_buckets(text: str | list[int] | None, merge_unit: int) -> list[int]:
+    """'1024,4096' or [1024, 4096] -> sorted patch counts, each a positive multiple of merge_unit (the
+    model's ImageProcessorConfig.encoder_unit: the patches of one token, or of one whole fixed-size image)."""
+    if not text:
+        return []
+    values = [int(v) for v in text.split(",")] if isinstance(text, str) else [int(v) for v in text]
+    bad = [v for v in values if v <= 0 or v % merge_unit]
+    if bad:
+        raise ValueError(f"mm_buckets must be positive multiples of {merge_unit} patches, got {bad}")
+    return sorted(set(values))
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:

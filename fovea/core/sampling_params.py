@@ -5,12 +5,58 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from fovea.engine.structured_outputs import StructuredOutputsParams
-
 INT64_MAX = 2 ** 63 - 1  # seeds (plus the sample index) become torch generator seeds
+
+
+WHERE = "structured_outputs"
+
+
+@dataclass(frozen=True, eq=False)
+class StructuredOutputsParams:
+    """vLLM's names: exactly one of json (a schema, as a dict or a JSON string), regex, choice, grammar (Lark,
+    llguidance's dialect) or json_object (any JSON object)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"{WHERE} takes exactly one of json, regex, choice, grammar, json_object; got "
+                             f"{given or 'none'}")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"{WHERE}.choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def key(self) -> tuple:
+        """Hashable and equal for equal requests (a schema dict is not hashable)."""
+        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
+        return schema, self.regex, self.choice, self.grammar, self.json_object
+
+    def grammar_text(self) -> str:
+        """The request as an llguidance grammar."""
+        from llguidance import LLMatcher
+
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
+        if self.grammar is not None:
+            return LLMatcher.grammar_from_lark(self.grammar)
+        schema = {"type": "object"} if self.json_object else self.json
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        try:
+            return LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        except ValueError as error:  # not JSON at all
+            raise ValueError(f"{WHERE}.json is not a JSON schema: {error}") from None
 
 
 class RequestOutputKind(enum.Enum):

@@ -25,8 +25,8 @@ from fovea.engine.block_manager import BlockManager
 from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.scheduler import ScheduledBatch, Scheduler
-from fovea.engine.structured_outputs import COMPILE_TIMEOUT_S
-from fovea.frontend.input_processor import InputProcessor
+from fovea.engine.structured_outputs import COMPILE_TIMEOUT_S, Grammars
+from fovea.multimodal.prompt import load_tokenizer
 from fovea.runner.image_encoder import ImageEncoder
 from fovea.runner.model_runner import ModelRunner, StepOutput
 from fovea.runner.tp_workers import WorkerDied, start_workers
@@ -59,8 +59,11 @@ class LLMEngine:
             raise
         self._check_kv_capacity(self.runner.num_blocks * config.block_size)
         config = self.config  # with max_model_len lowered to what the KV cache holds, when it was the model's
-        self.inputs = InputProcessor(config)
-        self.tokenizer = self.inputs.tokenizer
+        # the engine's own needs: token texts (outputs, logprobs) and the grammars of structured outputs; the
+        # front end (AsyncLLM, or LLM in this process) has the input processor
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.grammars = Grammars(self.tokenizer, config.model.text.vocab_size, config.model.eos_token_ids,
+                                 config.device)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         self.scheduler = Scheduler(config, self.blocks, self.encoder_cache)
@@ -112,8 +115,8 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.num_requests_added += 1
         if request.params.structured_outputs is not None:  # one grammar state per sample, built off the step loop
-            self.inputs.warm_up_grammars()
-            build = self.inputs.grammars.build(request.params.structured_outputs, request.params.n)
+            self.grammars.warm_up()
+            build = self.grammars.compiler.build(request.params.structured_outputs, request.params.n)
             self.compiling.append((request, time.monotonic() + COMPILE_TIMEOUT_S, build))
             return  # scheduled once its grammar is built (_admit_compiled)
         self.scheduler.add(self._new_sequence(request, 0))

@@ -58,7 +58,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
 
     try:
         engine = LLMEngine(config, on_worker_failure=worker_failed)
-        engine.inputs.warm_up_grammars()  # before the server answers: the first structured request is not slow
+        engine.grammars.warm_up()  # before the server answers: the first structured request is not slow
     except BaseException:  # noqa: BLE001 - the front end reports why start-up failed
         send(("failed", traceback.format_exc()))
         return

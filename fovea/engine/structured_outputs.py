@@ -11,57 +11,14 @@ consumes the token drawn. JSON is generated compact (no free whitespace), so a m
 from __future__ import annotations
 
 import concurrent.futures
-import json
+import logging
 import os
-import re
-from dataclasses import dataclass
+import threading
+import time
 
-WHERE = "structured_outputs"
+from fovea.core.sampling_params import WHERE, StructuredOutputsParams
 
-
-@dataclass(frozen=True, eq=False)
-class StructuredOutputsParams:
-    """vLLM's names: exactly one of json (a schema, as a dict or a JSON string), regex, choice, grammar (Lark,
-    llguidance's dialect) or json_object (any JSON object)."""
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
-    grammar: str | None = None
-    json_object: bool = False
-
-    def __post_init__(self):
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise ValueError(f"{WHERE} takes exactly one of json, regex, choice, grammar, json_object; got "
-                             f"{given or 'none'}")
-        if self.choice is not None:
-            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"{WHERE}.choice must be a non-empty list of non-empty strings")
-            object.__setattr__(self, "choice", tuple(self.choice))
-
-    def key(self) -> tuple:
-        """Hashable and equal for equal requests (a schema dict is not hashable)."""
-        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
-        return schema, self.regex, self.choice, self.grammar, self.json_object
-
-    def grammar_text(self) -> str:
-        """The request as an llguidance grammar."""
-        from llguidance import LLMatcher
-
-        if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
-        if self.grammar is not None:
-            return LLMatcher.grammar_from_lark(self.grammar)
-        schema = {"type": "object"} if self.json_object else self.json
-        text = schema if isinstance(schema, str) else json.dumps(schema)
-        try:
-            return LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
-        except ValueError as error:  # not JSON at all
-            raise ValueError(f"{WHERE}.json is not a JSON schema: {error}") from None
-
+logger = logging.getLogger("fovea")
 
 # A grammar may take long to build (a crafted schema: tens of seconds); no request waits longer for its own
 COMPILE_TIMEOUT_S = float(os.environ.get("FOVEA_GRAMMAR_TIMEOUT", "10"))
@@ -120,58 +77,32 @@ class GrammarCompiler:
         return self._fresh(params).deep_copy()
 
 
-_threads = None  # (llguidance's pool, which fills a batch's masks in parallel outside the GIL; a starter thread)
+class Grammars:
+    """One tokenizer's grammar engine, shared by whoever needs it in a process: the compiler, made on first use
+    (it reads the whole vocabulary: seconds), and the step that applies masks to logits on `device`, which
+    llguidance compiles with torch.compile on its first use (`warm_up`: `fovea serve` warms up before it answers,
+    an offline engine on its first structured request)."""
 
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, device):
+        self.tokenizer, self.vocab_size, self.eos_token_ids, self.device = tokenizer, vocab_size, eos_token_ids, device
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()  # the preparation pool's threads would each build one (seconds of the GIL)
+        self._masks_ready = False
 
-def _fill_threads():
-    global _threads
-    if _threads is None:
-        import llguidance
+    @property
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
+        return self._compiler
 
-        _threads = llguidance.LLExecutor(), concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
-    return _threads
+    def warm_up(self) -> None:
+        from fovea.runner.grammar_masks import warm_up_masks
 
-
-class GrammarMasks:
-    """The next-token masks of a step's constrained rows. Filling starts when the step is built and runs in
-    llguidance's threads (they release the GIL) while the model runs: on a GPU the CPU work hides behind the
-    forward pass; the sampler waits for them only once it has the logits, then applies them on the device."""
-
-    def __init__(self, rows: list[int], matchers: list, vocab_size: int):
-        import llguidance.torch as lt
-
-        self.rows = rows
-        self.bitmask = lt.allocate_token_bitmask(len(rows), vocab_size)
-        pool, starter = _fill_threads()
-        self._filled = starter.submit(lt.fill_next_token_bitmask_par, pool, list(zip(matchers, range(len(rows)))),
-                                      self.bitmask)
-
-    @classmethod
-    def start(cls, grammars: list, vocab_size: int) -> GrammarMasks | None:
-        """Masks for the rows whose grammar (matcher) is not None; None when no row has one."""
-        rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
-        return cls(rows, [grammars[i] for i in rows], vocab_size) if rows else None
-
-    def apply(self, logits) -> None:
-        """Sets to -inf, in place, every token that a constrained row's grammar does not allow next."""
-        import llguidance.torch as lt
-        import torch
-
-        self._filled.result()
-        bitmask = self.bitmask.to(logits.device, non_blocking=True)
-        if self.rows == list(range(logits.shape[0])):  # every row constrained: no gather and scatter
-            lt.apply_token_bitmask_inplace(logits, bitmask)
+        if self._masks_ready:
             return
-        index = torch.tensor(self.rows, device=logits.device)
-        masked = logits[index]
-        lt.apply_token_bitmask_inplace(masked, bitmask)
-        logits[index] = masked
-
-
-def warm_up_masks(compiler: GrammarCompiler, vocab_size: int, device) -> None:
-    """One mask applied to one row of logits on `device`: llguidance compiles that step (torch.compile) on its
-    first use, seconds that would otherwise fall on the first structured request."""
-    import torch
-
-    masks = GrammarMasks.start([compiler.matcher(StructuredOutputsParams(choice=["a"]))], vocab_size)
-    masks.apply(torch.zeros(1, vocab_size, device=device))
+        start = time.perf_counter()
+        logger.info("structured outputs: starting the grammar engine (once; can take seconds)")
+        warm_up_masks(self.compiler, self.vocab_size, self.device)
+        self._masks_ready = True
+        logger.info("structured outputs: grammar engine ready in %.1f s", time.perf_counter() - start)

@@ -61,7 +61,7 @@ class InProcessBackend:
         errors = {}
         for i, conversation in enumerate(conversations):
             try:
-                self.llm.engine.inputs.process_chat(conversation)
+                self.llm.inputs.process_chat(conversation)
             except ValueError as exc:
                 errors[i] = str(exc)
         if not errors:  # not one conversation's fault

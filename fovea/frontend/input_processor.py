@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 import weakref
 
@@ -17,7 +16,7 @@ from fovea.config.engine import EngineConfig
 from fovea.core.request import MMItem, Request
 from fovea.core.sampling_params import SamplingParams
 from fovea.engine.block_manager import MMSpan
-from fovea.engine.structured_outputs import GrammarCompiler, warm_up_masks
+from fovea.engine.structured_outputs import GrammarCompiler, Grammars
 from fovea.multimodal.image import ProcessedImage
 from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
 from fovea.multimodal.prompt import ChatOptions, ProcessedPrompt, PromptProcessor, prompt_too_long
@@ -27,38 +26,21 @@ logger = logging.getLogger("fovea")
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, decoder=None):
+    def __init__(self, config: EngineConfig, decoder=None, tokenizer=None, grammars: Grammars | None = None):
+        """`tokenizer`, `grammars`: an engine's in the same process (offline `LLM`), else loaded here."""
         self.config = config
         self.prompts = PromptProcessor(config.model_dir, config.model, mm_processor_kwargs=config.mm_processor_kwargs,
-                                       decoder=decoder)
+                                       decoder=decoder, tokenizer=tokenizer)
         self.tokenizer = self.prompts.tokenizer
         self.vocab_size = config.model.text.vocab_size
         self._arrivals = itertools.count()
-        self._grammars: GrammarCompiler | None = None
-        self._grammars_lock = threading.Lock()
-        self._masks_ready = False
+        self.grammar_engine = grammars or Grammars(self.tokenizer, self.vocab_size, config.model.eos_token_ids,
+                                                   config.device)
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """Structured-output grammars for this tokenizer, made on first use (it reads the whole vocabulary): the
-        front end only checks that requests' grammars compile."""
-        with self._grammars_lock:  # the preparation pool's threads would each build one (seconds of the GIL)
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.config.model.eos_token_ids)
-        return self._grammars
-
-    def warm_up_grammars(self) -> None:
-        """The engine's side of the grammar engine: the compiler, and the step that applies masks to logits on
-        the engine's device (llguidance compiles it with torch.compile on first use), by applying one. Seconds,
-        once per process: `fovea serve` does it before it answers, an offline engine on its first structured
-        request."""
-        if self._masks_ready:
-            return
-        start = time.perf_counter()
-        logger.info("structured outputs: starting the grammar engine (once; can take seconds)")
-        warm_up_masks(self.grammars, self.vocab_size, self.config.device)
-        self._masks_ready = True
-        logger.info("structured outputs: grammar engine ready in %.1f s", time.perf_counter() - start)
+        """Structured-output grammars for this tokenizer (the front end checks that requests' grammars compile)."""
+        return self.grammar_engine.compiler
 
     def process(self, prompt, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """A prompt is a string, a list of token ids, or {"prompt" | "prompt_token_ids": ...,

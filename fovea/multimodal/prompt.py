@@ -176,11 +176,11 @@ def text_length(messages: list[dict]) -> int:
 
 class PromptProcessor:
     def __init__(self, model_dir: str | Path, config: ModelConfig, chat_template: str | None = None,
-                 mm_processor_kwargs: dict | None = None, decoder=None):
+                 mm_processor_kwargs: dict | None = None, decoder=None, tokenizer=None):
         """`decoder.process(planned)` decodes and resizes planned images and videos, `decoder.probe(data)` reads a
         video file's header (default: in this thread; the server passes worker processes, image_workers.py)."""
         self.config = config
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         self.chat_template = chat_template or find_chat_template(model_dir, self.tokenizer)
         image_cfg = config.image.with_overrides(mm_processor_kwargs)
         self.image_processor = ImageProcessor(image_cfg)

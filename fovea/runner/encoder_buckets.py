@@ -20,18 +20,6 @@ import torch
 logger = logging.getLogger("fovea")
 
 
-def parse_buckets(text: str | list[int] | None, merge_unit: int) -> list[int]:
-    """'1024,4096' or [1024, 4096] -> sorted patch counts, each a positive multiple of merge_unit (the
-    model's ImageProcessorConfig.encoder_unit: the patches of one token, or of one whole fixed-size image)."""
-    if not text:
-        return []
-    values = [int(v) for v in text.split(",")] if isinstance(text, str) else [int(v) for v in text]
-    bad = [v for v in values if v <= 0 or v % merge_unit]
-    if bad:
-        raise ValueError(f"mm_buckets must be positive multiples of {merge_unit} patches, got {bad}")
-    return sorted(set(values))
-
-
 class EncoderBuckets:
     def __init__(self, visual: torch.nn.Module, buckets: list[int], dtype: torch.dtype, device: torch.device,
                  capture: bool):

@@ -13,18 +13,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fovea.attention.backend import AttentionBackend, PagedAttentionMetadata, TorchAttention
+from fovea.attention import make_backend
+from fovea.attention.backend import PagedAttentionMetadata
 from fovea.config.engine import EngineConfig
 from fovea.core.request import MMItem
 from fovea.distributed import SINGLE, ParallelGroups
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.scheduler import ScheduledBatch
-from fovea.engine.structured_outputs import GrammarMasks
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 from fovea.multimodal.patchify import patchify
 from fovea.runner.cuda_graphs import DecodeGraphs
 from fovea.runner.encoder_buckets import EncoderBuckets
+from fovea.runner.grammar_masks import GrammarMasks
 from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget
 from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
 from fovea.runner.step_input import StepInput, build_step
@@ -44,14 +45,6 @@ class StepOutput:
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)
 
 
-def make_attention_backend(config: EngineConfig, heads_per_kv_head: int) -> AttentionBackend:
-    if config.resolved_attention_backend == "torch":
-        return TorchAttention(config.fp32_softmax, config.device)
-    from fovea.attention.triton_paged import TritonAttention
-
-    return TritonAttention(group=heads_per_kv_head)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelGroups | None = None):
         self.config = config
@@ -67,7 +60,8 @@ class ModelRunner:
         self.image_config = config.model.image  # mean, std, patch and merge sizes
         first = self.model.model.layers[0].self_attn
         self.num_layers, self.num_kv_heads = config.model.text.num_layers, first.num_kv_heads  # this rank's heads
-        self.backend = make_attention_backend(config, first.num_heads // self.num_kv_heads)
+        self.backend = make_backend(config.resolved_attention_backend, first.num_heads // self.num_kv_heads,
+                                    config.fp32_softmax, config.device)
         # collectives inside CUDA graphs are not set up yet: with several ranks everything runs eagerly
         capture = gpu_kernels and not config.enforce_eager and not config.distributed
         self.encoder_buckets = None

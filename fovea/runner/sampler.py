@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fovea.core.sampling_params import SamplingParams
-from fovea.engine.structured_outputs import GrammarMasks
+from fovea.runner.grammar_masks import GrammarMasks
 
 CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first
 MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path

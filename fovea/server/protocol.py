@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fovea.core.sampling_params import RequestOutputKind, SamplingParams
-from fovea.engine.structured_outputs import StructuredOutputsParams
+from fovea.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("fovea")
 

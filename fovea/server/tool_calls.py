@@ -15,7 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from fovea.engine.structured_outputs import StructuredOutputsParams
+from fovea.core.sampling_params import StructuredOutputsParams
 
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)

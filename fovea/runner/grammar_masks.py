@@ -1,0 +1,64 @@
+"""A step's grammar masks: filled in llguidance's threads while the model runs, applied to the logits before
+sampling (the matchers themselves are built by the engine's GrammarCompiler, fovea/engine/structured_outputs.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from fovea.core.sampling_params import StructuredOutputsParams
+
+_threads = None  # (llguidance's pool, which fills a batch's masks in parallel outside the GIL; a starter thread)
+
+
+def _fill_threads():
+    global _threads
+    if _threads is None:
+        import llguidance
+
+        _threads = llguidance.LLExecutor(), concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
+    return _threads
+
+
+class GrammarMasks:
+    """The next-token masks of a step's constrained rows. Filling starts when the step is built and runs in
+    llguidance's threads (they release the GIL) while the model runs: on a GPU the CPU work hides behind the
+    forward pass; the sampler waits for them only once it has the logits, then applies them on the device."""
+
+    def __init__(self, rows: list[int], matchers: list, vocab_size: int):
+        import llguidance.torch as lt
+
+        self.rows = rows
+        self.bitmask = lt.allocate_token_bitmask(len(rows), vocab_size)
+        pool, starter = _fill_threads()
+        self._filled = starter.submit(lt.fill_next_token_bitmask_par, pool, list(zip(matchers, range(len(rows)))),
+                                      self.bitmask)
+
+    @classmethod
+    def start(cls, grammars: list, vocab_size: int) -> GrammarMasks | None:
+        """Masks for the rows whose grammar (matcher) is not None; None when no row has one."""
+        rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
+        return cls(rows, [grammars[i] for i in rows], vocab_size) if rows else None
+
+    def apply(self, logits) -> None:
+        """Sets to -inf, in place, every token that a constrained row's grammar does not allow next."""
+        import llguidance.torch as lt
+        import torch
+
+        self._filled.result()
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        if self.rows == list(range(logits.shape[0])):  # every row constrained: no gather and scatter
+            lt.apply_token_bitmask_inplace(logits, bitmask)
+            return
+        index = torch.tensor(self.rows, device=logits.device)
+        masked = logits[index]
+        lt.apply_token_bitmask_inplace(masked, bitmask)
+        logits[index] = masked
+
+
+def warm_up_masks(compiler, vocab_size: int, device) -> None:
+    """One mask applied to one row of logits on `device`: llguidance compiles that step (torch.compile) on its
+    first use, seconds that would otherwise fall on the first structured request."""
+    import torch
+
+    masks = GrammarMasks.start([compiler.matcher(StructuredOutputsParams(choice=["a"]))], vocab_size)
+    masks.apply(torch.zeros(1, vocab_size, device=device))

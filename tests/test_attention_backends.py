@@ -1,0 +1,67 @@
+"""The attention-backend registry (fovea/attention/__init__.py) and the features its interface expresses: the
+PyTorch reference's sliding windows and bidirectional spans against attention written out densely, position by
+position; a backend without a feature the model needs is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import MIXED, ragged_batch, run
+
+from fovea.attention import BACKENDS, make_backend
+from fovea.attention.backend import TorchAttention
+from fovea.config.flags import BY_NAME
+
+
+def dense_reference(q, k_cache, meta, specs, window, spans, scale):
+    """Each query against every key of its sequence that it may see, from the cache after the step's writes."""
+    _, _, block_size, kv_heads, _ = k_cache.shape
+    flat = k_cache.view(2, -1, kv_heads, k_cache.shape[-1])
+    group = q.shape[1] // kv_heads
+    out, row = torch.empty_like(q), 0
+    for index, (cached, new) in enumerate(specs):
+        length = cached + new
+        slots = [int(meta.block_tables[index, p // block_size]) * block_size + p % block_size for p in range(length)]
+        keys, values = flat[0][slots].repeat_interleave(group, 1), flat[1][slots].repeat_interleave(group, 1)
+        for position in range(cached, length):
+            allowed = torch.tensor([j <= position and (window is None or j > position - window) or
+                                    any(first <= position < end and first <= j < end for first, end in
+                                        spans.get(index, [])) for j in range(length)])
+            scores = torch.einsum("hd,khd->hk", q[row], keys) * scale
+            weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            out[row] = torch.einsum("hk,khd->hd", weights, values)
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize("window, spans", [
+    (None, {}),
+    (4, {}),  # shorter than every chunk
+    (40, {}),  # reaches into the cached prefix of the chunked sequences
+    (None, {0: [(3, 11), (20, 30)], 3: [(18, 25)]}),  # image-like spans in a fresh prompt and in a later chunk
+    (6, {0: [(3, 11)], 5: [(71, 75)]}),  # both at once (Gemma 3's sliding layers see their images whole)
+])
+def test_reference_windows_and_bidirectional_spans(window, spans):
+    specs = MIXED
+    q, k, v, cache, make_meta = ragged_batch(specs, 4, 2, 16, 16, torch.float32)
+    backend = TorchAttention()
+    meta = make_meta(backend)
+    meta.bidirectional_spans = spans
+    written = cache.clone()
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, written, meta, scale=0.25, window=window)
+    expected = dense_reference(q, written, meta, specs, window, spans, scale=0.25)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if window is None and not spans:  # the plain path agrees with the kernels' reference runs
+        torch.testing.assert_close(got, run(TorchAttention(), q, k, v, cache, make_meta)[0])
+
+
+def test_registry_builds_by_name_and_refuses_missing_features():
+    assert set(BY_NAME["attention_backend"].choices) == {"auto", *BACKENDS}  # the flag offers what is registered
+    assert isinstance(make_backend("torch", 2, False, torch.device("cpu"), needs=("sliding_window",)), TorchAttention)
+    with pytest.raises(ValueError, match="needs sliding_window attention, which the triton backend does not have; "
+                                         r"backends that do: \['torch'\]"):
+        make_backend("triton", 2, False, torch.device("cpu"), needs=("sliding_window",))
+    with pytest.raises(ValueError, match="attention backend 'flash' is not one of torch, triton"):
+        make_backend("flash", 2, False, torch.device("cpu"))
+    assert BACKENDS["triton"].cuda_graphs and not BACKENDS["torch"].cuda_graphs
