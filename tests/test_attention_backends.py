@@ -8,8 +8,9 @@ import pytest
 import torch
 from test_kernels import MIXED, ragged_batch, run
 
-from fovea.attention import BACKENDS, make_backend
+from fovea.attention import BACKENDS, features_needed, make_backend
 from fovea.attention.backend import TorchAttention
+from fovea.attention.layer import Attention
 from fovea.config.flags import BY_NAME
 
 
@@ -65,3 +66,12 @@ def test_registry_builds_by_name_and_refuses_missing_features():
     with pytest.raises(ValueError, match="attention backend 'flash' is not one of torch, triton"):
         make_backend("flash", 2, False, torch.device("cpu"))
     assert BACKENDS["triton"].cuda_graphs and not BACKENDS["torch"].cuda_graphs
+
+
+def test_a_model_with_sliding_window_layers_needs_a_backend_that_has_them():
+    plain = torch.nn.ModuleList([Attention(16, causal=True, layer_index=0), Attention(16, causal=False)])
+    windowed = torch.nn.ModuleList([Attention(16, causal=True, layer_index=0),
+                                    Attention(16, causal=True, layer_index=1, sliding_window=512)])
+    assert features_needed(plain) == () and features_needed(windowed) == ("sliding_window",)
+    with pytest.raises(ValueError, match="needs sliding_window attention"):
+        make_backend("triton", 2, False, torch.device("cpu"), needs=features_needed(windowed))

@@ -36,11 +36,19 @@ def _triton(heads_per_kv_head: int, fp32_softmax: bool, device: torch.device) ->
     return TritonAttention(group=heads_per_kv_head)  # its scores and softmax are fp32 always
 
 
-BACKENDS = {
+BACKENDS = {  # the reference sizes its tensors from each batch, so it cannot be captured
     "torch": BackendSpec(lambda group, fp32, device: TorchAttention(fp32, device), sliding_window=True,
                          bidirectional_spans=True, cuda_graphs=False),
     "triton": BackendSpec(_triton, sliding_window=False, bidirectional_spans=False, cuda_graphs=True),
 }
+
+
+def features_needed(model: torch.nn.Module) -> tuple[str, ...]:
+    """The backend features a model's paged attention layers use (models set them when they build a layer)."""
+    from fovea.attention.layer import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention) and m.layer_index is not None]
+    return ("sliding_window",) if any(layer.sliding_window is not None for layer in layers) else ()
 
 
 def make_backend(name: str, heads_per_kv_head: int, fp32_softmax: bool, device: torch.device,

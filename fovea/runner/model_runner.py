@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fovea.attention import make_backend
+from fovea.attention import BACKENDS, features_needed, make_backend
 from fovea.attention.backend import PagedAttentionMetadata
 from fovea.config.engine import EngineConfig
 from fovea.core.request import MMItem
@@ -60,10 +60,12 @@ class ModelRunner:
         self.image_config = config.model.image  # mean, std, patch and merge sizes
         first = self.model.model.layers[0].self_attn
         self.num_layers, self.num_kv_heads = config.model.text.num_layers, first.num_kv_heads  # this rank's heads
-        self.backend = make_backend(config.resolved_attention_backend, first.num_heads // self.num_kv_heads,
-                                    config.fp32_softmax, config.device)
+        backend = config.resolved_attention_backend
+        self.backend = make_backend(backend, first.num_heads // self.num_kv_heads, config.fp32_softmax,
+                                    config.device, needs=features_needed(self.model))
         # collectives inside CUDA graphs are not set up yet: with several ranks everything runs eagerly
-        capture = gpu_kernels and not config.enforce_eager and not config.distributed
+        capture = (self.device.type == "cuda" and BACKENDS[backend].cuda_graphs and not config.enforce_eager
+                   and not config.distributed)
         self.encoder_buckets = None
         if config.mm_buckets:  # before the memory profile: captured graphs keep their memory
             self.encoder_buckets = EncoderBuckets(self.model.visual, config.mm_buckets, config.dtype, self.device,
@@ -82,7 +84,7 @@ class ModelRunner:
         self.logits_buffer = torch.empty(config.max_num_seqs, config.model.text.vocab_size, dtype=config.dtype,
                                          device=self.device)
         self.graphs: DecodeGraphs | None = None
-        if capture:  # the reference backend sizes its tensors from the batch, so only our kernels can be captured
+        if capture:
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
                                        config.block_size, self.kv_caches, self.device, capture=True)
 

@@ -258,8 +258,8 @@ class InvalidBody(ValueError):
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """A request body as `model`; InvalidBody names the first problem (never pydantic's whole report: it names
-    our source files). The server runs this in its preparation pool: a 60 MB body of small JSON objects takes
-    seconds to parse, and the event loop must not wait for it."""
+    our source files). The server runs this in its preparation pool; parsing holds the GIL all the same, which is
+    why BodyLimit (guards.py) bounds how many JSON objects a body may hold."""
     try:
         data = json.loads(raw)
     except ValueError as error:  # not JSON, or not UTF-8
