@@ -1,6 +1,7 @@
 """One decode step of the language model, measured beside its floor, and its top kernels (torch profiler).
 
-    python benchmarks/decode_step.py --model DIR --out DIR [--cases 16x8192,256x1024] [--quick]
+    python benchmarks/decode_step.py --model DIR --out DIR [--cases 16x8192,256x1024] [--variants fused,unfused]
+                                     [--quick]
 
 For each case (batch x context) the KV cache is filled with random values and every sequence's blocks are
 scattered over it; the step (the decoder layers, then the LM head over every row) is timed replayed from a CUDA
@@ -8,7 +9,8 @@ graph, as the engine runs it (median of 20, synchronized after each), and profil
 table. The floor is the
 larger of the step's FLOPs over the matmul rate and its bytes (LM weights + the batch's KV cache) over the copy
 bandwidth (fovea/bench/floors.py); the attention kernel's own floor is its KV bytes over the bandwidth. --rates
-takes the measured rates ("TFLOPS,TBPS"); writes decode_step.json and prints a table.
+takes the measured rates ("TFLOPS,TBPS"); --variants: the model built with the fused element-wise kernels (as the
+engine builds it on a GPU) and/or without, side by side in one run; writes decode_step.json and prints a table.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="16x8192,256x1024")
     parser.add_argument("--rates", default="798,3.0", help="matmul TFLOP/s,copy TB/s (measured in the same run)")
+    parser.add_argument("--variants", default="fused", help="fused, unfused or both (comma-separated)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
@@ -124,12 +127,19 @@ def main() -> None:
     tflops, tbps = (float(x) for x in args.rates.split(","))
     config = ModelConfig.from_dir(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, _ = load_model(args.model, dtype="bfloat16", device=device, options=ModelOptions(vision_kernel=True))
     cases = [(2, 64)] if args.quick else [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    results = [measure(model, config, b, c, (tflops * 1e12, tbps * 1e12), args.quick) for b, c in cases]
+    results = []
+    for variant in args.variants.split(","):
+        options = ModelOptions(vision_kernel=True, fused_kernels=variant == "fused")
+        model, _ = load_model(args.model, dtype="bfloat16", device=device, options=options)
+        for b, c in cases:
+            results.append({"variant": variant, **measure(model, config, b, c, (tflops * 1e12, tbps * 1e12),
+                                                          args.quick)})
+        del model
+        torch.cuda.empty_cache() if device == "cuda" else None
     (out / "decode_step.json").write_text(json.dumps(results, indent=2))
     for r in results:
-        print(f"\ndecode step, batch {r['batch']} x context {r['context']}: {r['step_ms']:.2f} ms (CUDA graph) against "
+        print(f"\n{r['variant']}: decode step, batch {r['batch']} x context {r['context']}: {r['step_ms']:.2f} ms (CUDA graph) against "
               f"a floor of {r['floor_ms']:.2f} ms = {r['step_ms'] / r['floor_ms']:.2f}x; attention "
               f"{r['attention_us_per_layer']:.1f} us/layer against {r['attention_floor_us_per_layer']:.1f}")
         print("| kernel | calls | us | share |\n|---|---|---|---|")

@@ -7,14 +7,17 @@
 #                                              # the decode-step profile at batch 16 / 8k and 256 / 1k, our video
 #                                              # patches against transformers' video processor, the LLaVA-7B CLIP
 #                                              # tower on CUDA
+#   bash benchmarks/gpu_check.sh host    OUT   # the decode step with and without the fused element-wise kernels;
+#                                              # a served decode step's host phases (host_overhead.py), beside an
+#                                              # earlier tree's when BASELINE names one (git archive of a commit)
 #   bash benchmarks/gpu_check.sh kernels OUT   # attention kernels side by side (ours, FlashInfer where it installs,
 #                                              # PyTorch SDPA) against measured bandwidth and matmul rate; 7B-shape
 #                                              # fp32/bf16 greedy parity against transformers (gpu_parity.py)
 # Add --quick to any of them for a dry run on the CPU with the tiny model. Packages the GPU machine lacks travel as
 # wheels in .whl/ (benchmarks/README.md says which and how to fetch them); they are installed here first.
 set -uo pipefail
-stage=${1:?usage: gpu_check.sh tests|serve|kernels OUT [--quick]}
-out=${2:?usage: gpu_check.sh tests|serve|kernels OUT [--quick]}
+stage=${1:?usage: gpu_check.sh tests|serve|host|kernels OUT [--quick]}
+out=${2:?usage: gpu_check.sh tests|serve|host|kernels OUT [--quick]}
 quick=${3:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -68,6 +71,15 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     step decode_step 60 $py benchmarks/decode_step.py --model $model --out "$out" --rates "$rates" $quick
     step media 40 $py benchmarks/gpu_media_checks.py --out "$out" $quick
     cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"; cat "$out/summary.md" ;;
+  host)
+    build_7b
+    step decode_variants 150 $py benchmarks/decode_step.py --model $model --out "$out" --variants fused,unfused $quick
+    if [[ -n ${BASELINE:-} ]]; then
+      step host_baseline 200 env PYTHONPATH="$BASELINE:$PYTHONPATH" $py benchmarks/host_overhead.py --model $model \
+        --out "$out/host-baseline.json" --label baseline $quick
+    fi
+    step host 200 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" $quick
+    grep -h "decode step, batch" "$out/decode_variants.log"; grep -h " ms = model" "$out"/host*.log ;;
   kernels)  # PARITY_DONE: a folder of parity runs taken earlier, copied in so that they are not repeated
     step kernels 250 $py -m fovea.cli bench kernels --out "$out/kernels.json" $quick
     build_7b

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fovea.core.sampling_params import SamplingParams
-from fovea.runner.sampler import Sampler, SampleRow, apply_penalties_and_bias
+from fovea.runner.penalties import apply_penalties_and_bias
+from fovea.runner.sampler import Sampler, SampleRow
 
 DRAWS = 4000
 
@@ -208,3 +209,28 @@ def test_sparse_penalties_equal_dense_ones():
     assert not torch.equal(got, logits)  # penalized in place...
     undo()
     assert torch.equal(got, logits)  # ...and taken back exactly
+
+
+def test_penalty_tokens_kept_across_steps_equal_ones_rebuilt_each_step():
+    """The sampler keeps each penalized sample's tokens between steps and reads only the new ones: step after step
+    (tokens appended, a row leaving and coming back, an id outside the vocabulary) the logits are penalized as
+    from the whole token list."""
+    torch.manual_seed(6)
+    vocab = 40
+    params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2),
+              SamplingParams(repetition_penalty=0.8), SamplingParams(temperature=0)]
+    tokens = [torch.randint(0, vocab, (12,)).tolist() + [vocab + 3] for _ in params]  # one id past the vocabulary
+    sampler = Sampler(seed=0)
+    for step in range(6):
+        live = [0, 2] if step == 3 else [0, 1, 2]  # row 1 sits out a step (preempted, say)
+        batch = [SampleRow(params[i], tokens[i], 10, None, (), key=(i, 0)) for i in live]
+        logits = torch.randn(len(batch), vocab)
+        cached, rebuilt = logits.clone(), logits.clone()
+        apply_penalties_and_bias(cached, batch, sampler.seen)
+        apply_penalties_and_bias(rebuilt, batch)
+        assert torch.equal(cached, rebuilt), step
+        assert not torch.equal(cached, logits)
+        sampled = sampler(logits, batch).token_ids.tolist()
+        assert set(sampler.seen) == {(i, 0) for i in live if i != 2}  # the unpenalized row keeps nothing
+        for i, token in zip(live, sampled):
+            tokens[i].append(token)

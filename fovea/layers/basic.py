@@ -9,13 +9,31 @@ from torch import nn
 from fovea.distributed import current_tp
 
 
+def _kernels():
+    from fovea.layers import fused  # imports triton, which only GPU machines need to have
+
+    return fused
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    """`fused`: one Triton kernel (fused.py, CUDA) instead of the PyTorch ops below, which stay the reference."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, fused: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the sum a pre-norm block carries on."""
+        if self.fused:
+            out, total = _kernels().rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, total)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 whatever the model dtype; the weight multiplies after casting back (as Qwen2 does).
         dtype = x.dtype
         x = x.float()
@@ -24,9 +42,15 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """SwiGLU gate on a fused gate|up projection."""
+    """SwiGLU gate on a fused gate|up projection (`fused`: one Triton kernel, CUDA)."""
+
+    def __init__(self, fused: bool = False):
+        super().__init__()
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return _kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -48,3 +48,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(dtype)
+
+
+def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+               head_dim: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection's output [q | k | v] (N, (heads + 2 kv heads) * head_dim) -> q, k rotated and v, as
+    (N, heads, head_dim) tensors. `fused`: q and k rotated in place by one Triton kernel (CUDA)."""
+    n = qkv.shape[0]
+    if fused:
+        from fovea.layers.fused import rotary_  # imports triton, which only GPU machines need to have
+
+        rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+    if fused:
+        return q, k, v
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

@@ -23,6 +23,7 @@ class ModelOptions:
     fp32_softmax: bool = False  # language-model attention scores in fp32 on the uncached path
     fp32_softmax_vision: bool = False  # the same for the vision tower
     vision_kernel: bool = False  # the vision tower's attention on our Triton kernel (CUDA) instead of PyTorch's
+    fused_kernels: bool = False  # the decoder's RMSNorm (+ residual), SiLU-and-mul and rotary as Triton kernels (CUDA)
 
 
 class VisionLanguageModel(nn.Module):

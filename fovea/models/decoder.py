@@ -16,16 +16,17 @@ from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import TextConfig
 from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding, activation
 from fovea.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from fovea.layers.rotary import apply_rotary, mrope
+from fovea.layers.rotary import mrope, rotate_qkv
+from fovea.models.base import ModelOptions
 
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP (Qwen2.5-VL's vision blocks use it with biases, the language models without)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, fused: bool = False):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(fused)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,50 +47,56 @@ class FeedForward(nn.Module):
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_index: int, fp32_softmax: bool):
+    def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.fused = cfg.head_dim, options.fused_kernels
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.attention_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.attn = Attention(cfg.head_dim, causal=True, layer_index=layer_index, fp32=fp32_softmax)
+        self.attn = Attention(cfg.head_dim, causal=True, layer_index=layer_index, fp32=options.fp32_softmax)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata | PagedAttentionMetadata):
-        n = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), meta)
-        return self.o_proj(out.reshape(n, -1))
+        q, k, v = rotate_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                             self.fused)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_index: int, fp32_softmax: bool):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, layer_index, fp32_softmax)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
+    """Pre-norm block. It hands on the residual stream and its own output separately, so that the next norm adds
+    them (one kernel with `fused_kernels`): x, residual -> x + residual for the next layer's norm to take."""
 
-    def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
+        super().__init__()
+        fused = options.fused_kernels
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.self_attn = DecoderAttention(cfg, layer_index, options)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, fused=fused)
+
+    def forward(self, x, residual, cos, sin, meta):
+        """residual None: x is the embeddings (the first layer)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta), residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: TextConfig, fp32_softmax: bool = False):
+    def __init__(self, cfg: TextConfig, options: ModelOptions):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = mrope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, fp32_softmax) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, options) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.fused_kernels)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions)
-        x = inputs_embeds
+        x, residual = inputs_embeds, None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta)
+        return self.norm(x, residual)[0]

@@ -171,7 +171,7 @@ class Model(VisionLanguageModel):
         super().__init__(config, options)
         with tensor_parallel(vision_tp or current_tp()):
             self.visual = ClipVisionTower(config.vision, options)
-        self.model = DecoderModel(config.text, options.fp32_softmax)
+        self.model = DecoderModel(config.text, options)
         self.make_lm_head()
 
     def rename(self, name: str) -> str | None:

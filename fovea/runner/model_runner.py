@@ -52,7 +52,8 @@ class ModelRunner:
         self.parallel = parallel
         gpu_kernels = self.device.type == "cuda" and config.resolved_attention_backend == "triton"
         # fp32_softmax: the uncached path (start-up profile); the Triton kernels always are fp32
-        options = ModelOptions(config.fp32_softmax, config.fp32_softmax_vision, vision_kernel=gpu_kernels)
+        options = ModelOptions(config.fp32_softmax, config.fp32_softmax_vision, vision_kernel=gpu_kernels,
+                               fused_kernels=self.device.type == "cuda")
         self.free_at_start = free_memory_at_start(config) if self.device.type == "cuda" else 0
         self.model, _ = load_model(config.model_dir, dtype=config.dtype, device=config.device,
                                    lm_tp=parallel.lm if parallel else SINGLE,

@@ -6,8 +6,8 @@ their temperature, filtered by top_k, top_p and min_p, and drawn with the expone
 (argmax(p / E), E ~ Exp(1)), which needs one noise tensor instead of a multinomial per row. A request with a
 seed draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
 
-Two things keep a step cheap with a 150k vocabulary: penalties touch only the tokens a row has seen, and top_k /
-top_p are resolved among each row's best `CANDIDATES` tokens (one topk instead of a sort of the whole vocabulary);
+Two things keep a step cheap with a 150k vocabulary: penalties touch only the tokens a row has seen (penalties.py),
+and top_k / top_p are resolved among each row's best `CANDIDATES` tokens (one topk instead of a sort of the whole vocabulary);
 only a row whose top_p cut falls outside them sorts its full row.
 """
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from fovea.core.sampling_params import SamplingParams
 from fovea.runner.grammar_masks import GrammarMasks
+from fovea.runner.penalties import SeenTokens, apply_penalties_and_bias
 
 CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first
 MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path
@@ -34,6 +34,7 @@ class SampleRow:
     generator: torch.Generator | None
     stop_ids: tuple[int, ...]  # banned while fewer than min_tokens are generated
     grammar: object | None = None  # structured outputs: the sample's llguidance matcher
+    key: tuple | None = None  # (sequence id, fork): names the sample across steps (the penalties' SeenTokens)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -64,62 +65,6 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
 
 def _column(rows: list[SampleRow], getter, dtype, device) -> torch.Tensor:
     return torch.tensor([getter(r.params) for r in rows], dtype=dtype, device=device)
-
-
-def _penalized(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
-
-
-def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow]):
-    """Applies logit_bias, min_tokens bans and the penalties to `logits` in place; returns an `undo()` that puts
-    back the few entries changed (copying a 256 x 152k batch would cost as much as the argmax that follows)."""
-    vocab = logits.shape[1]
-    device = logits.device
-    bias = [(i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
-            if 0 <= t < vocab]
-    banned = [i * vocab + t for i, r in enumerate(rows) if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
-              for t in r.stop_ids if 0 <= t < vocab]
-    penalized = [i for i, r in enumerate(rows) if _penalized(r.params)]
-    if not (bias or banned or penalized):
-        return _nothing
-    seen = generated = None
-    if penalized:  # (row * vocab + token) keys of the penalized rows' tokens; numpy reads Python lists 10x faster
-        keys, output_keys = [], []
-        for i in penalized:
-            ids = np.array(rows[i].token_ids, dtype=np.int64)
-            ids = np.where((ids >= 0) & (ids < vocab), ids, 0) + i * vocab
-            keys.append(ids)
-            output_keys.append(ids[rows[i].num_prompt_tokens:])
-        seen = torch.from_numpy(np.concatenate(keys)).to(device)
-        generated = torch.from_numpy(np.concatenate(output_keys)).to(device)
-    bias_keys = torch.tensor([k for k, _ in bias], dtype=torch.long, device=device)
-    banned_keys = torch.tensor(banned, dtype=torch.long, device=device)
-    flat = logits.view(-1)
-    touched = torch.cat([bias_keys, banned_keys] + ([seen] if seen is not None else []))
-    saved = flat[touched]
-
-    def undo() -> None:
-        flat[touched] = saved  # a key listed twice was saved twice with the same value
-
-    if bias:
-        flat.index_put_((bias_keys,), torch.tensor([b for _, b in bias], dtype=logits.dtype, device=device),
-                        accumulate=True)
-    if banned:
-        flat[banned_keys] = float("-inf")
-    if seen is not None:
-        # keys repeat (a token seen twice): each copy reads the same value and writes the same result, and the
-        # frequency penalty accumulates once per occurrence, so no unique() (a sort of every key) is needed
-        column = lambda name: _column(rows, lambda p: getattr(p, name), logits.dtype, device)  # noqa: E731
-        values, rep = flat[seen], column("repetition_penalty")[seen // vocab]
-        flat[seen] = torch.where(values > 0, values / rep, values * rep)
-        if generated.numel():
-            flat.index_add_(0, generated, -column("frequency_penalty")[generated // vocab])
-            flat[generated] = flat[generated] - column("presence_penalty")[generated // vocab]
-    return undo
-
-
-def _nothing() -> None:
-    pass
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -180,6 +125,7 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}  # unseeded requests share one per device
+        self.seen: dict[tuple, SeenTokens] = {}  # penalized samples' tokens by row key, for the rows of the last step
 
     def _noise(self, shape, rows: list[SampleRow], vocab: int, device, ids: torch.Tensor | None = None):
         """Exp(1) noise; a seeded row always draws a whole vocabulary's worth from its own generator (gathered at
@@ -229,7 +175,9 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
         # structured-output rows are masked in place and stay so (the engine's logits buffer is rewritten every step)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        undo = apply_penalties_and_bias(logits, rows)
+        # only this step's samples stay: a sequence that is not in a step (finished, preempted) is rebuilt if it returns
+        self.seen = {r.key: self.seen[r.key] for r in rows if r.key in self.seen}
+        undo = apply_penalties_and_bias(logits, rows, self.seen)
         if constrained:
             (masks or GrammarMasks.start([r.grammar for r in rows], logits.shape[1])).apply(logits)
         try:

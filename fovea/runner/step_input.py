@@ -104,7 +104,8 @@ def build_step(batch: ScheduledBatch, encoder_cache: EncoderCache,
                 sample = seq.index + fork
                 plan.rows.append(SampleRow(seq.params, seq.token_ids, seq.num_prompt_tokens,
                                            request.generators[sample], request.stop_ids,
-                                           request.grammars[sample] if request.grammars else None))
+                                           request.grammars[sample] if request.grammars else None,
+                                           (seq.seq_id, fork)))
         offset += n
     if decode_rows:
         positions[:, decode_rows] = decode_positions
