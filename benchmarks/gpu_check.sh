@@ -79,7 +79,7 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
         --out "$out/host-baseline.json" --label baseline $quick
     fi
     step host 200 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" $quick
-    grep -h "decode step, batch" "$out/decode_variants.log"; grep -h " ms = model" "$out"/host*.log ;;
+    grep -h "decode step, batch" "$out/decode_variants.log"; grep -h "synchronized by phase" "$out"/host*.log ;;
   kernels)  # PARITY_DONE: a folder of parity runs taken earlier, copied in so that they are not repeated
     step kernels 250 $py -m fovea.cli bench kernels --out "$out/kernels.json" $quick
     build_7b

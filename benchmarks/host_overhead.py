@@ -3,12 +3,13 @@
     python benchmarks/host_overhead.py --model DIR --out FILE [--cases 16x8000,256x1000] [--steps 60] [--quick]
 
 For each case (batch x prompt tokens of random ids), the engine is filled (prefill done), then `--steps` decode
-steps are timed whole and by phase: scheduling, building the step's inputs, the model on the GPU (run_step,
-synchronized after), the sampler (synchronized after), and the rest (recording tokens, detokenizing, stop checks,
-outputs). Sampling uses the checkpoint's defaults (Qwen2.5-VL's generation_config: repetition_penalty 1.05,
+steps are timed whole, then as many again by phase: scheduling, building the step's inputs, the model on the GPU
+(run_step, synchronized after), the sampler (synchronized after), and the rest (recording tokens, detokenizing,
+stop checks, outputs). The phases' synchronizations keep the host from queuing the sampler behind the forward, so
+the whole-step time comes from the first, unwrapped steps. Sampling uses the checkpoint's defaults (Qwen2.5-VL's generation_config: repetition_penalty 1.05,
 top_k 1), as a request that names no sampling fields gets them from `fovea serve`; a greedy run (temperature 0,
 no penalties) of the same case follows for comparison. Then a cProfile of some steps lists the top host
-functions. The synchronizations add no waiting: a step already waits for its sampled tokens.
+functions.
 
 Only stable entry points are used (LLM, engine.step, runner.run_step / sampler / scheduler.schedule), so the same
 script times an earlier commit's tree side by side: PYTHONPATH=that_tree python benchmarks/host_overhead.py ...
@@ -42,6 +43,7 @@ class Phases:
 
     def __init__(self, engine):
         self.spent: dict[str, float] = {}
+        self.on = False
         runner = engine.runner
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(runner, "run_step", "model", sync=True)
@@ -52,6 +54,8 @@ class Phases:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            if not self.on:
+                return inner(*args, **kwargs)
             start = time.perf_counter()
             result = inner(*args, **kwargs)
             if sync:
@@ -70,7 +74,7 @@ def run_case(llm: LLM, phases: Phases, batch: int, prompt_len: int, steps: int, 
              profile_steps: int) -> dict:
     engine = llm.engine
     rng = np.random.default_rng(batch * 7919 + prompt_len)
-    params = params.clone(max_tokens=steps + profile_steps + 8, ignore_eos=True,
+    params = params.clone(max_tokens=2 * steps + profile_steps + 8, ignore_eos=True,
                           output_kind=RequestOutputKind.DELTA)
     for i in range(batch):
         ids = rng.integers(0, 150000, prompt_len).tolist()
@@ -83,13 +87,17 @@ def run_case(llm: LLM, phases: Phases, batch: int, prompt_len: int, steps: int, 
     prefill_s = time.perf_counter() - start
     for _ in range(3):  # settle (first sampled rows, caches)
         engine.step()
-    phases.take()
     times, split = [], []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-        split.append(phases.take())
+    phases.on = True
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        split.append({"step": time.perf_counter() - start, **phases.take()})
+    phases.on = False
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(profile_steps):
@@ -99,14 +107,14 @@ def run_case(llm: LLM, phases: Phases, batch: int, prompt_len: int, steps: int, 
     engine.step()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-    median = {k: statistics.median(s.get(k, 0.0) for s in split) * 1e3 for k in ("schedule", "execute", "model",
-                                                                                  "sampler")}
+    median = {k: statistics.median(s.get(k, 0.0) for s in split) * 1e3 for k in ("step", "schedule", "execute",
+                                                                                  "model", "sampler")}
     step_ms = statistics.median(times) * 1e3
     build_ms = median["execute"] - median["model"] - median["sampler"]
     return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "prefill_s": prefill_s, "step_ms": step_ms,
             "schedule_ms": median["schedule"], "build_ms": build_ms, "model_ms": median["model"],
-            "sampler_ms": median["sampler"], "rest_ms": step_ms - median["schedule"] - median["execute"],
-            "host_ms": step_ms - median["model"], "profile": text.getvalue()}
+            "sampler_ms": median["sampler"], "phased_step_ms": median["step"],
+            "rest_ms": median["step"] - median["schedule"] - median["execute"], "profile": text.getvalue()}
 
 
 def main() -> None:
@@ -131,9 +139,10 @@ def main() -> None:
             result = run_case(llm, phases, batch, prompt_len, steps, params, profile_steps)
             result["sampling"] = name
             results.append(result)
-            print(f"{args.label} {batch}x{prompt_len} {name}: step {result['step_ms']:.2f} ms = model "
-                  f"{result['model_ms']:.2f} + sampler {result['sampler_ms']:.2f} + build {result['build_ms']:.2f} "
-                  f"+ schedule {result['schedule_ms']:.2f} + rest {result['rest_ms']:.2f}", flush=True)
+            print(f"{args.label} {batch}x{prompt_len} {name}: step {result['step_ms']:.2f} ms; synchronized by phase "
+                  f"{result['phased_step_ms']:.2f} ms = model {result['model_ms']:.2f} + sampler "
+                  f"{result['sampler_ms']:.2f} + build {result['build_ms']:.2f} + schedule "
+                  f"{result['schedule_ms']:.2f} + rest {result['rest_ms']:.2f}", flush=True)
             print(result["profile"][:3000], flush=True)
     llm.close()
     Path(args.out).write_text(json.dumps({"label": args.label, "model": args.model, "results": results}, indent=2))

@@ -167,7 +167,9 @@ class ModelRunner:
             hidden = self.model(ids, positions, meta, mm_embeds, to(step.mm_mask))
         logits = None
         if step.logits_rows:
-            rows = hidden[torch.tensor(step.logits_rows, device=self.device)]
+            # a decode step scores every row in order: no index (whose copy to the GPU would wait for the forward)
+            every_row = step.logits_rows == list(range(hidden.shape[0]))
+            rows = hidden if every_row else hidden[torch.tensor(step.logits_rows, device=self.device)]
             # one buffer for every step's logits: a fresh (256 x 150k) tensor a step costs page faults and a
             # munmap on the CPU (~50 ms at batch 256); the buffer is only read before the next step writes it
             count = len(step.logits_rows)

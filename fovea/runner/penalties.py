@@ -38,7 +38,15 @@ class SeenTokens:
 
     def output(self, row: SampleRow) -> np.ndarray:
         """The generated ids, after reading the ones the row gained since the last call."""
-        new = row.token_ids[row.num_prompt_tokens + self.num_read:]
+        start = row.num_prompt_tokens + self.num_read
+        if len(row.token_ids) == start + 1 and self.num_generated < self.generated.size:  # one new token: the usual
+            token = row.token_ids[start]
+            self.num_read += 1
+            if 0 <= token < self.vocab:
+                self.generated[self.num_generated] = token
+                self.num_generated += 1
+            return self.generated[:self.num_generated]
+        new = row.token_ids[start:]
         if new:
             ids = np.asarray(new, dtype=np.int64)
             ids = ids[(ids >= 0) & (ids < self.vocab)]
@@ -54,8 +62,18 @@ def _nothing() -> None:
     pass
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or array on `device` without waiting: a plain copy to a GPU waits for the work queued before it
+    (the model's forward), so the host could not queue the sampler's kernels behind it. Through pinned memory the
+    copy joins the queue instead (PyTorch's pinned allocator keeps the buffer until the copy is done)."""
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(dtype)
+    return host.to(dtype).pin_memory().to(device, non_blocking=True)
+
+
 def _column(rows: list[SampleRow], name: str, dtype, device) -> torch.Tensor:
-    return torch.tensor([getattr(r.params, name) for r in rows], dtype=dtype, device=device)
+    return to_device([getattr(r.params, name) for r in rows], dtype, device)
 
 
 def _seen_keys(rows: list[int], prompts: list[torch.Tensor], outputs: list[np.ndarray], vocab: int,
@@ -63,11 +81,11 @@ def _seen_keys(rows: list[int], prompts: list[torch.Tensor], outputs: list[np.nd
     """(row * vocab + token) keys of the rows' prompt-or-generated tokens, and of their generated ones (repeats
     kept); `rows`: the rows' indices in the batch."""
     counts = [p.numel() for p in prompts]
-    prompt_rows = torch.repeat_interleave(torch.tensor(rows, device=device), torch.tensor(counts, device=device),
+    prompt_rows = torch.repeat_interleave(to_device(rows, torch.long, device), to_device(counts, torch.long, device),
                                           output_size=sum(counts))
     prompt_keys = torch.cat(prompts) + prompt_rows * vocab
     row_of_output = np.repeat(np.asarray(rows, dtype=np.int64), [len(o) for o in outputs])
-    generated = torch.from_numpy(np.concatenate(outputs) + row_of_output * vocab).to(device)
+    generated = to_device(np.concatenate(outputs) + row_of_output * vocab, torch.long, device)
     return torch.cat([prompt_keys, generated]), generated
 
 
@@ -97,8 +115,8 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], seen: 
             prompts.append(tokens.prompt)
             outputs.append(tokens.output(row))
         seen_keys, generated = _seen_keys(rows_penalized, prompts, outputs, vocab, device)
-    bias_keys = torch.tensor([k for k, _ in bias], dtype=torch.long, device=device)
-    banned_keys = torch.tensor(banned, dtype=torch.long, device=device)
+    bias_keys = to_device([k for k, _ in bias], torch.long, device)
+    banned_keys = to_device(banned, torch.long, device)
     flat = logits.view(-1)
     touched = torch.cat([bias_keys, banned_keys] + ([seen_keys] if seen_keys is not None else []))
     saved = flat[touched]
@@ -107,7 +125,7 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], seen: 
         flat[touched] = saved  # a key listed twice was saved twice with the same value
 
     if bias:
-        flat.index_put_((bias_keys,), torch.tensor([b for _, b in bias], dtype=logits.dtype, device=device),
+        flat.index_put_((bias_keys,), to_device([b for _, b in bias], logits.dtype, device),
                         accumulate=True)
     if banned:
         flat[banned_keys] = float("-inf")
