@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from fovea.bench.floors import Hardware, workload_floor
-from fovea.bench.kernels import measure_rates
 from fovea.config.model import ModelConfig
 
 WORKLOADS = {  # name -> (bench flags, input tokens for the floor, output tokens, prompts, image patches)
@@ -53,10 +52,10 @@ def hardware(commit: str) -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True).stdout.strip()
+    if torch.cuda.is_available():  # read off nvidia-smi: this process keeps no CUDA context beside the server's
+        info["gpu"], info["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
+            text=True).stdout.strip().split(", ")[:2]
     else:
         info["gpu"] = "none (CPU: " + platform.processor() + ")"
     return info
@@ -89,6 +88,10 @@ class GpuSampler(threading.Thread):
 
 
 def start_server(model: str, port: int, extra: list[str], log: Path) -> subprocess.Popen:
+    # what holds the GPU before the server takes its share (an engine refuses to start without it)
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"],
+                          capture_output=True, text=True) if torch.cuda.is_available() else None
+    print("GPU before the server:", apps.stdout if apps else "-", flush=True)
     cmd = [sys.executable, "-m", "fovea.cli", "serve", model, "--port", str(port), "--no-enable-prefix-caching",
            "--disable-log-requests", "--uvicorn-log-level", "warning"] + extra
     print("$", " ".join(cmd), flush=True)
@@ -139,7 +142,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = {"hardware": hardware(args.commit), "server_args": args.server_args, "workloads": {}}
     steps = args.steps.split(",")
-    rates = measure_rates(args.quick) if "rates" in steps else {"matmul_tflops": 798, "copy_tb_s": 3.0}
+    rates = {"matmul_tflops": 798, "copy_tb_s": 3.0}
+    if "rates" in steps:  # in a child process: whatever it leaves on the GPU is gone before the server starts
+        code = f"import json; from fovea.bench.kernels import measure_rates; print(json.dumps(measure_rates({args.quick})))"
+        rates = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                          text=True).stdout.strip().splitlines()[-1])
     summary["rates"] = rates
     print("rates:", rates, flush=True)
     hw = Hardware(rates["matmul_tflops"] * 1e12, rates["copy_tb_s"] * 1e12)
