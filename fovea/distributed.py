@@ -107,6 +107,8 @@ def join_groups(rank: int, size: int, address: str, port: int, device: torch.dev
     """Joins the process group (rank 0 hosts the rendezvous store at address:port) and makes the four groups.
     Rank 0 waits for the workers to connect, calling `check_workers` meanwhile (it raises when one died)."""
     gloo = device.type == "cpu"
+    if not gloo and device.index is None:  # NCCL binds to a numbered device: rank 0's is the current one
+        device = torch.device(device.type, torch.cuda.current_device())
     store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=START_TIMEOUT,
                           wait_for_workers=False)
     if rank == 0:

@@ -27,7 +27,7 @@ def dense_reference(q, k_cache, meta, specs, window, spans, scale):
         for position in range(cached, length):
             allowed = torch.tensor([j <= position and (window is None or j > position - window) or
                                     any(first <= position < end and first <= j < end for first, end in
-                                        spans.get(index, [])) for j in range(length)])
+                                        spans.get(index, [])) for j in range(length)], device=q.device)
             scores = torch.einsum("hd,khd->hk", q[row], keys) * scale
             weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
             out[row] = torch.einsum("hk,khd->hd", weights, values)

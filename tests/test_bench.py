@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from serving import running_server
+from serving import GPU_SHARE_FLAGS, running_server
 
 from fovea.bench.datasets import parse_bucket_config, random_mm_requests, random_requests
 from fovea.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
@@ -134,7 +134,7 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
 
 def test_bench_throughput_compares_with_hf_and_latency_runs(tiny_dirs, tmp_path, capsys):
     model = str(tiny_dirs["tiny-3b"])
-    common = ["--model", model, "--dtype", "float32", "--max-model-len", "1024"]
+    common = ["--model", model, "--dtype", "float32", "--max-model-len", "1024", *GPU_SHARE_FLAGS]
     parser = build_parser()
     args = parser.parse_args(["bench", "throughput", *common, "--compare", "hf", "--dataset-name", "random-mm",
                               "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "5",

@@ -188,11 +188,13 @@ def test_llava_encoder_buckets_per_image_count(family_dirs):
     with torch.no_grad():
         torch.testing.assert_close(buckets.encode(pixels, grids, 2304), model.visual(pixels, grids),
                                    rtol=1e-5, atol=1e-5)
-    # our Triton attention (under its interpreter without a GPU): the tile table padded to the bucket's fixed size
-    kernel, _ = load_model(model_dir, dtype="float32", options=ModelOptions(vision_kernel=True))
-    kernel_buckets = EncoderBuckets(kernel.visual, [1152], torch.float32, torch.device("cpu"), capture=False)
+    # our Triton attention (on the GPU, or under its interpreter without one): the tile table padded to the
+    # bucket's fixed size
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernel, _ = load_model(model_dir, dtype="float32", device=device, options=ModelOptions(vision_kernel=True))
+    kernel_buckets = EncoderBuckets(kernel.visual, [1152], torch.float32, device, capture=False)
     with torch.no_grad():
-        torch.testing.assert_close(kernel_buckets.encode(pixels[:576], grids[:1], 1152),
+        torch.testing.assert_close(kernel_buckets.encode(pixels[:576].to(device), grids[:1], 1152).cpu(),
                                    model.visual(pixels[:576], grids[:1]), rtol=1e-4, atol=1e-4)
     messages, pictures = conversation("two_images")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
