@@ -10,6 +10,7 @@ from conftest import random_image
 from test_engine_vs_hf import LOREM
 
 from fovea import LLM, SamplingParams
+from fovea.core.messages import RequestsFailed
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.frontend.async_llm import AsyncLLM, EngineDeadError
 
@@ -177,7 +178,7 @@ def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
                 seen.update(fresh)
                 while delivered[fresh[0]] < after_outputs and time.time() < deadline:  # tokens are streaming
                     await asyncio.sleep(0.005)
-                engine._on_message(("error", fresh, "RuntimeError: injected"))  # as engine_core sends it
+                engine._on_message(RequestsFailed(fresh, "RuntimeError: injected"))  # as engine_core sends it
                 return
             await asyncio.sleep(0.005)
 

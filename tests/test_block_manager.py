@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fovea.engine.block_manager import BlockManager, MMSpan, block_hashes, extend_block_hashes
+from fovea.core.request import MMSpan
+from fovea.engine.block_manager import BlockManager, block_hashes, extend_block_hashes
 
 IMG = 151655
 BS = 4

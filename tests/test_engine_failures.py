@@ -11,6 +11,7 @@ from conftest import random_image
 from test_engine_vs_hf import LOREM, assert_engine_idle
 
 from fovea import LLM, SamplingParams
+from fovea.core.messages import AddRequest, RequestsFailed, StepOutputs
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.engine import StepFailed
 
@@ -77,7 +78,7 @@ def test_a_failing_step_fails_its_requests_and_nothing_else(llm, tiny_dirs, monk
 
 
 def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
-    """engine_core._serve answers a failed step with ("error", ids, message) and keeps serving; only several
+    """engine_core._serve answers a failed step with RequestsFailed(ids, message) and keeps serving; only several
     failed steps in a row end it (the front end then starts a new engine process)."""
     from fovea.engine.engine_core import MAX_FAILED_STEPS_IN_A_ROW, _serve
 
@@ -106,18 +107,18 @@ def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
     def until(kind):
         while True:
             message = results.recv()
-            if message[0] == kind:
+            if isinstance(message, kind):
                 return message
 
-    commands.send(("add", request(llm, "boom-1", LOREM)))
-    assert until("error")[1:] == (["boom-1"], "RuntimeError: injected step failure")
-    commands.send(("add", request(llm, "fine", "Hello", GREEDY.clone(max_tokens=3))))
-    while not any(o.request_id == "fine" and o.finished for o in until("outputs")[1]):
+    commands.send(AddRequest(request(llm, "boom-1", LOREM)))
+    assert until(RequestsFailed) == RequestsFailed(["boom-1"], "RuntimeError: injected step failure")
+    commands.send(AddRequest(request(llm, "fine", "Hello", GREEDY.clone(max_tokens=3))))
+    while not any(o.request_id == "fine" and o.finished for o in until(StepOutputs).outputs):
         pass
     for i in range(MAX_FAILED_STEPS_IN_A_ROW):  # one failing step after another
-        commands.send(("add", request(llm, f"boom-again-{i}", LOREM)))
+        commands.send(AddRequest(request(llm, f"boom-again-{i}", LOREM)))
         if i < MAX_FAILED_STEPS_IN_A_ROW - 1:
-            assert until("error")[1] == [f"boom-again-{i}"]
+            assert until(RequestsFailed).request_ids == [f"boom-again-{i}"]
     thread.join(timeout=60)
     assert stopped and "injected step failure" in str(stopped[0])
     engine.abort_request(list(engine.requests))

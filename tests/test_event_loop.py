@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from fovea.frontend.async_llm import AsyncLLM
-from fovea.server import app as app_module
-from fovea.server import openai_serving
+from fovea.server import openai_serving, routes
 from fovea.server.app import ServerOptions, build_app
 from fovea.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -67,8 +66,8 @@ def send_all(app, requests: list[tuple[str, dict | bytes]]) -> list[httpx.Respon
 
 def test_bodies_parameters_templates_and_responses_are_built_off_the_event_loop(engine, monkeypatch):
     seen = record_threads(monkeypatch, {
-        "parse the body": (app_module, "parse_body"),
-        "list the tools": (app_module, "tool_list"),
+        "parse the body": (routes, "parse_body"),
+        "list the tools": (routes, "tool_list"),
         "chat sampling parameters": (ChatCompletionRequest, "to_sampling_params"),
         "completion sampling parameters": (CompletionRequest, "to_sampling_params"),
         "normalize a chat for a request's template": (engine.inputs.prompts, "normalize_chat"),

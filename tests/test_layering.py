@@ -16,11 +16,8 @@ STILL_UPWARD = {  # (importer, imported): to be removed, not added to
     ("config/engine.py", "fovea.models.loader"), ("config/engine.py", "fovea.multimodal.video"),
     ("config/memory_plan.py", "fovea.models.registry"), ("config/memory_plan.py", "fovea.multimodal.video"),
     ("config/model.py", "fovea.models.registry"), ("config/model.py", "fovea.multimodal.image"),
-    ("core/request.py", "fovea.engine.block_manager"), ("core/request.py", "fovea.multimodal.image_workers"),
     ("models/llava.py", "fovea.multimodal.image"),
     ("models/loader.py", "fovea.testing.tiny"), ("models/qwen2_5_vl.py", "fovea.multimodal.image"),
-    ("runner/model_runner.py", "fovea.engine.encoder_cache"), ("runner/model_runner.py", "fovea.engine.scheduler"),
-    ("runner/step_input.py", "fovea.engine.encoder_cache"), ("runner/step_input.py", "fovea.engine.scheduler"),
     ("testing/tiny_llava.py", "fovea.multimodal.image"),
 }
 

@@ -16,7 +16,14 @@ import numpy as np
 import torch
 
 from fovea.core.sampling_params import SamplingParams
-from fovea.engine.block_manager import MMSpan
+
+
+@dataclass(frozen=True)
+class MMSpan:
+    """Where one image's placeholder tokens sit in the prompt, and what the image is."""
+    start: int
+    length: int
+    content_hash: str
 
 
 @dataclass
@@ -103,11 +110,9 @@ class Request:
     def take_shared_pixels(self) -> None:
         """Copies pixels out of the decoding workers' shared memory and frees it: the engine does so on arrival;
         a front end does it first when the engine runs on another node (a Ray replica), which cannot see it."""
-        from fovea.multimodal.image_workers import SharedPixels
-
         taken: dict[str, np.ndarray] = {}  # a long video's parts share one segment
         for item in self.mm_items:
-            if isinstance(item.pixels, SharedPixels):
+            if not isinstance(item.pixels, np.ndarray):  # a SharedPixels (multimodal/image_workers.py)
                 if item.pixels.name not in taken:
                     taken[item.pixels.name] = item.pixels.take()
                 whole = taken[item.pixels.name]

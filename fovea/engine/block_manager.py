@@ -14,15 +14,8 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class MMSpan:
-    """Where one image's placeholder tokens sit in the prompt, and what the image is."""
-    start: int
-    length: int
-    content_hash: str
+from fovea.core.request import MMSpan
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, mm_spans: Sequence[MMSpan] = ()) -> list[bytes]:

@@ -18,13 +18,14 @@ from collections.abc import Callable
 import torch
 
 from fovea.config.engine import EngineConfig
+from fovea.core.batch import ScheduledBatch
 from fovea.core.request import CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.block_manager import BlockManager
 from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.scheduler import ScheduledBatch, Scheduler
+from fovea.engine.scheduler import Scheduler
 from fovea.engine.structured_outputs import COMPILE_TIMEOUT_S, Grammars
 from fovea.multimodal.prompt import load_tokenizer
 from fovea.runner.image_encoder import ImageEncoder
@@ -207,7 +208,7 @@ class LLMEngine:
             for seq in batch.seqs:
                 if seq.request.metrics.first_scheduled_time is None:
                     seq.request.metrics.first_scheduled_time = now
-            result = self.runner.execute(batch, self.encoder_cache)
+            result = self.runner.execute(batch, self.encoder_cache.get)
             if self.events is not None:
                 self.events.iteration_tokens.append(batch.num_tokens)
             self.scheduler.step_done(batch)

@@ -1,18 +1,14 @@
 """The engine's own process: it owns the model, the KV cache and the scheduler, and does nothing but step.
 
 It shares no interpreter (and no GIL) with the HTTP front end, so nothing the front end does (parsing a large
-body, decoding a 3000x2000 JPEG, writing SSE chunks) can delay a step. Two one-way pipes connect them:
-
-  front end -> engine:  ("add", Request)  ("abort", [request ids])  ("shutdown", None)
-  engine -> front end:  ("ready", EngineConfig)  ("failed", traceback)  ("outputs", [RequestOutput], EngineStats)
-                        ("rejected", request id, message)  ("error", [request ids], message)  ("dead", traceback)
-                        ("fatal", message): a tensor-parallel worker stopped; no restart can help
+body, decoding a 3000x2000 JPEG, writing SSE chunks) can delay a step. Two one-way pipes connect them, carrying the
+messages of fovea/core/messages.py.
 
 A Request arrives fully prepared (token ids, positions, resized pixel arrays): the engine only copies it in.
 Between steps it takes every command waiting; with no work it blocks until one comes. A request the engine
-cannot take is rejected alone; a step that raises fails the requests it ran ("error") and the engine goes on.
-Only after several failed steps in a row (a broken device, say) does the process give up ("dead"); the front
-end then starts a new one. A tensor-parallel worker that stops is "fatal": the server exits with its message.
+cannot take is rejected alone; a step that raises fails the requests it ran (RequestsFailed) and the engine goes on.
+Only after several failed steps in a row (a broken device, say) does the process give up (Dead); the front
+end then starts a new one. A tensor-parallel worker that stops is Fatal: the server exits with its message.
 """
 
 from __future__ import annotations
@@ -26,6 +22,18 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from fovea.config.engine import EngineConfig
+from fovea.core.messages import (
+    AbortRequests,
+    AddRequest,
+    Dead,
+    Fatal,
+    Ready,
+    Rejected,
+    RequestsFailed,
+    Shutdown,
+    StartFailed,
+    StepOutputs,
+)
 from fovea.runner.tp_workers import WorkerDied
 from fovea.worker_pool import ignore_group_signals  # stops when the front end says so, after in-flight requests
 
@@ -47,53 +55,53 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
     sys.setswitchinterval(0.0005)
     lock = threading.Lock()  # a worker's watcher thread may report while the main thread sends
 
-    def send(message: tuple) -> None:
+    def send(message) -> None:
         with lock:
             results.send(message)
 
     def worker_failed(message: str) -> None:  # even while idle, blocked on the command pipe
         if lock.acquire(timeout=10):
-            results.send(("fatal", message))
+            results.send(Fatal(message))
         os._exit(1)
 
     try:
         engine = LLMEngine(config, on_worker_failure=worker_failed)
         engine.grammars.warm_up()  # before the server answers: the first structured request is not slow
     except BaseException:  # noqa: BLE001 - the front end reports why start-up failed
-        send(("failed", traceback.format_exc()))
+        send(StartFailed(traceback.format_exc()))
         return
-    send(("ready", engine.config))
-    send(("outputs", [], engine.stats()))  # the gauges of a fresh engine; starts recording latencies
+    send(Ready(engine.config))
+    send(StepOutputs([], engine.stats()))  # the gauges of a fresh engine; starts recording latencies
     try:
         _serve(engine, commands, send)
     except (EOFError, BrokenPipeError):
         return  # the front end is gone
     except WorkerDied as error:
-        send(("fatal", str(error)))
+        send(Fatal(str(error)))
     except BaseException:  # noqa: BLE001 - every waiting caller must hear about it
-        send(("dead", traceback.format_exc()))
+        send(Dead(traceback.format_exc()))
     finally:
         engine.close()
 
 
-def _serve(engine, commands: Connection, send: Callable[[tuple], None]) -> None:
+def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None:
     failed_in_a_row = 0
     while True:
         wait = None if not engine.has_unfinished_requests() else 0  # idle: sleep until a command comes
         while commands.poll(wait):
-            kind, payload = commands.recv()
-            if kind == "shutdown":
-                return
-            if kind == "add":
-                try:
-                    engine.add_request(payload)
-                except ValueError as error:  # this request cannot run here; the others go on
-                    send(("rejected", payload.request_id, str(error)))
-                except Exception as error:  # noqa: BLE001 - a bug hit by this request alone
-                    logger.exception("adding request %s failed", payload.request_id)
-                    send(("error", [payload.request_id], f"{type(error).__name__}: {error}"[:500]))
-            else:
-                engine.abort_request(payload)
+            match commands.recv():
+                case Shutdown():
+                    return
+                case AddRequest(request):
+                    try:
+                        engine.add_request(request)
+                    except ValueError as error:  # this request cannot run here; the others go on
+                        send(Rejected(request.request_id, str(error)))
+                    except Exception as error:  # noqa: BLE001 - a bug hit by this request alone
+                        logger.exception("adding request %s failed", request.request_id)
+                        send(RequestsFailed([request.request_id], f"{type(error).__name__}: {error}"[:500]))
+                case AbortRequests(request_ids):
+                    engine.abort_request(request_ids)
             wait = 0
         try:
             outputs = engine.step() if engine.has_unfinished_requests() else []
@@ -106,6 +114,6 @@ def _serve(engine, commands: Connection, send: Callable[[tuple], None]) -> None:
                 raise
             if not hasattr(error, "request_ids"):
                 logger.exception("an engine step failed")
-            send(("error", getattr(error, "request_ids", []), str(error)))
+            send(RequestsFailed(getattr(error, "request_ids", []), str(error)))
             outputs = []
-        send(("outputs", outputs, engine.stats()))
+        send(StepOutputs(outputs, engine.stats()))

@@ -13,27 +13,12 @@ are freed and it waits again, to be recomputed (prefix caching usually finds its
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
 from fovea.config.engine import EngineConfig
-from fovea.core.request import MMItem, Sequence, SequenceStatus
+from fovea.core.batch import ScheduledBatch
+from fovea.core.request import Sequence, SequenceStatus
 from fovea.engine.block_manager import BlockManager, extend_block_hashes
 from fovea.engine.encoder_cache import EncoderCache
-
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    encode: list[MMItem] = field(default_factory=list)  # images to hand to the encoder (ImageEncoder)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, forks' partial blocks
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
 
 
 class Scheduler:

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from fovea.config.engine import EngineConfig
+from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected, RequestsFailed, StepOutputs
 from fovea.core.request import Request, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
@@ -170,7 +171,7 @@ class AsyncLLM:
             if request.release_unsent is not None:  # its shared pixels are the engine's to free now
                 request.release_unsent.detach()
                 request.release_unsent = None
-            engine.send(("add", request))
+            engine.send(AddRequest(request))
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -181,11 +182,11 @@ class AsyncLLM:
             self._in_flight[replica] -= 1
             self._streams.pop(request_id, None)
             if not finished:
-                engine.send(("abort", [request_id]))  # harmless if the engine never had it
+                engine.send(AbortRequests([request_id]))  # harmless if the engine never had it
 
     def abort(self, request_id: str) -> None:
         for engine in self._engines:
-            engine.send(("abort", [request_id]))
+            engine.send(AbortRequests([request_id]))
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -204,25 +205,24 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------- messages from the engine process
 
-    def _on_message(self, message: tuple, replica: int = 0) -> None:
-        kind = message[0]
-        if kind == "outputs":
-            _, outputs, stats = message
-            self._replica_stats[replica] = stats
-            self.stats = combine(self._replica_stats, stats.events) if len(self._replica_stats) > 1 else stats
-            for output in outputs:
-                self._deliver(output.request_id, output)
-            if self.on_stats is not None:
-                try:
-                    self.on_stats(self.stats)
-                except Exception:  # noqa: BLE001 - metrics must never stop the outputs
-                    logger.exception("the stats callback failed")
-        elif kind == "rejected":
-            self._deliver(message[1], ValueError(message[2]))
-        elif kind == "error":
-            for request_id in message[1]:
-                self._deliver(request_id, RequestFailed(f"the engine failed while running this request "
-                                                        f"({message[2]}); see the server log"))
+    def _on_message(self, message: FromEngine, replica: int = 0) -> None:
+        match message:
+            case StepOutputs(outputs, stats):
+                self._replica_stats[replica] = stats
+                self.stats = combine(self._replica_stats, stats.events) if len(self._replica_stats) > 1 else stats
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+                if self.on_stats is not None:
+                    try:
+                        self.on_stats(self.stats)
+                    except Exception:  # noqa: BLE001 - metrics must never stop the outputs
+                        logger.exception("the stats callback failed")
+            case Rejected(request_id, reason):
+                self._deliver(request_id, ValueError(reason))
+            case RequestsFailed(request_ids, reason):
+                for request_id in request_ids:
+                    self._deliver(request_id, RequestFailed(f"the engine failed while running this request "
+                                                            f"({reason}); see the server log"))
 
     def _on_exit(self, engine: EngineProcess, reason: str, fatal: bool = False) -> None:
         """Runs in the dead engine's receive thread: fails the streams in flight, then starts a new engine
@@ -233,7 +233,7 @@ class AsyncLLM:
         logger.error("the engine process stopped: %s", reason)
         self.error = "the engine stopped unexpectedly and is restarting; retry shortly"
         self._fail_all(EngineDeadError("the engine stopped unexpectedly; this request was not completed"))
-        self._on_message(("outputs", [], EngineStats()), replica)  # nothing runs now: the gauges say so
+        self._on_message(StepOutputs([], EngineStats()), replica)  # nothing runs now: the gauges say so
         if fatal or len(self._engines) > 1:
             return self._give_up(reason if fatal else f"data-parallel replica {replica} stopped")
         now = time.monotonic()

@@ -17,13 +17,14 @@ import time
 from collections.abc import Callable
 
 from fovea.config.engine import EngineConfig
+from fovea.core.messages import AddRequest, Dead, Fatal, FromEngine, Ready, Shutdown, ToEngine
 from fovea.engine.engine_core import run_engine_core
 
 logger = logging.getLogger("fovea")
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None],
+    def __init__(self, config: EngineConfig, on_message: Callable[[FromEngine], None],
                  on_exit: Callable[[EngineProcess, str, bool], None], startup_timeout: float = 600.0):
         import torch
 
@@ -56,13 +57,13 @@ class EngineProcess:
             if not self.process.is_alive() or time.monotonic() > deadline:
                 self.process.kill()
                 raise RuntimeError(f"the engine process did not start (exit code {self.process.exitcode})")
-        kind, payload = self._results.recv()
-        if kind != "ready":
+        message = self._results.recv()
+        if not isinstance(message, Ready):
             self.process.join(timeout=10)
-            raise RuntimeError(f"the engine failed to start:\n{payload}")
-        return payload
+            raise RuntimeError(f"the engine failed to start:\n{message.traceback}")
+        return message.config
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: ToEngine) -> None:
         self._outbox.put(message)
 
     def stop(self) -> None:
@@ -70,7 +71,7 @@ class EngineProcess:
         if self.stopped:
             return
         self.stopped = True
-        self._outbox.put(("shutdown", None))
+        self._outbox.put(Shutdown())
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
@@ -79,13 +80,13 @@ class EngineProcess:
     def _send_loop(self) -> None:
         while True:
             message = self._outbox.get()
-            if self.remote and message[0] == "add":  # the actor's node cannot see this one's shared memory
-                message[1].take_shared_pixels()
+            if self.remote and isinstance(message, AddRequest):  # the actor's node cannot see our shared memory
+                message.request.take_shared_pixels()
             try:
                 self._commands.send(message)
             except (BrokenPipeError, OSError):
                 return  # the engine is gone; the receive loop reports it
-            if message[0] == "shutdown":
+            if isinstance(message, Shutdown):
                 return
 
     def _receive_loop(self) -> None:
@@ -93,11 +94,11 @@ class EngineProcess:
         try:
             while True:
                 message = self._results.recv()
-                if message[0] == "dead":
-                    reason = f"it gave up after failing steps:\n{message[1]}"
+                if isinstance(message, Dead):
+                    reason = f"it gave up after failing steps:\n{message.traceback}"
                     break
-                if message[0] == "fatal":
-                    reason, fatal = message[1], True
+                if isinstance(message, Fatal):
+                    reason, fatal = message.message, True
                     break
                 try:
                     self._on_message(message)
@@ -108,7 +109,7 @@ class EngineProcess:
             reason = f"the engine process exited (code {self.process.exitcode})"
         if not self.stopped:
             self.stopped = True
-            self._outbox.put(("shutdown", None))  # lets the send thread end
+            self._outbox.put(Shutdown())  # lets the send thread end
             self.process.join(timeout=10)
             if self.process.is_alive():
                 self.process.kill()

@@ -13,9 +13,8 @@ import time
 import weakref
 
 from fovea.config.engine import EngineConfig
-from fovea.core.request import MMItem, Request
+from fovea.core.request import MMItem, MMSpan, Request
 from fovea.core.sampling_params import SamplingParams
-from fovea.engine.block_manager import MMSpan
 from fovea.engine.structured_outputs import GrammarCompiler, Grammars
 from fovea.multimodal.image import ProcessedImage
 from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared

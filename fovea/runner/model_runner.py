@@ -9,6 +9,7 @@ runs its own part; the layers' collectives join the ranks; rank 0 alone samples.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,10 +17,9 @@ import torch
 from fovea.attention import BACKENDS, features_needed, make_backend
 from fovea.attention.backend import PagedAttentionMetadata
 from fovea.config.engine import EngineConfig
+from fovea.core.batch import ScheduledBatch
 from fovea.core.request import MMItem
 from fovea.distributed import SINGLE, ParallelGroups
-from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.scheduler import ScheduledBatch
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 from fovea.multimodal.patchify import patchify
@@ -108,9 +108,10 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, encoder_cache: EncoderCache) -> StepOutput:
-        """Rank 0: builds the step, has every rank run it, samples."""
-        step, mm_embeds, plan = build_step(batch, encoder_cache, self.config.block_size)
+    def execute(self, batch: ScheduledBatch, encoded: Callable[[str], torch.Tensor]) -> StepOutput:
+        """Rank 0: builds the step, has every rank run it, samples. `encoded`: an image's embeddings by content
+        hash (the engine's encoder cache holds every image the batch's chunks show)."""
+        step, mm_embeds, plan = build_step(batch, encoded, self.config.block_size)
         masks = GrammarMasks.start([row.grammar for row in plan.rows], self.config.model.text.vocab_size)
         if self.parallel is not None:
             self.parallel.send(step, self.parallel.lm_control)

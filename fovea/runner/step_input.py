@@ -9,13 +9,13 @@ samples: the sampling parameters and RNGs of the rows it scores, and the targets
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.scheduler import ScheduledBatch
+from fovea.core.batch import ScheduledBatch
 from fovea.runner.sampler import SampleRow
 
 
@@ -58,7 +58,7 @@ def block_table_array(tables: list[list[int]]) -> np.ndarray:
     return array
 
 
-def build_step(batch: ScheduledBatch, encoder_cache: EncoderCache,
+def build_step(batch: ScheduledBatch, encoded: Callable[[str], torch.Tensor],
                block_size: int) -> tuple[StepInput, torch.Tensor | None, SamplePlan]:
     total = batch.num_tokens
     ids: list[int] = []
@@ -88,7 +88,7 @@ def build_step(batch: ScheduledBatch, encoder_cache: EncoderCache,
             for item in request.mm_items:
                 lo, hi = max(start, item.span.start), min(end, item.end)
                 if lo < hi:
-                    rows = encoder_cache.get(item.content_hash)
+                    rows = encoded(item.content_hash)
                     mm_embeds.append(rows[lo - item.span.start:hi - item.span.start])
                     mm_mask[offset + lo - start:offset + hi - start] = True
             if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:

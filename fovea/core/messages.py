@@ -1,0 +1,77 @@
+"""What the front end and an engine process say to each other over their two pipes (engine/engine_core.py,
+frontend/engine_process.py), one dataclass per message.
+
+front end -> engine:  AddRequest, AbortRequests, Shutdown
+engine -> front end:  Ready (once, after start-up) or StartFailed; then StepOutputs after every step, Rejected for a
+                      request the engine cannot take, RequestsFailed for the requests of a step that raised; last, Dead
+                      (it gave up after several failed steps: the front end starts a new engine) or Fatal (a
+                      tensor-parallel worker stopped: no restart can help, the server exits)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fovea.core.request import Request, RequestOutput
+from fovea.core.stats import EngineStats
+
+if TYPE_CHECKING:
+    from fovea.config.engine import EngineConfig
+
+
+@dataclass
+class AddRequest:
+    request: Request  # fully prepared: token ids, positions, resized pixels
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]  # ids the engine does not know are ignored
+
+
+@dataclass
+class Shutdown:
+    """Stop after the current step; what runs is dropped."""
+
+
+@dataclass
+class Ready:
+    config: EngineConfig  # as the engine settled it (max_model_len lowered to what the KV cache holds)
+
+
+@dataclass
+class StartFailed:
+    traceback: str
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass
+class Rejected:
+    request_id: str
+    message: str  # why it cannot run here (a ValueError's text: the client's fault)
+
+
+@dataclass
+class RequestsFailed:
+    request_ids: list[str]
+    message: str  # the error a step raised; the engine goes on without these requests
+
+
+@dataclass
+class Dead:
+    traceback: str
+
+
+@dataclass
+class Fatal:
+    message: str
+
+
+ToEngine = AddRequest | AbortRequests | Shutdown
+FromEngine = Ready | StartFailed | StepOutputs | Rejected | RequestsFailed | Dead | Fatal

@@ -1,0 +1,244 @@
+"""The OpenAI routes, one function each. Each reads what the server was started with (`Served`, built once by
+app.py) from `request.app.state.served`.
+
+A chat's path: body parsed and validated (pydantic) in the preparation pool -> sampling params and the
+per-request limits (cheap checks first) -> images fetched under the media policy (their own thread pool) ->
+AsyncLLM.generate (templating, tokenization and image preprocessing, then the engine process) -> response or SSE
+stream (openai_serving). A client that leaves at any point cancels what is left. Work that grows with a request
+(parsing its body, templating, tokenizing, images, building a whole response) runs in the preparation pool, never
+on the event loop, so one large request does not hold up the others' streams and /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fovea import __version__
+from fovea.core.sampling_params import SamplingParams
+from fovea.frontend.async_llm import AsyncLLM
+from fovea.multimodal.prompt import ChatOptions
+from fovea.server import openai_serving as serving
+from fovea.server.errors import APIError, ClientDisconnected, error_response
+from fovea.server.media import fetch_media
+from fovea.server.metrics import ServerMetrics
+from fovea.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+    parse_body,
+    tool_list,
+)
+from fovea.server.tool_calls import ToolUse
+
+logger = logging.getLogger("fovea")
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+
+@dataclass
+class Served:
+    """What every route needs, settled at start-up."""
+    engine: AsyncLLM
+    options: object  # app.ServerOptions
+    names: list[str]  # served model names; the first is the default
+    defaults: dict  # sampling fields a request leaves out (the checkpoint's generation_config)
+    metrics: ServerMetrics
+    sandbox: object | None  # TemplateSandbox for request chat templates (--trust-request-chat-template)
+    tag_tokens: bool  # <tool_call> is one token (forced tool calls)
+    started: int  # unix time, for /v1/models
+
+    @property
+    def max_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested in self.names:
+            return requested or self.names[0]
+        raise APIError(404, f"The model `{requested}` does not exist.", "NotFoundError", "model")
+
+    def checked_params(self, body, tool_use: ToolUse | None = None) -> SamplingParams:
+        """The request's SamplingParams, after every check that needs no downloads, templating or tokens."""
+        self.options.limits.check(body)
+        params = body.to_sampling_params(self.defaults)
+        if tool_use is not None and tool_use.forced:
+            if params.structured_outputs is not None:
+                raise ValueError(f"tool_choice {tool_use.choice!r} constrains the output already; drop "
+                                 "response_format / structured_outputs")
+            params = params.clone(structured_outputs=tool_use.structured_outputs())
+        self.engine.inputs.check_params(params, grammar=False)  # the grammar compiles once, as it is prepared
+        return params
+
+    def chat_params(self, body: ChatCompletionRequest) -> tuple[list[dict] | None, ToolUse | None, SamplingParams]:
+        """The tools as the template sees them, how tool calls are handled, and the checked SamplingParams
+        (run in the pool: a body of thousands of tools takes tens of milliseconds)."""
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+        tools = tool_list(body.tools)
+        tool_use = ToolUse.from_request(tools, choice, body.parallel_tool_calls, self.options.tool_call_parser,
+                                        self.tag_tokens)
+        return tools, tool_use, self.checked_params(body, tool_use)
+
+    def render_in_sandbox(self, messages: list[dict], chat: ChatOptions):
+        normalized, media = self.engine.inputs.prompts.normalize_chat(messages, self.max_len, chat)
+        return self.sandbox.render(normalized, chat), media
+
+    async def read_body(self, request: Request, model):
+        return await self.engine.run_in_pool(parse_body, await request.body(), model)
+
+    async def json_off_loop(self, build, *args) -> JSONResponse:
+        """A response built and rendered in the preparation pool: 8 choices x 1000 tokens x 20 top logprobs took
+        seconds to build and encode, which on the event loop stalled every other client."""
+        return await self.engine.run_in_pool(lambda: JSONResponse(build(*args)))
+
+    def log_request(self, request_id: str, prompt_tokens: int, params) -> None:
+        if self.options.log_requests:  # a 100,000-entry choice list would make one log line of megabytes
+            logger.info("request %s: %d prompt tokens, %.1000s", request_id, prompt_tokens, params)
+
+
+async def unless_disconnected(request: Request, awaitable):
+    """Awaits `awaitable`, unless the client leaves first: then it is cancelled, which aborts its request."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():  # the client left, or this handler itself was cancelled
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let the request's generator abort and close
+
+
+async def prometheus_metrics(request: Request):
+    return Response(generate_latest(request.app.state.served.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def health(request: Request):
+    engine = request.app.state.served.engine
+    if engine.error is not None:
+        return error_response(503, engine.error, "ServiceUnavailableError")
+    return JSONResponse({})
+
+
+async def version():
+    return {"version": __version__}
+
+
+async def models(request: Request):
+    served: Served = request.app.state.served
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": served.started, "owned_by": "fovea",
+         "root": str(served.engine.config.model_dir), "max_model_len": served.max_len}
+        for name in served.names]}
+
+
+async def chat_completions(request: Request):
+    served: Served = request.app.state.served
+    engine, options = served.engine, served.options
+    body = await served.read_body(request, ChatCompletionRequest)
+    model = served.model_name(body.model)
+    tools, tool_use, params = await engine.run_in_pool(served.chat_params, body)
+    if body.chat_template is not None and served.sandbox is None:
+        raise APIError(400, "chat_template in a request needs the server to run with --trust-request-chat-template",
+                       param="chat_template")
+    chat = ChatOptions(body.chat_template or options.chat_template, body.add_generation_prompt, tools,
+                       body.chat_template_kwargs, options.chat_template_content_format)
+    request_id = serving.new_id("chatcmpl")
+
+    async def start():
+        messages = await fetch_media(body.messages, options.media, engine.config.limit_mm_per_prompt)
+        if body.chat_template is None:
+            stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
+                                     mm_processor_kwargs=body.mm_processor_kwargs, chat=chat)
+        else:  # a thread of its own, not the pool: it waits up to 2 s for a sandbox process
+            text, media = await asyncio.to_thread(served.render_in_sandbox, messages, chat)
+            data = {"image": media.images, "video": media.videos}
+            stream = engine.generate(prompt={"prompt": text, "multi_modal_data": data}, sampling_params=params,
+                                     request_id=request_id, mm_processor_kwargs=body.mm_processor_kwargs)
+        return stream, await anext(stream)  # bad input fails here, before any 200
+
+    stream, first = await unless_disconnected(request, start())
+    served.log_request(request_id, len(first.prompt_token_ids), params)
+    top, role = body.top_logprobs or 0, options.response_role
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(serving.chat_stream(first, stream, model, request_id, body.n, top, include_usage,
+                                                     role, tool_use), media_type="text/event-stream")
+    await stream.aclose()
+    return await served.json_off_loop(serving.chat_response, first, model, request_id, top, role, tool_use)
+
+
+async def completions(request: Request):
+    served: Served = request.app.state.served
+    engine = served.engine
+    body = await served.read_body(request, CompletionRequest)
+    model = served.model_name(body.model)
+    prompts = body.prompts(served.options.limits.max_prompts)
+    params = await engine.run_in_pool(served.checked_params, body)
+    request_id = serving.new_id("cmpl")
+
+    async def start():
+        requests = await engine.prepare_many(prompts, params, request_id, body.mm_processor_kwargs)
+        merged = serving.merge([engine.stream(r) for r in requests])
+        return merged, await anext(merged), sum(len(r.prompt_token_ids) for r in requests)
+
+    merged, first, prompt_tokens = await unless_disconnected(request, start())
+    served.log_request(request_id, prompt_tokens, params)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs,
+                                                           include_usage), media_type="text/event-stream")
+    try:
+        finals = await unless_disconnected(request, serving.final_outputs(first, merged, len(prompts)))
+    finally:
+        await merged.aclose()
+    return await served.json_off_loop(serving.completion_response, finals, model, request_id, body.n, body.echo,
+                                      body.logprobs)
+
+
+async def tokenize(request: Request):
+    served: Served = request.app.state.served
+    engine, options = served.engine, served.options
+    body = await served.read_body(request, TokenizeRequest)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages")
+
+    async def count():
+        if body.messages is not None:
+            messages = await fetch_media(body.messages, options.media, engine.config.limit_mm_per_prompt)
+            chat = ChatOptions(options.chat_template, body.add_generation_prompt, tool_list(body.tools),
+                               body.chat_template_kwargs, options.chat_template_content_format)
+            processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None, chat)
+            return processed.token_ids
+        # the special tokens the installed tokenizer itself puts around a plain prompt (Llama's BOS; none for
+        # Qwen), as a completion's prompt gets them
+        return await engine.run_in_pool(engine.inputs.prompts.encode, body.prompt, served.max_len,
+                                        body.add_special_tokens)
+
+    tokens = await unless_disconnected(request, count())
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": served.max_len}
+
+
+async def detokenize(request: Request):
+    served: Served = request.app.state.served
+    body = await served.read_body(request, DetokenizeRequest)
+    vocab = served.engine.config.model.text.vocab_size
+    if len(body.tokens) > served.max_len:
+        raise APIError(400, f"at most max_model_len={served.max_len} token ids can be detokenized", param="tokens")
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": await served.engine.run_in_pool(served.engine.tokenizer.decode, body.tokens)}
+
+
+ROUTES = [("/metrics", "GET", prometheus_metrics), ("/health", "GET", health), ("/version", "GET", version),
+          ("/v1/models", "GET", models), ("/v1/chat/completions", "POST", chat_completions),
+          ("/v1/completions", "POST", completions), ("/tokenize", "POST", tokenize),
+          ("/detokenize", "POST", detokenize)]
