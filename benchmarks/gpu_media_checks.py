@@ -35,7 +35,7 @@ def smooth_clip(frames: int, height: int, width: int, seed: int) -> np.ndarray:
 def check_video(quick: bool) -> dict:
     from transformers import Qwen2VLVideoProcessor
 
-    from fovea.multimodal.image import ImageProcessorConfig
+    from fovea.config.image import ImageProcessorConfig
     from fovea.multimodal.patchify import patchify
     from fovea.multimodal.video import VideoOptions, frame_max_pixels, plan_video, process_video
 

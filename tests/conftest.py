@@ -80,7 +80,7 @@ def our_model(model_dir):
 def image_patches(images, frames: int = 1) -> torch.Tensor:
     """The vision tower's input for processed images, made as the engine makes it (frames=1); frames=2 is the
     layout transformers' processor hands over (the still image repeated)."""
-    from fovea.multimodal.image import ImageProcessorConfig
+    from fovea.config.image import ImageProcessorConfig
     from fovea.multimodal.patchify import patchify
 
     return torch.cat([patchify(torch.from_numpy(im.pixels), ImageProcessorConfig(), frames) for im in images])

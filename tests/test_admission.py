@@ -14,7 +14,8 @@ import torch
 from conftest import our_model, random_image
 from PIL import Image
 
-from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, smart_resize
+from fovea.config.image import ImageProcessorConfig, smart_resize
+from fovea.multimodal.image import ImageProcessor
 from fovea.multimodal.prompt import COUNT_CHUNK_CHARS
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

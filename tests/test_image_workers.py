@@ -35,7 +35,7 @@ def workers():
 @pytest.mark.parametrize("config", ["qwen", "clip"])
 def test_workers_give_the_in_process_pixels(workers, config):
     """Qwen's dynamic resolution, and CLIP's shortest-side resize and centre crop (LLaVA), in both places."""
-    from fovea.multimodal.image import ImageProcessorConfig
+    from fovea.config.image import ImageProcessorConfig
 
     before = segments()
     processor = ImageProcessor(ImageProcessorConfig() if config == "qwen" else ImageProcessorConfig.center_crop(

@@ -11,8 +11,9 @@ from conftest import image_patches, jpeg_bytes, random_image
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from fovea.config.image import smart_resize
 from fovea.config.model import ModelConfig
-from fovea.multimodal.image import ImageProcessor, load_image, smart_resize
+from fovea.multimodal.image import ImageProcessor, load_image
 
 
 def reference(image, **kwargs):
@@ -167,7 +168,7 @@ def test_float32_rescale_equals_the_float64_reference_route():
 def test_large_jpegs_decode_at_reduced_scale_others_exactly():
     """A JPEG at least twice its target size on both sides is decoded at a reduced scale (Image.draft), which
     changes pixels by about half a grey level on average; below that it equals transformers bit for bit."""
-    from fovea.multimodal.image import ImageProcessorConfig
+    from fovea.config.image import ImageProcessorConfig
 
     big = jpeg_bytes(random_image(3000, 2000, seed=4))
     for max_pixels, exact in ((1_000_000, True), (200_000, False)):  # 3000 / 1204 < 2; 3000 / 532 > 2

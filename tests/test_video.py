@@ -12,8 +12,9 @@ import torch
 from conftest import hf_model, random_image
 
 from fovea import LLM, SamplingParams
+from fovea.config.image import ImageProcessorConfig, smart_resize
 from fovea.config.model import ModelConfig
-from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, smart_resize
+from fovea.multimodal.image import ImageProcessor
 from fovea.multimodal.patchify import patchify
 from fovea.multimodal.prompt import PromptProcessor
 from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, plan_video, process_video

@@ -38,7 +38,8 @@ def compare(sizes: list[tuple[int, int]], iters: int, min_pixels: int = 3136, ma
     import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from fovea.multimodal.image import ImageProcessor, ImageProcessorConfig, smart_resize
+    from fovea.config.image import ImageProcessorConfig, smart_resize
+    from fovea.multimodal.image import ImageProcessor
     from fovea.multimodal.patchify import patchify
 
     limits = dict(min_pixels=min_pixels, max_pixels=max_pixels)

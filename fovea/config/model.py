@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.multimodal.image import ImageProcessorConfig
+from fovea.config.image import ImageProcessorConfig
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,

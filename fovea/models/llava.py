@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from fovea.attention.layer import Attention, AttentionMetadata
+from fovea.config.image import ImageProcessorConfig
 from fovea.config.model import ModelConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
 from fovea.models.decoder import DecoderModel, FeedForward
-from fovea.multimodal.image import ImageProcessorConfig
 
 # ----------------------------------------------------------------------------------------------------- config
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fovea.attention.layer import Attention, AttentionMetadata
+from fovea.config.image import ImageProcessorConfig
 from fovea.config.model import ModelConfig, TextConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.basic import RMSNorm
@@ -21,7 +22,6 @@ from fovea.layers.rotary import apply_rotary, vision_rope
 from fovea.models.base import ModelOptions, VisionLanguageModel
 from fovea.models.decoder import DecoderModel, GatedMLP
 from fovea.models.registry import architecture_of
-from fovea.multimodal.image import ImageProcessorConfig
 
 # ----------------------------------------------------------------------------------------------------- config
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fovea.multimodal.image import ImageProcessorConfig
+from fovea.config.image import ImageProcessorConfig
 
 
 def patchify(pixels: torch.Tensor, config: ImageProcessorConfig, frames: int = 1) -> torch.Tensor:

@@ -23,8 +23,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image
 
+from fovea.config.image import smart_resize
 from fovea.multimodal import video_decode
-from fovea.multimodal.image import ProcessedImage, encoded_bytes, pixels_hash, smart_resize
+from fovea.multimodal.image import ProcessedImage, encoded_bytes, pixels_hash
 from fovea.multimodal.video_decode import VideoInfo
 
 FRAME_FACTOR = 2  # frames per temporal patch

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.multimodal.image import CLIP_MEAN, CLIP_STD
+from fovea.config.image import CLIP_MEAN, CLIP_STD
 from fovea.testing.tiny import random_weights, save_weights
 
 # name -> text (hidden, intermediate, layers, heads, kv heads, vocab) and vision (hidden, intermediate, layers, heads)
