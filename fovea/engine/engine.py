@@ -392,8 +392,7 @@ class LLMEngine:
                 seq.logprobs[token_start:] if seq.logprobs is not None else None,
                 seq.finish_reason, seq.stop_reason))
             seq.sent_tokens, seq.sent_text = len(seq.token_ids) - seq.num_prompt_tokens, text_end
-        if len(completions) > 1:
-            completions.sort(key=lambda c: c.index)
+        completions.sort(key=lambda c: c.index)  # forks finish in any order
         if delta and request.prompt_sent and not final:  # streaming: the prompt travels with the first and last
             return RequestOutput(request.request_id, None, [], None, completions, final, request.num_cached_tokens)
         request.prompt_sent = True

@@ -60,7 +60,7 @@ class EngineProcess:
         message = self._results.recv()
         if not isinstance(message, Ready):
             self.process.join(timeout=10)
-            raise RuntimeError(f"the engine failed to start:\n{message.traceback}")
+            raise RuntimeError(f"the engine failed to start:\n{getattr(message, 'traceback', message)}")
         return message.config
 
     def send(self, message: ToEngine) -> None:
