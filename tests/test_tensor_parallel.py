@@ -53,7 +53,8 @@ def run(model_dir, **engine_args) -> tuple[list, dict]:
 _BASELINES: dict = {}
 
 
-def baseline(model_dir, device: str = "auto"):
+def baseline(model_dir, device: str | None = None):
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if (model_dir, device) not in _BASELINES:
         _BASELINES[model_dir, device] = run(model_dir, device=device)
     return _BASELINES[model_dir, device]
@@ -79,7 +80,7 @@ def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
 
     size = engine_args["tensor_parallel_size"]
     # ranks on the CPU (gloo) where the machine has fewer GPUs than ranks, as on CI; a group of one uses the GPU
-    device = "cpu" if torch.cuda.device_count() < size else "auto"
+    device = "cpu" if torch.cuda.device_count() < size else "cuda"
     expected, base_stats = baseline(tiny_dirs[name], device)
     got, stats = run(tiny_dirs[name], device=device, **engine_args)
     assert_same(expected, got)
