@@ -19,7 +19,7 @@ import torch
 
 from fovea.core.sampling_params import SamplingParams
 from fovea.runner.grammar_masks import GrammarMasks
-from fovea.runner.penalties import SeenTokens, apply_penalties_and_bias
+from fovea.runner.penalties import SeenTokens, apply_penalties_and_bias, column
 
 CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first
 MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path
@@ -63,10 +63,6 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
     return chosen, ranks, (top.indices if top else None), (top.values if top else None)
 
 
-def _column(rows: list[SampleRow], getter, dtype, device) -> torch.Tensor:
-    return torch.tensor([getter(r.params) for r in rows], dtype=dtype, device=device)
-
-
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     if not bool((min_p > 0).any()):
         return logits
@@ -78,8 +74,8 @@ def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """top_k, top_p and min_p over whole rows (sorting the vocabulary when top_p is set): the reference the
     candidate path below must agree with, and the path of rows it cannot resolve."""
     device, vocab = logits.device, logits.shape[1]
-    top_k = _column(rows, lambda p: min(p.top_k or vocab, vocab), torch.long, device)  # any int, clamped first
-    top_p = _column(rows, lambda p: p.top_p, logits.dtype, device)
+    top_k = column(rows, lambda p: min(p.top_k or vocab, vocab), torch.long, device)  # any int, clamped first
+    top_p = column(rows, lambda p: p.top_p, logits.dtype, device)
     if bool((top_p < 1).any()):
         ordered, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
@@ -91,7 +87,7 @@ def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     elif bool((top_k < vocab).any()):
         kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return _apply_min_p(logits, _column(rows, lambda p: p.min_p, logits.dtype, device))
+    return _apply_min_p(logits, column(rows, lambda p: p.min_p, logits.dtype, device))
 
 
 def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: list[SampleRow]):
@@ -113,10 +109,10 @@ def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: lis
         whole = (~has_top_k).nonzero()[:, 0]
         normalizer[whole] = (logits[whole] / temperature[whole, None]).logsumexp(-1)
     probs = (values - normalizer[:, None]).exp()
-    top_p = _column(rows, lambda p: p.top_p, logits.dtype, device)
+    top_p = column(rows, lambda p: p.top_p, logits.dtype, device)
     settled = has_top_k | (probs.sum(-1) >= top_p)
     drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
-    values = _apply_min_p(values.masked_fill(drop, float("-inf")), _column(rows, lambda p: p.min_p, logits.dtype,
+    values = _apply_min_p(values.masked_fill(drop, float("-inf")), column(rows, lambda p: p.min_p, logits.dtype,
                                                                            device))
     return values, ids, settled
 
@@ -142,7 +138,7 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Tokens for sampled (non-greedy) rows."""
         device, vocab = logits.device, logits.shape[1]
-        temperature = _column(rows, lambda p: p.temperature, logits.dtype, device)
+        temperature = column(rows, lambda p: p.temperature, logits.dtype, device)
         tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         top_k = [min(r.params.top_k or vocab, vocab) for r in rows]
         narrowed = [i for i, (k, r) in enumerate(zip(top_k, rows))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,6 +39,9 @@ from fovea.server.protocol import (
 )
 from fovea.server.tool_calls import ToolUse
 
+if TYPE_CHECKING:
+    from fovea.server.app import ServerOptions
+
 logger = logging.getLogger("fovea")
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
@@ -46,7 +50,7 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client i
 class Served:
     """What every route needs, settled at start-up."""
     engine: AsyncLLM
-    options: object  # app.ServerOptions
+    options: ServerOptions
     names: list[str]  # served model names; the first is the default
     defaults: dict  # sampling fields a request leaves out (the checkpoint's generation_config)
     metrics: ServerMetrics
