@@ -156,7 +156,13 @@ def test_engine_greedy_matches_transformers(family_dirs, family):
     cases.append(conversation("one_image"))  # the same image again: encoder cache and prefix cache
     per_image = 576 if family == "llava" else None
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, block_size=16,
-              num_gpu_blocks_override=120 if per_image else 40, max_model_len=1536 if per_image else 640)
+              num_gpu_blocks_override=120 if per_image else 40, max_model_len=1536 if per_image else 640,
+              encoder_cache_size=4 * 576)
+    # every image encoded first and kept in the encoder cache: how many sequences grow together (and so whether
+    # they preempt) then no longer depends on how fast the vision tower's thread keeps up with the steps (a slow
+    # machine ran them one after another, with no preemption)
+    llm.chat([with_pil(*conversation(kind)) for kind in ("one_image", "two_images")], SamplingParams(max_tokens=1),
+             use_tqdm=False)
     outputs = llm.chat([with_pil(m, i) for m, i in cases], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                           ignore_eos=True), use_tqdm=False)
     engine = llm.engine
