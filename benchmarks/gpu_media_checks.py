@@ -36,8 +36,9 @@ def check_video(quick: bool) -> dict:
     from transformers import Qwen2VLVideoProcessor
 
     from fovea.config.image import ImageProcessorConfig
+    from fovea.config.video import VideoOptions, frame_max_pixels
     from fovea.multimodal.patchify import patchify
-    from fovea.multimodal.video import VideoOptions, frame_max_pixels, plan_video, process_video
+    from fovea.multimodal.video import plan_video, process_video
 
     options, config = VideoOptions(), ImageProcessorConfig()
     results = {}
@@ -64,12 +65,13 @@ def check_video(quick: bool) -> dict:
 
 
 def check_llava_tower(quick: bool) -> dict:
+    from fovea.config.families import parse_llava
     from fovea.models.base import ModelOptions
-    from fovea.models.llava import ClipVisionTower, parse_config
+    from fovea.models.llava import ClipVisionTower
     from fovea.testing.tiny_llava import llava_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = parse_config(llava_config("tiny-llava" if quick else "llava-1.5-7b"), {})
+    config = parse_llava(llava_config("tiny-llava" if quick else "llava-1.5-7b"), {})
     torch.manual_seed(0)
     reference = ClipVisionTower(config.vision, ModelOptions()).float()
     for p in reference.parameters():

@@ -29,8 +29,8 @@ def _tiny(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from fovea.config.memory_plan import format_plan, plan_memory, smallest_fitting_size
-    from fovea.models.loader import resolve_model_dir
+    from fovea.config.model import resolve_model_dir
+    from fovea.plan import format_plan, plan_memory, smallest_fitting_size
 
     model_dir = resolve_model_dir(args.model)
     options = {**engine_kwargs(args, PLAN_FLAGS), "max_pixels": args.max_pixels}

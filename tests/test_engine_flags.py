@@ -11,7 +11,7 @@ import torch
 from fovea.cli import build_parser
 from fovea.config import flags
 from fovea.config.engine import EngineConfig
-from fovea.config.memory_plan import plan_memory
+from fovea.plan import plan_memory
 
 COMMANDS = {  # argv that parses, and the engine settings the command takes
     "serve": (["serve"], [flag.name for flag in flags.FLAGS]),

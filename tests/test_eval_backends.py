@@ -152,7 +152,7 @@ def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, caps
     import numpy as np
     from conftest import video_file
 
-    from fovea.multimodal.video import VideoOptions, frame_size
+    from fovea.config.video import VideoOptions, frame_size
 
     data = tmp_path / "data"
     data.mkdir()

@@ -215,7 +215,7 @@ def test_llava_encoder_buckets_per_image_count(family_dirs):
 def test_llava_layouts_and_plan(family_dirs, tmp_path):
     """The llava-hf names and the transformers-5 ones (sharded) load to the same model; `fovea plan` sizes it with
     576 tokens for every image and no video rows."""
-    from fovea.config.memory_plan import format_plan, plan_memory
+    from fovea.plan import format_plan, plan_memory
     from fovea.testing.tiny_llava import write_llava_checkpoint
 
     published = write_llava_checkpoint(tmp_path / "a", seed=7)

@@ -72,7 +72,7 @@ def hub_server(model_dir: Path) -> ThreadingHTTPServer:
     return server
 
 
-RESOLVE = "from fovea.models.loader import resolve_model_dir; import sys; print(resolve_model_dir(sys.argv[1]))"
+RESOLVE = "from fovea.config.model import resolve_model_dir; import sys; print(resolve_model_dir(sys.argv[1]))"
 
 
 def resolve(model: str, env: dict) -> subprocess.CompletedProcess:

@@ -10,8 +10,8 @@ from conftest import hf_inputs, our_model, random_image
 from safetensors.torch import load_file, save_file
 from test_model_vs_hf import our_logits
 
-from fovea.config.model import ModelConfig
-from fovea.models.loader import CheckpointMismatchError, load_model, resolve_model_dir
+from fovea.config.model import ModelConfig, resolve_model_dir
+from fovea.models.loader import CheckpointMismatchError, load_model
 from fovea.testing.tiny import write_tiny_checkpoint
 
 MESSAGES = [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(200, 150, 9)},

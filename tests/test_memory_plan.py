@@ -7,7 +7,7 @@ import torch
 from conftest import QWEN_SHAPES, published_param_count, published_shape_dir
 
 from fovea.cli import main
-from fovea.config.memory_plan import count_parameters, plan_memory
+from fovea.plan import count_parameters, plan_memory
 
 
 def test_sizes_match_what_the_engine_loads_and_allocates(tiny_dirs):

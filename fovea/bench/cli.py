@@ -132,7 +132,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from fovea.bench.offline import throughput
-    from fovea.models.loader import resolve_model_dir
+    from fovea.config.model import resolve_model_dir
 
     model = str(resolve_model_dir(args.model))
     requests = build_requests(args, AutoTokenizer.from_pretrained(model))
@@ -155,7 +155,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict:
 
 def run_bench_latency(args: argparse.Namespace) -> dict:
     from fovea.bench.offline import latency
-    from fovea.models.loader import resolve_model_dir
+    from fovea.config.model import resolve_model_dir
 
     result = latency(str(resolve_model_dir(args.model)), args.input_len, args.output_len, args.batch_size,
                      args.num_iters, args.num_iters_warmup, engine_kwargs(args))

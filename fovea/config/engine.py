@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from fovea.config.flags import default
-from fovea.config.model import ModelConfig, serving_dtype
+from fovea.config.model import ModelConfig, resolve_model_dir, serving_dtype
+from fovea.config.video import VideoOptions, frame_max_pixels
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
 
@@ -74,8 +75,6 @@ class EngineConfig:
     def largest_frame_pixels(self) -> float:
         """The most pixels the vision tower sees at once: the largest image, or a video's largest frame (two
         frames kept), that the limits allow."""
-        from fovea.multimodal.video import VideoOptions, frame_max_pixels
-
         image = self.model.image.with_overrides(self.mm_processor_kwargs)
         if self.model.video_token_id is None:
             return image.max_pixels
@@ -84,8 +83,6 @@ class EngineConfig:
     @classmethod
     def from_args(cls, model: str | Path | None = None, **args) -> EngineConfig:
         """From vLLM-style engine arguments (what `LLM(...)` and `fovea serve` take)."""
-        from fovea.models.loader import resolve_model_dir
-
         known = {f.name for f in fields(cls)} - {"model_dir", "model"} | {"dtype", "device", "max_model_len"}
         hub = {"revision", "download_dir", "tokenizer"}
         unknown = set(args) - known - hub - VLLM_ONLY_ARGS

@@ -119,3 +119,8 @@ class ImageProcessorConfig:
         if capped:
             overrides = {key: min(value, self.max_pixels) for key, value in overrides.items()}
         return replace(self, **overrides)  # min > max is allowed: max_pixels wins, as in the reference
+
+
+def largest_side(max_pixels: int, factor: int) -> int:
+    """The side of the largest square image max_pixels allows (what the limits let one image cost)."""
+    return int(max_pixels**0.5) // factor * factor

@@ -1,20 +1,22 @@
-"""Model configuration read once from a Hugging Face model directory and passed down to every layer.
+"""Model configuration read once from a Hugging Face model directory and passed down to every layer, and where
+that directory comes from (a local path, the Hugging Face cache or hub, or the embedded demo model).
 
-`ModelConfig.from_dir` reads config.json and preprocessor_config.json once; the family that `architectures` names
-(fovea/models/registry.py) turns them into these dataclasses. The helpers below parse what the families share:
-a decoder language model's keys, flat (published Qwen checkpoints) or nested under `text_config` (transformers 5,
-LLaVA), with the defaults of transformers' config classes for keys a checkpoint leaves out.
+`ModelConfig.from_dir` reads config.json and preprocessor_config.json once; the parser of the family that
+`architectures` names (families.py) turns them into these dataclasses.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fovea.config.image import ImageProcessorConfig
+
+logger = logging.getLogger("fovea")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,
@@ -98,51 +100,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, preprocessor: dict | None = None) -> ModelConfig:
-        from fovea.models.registry import architecture_of, family
+        from fovea.config.families import parse_model_config  # its parsers build these dataclasses
 
-        return family(architecture_of(raw)).parse_config(raw, preprocessor or {})
-
-
-def text_keys(raw: dict) -> dict:
-    """The language model's keys: transformers 5 and LLaVA nest them under text_config."""
-    return {**raw, **(raw.get("text_config") or {})}
-
-
-def parse_text(raw: dict, mrope: bool, attention_bias: bool, defaults: dict | None = None) -> TextConfig:
-    """A decoder's settings from its (text_keys) dict; `defaults` for keys the checkpoint leaves out."""
-    raw = {**(defaults or {}), **{k: v for k, v in raw.items() if v is not None}}
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    if mrope:
-        section = rope.get("mrope_section")
-        if section is None or len(section) != 3:
-            raise ValueError(f"config has no 3-axis mrope_section in rope_scaling/rope_parameters: {rope}")
-        if 2 * sum(section) != head_dim:
-            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
-    else:
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"rope scaling {rope} is not supported; fovea runs the default RoPE")
-        section = (head_dim // 2, 0, 0)  # every frequency reads the first position axis: 1-D RoPE
-    return TextConfig(
-        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1e6)),
-        mrope_section=tuple(section),
-        max_position_embeddings=raw.get("max_position_embeddings", 128000), attention_bias=attention_bias,
-    )
-
-
-def checkpoint_dtype(raw: dict) -> torch.dtype:
-    text = raw.get("text_config") or {}
-    return resolve_dtype(raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype")
-                         or text.get("dtype") or "bfloat16")
-
-
-def eos_ids(eos) -> tuple[int, ...]:
-    return tuple(eos) if isinstance(eos, list) else (eos,)
+        return parse_model_config(raw, preprocessor or {})
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -163,3 +123,39 @@ def serving_dtype(checkpoint: torch.dtype, requested: str | torch.dtype, device_
     if device_type == "cpu" and dtype == torch.float16:
         return torch.float32
     return dtype
+
+
+# what a model directory needs; not the .bin / .pt copies some repositories carry beside the safetensors
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def resolve_model_dir(model: str | Path | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """None -> the embedded demo model; a local directory; or a hub id: from the local Hugging Face cache (or
+    `download_dir`), else downloaded unless HF_HUB_OFFLINE is set."""
+    if model is None:
+        from fovea.testing.tiny import demo_model_dir  # writing it needs tokenizers and safetensors
+
+        return demo_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {str(model)!r} is neither a local directory nor a hub id (org/name)")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    where = dict(repo_id=str(model), revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES)
+    try:
+        return Path(snapshot_download(**where, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    fetch = f"Fetch it with `hf download {model}` where a network is available, or pass a local model directory."
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"{model!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. "
+                                + fetch) from None
+    logger.info("downloading %s from %s", model, constants.ENDPOINT)
+    try:
+        return Path(snapshot_download(**where))
+    except Exception as error:  # noqa: BLE001 - no network, unknown repository, gated model, ...
+        raise FileNotFoundError(f"{model!r} could not be downloaded ({type(error).__name__}: "
+                                f"{str(error).splitlines()[0][:300]}). {fetch}") from None

@@ -1,7 +1,6 @@
 """LLaVA-1.5: a CLIP ViT whose patch features, through a two-layer MLP projector, become tokens of a Llama decoder.
 
-Read top to bottom: the config (published llava-hf checkpoints leave most keys to the defaults of transformers'
-LlamaConfig and CLIPVisionConfig, so those defaults are part of the format), the CLIP tower (patch embedding +
+Read top to bottom (its config.json is read by fovea/config/families.py): the CLIP tower (patch embedding +
 class token + learned positions -> pre-norm -> encoder layers up to `vision_feature_layer` -> drop the class
 token -> projector), then the model. Every image is resized and cropped to one size (336 x 336 for ViT-L/14-336),
 so it is always 24 x 24 = 576 patches and 576 tokens; the decoder numbers every token 1-D (plain RoPE).
@@ -13,54 +12,11 @@ import torch
 from torch import nn
 
 from fovea.attention.layer import Attention, AttentionMetadata
-from fovea.config.image import ImageProcessorConfig
-from fovea.config.model import ModelConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
+from fovea.config.model import ModelConfig, VisionConfig
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
 from fovea.models.decoder import DecoderModel, FeedForward
-
-# ----------------------------------------------------------------------------------------------------- config
-
-LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048)
-CLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                     image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5, num_channels=3)
-LLAVA_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                    image_size=336, patch_size=14)  # LlavaConfig's tower when config.json names none
-
-
-def parse_config(raw: dict, preprocessor: dict) -> ModelConfig:
-    text_raw = text_keys(raw)
-    text = parse_text(text_raw, mrope=False, attention_bias=bool(text_raw.get("attention_bias", False)),
-                      defaults=LLAMA_DEFAULTS)
-    given = raw.get("vision_config")
-    vision = {**CLIP_DEFAULTS, **(LLAVA_VISION if given is None else {}), **(given or {})}
-    layer, strategy = raw.get("vision_feature_layer", -2), raw.get("vision_feature_select_strategy", "default")
-    if not isinstance(layer, int) or strategy != "default":
-        raise ValueError(f"vision_feature_layer {layer!r} with select strategy {strategy!r} is not supported: fovea "
-                         "runs one feature layer with the class token dropped ('default')")
-    layers = vision["num_hidden_layers"]
-    used = layer if layer >= 0 else layers + 1 + layer  # hidden_states[0] is the embeddings' output
-    if not 0 < used <= layers:
-        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {layers} layers")
-    side, patch = vision["image_size"], vision["patch_size"]
-    if side % patch:
-        raise ValueError(f"the vision tower's image_size {side} is not a multiple of its patch_size {patch}")
-    image_token = raw.get("image_token_id", raw.get("image_token_index", 32000))
-    return ModelConfig(
-        architecture="LlavaForConditionalGeneration", text=text,
-        vision=VisionConfig(
-            depth=used, hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
-            num_heads=vision["num_attention_heads"], in_channels=vision["num_channels"], patch_size=patch,
-            temporal_patch_size=1, spatial_merge_size=1, window_size=0, fullatt_block_indexes=(),
-            out_hidden_size=text.hidden_size, tokens_per_second=None, rope_theta=0.0,
-            hidden_act=vision["hidden_act"], norm_eps=vision["layer_norm_eps"], image_size=side),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), torch_dtype=checkpoint_dtype(raw),
-        image_token_id=image_token, video_token_id=None, vision_start_token_id=None, vision_end_token_id=None,
-        eos_token_ids=eos_ids(text_raw.get("eos_token_id", 2)),
-        image=ImageProcessorConfig.center_crop(preprocessor, patch, side), mrope=False)
-
 
 # ------------------------------------------------------------------------------------------------ CLIP tower
 

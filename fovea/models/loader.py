@@ -1,4 +1,4 @@
-"""Finding a model directory and loading its safetensors weights into our model."""
+"""Loading a model directory's safetensors weights into our model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from fovea.config.model import ModelConfig, resolve_dtype
+from fovea.config.model import ModelConfig, resolve_dtype, resolve_model_dir
 from fovea.distributed import SINGLE, TPGroup, tensor_parallel
 from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
@@ -21,42 +21,6 @@ logger = logging.getLogger("fovea")
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not fit the model its config describes."""
-
-
-# what a model directory needs; not the .bin / .pt copies some repositories carry beside the safetensors
-HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
-
-
-def resolve_model_dir(model: str | Path | None, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """None -> the embedded demo model; a local directory; or a hub id: from the local Hugging Face cache (or
-    `download_dir`), else downloaded unless HF_HUB_OFFLINE is set."""
-    if model is None:
-        from fovea.testing.tiny import demo_model_dir
-
-        return demo_model_dir()
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {str(model)!r} is neither a local directory nor a hub id (org/name)")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    where = dict(repo_id=str(model), revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES)
-    try:
-        return Path(snapshot_download(**where, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
-    fetch = f"Fetch it with `hf download {model}` where a network is available, or pass a local model directory."
-    if constants.HF_HUB_OFFLINE:
-        raise FileNotFoundError(f"{model!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. "
-                                + fetch) from None
-    logger.info("downloading %s from %s", model, constants.ENDPOINT)
-    try:
-        return Path(snapshot_download(**where))
-    except Exception as error:  # noqa: BLE001 - no network, unknown repository, gated model, ...
-        raise FileNotFoundError(f"{model!r} could not be downloaded ({type(error).__name__}: "
-                                f"{str(error).splitlines()[0][:300]}). {fetch}") from None
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

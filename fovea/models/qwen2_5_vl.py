@@ -1,9 +1,7 @@
 """Qwen2.5-VL: a windowed ViT whose merged patches become tokens of a Qwen2 decoder with M-RoPE.
 
-Read top to bottom: the config (two on-disk forms: the flat one of the published checkpoints, with
-`rope_scaling: {type: mrope, mrope_section}` and `vision_config.in_chans`, and the nested one transformers 5 writes,
-with `text_config`, `rope_parameters`, `vision_config.in_channels`, `dtype`), the vision tower (patch embed ->
-blocks with window/full attention -> patch merger), then the model that joins it to the decoder (decoder.py).
+Read top to bottom: the vision tower (patch embed -> blocks with window/full attention -> patch merger), then the
+model that joins it to the decoder (decoder.py). Its config.json is read by fovea/config/families.py.
 """
 
 from __future__ import annotations
@@ -13,46 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fovea.attention.layer import Attention, AttentionMetadata
-from fovea.config.image import ImageProcessorConfig
-from fovea.config.model import ModelConfig, TextConfig, VisionConfig, checkpoint_dtype, eos_ids, parse_text, text_keys
+from fovea.config.model import ModelConfig, VisionConfig
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.basic import RMSNorm
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.layers.rotary import apply_rotary, vision_rope
 from fovea.models.base import ModelOptions, VisionLanguageModel
 from fovea.models.decoder import DecoderModel, GatedMLP
-from fovea.models.registry import architecture_of
-
-# ----------------------------------------------------------------------------------------------------- config
-
-
-def parse_config(raw: dict, preprocessor: dict) -> ModelConfig:
-    text = parse_text(text_keys(raw), mrope=True, attention_bias=True)
-    vision = raw.get("vision_config") or {}
-    rope = vision.get("rope_parameters") or {}
-    return qwen_model_config(raw, preprocessor, text, VisionConfig(
-        depth=vision.get("depth", 32), hidden_size=vision.get("hidden_size", 1280),
-        intermediate_size=vision.get("intermediate_size", 3420), num_heads=vision.get("num_heads", 16),
-        in_channels=vision.get("in_channels", vision.get("in_chans", 3)), patch_size=vision.get("patch_size", 14),
-        temporal_patch_size=vision.get("temporal_patch_size", 2),
-        spatial_merge_size=vision.get("spatial_merge_size", 2), window_size=vision.get("window_size", 112),
-        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        out_hidden_size=vision.get("out_hidden_size", text.hidden_size),
-        tokens_per_second=vision.get("tokens_per_second", 2), rope_theta=rope.get("rope_theta", 10000.0)))
-
-
-def qwen_model_config(raw: dict, preprocessor: dict, text: TextConfig, vision: VisionConfig) -> ModelConfig:
-    """The settings Qwen2-VL and Qwen2.5-VL share: special tokens, image processor, M-RoPE."""
-    keys = text_keys(raw)
-    return ModelConfig(
-        architecture=architecture_of(raw), text=text, vision=vision,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", keys.get("tie_word_embeddings", False))),
-        torch_dtype=checkpoint_dtype(raw), image_token_id=raw.get("image_token_id", 151655),
-        video_token_id=raw.get("video_token_id", 151656),
-        vision_start_token_id=raw.get("vision_start_token_id", 151652),
-        vision_end_token_id=raw.get("vision_end_token_id", 151653),
-        eos_token_ids=eos_ids(keys.get("eos_token_id", 151645)), image=ImageProcessorConfig.dynamic(preprocessor))
-
 
 # ----------------------------------------------------------------------------------------------- vision tower
 

@@ -21,12 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from fovea.config.model import ModelConfig
+from fovea.config.video import VideoOptions
 from fovea.models.mrope_positions import VisionSpan, linear_positions, mrope_positions
 from fovea.multimodal.chat_format import CONTENT_FORMATS, as_string_content, detect_content_format
 from fovea.multimodal.fetch import ImageTooLarge
 from fovea.multimodal.image import MAX_REQUEST_PIXELS, ImageProcessor, ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, release_images
-from fovea.multimodal.video import VideoOptions, plan_video
+from fovea.multimodal.video import plan_video
 
 logger = logging.getLogger("fovea")
 COUNT_CHUNK_CHARS = 16384  # text longer than this is counted chunk by chunk before it is tokenized whole

@@ -18,6 +18,7 @@ import torch
 
 from fovea.attention.layer import AttentionMetadata
 from fovea.config.engine import EngineConfig
+from fovea.config.image import largest_side
 
 logger = logging.getLogger("fovea")
 GIB = 2**30
@@ -26,8 +27,6 @@ GIB = 2**30
 def largest_image_grid(config: EngineConfig) -> tuple[int, int, int]:
     """(t, h, w) patches of the largest square image, or video frame, the limits allow (the vision tower attends
     within one image or one temporal patch of a video, and a video reaches it in parts of one step's budget)."""
-    from fovea.config.memory_plan import largest_side
-
     image = config.model.image.with_overrides(config.mm_processor_kwargs)
     factor = image.patch_size * image.merge_size
     side = max(factor, largest_side(config.largest_frame_pixels, factor)) // image.patch_size

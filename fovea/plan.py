@@ -17,7 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from fovea.config.flags import default
+from fovea.config.image import largest_side
 from fovea.config.model import ModelConfig, serving_dtype
+from fovea.config.video import VideoOptions, frame_indices, frame_max_pixels, frame_size
+from fovea.models.registry import family
 
 IMAGE_SIZES = [(448, 448), (1280, 720), (1920, 1080), (3840, 2160)]  # width x height, as a user would send them
 VIDEO_CLIPS = [(10, 1280, 720), (60, 1280, 720), (600, 1920, 1080)]  # seconds, width, height (30 fps)
@@ -41,8 +44,6 @@ class MemoryPlan:
 
 
 def count_parameters(config: ModelConfig) -> int:
-    from fovea.models.registry import family
-
     with torch.device("meta"):
         model = family(config.architecture).Model(config)
     return sum(p.numel() for p in model.parameters())
@@ -54,8 +55,6 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = default("dtype"),
                 max_num_seqs: int = default("max_num_seqs"),
                 gpu_memory_utilization: float = default("gpu_memory_utilization"),
                 tensor_parallel_size: int = default("tensor_parallel_size"), max_pixels: int | None = None) -> MemoryPlan:
-    from fovea.multimodal.video import VideoOptions, frame_indices, frame_max_pixels, frame_size
-
     config = ModelConfig.from_dir(model_dir)
     text, vision = config.text, config.vision
     served = serving_dtype(config.torch_dtype, dtype, "cuda")
@@ -110,11 +109,6 @@ def smallest_fitting_size(model_dir, gpu_memory_gib: float, **options) -> int | 
         if plan.kv_tokens >= plan.max_model_len:
             return size
     return None
-
-
-def largest_side(max_pixels: int, factor: int) -> int:
-    """The side of the largest square image max_pixels allows (what the limits let one image cost)."""
-    return int(max_pixels**0.5) // factor * factor
 
 
 def format_plan(plan: MemoryPlan, title: str) -> str:

@@ -1,0 +1,170 @@
+"""How each family's config.json (and preprocessor_config.json) becomes a `ModelConfig`: one parser per
+architecture, as transformers keeps a configuration file beside each modeling file.
+
+Checkpoints come in two on-disk forms: the flat one of the published Qwen checkpoints (`rope_scaling: {type: mrope,
+mrope_section}`, `vision_config.in_chans`) and the nested one transformers 5 writes (`text_config`,
+`rope_parameters`, `vision_config.in_channels`, `dtype`). Published llava-hf checkpoints leave most keys to the
+defaults of transformers' LlamaConfig and CLIPVisionConfig, so those defaults are part of the format. Adding a model
+is a parser here and its module under fovea/models/ (registry.py there names it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fovea.config.image import ImageProcessorConfig
+from fovea.config.model import ModelConfig, TextConfig, VisionConfig, resolve_dtype
+
+# config.json files without `architectures` are named by their model_type
+MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+               "llava": "LlavaForConditionalGeneration"}
+
+
+def architecture_of(raw: dict) -> str:
+    names = raw.get("architectures") or [MODEL_TYPES.get(raw.get("model_type"), str(raw.get("model_type")))]
+    supported = [name for name in names if name in PARSERS]
+    if not supported:
+        raise ValueError(f"unsupported architecture {names[0]!r} (model_type {raw.get('model_type')!r}); fovea runs "
+                         f"{', '.join(sorted(PARSERS))}")
+    return supported[0]
+
+
+def parse_model_config(raw: dict, preprocessor: dict) -> ModelConfig:
+    return PARSERS[architecture_of(raw)](raw, preprocessor)
+
+
+# ------------------------------------------------------------------------------------------- shared helpers
+
+
+def text_keys(raw: dict) -> dict:
+    """The language model's keys: transformers 5 and LLaVA nest them under text_config."""
+    return {**raw, **(raw.get("text_config") or {})}
+
+
+def parse_text(raw: dict, mrope: bool, attention_bias: bool, defaults: dict | None = None) -> TextConfig:
+    """A decoder's settings from its (text_keys) dict; `defaults` for keys the checkpoint leaves out."""
+    raw = {**(defaults or {}), **{k: v for k, v in raw.items() if v is not None}}
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    if mrope:
+        section = rope.get("mrope_section")
+        if section is None or len(section) != 3:
+            raise ValueError(f"config has no 3-axis mrope_section in rope_scaling/rope_parameters: {rope}")
+        if 2 * sum(section) != head_dim:
+            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
+    else:
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"rope scaling {rope} is not supported; fovea runs the default RoPE")
+        section = (head_dim // 2, 0, 0)  # every frequency reads the first position axis: 1-D RoPE
+    return TextConfig(
+        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1e6)),
+        mrope_section=tuple(section),
+        max_position_embeddings=raw.get("max_position_embeddings", 128000), attention_bias=attention_bias,
+    )
+
+
+def checkpoint_dtype(raw: dict) -> torch.dtype:
+    text = raw.get("text_config") or {}
+    return resolve_dtype(raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype")
+                         or text.get("dtype") or "bfloat16")
+
+
+def eos_ids(eos) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+# -------------------------------------------------------------------------------------- Qwen2.5-VL, Qwen2-VL
+
+
+def parse_qwen2_5_vl(raw: dict, preprocessor: dict) -> ModelConfig:
+    text = parse_text(text_keys(raw), mrope=True, attention_bias=True)
+    vision = raw.get("vision_config") or {}
+    rope = vision.get("rope_parameters") or {}
+    return qwen_model_config(raw, preprocessor, text, VisionConfig(
+        depth=vision.get("depth", 32), hidden_size=vision.get("hidden_size", 1280),
+        intermediate_size=vision.get("intermediate_size", 3420), num_heads=vision.get("num_heads", 16),
+        in_channels=vision.get("in_channels", vision.get("in_chans", 3)), patch_size=vision.get("patch_size", 14),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        spatial_merge_size=vision.get("spatial_merge_size", 2), window_size=vision.get("window_size", 112),
+        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        out_hidden_size=vision.get("out_hidden_size", text.hidden_size),
+        tokens_per_second=vision.get("tokens_per_second", 2), rope_theta=rope.get("rope_theta", 10000.0)))
+
+
+def qwen_model_config(raw: dict, preprocessor: dict, text: TextConfig, vision: VisionConfig) -> ModelConfig:
+    """The settings Qwen2-VL and Qwen2.5-VL share: special tokens, image processor, M-RoPE."""
+    keys = text_keys(raw)
+    return ModelConfig(
+        architecture=architecture_of(raw), text=text, vision=vision,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", keys.get("tie_word_embeddings", False))),
+        torch_dtype=checkpoint_dtype(raw), image_token_id=raw.get("image_token_id", 151655),
+        video_token_id=raw.get("video_token_id", 151656),
+        vision_start_token_id=raw.get("vision_start_token_id", 151652),
+        vision_end_token_id=raw.get("vision_end_token_id", 151653),
+        eos_token_ids=eos_ids(keys.get("eos_token_id", 151645)), image=ImageProcessorConfig.dynamic(preprocessor))
+
+
+def parse_qwen2_vl(raw: dict, preprocessor: dict) -> ModelConfig:
+    text = parse_text(text_keys(raw), mrope=True, attention_bias=True)
+    vision = raw.get("vision_config") or {}
+    width, depth = vision.get("embed_dim", 1280), vision.get("depth", 32)
+    patch, merge = vision.get("patch_size", 14), vision.get("spatial_merge_size", 2)
+    return qwen_model_config(raw, preprocessor, text, VisionConfig(
+        depth=depth, hidden_size=width, intermediate_size=int(width * vision.get("mlp_ratio", 4)),
+        num_heads=vision.get("num_heads", 16), in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+        patch_size=patch, temporal_patch_size=vision.get("temporal_patch_size", 2), spatial_merge_size=merge,
+        window_size=patch * merge, fullatt_block_indexes=tuple(range(depth)),  # every block attends per frame
+        out_hidden_size=vision.get("hidden_size", text.hidden_size), tokens_per_second=None,
+        rope_theta=(vision.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        hidden_act=vision.get("hidden_act", "quick_gelu")))
+
+
+# ------------------------------------------------------------------------------------------------------ LLaVA
+
+LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048)
+CLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                     image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5, num_channels=3)
+LLAVA_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                    image_size=336, patch_size=14)  # LlavaConfig's tower when config.json names none
+
+
+def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
+    text_raw = text_keys(raw)
+    text = parse_text(text_raw, mrope=False, attention_bias=bool(text_raw.get("attention_bias", False)),
+                      defaults=LLAMA_DEFAULTS)
+    given = raw.get("vision_config")
+    vision = {**CLIP_DEFAULTS, **(LLAVA_VISION if given is None else {}), **(given or {})}
+    layer, strategy = raw.get("vision_feature_layer", -2), raw.get("vision_feature_select_strategy", "default")
+    if not isinstance(layer, int) or strategy != "default":
+        raise ValueError(f"vision_feature_layer {layer!r} with select strategy {strategy!r} is not supported: fovea "
+                         "runs one feature layer with the class token dropped ('default')")
+    layers = vision["num_hidden_layers"]
+    used = layer if layer >= 0 else layers + 1 + layer  # hidden_states[0] is the embeddings' output
+    if not 0 < used <= layers:
+        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {layers} layers")
+    side, patch = vision["image_size"], vision["patch_size"]
+    if side % patch:
+        raise ValueError(f"the vision tower's image_size {side} is not a multiple of its patch_size {patch}")
+    image_token = raw.get("image_token_id", raw.get("image_token_index", 32000))
+    return ModelConfig(
+        architecture="LlavaForConditionalGeneration", text=text,
+        vision=VisionConfig(
+            depth=used, hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
+            num_heads=vision["num_attention_heads"], in_channels=vision["num_channels"], patch_size=patch,
+            temporal_patch_size=1, spatial_merge_size=1, window_size=0, fullatt_block_indexes=(),
+            out_hidden_size=text.hidden_size, tokens_per_second=None, rope_theta=0.0,
+            hidden_act=vision["hidden_act"], norm_eps=vision["layer_norm_eps"], image_size=side),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), torch_dtype=checkpoint_dtype(raw),
+        image_token_id=image_token, video_token_id=None, vision_start_token_id=None, vision_end_token_id=None,
+        eos_token_ids=eos_ids(text_raw.get("eos_token_id", 2)),
+        image=ImageProcessorConfig.center_crop(preprocessor, patch, side), mrope=False)
+
+
+PARSERS = {"Qwen2_5_VLForConditionalGeneration": parse_qwen2_5_vl, "Qwen2VLForConditionalGeneration": parse_qwen2_vl,
+           "LlavaForConditionalGeneration": parse_llava}
