@@ -38,14 +38,25 @@ def make_step(config: ModelConfig, batch: int, context: int, device, dtype, back
     blocks_per_seq = -(-(context + 1) // BLOCK)
     num_blocks = batch * blocks_per_seq + 1
     gen = torch.Generator(device=device).manual_seed(0)
-    caches = [torch.randn(2, num_blocks, BLOCK, text.num_kv_heads, text.head_dim, device=device, dtype=dtype,
-                          generator=gen) for _ in range(text.num_layers)]
+    caches = [
+        torch.randn(2, num_blocks, BLOCK, text.num_kv_heads, text.head_dim, device=device, dtype=dtype, generator=gen)
+        for _ in range(text.num_layers)
+    ]
     order = torch.randperm(num_blocks - 1, device=device, generator=gen).to(torch.int32) + 1
-    tables = order[:batch * blocks_per_seq].view(batch, blocks_per_seq)
+    tables = order[: batch * blocks_per_seq].view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
-    slots = (tables[:, context // BLOCK].long() * BLOCK + context % BLOCK)
-    meta = PagedAttentionMetadata(backend, slots, torch.arange(batch + 1, dtype=torch.int32, device=device),
-                                  seq_lens, tables, 1, context + 1, BLOCK, caches)
+    slots = tables[:, context // BLOCK].long() * BLOCK + context % BLOCK
+    meta = PagedAttentionMetadata(
+        backend,
+        slots,
+        torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens,
+        tables,
+        1,
+        context + 1,
+        BLOCK,
+        caches,
+    )
     ids = torch.randint(0, 150000, (batch,), device=device, generator=gen)
     positions = torch.full((3, batch), context, dtype=torch.long, device=device)
     return ids, positions, meta
@@ -108,9 +119,15 @@ def measure(model, config: ModelConfig, batch: int, context: int, rates: tuple[f
     floor_ms = max(flops / matmul, step_bytes / bandwidth) * 1e3
     kernels = top_kernels(prof, cuda)
     attention_us = sum(k["us"] for k in kernels if k["kernel"] in ATTENTION_KERNELS)
-    return {"batch": batch, "context": context, "step_ms": statistics.median(times), "floor_ms": floor_ms,
-            "attention_us_per_layer": attention_us / text.num_layers,
-            "attention_floor_us_per_layer": kv_bytes / text.num_layers / bandwidth * 1e6, "top_kernels": kernels}
+    return {
+        "batch": batch,
+        "context": context,
+        "step_ms": statistics.median(times),
+        "floor_ms": floor_ms,
+        "attention_us_per_layer": attention_us / text.num_layers,
+        "attention_floor_us_per_layer": kv_bytes / text.num_layers / bandwidth * 1e6,
+        "top_kernels": kernels,
+    }
 
 
 def main() -> None:
@@ -133,15 +150,18 @@ def main() -> None:
         options = ModelOptions(vision_kernel=True, fused_kernels=variant == "fused")
         model, _ = load_model(args.model, dtype="bfloat16", device=device, options=options)
         for b, c in cases:
-            results.append({"variant": variant, **measure(model, config, b, c, (tflops * 1e12, tbps * 1e12),
-                                                          args.quick)})
+            results.append(
+                {"variant": variant, **measure(model, config, b, c, (tflops * 1e12, tbps * 1e12), args.quick)}
+            )
         del model
         torch.cuda.empty_cache() if device == "cuda" else None
     (out / "decode_step.json").write_text(json.dumps(results, indent=2))
     for r in results:
-        print(f"\n{r['variant']}: decode step, batch {r['batch']} x context {r['context']}: {r['step_ms']:.2f} ms (CUDA graph) against "
-              f"a floor of {r['floor_ms']:.2f} ms = {r['step_ms'] / r['floor_ms']:.2f}x; attention "
-              f"{r['attention_us_per_layer']:.1f} us/layer against {r['attention_floor_us_per_layer']:.1f}")
+        print(
+            f"\n{r['variant']}: decode step, batch {r['batch']} x context {r['context']}: {r['step_ms']:.2f} ms (CUDA graph) against "
+            f"a floor of {r['floor_ms']:.2f} ms = {r['step_ms'] / r['floor_ms']:.2f}x; attention "
+            f"{r['attention_us_per_layer']:.1f} us/layer against {r['attention_floor_us_per_layer']:.1f}"
+        )
         print("| kernel | calls | us | share |\n|---|---|---|---|")
         for k in r["top_kernels"]:
             print(f"| {k['kernel']} | {k['calls']} | {k['us']:.0f} | {k['share']:.1%} |")

@@ -31,15 +31,62 @@ from fovea.bench.floors import Hardware, workload_floor
 from fovea.config.model import ModelConfig
 
 WORKLOADS = {  # name -> (bench flags, input tokens for the floor, output tokens, prompts, image patches)
-    "seed-001": (["--dataset-name", "random", "--random-input-len", "8000", "--random-output-len", "1000",
-                  "--num-prompts", "16"], 8000, 1000, 16, 0),
-    "random-1000-1000-x256": (["--dataset-name", "random", "--random-input-len", "1000", "--random-output-len",
-                               "1000", "--num-prompts", "256"], 1000, 1000, 256, 0),
-    "random-mm-720p-x500": (["--dataset-name", "random-mm", "--endpoint", "/v1/chat/completions",
-                             "--random-input-len", "100", "--random-output-len", "128", "--num-prompts", "500",
-                             "--random-mm-base-items-per-request", "1", "--random-mm-bucket-config",
-                             "{(720, 1280, 1): 1.0}", "--random-mm-limit-mm-per-prompt", '{"image": 1}'],
-                            100 + 1196, 128, 500, 4784),
+    "seed-001": (
+        [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "8000",
+            "--random-output-len",
+            "1000",
+            "--num-prompts",
+            "16",
+        ],
+        8000,
+        1000,
+        16,
+        0,
+    ),
+    "random-1000-1000-x256": (
+        [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "1000",
+            "--random-output-len",
+            "1000",
+            "--num-prompts",
+            "256",
+        ],
+        1000,
+        1000,
+        256,
+        0,
+    ),
+    "random-mm-720p-x500": (
+        [
+            "--dataset-name",
+            "random-mm",
+            "--endpoint",
+            "/v1/chat/completions",
+            "--random-input-len",
+            "100",
+            "--random-output-len",
+            "128",
+            "--num-prompts",
+            "500",
+            "--random-mm-base-items-per-request",
+            "1",
+            "--random-mm-bucket-config",
+            "{(720, 1280, 1): 1.0}",
+            "--random-mm-limit-mm-per-prompt",
+            '{"image": 1}',
+        ],
+        100 + 1196,
+        128,
+        500,
+        4784,
+    ),
 }
 QUICK = {"--random-input-len": "64", "--random-output-len": "16", "--num-prompts": "4"}
 
@@ -53,9 +100,15 @@ def hardware(commit: str) -> dict:
     except ImportError:
         pass
     if torch.cuda.is_available():  # read off nvidia-smi: this process keeps no CUDA context beside the server's
-        info["gpu"], info["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
-            text=True).stdout.strip().split(", ")[:2]
+        info["gpu"], info["driver"] = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .split(", ")[:2]
+        )
     else:
         info["gpu"] = "none (CPU: " + platform.processor() + ")"
     return info
@@ -71,8 +124,11 @@ class GpuSampler(threading.Thread):
 
     def run(self):
         try:
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                          "-lms", "100"], stdout=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         except FileNotFoundError:
             return
         for line in self.proc.stdout:
@@ -83,17 +139,38 @@ class GpuSampler(threading.Thread):
         if self.proc:
             self.proc.terminate()
         busy = self.samples
-        return {"gpu_util_samples": len(busy), "gpu_util_mean": sum(busy) / len(busy) if busy else None,
-                "gpu_util_p10": sorted(busy)[len(busy) // 10] if busy else None}
+        return {
+            "gpu_util_samples": len(busy),
+            "gpu_util_mean": sum(busy) / len(busy) if busy else None,
+            "gpu_util_p10": sorted(busy)[len(busy) // 10] if busy else None,
+        }
 
 
 def start_server(model: str, port: int, extra: list[str], log: Path) -> subprocess.Popen:
     # what holds the GPU before the server takes its share (an engine refuses to start without it)
-    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"],
-                          capture_output=True, text=True) if torch.cuda.is_available() else None
+    apps = (
+        subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"],
+            capture_output=True,
+            text=True,
+        )
+        if torch.cuda.is_available()
+        else None
+    )
     print("GPU before the server:", apps.stdout if apps else "-", flush=True)
-    cmd = [sys.executable, "-m", "fovea.cli", "serve", model, "--port", str(port), "--no-enable-prefix-caching",
-           "--disable-log-requests", "--uvicorn-log-level", "warning"] + extra
+    cmd = [
+        sys.executable,
+        "-m",
+        "fovea.cli",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--no-enable-prefix-caching",
+        "--disable-log-requests",
+        "--uvicorn-log-level",
+        "warning",
+    ] + extra
     print("$", " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 900
@@ -112,9 +189,26 @@ def start_server(model: str, port: int, extra: list[str], log: Path) -> subproce
 def bench_serve(model: str, port: int, name: str, flags: list[str], out: Path, quick: bool) -> dict:
     if quick:
         flags = [QUICK.get(prev, flag) for prev, flag in zip([""] + flags, flags)]  # values after QUICK's flags
-    cmd = [sys.executable, "-m", "fovea.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-           "--tokenizer", model, "--ignore-eos", "--save-result", "--result-dir", str(out), "--result-filename",
-           f"{name}.json", "--label", name, "--disable-tqdm"] + flags
+    cmd = [
+        sys.executable,
+        "-m",
+        "fovea.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--tokenizer",
+        model,
+        "--ignore-eos",
+        "--save-result",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        f"{name}.json",
+        "--label",
+        name,
+        "--disable-tqdm",
+    ] + flags
     print("$", " ".join(cmd), flush=True)
     sampler = GpuSampler() if "random-mm" in name else None
     if sampler:
@@ -145,8 +239,11 @@ def main() -> None:
     rates = {"matmul_tflops": 798, "copy_tb_s": 3.0}
     if "rates" in steps:  # in a child process: whatever it leaves on the GPU is gone before the server starts
         code = f"import json; from fovea.bench.kernels import measure_rates; print(json.dumps(measure_rates({args.quick})))"
-        rates = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                          text=True).stdout.strip().splitlines()[-1])
+        rates = json.loads(
+            subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
     summary["rates"] = rates
     print("rates:", rates, flush=True)
     hw = Hardware(rates["matmul_tflops"] * 1e12, rates["copy_tb_s"] * 1e12)
@@ -165,10 +262,30 @@ def main() -> None:
             server.wait(60)
     if "hf" in steps:
         quick = ["--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "4"]
-        cmd = [sys.executable, "-m", "fovea.cli", "bench", "throughput", "--model", args.model, "--compare", "hf",
-               "--dataset-name", "random", "--output-json", str(out / "hf-compare.json")] + (quick if args.quick else [
-               "--random-input-len", "1000", "--random-output-len", "256", "--num-prompts", "64"]) \
-            + ["--gpu-memory-utilization", "0.45"] + args.server_args.split()  # transformers' model fits beside
+        cmd = (
+            [
+                sys.executable,
+                "-m",
+                "fovea.cli",
+                "bench",
+                "throughput",
+                "--model",
+                args.model,
+                "--compare",
+                "hf",
+                "--dataset-name",
+                "random",
+                "--output-json",
+                str(out / "hf-compare.json"),
+            ]
+            + (
+                quick
+                if args.quick
+                else ["--random-input-len", "1000", "--random-output-len", "256", "--num-prompts", "64"]
+            )
+            + ["--gpu-memory-utilization", "0.45"]
+            + args.server_args.split()
+        )  # transformers' model fits beside
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         summary["hf"] = json.loads((out / "hf-compare.json").read_text())
@@ -179,23 +296,32 @@ def main() -> None:
 
 def summary_table(summary: dict) -> str:
     hw, rates = summary["hardware"], summary["rates"]
-    lines = [f"{hw.get('gpu')} driver {hw.get('driver', '-')}, torch {hw['torch']}, triton {hw.get('triton', '-')}, "
-             f"commit {hw['commit']}; matmul {rates['matmul_tflops']:.0f} TFLOP/s, copy {rates['copy_tb_s']:.2f} TB/s",
-             "", "| workload | duration s | floor s | x floor | output tok/s | mean TTFT ms | mean TPOT ms | "
-             "TPOT floor ms | x floor | GPU util % |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{hw.get('gpu')} driver {hw.get('driver', '-')}, torch {hw['torch']}, triton {hw.get('triton', '-')}, "
+        f"commit {hw['commit']}; matmul {rates['matmul_tflops']:.0f} TFLOP/s, copy {rates['copy_tb_s']:.2f} TB/s",
+        "",
+        "| workload | duration s | floor s | x floor | output tok/s | mean TTFT ms | mean TPOT ms | "
+        "TPOT floor ms | x floor | GPU util % |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in summary["workloads"].items():
         floor = r.get("floor") or {}
         total, tpot = floor.get("total_s"), floor.get("tpot_floor_ms")
         ratio = f"{r['duration'] / total:.2f}" if total else "-"
         tpot_ratio = f"{r['mean_tpot_ms'] / tpot:.2f}" if tpot else "-"
         util = r.get("gpu_util_mean")
-        lines.append(f"| {name} | {r['duration']:.2f} | {total or 0:.2f} | {ratio} | {r['output_throughput']:.0f} | "
-                     f"{r['mean_ttft_ms']:.0f} | {r['mean_tpot_ms']:.2f} | {tpot or 0:.2f} | {tpot_ratio} | "
-                     f"{'-' if util is None else f'{util:.0f}'} |")
+        lines.append(
+            f"| {name} | {r['duration']:.2f} | {total or 0:.2f} | {ratio} | {r['output_throughput']:.0f} | "
+            f"{r['mean_ttft_ms']:.0f} | {r['mean_tpot_ms']:.2f} | {tpot or 0:.2f} | {tpot_ratio} | "
+            f"{'-' if util is None else f'{util:.0f}'} |"
+        )
     if "hf" in summary:
         hf = summary["hf"]
-        lines += ["", f"offline throughput vs HF generate: fovea {hf['fovea']['output_tokens_per_second']:.0f} vs hf "
-                      f"{hf['hf']['output_tokens_per_second']:.0f} output tok/s = {hf['ratio']:.1f}x"]
+        lines += [
+            "",
+            f"offline throughput vs HF generate: fovea {hf['fovea']['output_tokens_per_second']:.0f} vs hf "
+            f"{hf['hf']['output_tokens_per_second']:.0f} output tok/s = {hf['ratio']:.1f}x",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -42,7 +42,7 @@ def check_video(quick: bool) -> dict:
 
     options, config = VideoOptions(), ImageProcessorConfig()
     results = {}
-    for frames, height, width in ([(4, 90, 160)] if quick else [(8, 360, 640), (16, 720, 1280), (5, 480, 270)]):
+    for frames, height, width in [(4, 90, 160)] if quick else [(8, 360, 640), (16, 720, 1280), (5, 480, 270)]:
         clip = smooth_clip(frames, height, width, seed=frames)
         planned = plan_video(clip, options)  # frames given without a rate are taken as already sampled
         ours = process_video(planned)
@@ -50,14 +50,18 @@ def check_video(quick: bool) -> dict:
         size = {"shortest_edge": options.min_pixels, "longest_edge": int(frame_max_pixels(options, frames))}
         processor = Qwen2VLVideoProcessor(size=size, do_sample_frames=False)
         theirs = processor(videos=[torch.from_numpy(clip).permute(0, 3, 1, 2)], return_tensors="pt")
-        same_input = processor(videos=[torch.from_numpy(ours.pixels).permute(0, 3, 1, 2)], do_resize=False,
-                               return_tensors="pt")
+        same_input = processor(
+            videos=[torch.from_numpy(ours.pixels).permute(0, 3, 1, 2)], do_resize=False, return_tensors="pt"
+        )
         grid = tuple(theirs["video_grid_thw"][0].tolist())
         row = {"grid_ours": list(ours.grid_thw), "grid_transformers": list(grid)}
         if grid == tuple(ours.grid_thw):
             diff = (our_patches - theirs["pixel_values_videos"]).abs()
-            row.update(resized_max_abs=float(diff.max()), resized_mean_abs=float(diff.mean()),
-                       resized_fraction_differing=float((diff > 1e-6).float().mean()))
+            row.update(
+                resized_max_abs=float(diff.max()),
+                resized_mean_abs=float(diff.mean()),
+                resized_fraction_differing=float((diff > 1e-6).float().mean()),
+            )
         layout = (our_patches - same_input["pixel_values_videos"]).abs()
         row["same_frames_max_abs"] = float(layout.max())
         results[f"{frames}x{height}x{width}"] = row
@@ -99,8 +103,13 @@ def check_llava_tower(quick: bool) -> dict:
             times[name] = (time.perf_counter() - start) / (2 if quick else 10) * 1e3
     ref = outputs["fp32-sdpa"]
     rel = {name: float((out - ref).norm() / ref.norm()) for name, out in outputs.items() if name != "fp32-sdpa"}
-    return {"images": images, "tokens_per_image": side * side, "rel_error_vs_fp32": rel, "ms_per_call": times,
-            "finite": all(bool(torch.isfinite(o).all()) for o in outputs.values())}
+    return {
+        "images": images,
+        "tokens_per_image": side * side,
+        "rel_error_vs_fp32": rel,
+        "ms_per_call": times,
+        "finite": all(bool(torch.isfinite(o).all()) for o in outputs.values()),
+    }
 
 
 def main() -> None:

@@ -38,12 +38,19 @@ def run_hf(model_dir: str, dtype: torch.dtype, ids: list[list[int]], tokens: int
     with torch.inference_mode():
         for i, prompt in enumerate(ids):
             x = torch.tensor([prompt], device=device)
-            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens, min_new_tokens=tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            out["tokens"].append(gen[0, len(prompt):].tolist())
+            gen = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out["tokens"].append(gen[0, len(prompt) :].tolist())
             follow = reference[i] if reference else out["tokens"][-1]
             full = torch.tensor([prompt + follow[:-1]], device=device)
-            logits = model(input_ids=full, attention_mask=torch.ones_like(full)).logits[0, len(prompt) - 1:]
+            logits = model(input_ids=full, attention_mask=torch.ones_like(full)).logits[0, len(prompt) - 1 :]
             logprobs = logits.float().log_softmax(-1)
             out["ref_logprobs"].append(logprobs.gather(1, torch.tensor(follow, device=device)[:, None])[:, 0].tolist())
     return out
@@ -58,10 +65,13 @@ def run_fovea(model_dir: str, dtype: str, ids: list[list[int]], tokens: int, ref
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], greedy, use_tqdm=False)
         result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "ref_logprobs": []}
         follow = reference or result["tokens"]
-        scored = llm.generate([{"prompt_token_ids": p + f} for p, f in zip(ids, follow)],
-                              SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        scored = llm.generate(
+            [{"prompt_token_ids": p + f} for p, f in zip(ids, follow)],
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
         for prompt, f, o in zip(ids, follow, scored):
-            rows = o.prompt_logprobs[len(prompt):]
+            rows = o.prompt_logprobs[len(prompt) :]
             result["ref_logprobs"].append([row[token].logprob for row, token in zip(rows, f)])
     return result
 
@@ -74,8 +84,13 @@ def compare(run: dict, ref: dict) -> dict:
         first_diverge.append(same)
     for got, want in zip(run["ref_logprobs"], ref["ref_logprobs"]):
         diffs += [abs(a - b) for a, b in zip(got, want)]
-    return {"prompts_equal": matched, "prompts": len(ref["tokens"]), "first_divergence": first_diverge,
-            "max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs)}
+    return {
+        "prompts_equal": matched,
+        "prompts": len(ref["tokens"]),
+        "first_divergence": first_diverge,
+        "max_abs_logprob_diff": max(diffs),
+        "mean_abs_logprob_diff": sum(diffs) / len(diffs),
+    }
 
 
 def main() -> None:
@@ -97,16 +112,34 @@ def main() -> None:
         ref_file = out / "parity-hf-float32.json"
         reference = json.loads(ref_file.read_text())["tokens"] if args.run != RUNS[0] else None
         side, dtype = args.run.split("-")
-        result = (run_hf(args.model, getattr(torch, dtype), ids, tokens, reference) if side == "hf"
-                  else run_fovea(args.model, dtype, ids, tokens, reference))
+        result = (
+            run_hf(args.model, getattr(torch, dtype), ids, tokens, reference)
+            if side == "hf"
+            else run_fovea(args.model, dtype, ids, tokens, reference)
+        )
         (out / f"parity-{args.run}.json").write_text(json.dumps(result))
         return
     for run in RUNS:
         if (out / f"parity-{run}.json").exists():  # taken earlier (a run per device call, where time is short)
             continue
         print("parity run:", run, flush=True)
-        subprocess.run([sys.executable, __file__, "--model", args.model, "--out", str(out), "--run", run,
-                        "--prompts", ",".join(map(str, lengths)), "--tokens", str(tokens)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--model",
+                args.model,
+                "--out",
+                str(out),
+                "--run",
+                run,
+                "--prompts",
+                ",".join(map(str, lengths)),
+                "--tokens",
+                str(tokens),
+            ],
+            check=True,
+        )
     ref = json.loads((out / "parity-hf-float32.json").read_text())
     summary = {"prompt_lengths": lengths, "tokens": tokens}
     for run in RUNS[1:]:
@@ -119,8 +152,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for run in RUNS[1:]:
         r = summary[run]
-        print(f"| {run} | {r['prompts_equal']}/{r['prompts']} | {r['first_divergence']} | "
-              f"{r['max_abs_logprob_diff']:.2e} | {r['mean_abs_logprob_diff']:.2e} |")
+        print(
+            f"| {run} | {r['prompts_equal']}/{r['prompts']} | {r['first_divergence']} | "
+            f"{r['max_abs_logprob_diff']:.2e} | {r['mean_abs_logprob_diff']:.2e} |"
+        )
     print("fovea bf16 no further from fp32 than transformers bf16:", summary["bf16_no_further_than_hf"])
 
 

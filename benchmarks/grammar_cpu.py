@@ -19,10 +19,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, BATCH = 151936, 256
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 20},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                         "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+    },
+}
 ANSWER = json.dumps({"name": "Alice", "age": 30, "tags": ["a", "bb"]})  # both engines' default: any whitespace
 
 
@@ -39,8 +45,11 @@ def per_step_ms(fill, consume, apply, answer_ids: list[int]) -> dict:
         consume(token)
         fills.append(middle - start + time.perf_counter() - end)
         applies.append(end - middle)
-    return {"fill_and_consume_ms": statistics.mean(fills) * 1e3, "apply_ms": statistics.mean(applies) * 1e3,
-            "fill_and_consume_median_ms": statistics.median(fills) * 1e3}
+    return {
+        "fill_and_consume_ms": statistics.mean(fills) * 1e3,
+        "apply_ms": statistics.mean(applies) * 1e3,
+        "fill_and_consume_median_ms": statistics.median(fills) * 1e3,
+    }
 
 
 def llguidance_case(tokenizer, answer_ids):
@@ -66,8 +75,9 @@ def llguidance_case(tokenizer, answer_ids):
 def xgrammar_case(tokenizer, answer_ids):
     import xgrammar as xgr
 
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)) \
-        .compile_json_schema(json.dumps(SCHEMA))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)).compile_json_schema(
+        json.dumps(SCHEMA)
+    )
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(BATCH)]
     mask = xgr.allocate_token_bitmask(BATCH, VOCAB)
 
@@ -93,16 +103,28 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir()))
     answer_ids = tokenizer.encode(ANSWER)
     results = {"llguidance": llguidance_case(tokenizer, answer_ids), "xgrammar": xgrammar_case(tokenizer, answer_ids)}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    record = {"benchmark": "grammar_cpu", "batch": BATCH, "vocab": VOCAB, "commit": commit, "torch_threads": 1,
-              "answer_tokens": len(answer_ids), "cpu": platform.processor() or platform.machine(), "results": results}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    record = {
+        "benchmark": "grammar_cpu",
+        "batch": BATCH,
+        "vocab": VOCAB,
+        "commit": commit,
+        "torch_threads": 1,
+        "answer_tokens": len(answer_ids),
+        "cpu": platform.processor() or platform.machine(),
+        "results": results,
+    }
     out = Path(args.out) / f"grammar_cpu_{commit}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
-    print("| engine | masks: fill + consume, mean (median) ms/step | apply to logits, mean ms/step |\n| --- | --- | --- |")
+    print(
+        "| engine | masks: fill + consume, mean (median) ms/step | apply to logits, mean ms/step |\n| --- | --- | --- |"
+    )
     for name, r in results.items():
-        print(f"| {name} | {r['fill_and_consume_ms']:.1f} ({r['fill_and_consume_median_ms']:.1f}) | "
-              f"{r['apply_ms']:.1f} |")
+        print(
+            f"| {name} | {r['fill_and_consume_ms']:.1f} ({r['fill_and_consume_median_ms']:.1f}) | {r['apply_ms']:.1f} |"
+        )
     print(f"raw: {out}")
 
 

@@ -70,16 +70,21 @@ class Phases:
         return spent
 
 
-def run_case(llm: LLM, phases: Phases, batch: int, prompt_len: int, steps: int, params: SamplingParams,
-             profile_steps: int) -> dict:
+def run_case(
+    llm: LLM, phases: Phases, batch: int, prompt_len: int, steps: int, params: SamplingParams, profile_steps: int
+) -> dict:
     engine = llm.engine
     rng = np.random.default_rng(batch * 7919 + prompt_len)
-    params = params.clone(max_tokens=2 * steps + profile_steps + 8, ignore_eos=True,
-                          output_kind=RequestOutputKind.DELTA)
+    params = params.clone(
+        max_tokens=2 * steps + profile_steps + 8, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     for i in range(batch):
         ids = rng.integers(0, 150000, prompt_len).tolist()
-        engine.add_request(llm.inputs.make_request(f"{batch}x{prompt_len}-{i}-{time.monotonic()}",
-                                                   llm.inputs.process({"prompt_token_ids": ids}), params))
+        engine.add_request(
+            llm.inputs.make_request(
+                f"{batch}x{prompt_len}-{i}-{time.monotonic()}", llm.inputs.process({"prompt_token_ids": ids}), params
+            )
+        )
     start = time.perf_counter()
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -107,14 +112,26 @@ def run_case(llm: LLM, phases: Phases, batch: int, prompt_len: int, steps: int, 
     engine.step()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-    median = {k: statistics.median(s.get(k, 0.0) for s in split) * 1e3 for k in ("step", "schedule", "execute",
-                                                                                  "model", "sampler")}
+    median = {
+        k: statistics.median(s.get(k, 0.0) for s in split) * 1e3
+        for k in ("step", "schedule", "execute", "model", "sampler")
+    }
     step_ms = statistics.median(times) * 1e3
     build_ms = median["execute"] - median["model"] - median["sampler"]
-    return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "prefill_s": prefill_s, "step_ms": step_ms,
-            "schedule_ms": median["schedule"], "build_ms": build_ms, "model_ms": median["model"],
-            "sampler_ms": median["sampler"], "phased_step_ms": median["step"],
-            "rest_ms": median["step"] - median["schedule"] - median["execute"], "profile": text.getvalue()}
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "steps": steps,
+        "prefill_s": prefill_s,
+        "step_ms": step_ms,
+        "schedule_ms": median["schedule"],
+        "build_ms": build_ms,
+        "model_ms": median["model"],
+        "sampler_ms": median["sampler"],
+        "phased_step_ms": median["step"],
+        "rest_ms": median["step"] - median["schedule"] - median["execute"],
+        "profile": text.getvalue(),
+    }
 
 
 def main() -> None:
@@ -129,8 +146,12 @@ def main() -> None:
     cases = [(2, 40)] if args.quick else [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     steps, profile_steps = (4, 2) if args.quick else (args.steps, 20)
     largest = max(b for b, _ in cases)
-    llm = LLM(args.model, max_num_seqs=max(largest, 16), max_model_len=max(p for _, p in cases) + steps + 64,
-              enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        max_num_seqs=max(largest, 16),
+        max_model_len=max(p for _, p in cases) + steps + 64,
+        enable_prefix_caching=False,
+    )
     phases = Phases(llm.engine)
     defaults = llm.get_default_sampling_params()
     results = []
@@ -139,10 +160,13 @@ def main() -> None:
             result = run_case(llm, phases, batch, prompt_len, steps, params, profile_steps)
             result["sampling"] = name
             results.append(result)
-            print(f"{args.label} {batch}x{prompt_len} {name}: step {result['step_ms']:.2f} ms; synchronized by phase "
-                  f"{result['phased_step_ms']:.2f} ms = model {result['model_ms']:.2f} + sampler "
-                  f"{result['sampler_ms']:.2f} + build {result['build_ms']:.2f} + schedule "
-                  f"{result['schedule_ms']:.2f} + rest {result['rest_ms']:.2f}", flush=True)
+            print(
+                f"{args.label} {batch}x{prompt_len} {name}: step {result['step_ms']:.2f} ms; synchronized by phase "
+                f"{result['phased_step_ms']:.2f} ms = model {result['model_ms']:.2f} + sampler "
+                f"{result['sampler_ms']:.2f} + build {result['build_ms']:.2f} + schedule "
+                f"{result['schedule_ms']:.2f} + rest {result['rest_ms']:.2f}",
+                flush=True,
+            )
             print(result["profile"][:3000], flush=True)
     llm.close()
     Path(args.out).write_text(json.dumps({"label": args.label, "model": args.model, "results": results}, indent=2))

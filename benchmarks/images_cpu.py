@@ -75,22 +75,43 @@ print(json.dumps({"pipe_bytes": pipe, "shared_bytes": shared, "images_per_s": le
 
 def probe(tree: Path, model_dir: str, variant: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", PROBE, model_dir, variant], env=env, capture_output=True, text=True,
-                         check=True, cwd=tree).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, model_dir, variant], env=env, capture_output=True, text=True, check=True, cwd=tree
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def serve_bench(tree: Path, model_dir: str, prompts: int, rate: float, out_dir: Path, label: str,
-                flags: list[str]) -> dict:
+def serve_bench(
+    tree: Path, model_dir: str, prompts: int, rate: float, out_dir: Path, label: str, flags: list[str]
+) -> dict:
     """Starts `fovea serve` from `tree`, runs this tree's `fovea bench serve` random-mm against it."""
     import httpx
 
     port = 8400 + (hash(label) % 500)
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", model_dir, "--port", str(port),
-                               "--dtype", "float32", "--max-model-len", "4096", "--uvicorn-log-level", "warning",
-                               "--disable-log-requests", *flags], env=env, cwd=tree, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fovea.cli",
+            "serve",
+            model_dir,
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--uvicorn-log-level",
+            "warning",
+            "--disable-log-requests",
+            *flags,
+        ],
+        env=env,
+        cwd=tree,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 300
         while True:
@@ -103,14 +124,52 @@ def serve_bench(tree: Path, model_dir: str, prompts: int, rate: float, out_dir: 
                 raise RuntimeError(f"the {label} server did not start")
             time.sleep(0.5)
         name = f"{label}.json"
-        subprocess.run([sys.executable, "-m", "fovea.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                        "--tokenizer", model_dir, "--dataset-name", "random-mm", "--endpoint", "/v1/chat/completions",
-                        "--random-input-len", "128", "--random-output-len", "64", "--num-prompts", str(prompts),
-                        "--request-rate", str(rate), "--random-mm-bucket-config", "{(720, 1280, 1): 1.0}",
-                        "--random-mm-limit-mm-per-prompt", '{"image": 1}', "--ignore-eos", "--save-result",
-                        "--result-dir", str(out_dir), "--result-filename", name, "--percentile-metrics",
-                        "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm", "--seed", "0"],
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, cwd=ROOT, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fovea.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                f"http://127.0.0.1:{port}",
+                "--tokenizer",
+                model_dir,
+                "--dataset-name",
+                "random-mm",
+                "--endpoint",
+                "/v1/chat/completions",
+                "--random-input-len",
+                "128",
+                "--random-output-len",
+                "64",
+                "--num-prompts",
+                str(prompts),
+                "--request-rate",
+                str(rate),
+                "--random-mm-bucket-config",
+                "{(720, 1280, 1): 1.0}",
+                "--random-mm-limit-mm-per-prompt",
+                '{"image": 1}',
+                "--ignore-eos",
+                "--save-result",
+                "--result-dir",
+                str(out_dir),
+                "--result-filename",
+                name,
+                "--percentile-metrics",
+                "ttft,tpot,itl,e2el",
+                "--metric-percentiles",
+                "50,99",
+                "--disable-tqdm",
+                "--seed",
+                "0",
+            ],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
         return json.loads((out_dir / name).read_text())
     finally:
         server.terminate()
@@ -130,35 +189,50 @@ def main() -> None:
     baseline = work / "baseline"
     baseline.mkdir()
     subprocess.run(f"git archive {args.baseline} | tar -x -C {baseline}", shell=True, check=True, cwd=ROOT)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    transfer = {f"{args.baseline} (threads)": probe(baseline, model_dir, "threads"),
-                f"{commit} threads (--mm-processor-workers 0)": probe(ROOT, model_dir, "threads"),
-                f"{commit} 1 worker": probe(ROOT, model_dir, "workers1"),
-                f"{commit} 2 workers": probe(ROOT, model_dir, "workers2")}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    transfer = {
+        f"{args.baseline} (threads)": probe(baseline, model_dir, "threads"),
+        f"{commit} threads (--mm-processor-workers 0)": probe(ROOT, model_dir, "threads"),
+        f"{commit} 1 worker": probe(ROOT, model_dir, "workers1"),
+        f"{commit} 2 workers": probe(ROOT, model_dir, "workers2"),
+    }
     # the server's default token budget (2048: a new prompt's 1,324 tokens prefill in one step) and a smaller one
     # (prefill in chunks of 512), which bounds how long any step runs next to the decodes
-    serving = {f"{label} {' '.join(flags) or 'default flags'}": serve_bench(
-        tree, model_dir, args.prompts, args.rate, work, f"{label}{len(flags)}", flags)
+    serving = {
+        f"{label} {' '.join(flags) or 'default flags'}": serve_bench(
+            tree, model_dir, args.prompts, args.rate, work, f"{label}{len(flags)}", flags
+        )
         for flags in ([], ["--max-num-batched-tokens", "512"])
-        for label, tree in ((args.baseline, baseline), (commit, ROOT))}
+        for label, tree in ((args.baseline, baseline), (commit, ROOT))
+    }
     keys = ("duration", "mean_ttft_ms", "mean_itl_ms", "p99_itl_ms", "mean_tpot_ms", "client_cpu_s")
-    record = {"benchmark": "images_cpu", "commit": commit, "baseline": args.baseline, "prompts": args.prompts,
-              "rate": args.rate, "transfer": transfer,
-              "serving": {label: {k: r.get(k) for k in keys} for label, r in serving.items()}}
+    record = {
+        "benchmark": "images_cpu",
+        "commit": commit,
+        "baseline": args.baseline,
+        "prompts": args.prompts,
+        "rate": args.rate,
+        "transfer": transfer,
+        "serving": {label: {k: r.get(k) for k in keys} for label, r in serving.items()},
+    }
     out = ROOT / "benchmarks" / "results" / f"images_cpu_{commit}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     print("| front end | bytes through the pipe | bytes in shared memory | images/s (1280x720 JPEG) |")
     print("| --- | --- | --- | --- |")
     for label, r in transfer.items():
-        print(f"| {label} | {r['pipe_bytes'] / 1e6:.2f} MB | {r['shared_bytes'] / 1e6:.2f} MB | "
-              f"{r['images_per_s']:.1f} |")
+        print(
+            f"| {label} | {r['pipe_bytes'] / 1e6:.2f} MB | {r['shared_bytes'] / 1e6:.2f} MB | {r['images_per_s']:.1f} |"
+        )
     print("\n| server | duration s | mean TTFT ms | mean ITL ms | P99 ITL ms | P99 / mean ITL | client CPU s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, r in record["serving"].items():
         ratio = r["p99_itl_ms"] / r["mean_itl_ms"] if r["mean_itl_ms"] else float("nan")
-        print(f"| {label} | {r['duration']:.1f} | {r['mean_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | "
-              f"{r['p99_itl_ms']:.1f} | {ratio:.1f}x | {r.get('client_cpu_s') or float('nan'):.1f} |")
+        print(
+            f"| {label} | {r['duration']:.1f} | {r['mean_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | "
+            f"{r['p99_itl_ms']:.1f} | {ratio:.1f}x | {r.get('client_cpu_s') or float('nan'):.1f} |"
+        )
     print(f"raw: {out}")
 
 

@@ -44,41 +44,126 @@ PROBES = {  # name -> (path, body builder)
     "huge_parts": ("/v1/chat/completions", lambda: {"messages": text_parts(1_900_000), "max_tokens": 1}),
     "parts_95k": ("/v1/chat/completions", lambda: {"messages": text_parts(95_000), "max_tokens": 1}),
     "many_messages": ("/v1/chat/completions", lambda: {"messages": HI * 150_000, "max_tokens": 1}),
-    "echo_logprobs": ("/v1/completions", lambda: {"prompt": [random.randrange(1000, VOCAB) for _ in range(8000)],
-                                                  "echo": True, "logprobs": 20, "max_tokens": 1}),
-    "chat_logprobs": ("/v1/chat/completions", lambda: {"messages": HI, "logprobs": True, "top_logprobs": 20, "n": 8,
-                                                       "max_tokens": 1000, "ignore_eos": True}),
-    "stream_logprobs": ("/v1/chat/completions", lambda: {"messages": HI, "logprobs": True, "top_logprobs": 20,
-                                                         "n": 8, "max_tokens": 1000, "ignore_eos": True,
-                                                         "stream": True}),
+    "echo_logprobs": (
+        "/v1/completions",
+        lambda: {
+            "prompt": [random.randrange(1000, VOCAB) for _ in range(8000)],
+            "echo": True,
+            "logprobs": 20,
+            "max_tokens": 1,
+        },
+    ),
+    "chat_logprobs": (
+        "/v1/chat/completions",
+        lambda: {"messages": HI, "logprobs": True, "top_logprobs": 20, "n": 8, "max_tokens": 1000, "ignore_eos": True},
+    ),
+    "stream_logprobs": (
+        "/v1/chat/completions",
+        lambda: {
+            "messages": HI,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "n": 8,
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ),
     "many_prompts": ("/v1/completions", lambda: {"prompt": ["hi"] * 1024, "max_tokens": 1}),
-    "tools": ("/v1/chat/completions", lambda: {"messages": HI, "max_tokens": 1, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": f"f{i}", "parameters": {
-            "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(20)}}}} for i in range(300)]}),
-    "big_schema": ("/v1/chat/completions", lambda: {"messages": HI, "max_tokens": 1, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
-            f"p{j}": {"type": "object", "properties": {f"q{k}": {"type": "integer"} for k in range(30)}}
-            for j in range(2000)}}}}}),
-    "stop_strings": ("/v1/chat/completions", lambda: {"messages": HI, "max_tokens": 2000, "ignore_eos": True, "n": 8,
-                                                      "stop": ["z" * 990 + str(i) for i in range(64)]}),
-    "sandbox_parts": ("/v1/chat/completions", lambda: {"messages": text_parts(100_000), "max_tokens": 1,
-                                                       "chat_template": "{% for m in messages %}{{ m.content }}"
-                                                                        "{% endfor %}"}),
-    "long_text": ("/v1/chat/completions", lambda: {"messages": [{"role": "user", "content": "x " * 20_000_000}],
-                                                   "max_tokens": 1}),
+    "tools": (
+        "/v1/chat/completions",
+        lambda: {
+            "messages": HI,
+            "max_tokens": 1,
+            "tool_choice": "required",
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": f"f{i}",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {f"p{j}": {"type": "string"} for j in range(20)},
+                        },
+                    },
+                }
+                for i in range(300)
+            ],
+        },
+    ),
+    "big_schema": (
+        "/v1/chat/completions",
+        lambda: {
+            "messages": HI,
+            "max_tokens": 1,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "properties": {
+                            f"p{j}": {"type": "object", "properties": {f"q{k}": {"type": "integer"} for k in range(30)}}
+                            for j in range(2000)
+                        },
+                    },
+                },
+            },
+        },
+    ),
+    "stop_strings": (
+        "/v1/chat/completions",
+        lambda: {
+            "messages": HI,
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "n": 8,
+            "stop": ["z" * 990 + str(i) for i in range(64)],
+        },
+    ),
+    "sandbox_parts": (
+        "/v1/chat/completions",
+        lambda: {
+            "messages": text_parts(100_000),
+            "max_tokens": 1,
+            "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+        },
+    ),
+    "long_text": (
+        "/v1/chat/completions",
+        lambda: {"messages": [{"role": "user", "content": "x " * 20_000_000}], "max_tokens": 1},
+    ),
     "detokenize": ("/detokenize", lambda: {"tokens": [random.randrange(1000, VOCAB) for _ in range(8192)]}),
     "tokenize_long": ("/tokenize", lambda: {"prompt": "hello " * 5_000_000}),
-    "logit_bias": ("/v1/chat/completions", lambda: {"messages": HI, "max_tokens": 500, "ignore_eos": True, "n": 8,
-                                                    "logit_bias": {str(i): 1.0 for i in range(1000, 2024)}}),
-    "big_images": ("/v1/chat/completions", lambda: {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": big_jpeg()}}] * 3 + [{"type": "text", "text": "hi"}]}],
-        "max_tokens": 1, "mm_processor_kwargs": {"max_pixels": 200000}}),
+    "logit_bias": (
+        "/v1/chat/completions",
+        lambda: {
+            "messages": HI,
+            "max_tokens": 500,
+            "ignore_eos": True,
+            "n": 8,
+            "logit_bias": {str(i): 1.0 for i in range(1000, 2024)},
+        },
+    ),
+    "big_images": (
+        "/v1/chat/completions",
+        lambda: {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": big_jpeg()}}] * 3
+                    + [{"type": "text", "text": "hi"}],
+                }
+            ],
+            "max_tokens": 1,
+            "mm_processor_kwargs": {"max_pixels": 200000},
+        },
+    ),
 }
 
 
 def post(base: str, path: str, body: bytes) -> tuple[int, float, bytes]:
-    request = urllib.request.Request(base + path, data=body,
-                                     headers={"content-type": "application/json"})
+    request = urllib.request.Request(base + path, data=body, headers={"content-type": "application/json"})
     start = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
@@ -120,8 +205,10 @@ def probe(base: str, name: str, copies: int) -> str:
     for thread in watchers:
         thread.join()
     statuses = sorted({status for status, _, _ in results})
-    return (f"{name:16s} k={copies} statuses={statuses} wall={wall:6.2f} s health_max={health_max[0] * 1000:6.0f} ms "
-            f"plain_max={max(plain or [0]) * 1000:7.0f} ms")
+    return (
+        f"{name:16s} k={copies} statuses={statuses} wall={wall:6.2f} s health_max={health_max[0] * 1000:6.0f} ms "
+        f"plain_max={max(plain or [0]) * 1000:7.0f} ms"
+    )
 
 
 def main() -> None:

@@ -62,17 +62,18 @@ def host_overhead(model_dir, batch: int, steps: int) -> dict:
             result = fn(*args, **kwargs)
             spent[part].append(time.perf_counter() - start)
             return result
+
         return wrapper
 
     model = engine.runner.model
     model.forward = timed("model", model.forward)
     model.compute_logits = timed("model", model.compute_logits)
     engine.runner.sampler = timed("sampler", engine.runner.sampler)
-    params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        temperature=0, max_tokens=steps + 10, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     for i in range(batch):
-        engine.add_request(llm.inputs.make_request(f"o{i}", llm.inputs.process(f"{i} " + " ".join(WORDS)),
-                                                      params))
+        engine.add_request(llm.inputs.make_request(f"o{i}", llm.inputs.process(f"{i} " + " ".join(WORDS)), params))
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     step_times = []
@@ -87,8 +88,14 @@ def host_overhead(model_dir, batch: int, steps: int) -> dict:
     step = statistics.median(step_times)
     model_s = statistics.median([a + b for a, b in zip(spent["model"][::2], spent["model"][1::2])])
     sampler_s = statistics.median(spent["sampler"])
-    return {"batch": batch, "steps": steps, "step_ms": step * 1e3, "model_ms": model_s * 1e3,
-            "sampler_ms": sampler_s * 1e3, "host_overhead_ms": (step - model_s - sampler_s) * 1e3}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "step_ms": step * 1e3,
+        "model_ms": model_s * 1e3,
+        "sampler_ms": sampler_s * 1e3,
+        "host_overhead_ms": (step - model_s - sampler_s) * 1e3,
+    }
 
 
 def main() -> None:
@@ -121,19 +128,34 @@ def main() -> None:
     same = sum(a == b for a, b in zip(fovea_tokens, hf_tokens))
     overhead = host_overhead(model_dir, args.overhead_batch, steps=20)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"benchmark": "offline_throughput", "model": args.model, "prompts": args.prompts,
-              "max_tokens": args.max_tokens, "threads": args.threads, "machine": platform.processor() or
-              platform.machine(), "commit": commit, "fovea_s": fovea_s, "hf_s": hf_s, "fovea_runs_s": fovea_times, "hf_runs_s": hf_times,
-              "fovea_tok_s": generated / fovea_s, "hf_tok_s": generated / hf_s, "speedup": hf_s / fovea_s,
-              "identical_outputs": f"{same}/{args.prompts}", "host_overhead": overhead}
+    result = {
+        "benchmark": "offline_throughput",
+        "model": args.model,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "machine": platform.processor() or platform.machine(),
+        "commit": commit,
+        "fovea_s": fovea_s,
+        "hf_s": hf_s,
+        "fovea_runs_s": fovea_times,
+        "hf_runs_s": hf_times,
+        "fovea_tok_s": generated / fovea_s,
+        "hf_tok_s": generated / hf_s,
+        "speedup": hf_s / fovea_s,
+        "identical_outputs": f"{same}/{args.prompts}",
+        "host_overhead": overhead,
+    }
     out = Path(args.out or f"benchmarks/results/offline_cpu_{args.model}_{commit}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"{'engine':<8}{'seconds':>10}{'out tok/s':>12}\n{'fovea':<8}{fovea_s:>10.2f}{generated / fovea_s:>12.1f}\n"
-          f"{'hf':<8}{hf_s:>10.2f}{generated / hf_s:>12.1f}\nspeedup {hf_s / fovea_s:.2f}x, identical greedy "
-          f"outputs {same}/{args.prompts}\ndecode step at batch {overhead['batch']}: {overhead['step_ms']:.1f} ms, "
-          f"model {overhead['model_ms']:.1f} ms, sampler {overhead['sampler_ms']:.1f} ms, host overhead "
-          f"{overhead['host_overhead_ms']:.1f} ms\n-> {out}")
+    print(
+        f"{'engine':<8}{'seconds':>10}{'out tok/s':>12}\n{'fovea':<8}{fovea_s:>10.2f}{generated / fovea_s:>12.1f}\n"
+        f"{'hf':<8}{hf_s:>10.2f}{generated / hf_s:>12.1f}\nspeedup {hf_s / fovea_s:.2f}x, identical greedy "
+        f"outputs {same}/{args.prompts}\ndecode step at batch {overhead['batch']}: {overhead['step_ms']:.1f} ms, "
+        f"model {overhead['model_ms']:.1f} ms, sampler {overhead['sampler_ms']:.1f} ms, host overhead "
+        f"{overhead['host_overhead_ms']:.1f} ms\n-> {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ CASES = {
 
 def load_baseline(ref: str, name: str):
     """fovea/engine/{name}.py as it was at `ref`, as a module of its own."""
-    source = subprocess.run(["git", "show", f"{ref}:fovea/engine/{name}.py"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{ref}:fovea/engine/{name}.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     path = Path(tempfile.mkdtemp()) / f"baseline_{name}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
@@ -66,8 +67,10 @@ def make_logits(kind: str, rows: int) -> torch.Tensor:
 
 
 def time_step(module, logits: torch.Tensor, params: SamplingParams, repeats: int) -> float:
-    rows = [module.SampleRow(params, list(range(i, i + 600)) + list(range(50)), 600, None, ())
-            for i in range(logits.shape[0])]
+    rows = [
+        module.SampleRow(params, list(range(i, i + 600)) + list(range(50)), 600, None, ())
+        for i in range(logits.shape[0])
+    ]
     sampler = module.Sampler(seed=0)
     sampler(logits, rows)  # warm-up
     times = []
@@ -88,29 +91,39 @@ def main() -> None:
     torch.set_num_threads(1)
     # the baseline's parameters too: which rows count as greedy is decided there
     baseline, baseline_params = load_baseline(args.baseline, "sampler"), load_baseline(args.baseline, "sampling_params")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     results = []
     for rows in args.rows:
         for name, (fields, kind) in CASES.items():
             logits = make_logits(kind, rows)
-            before = time_step(baseline, logits, baseline_params.SamplingParams(max_tokens=100, **fields),
-                               args.repeats)
+            before = time_step(baseline, logits, baseline_params.SamplingParams(max_tokens=100, **fields), args.repeats)
             after = time_step(current, logits, SamplingParams(max_tokens=100, **fields), args.repeats)
-            results.append({"rows": rows, "case": name, "baseline_s": before, "fovea_s": after,
-                            "speedup": before / after})
+            results.append(
+                {"rows": rows, "case": name, "baseline_s": before, "fovea_s": after, "speedup": before / after}
+            )
     greedy = {r["rows"]: r["fovea_s"] for r in results if r["case"] == "greedy"}
     for r in results:
         r["vs_greedy"] = r["fovea_s"] / greedy[r["rows"]]
-    record = {"benchmark": "sampler_cpu", "vocab": VOCAB, "commit": commit, "baseline": args.baseline,
-              "torch_threads": 1, "cpu": platform.processor() or platform.machine(), "results": results}
+    record = {
+        "benchmark": "sampler_cpu",
+        "vocab": VOCAB,
+        "commit": commit,
+        "baseline": args.baseline,
+        "torch_threads": 1,
+        "cpu": platform.processor() or platform.machine(),
+        "results": results,
+    }
     out = Path(args.out) / f"sampler_cpu_{commit}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"| rows | case | {args.baseline} ms/step | {commit} ms/step | speed-up | x greedy |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['rows']} | {r['case']} | {r['baseline_s'] * 1e3:.2f} | {r['fovea_s'] * 1e3:.2f} | "
-              f"{r['speedup']:.1f}x | {r['vs_greedy']:.2f}x |")
+        print(
+            f"| {r['rows']} | {r['case']} | {r['baseline_s'] * 1e3:.2f} | {r['fovea_s'] * 1e3:.2f} | "
+            f"{r['speedup']:.1f}x | {r['vs_greedy']:.2f}x |"
+        )
     print(f"raw: {out}")
 
 

@@ -46,8 +46,10 @@ def main() -> None:
     model = args.model or str(write_tiny_checkpoint(tempfile.mkdtemp(), "tiny-3b", seed=0))
     llm = LLM(model, max_model_len=128, max_num_seqs=max(args.batches), max_num_batched_tokens=8192)
     defaults = llm.get_default_sampling_params().clone(max_tokens=args.max_tokens, ignore_eos=True)
-    cases = {"greedy": SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),
-             "generation_config defaults": defaults}
+    cases = {
+        "greedy": SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),
+        "generation_config defaults": defaults,
+    }
     results = []
     for batch in args.batches:
         prompts = [[(31 * i + 7 * j) % 150000 + 100 for j in range(64)] for i in range(batch)]
@@ -59,14 +61,27 @@ def main() -> None:
                 times[name].append(ms_per_step(llm, prompts, params))
         greedy = statistics.median(times["greedy"])
         for name, runs in times.items():
-            results.append({"batch": batch, "case": name, "ms_per_step": statistics.median(runs), "runs_ms": runs,
-                            "vs_greedy": statistics.median(runs) / greedy})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    record = {"benchmark": "sampling_defaults", "commit": commit, "torch_threads": 1, "max_tokens": args.max_tokens,
-              "cpu": platform.processor() or platform.machine(), "sampling_defaults": {
-                  k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")},
-              "results": results}
+            results.append(
+                {
+                    "batch": batch,
+                    "case": name,
+                    "ms_per_step": statistics.median(runs),
+                    "runs_ms": runs,
+                    "vs_greedy": statistics.median(runs) / greedy,
+                }
+            )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    record = {
+        "benchmark": "sampling_defaults",
+        "commit": commit,
+        "torch_threads": 1,
+        "max_tokens": args.max_tokens,
+        "cpu": platform.processor() or platform.machine(),
+        "sampling_defaults": {k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")},
+        "results": results,
+    }
     out = Path(args.out) / f"sampling_defaults_{commit}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     print("| batch | case | ms per step | x greedy |\n| --- | --- | --- | --- |")

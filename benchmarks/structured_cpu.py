@@ -22,11 +22,21 @@ from fovea import LLM, SamplingParams, StructuredOutputsParams
 from fovea.testing.tiny import write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["label", "box", "note"],
-          "properties": {"label": {"enum": ["cat", "dog", "boat"]},
-                         "box": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1000},
-                                 "minItems": 4, "maxItems": 4},
-                         "note": {"type": "string", "maxLength": 40}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["label", "box", "note"],
+    "properties": {
+        "label": {"enum": ["cat", "dog", "boat"]},
+        "box": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 1000},
+            "minItems": 4,
+            "maxItems": 4,
+        },
+        "note": {"type": "string", "maxLength": 40},
+    },
+}
 
 
 def output_tokens_per_s(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
@@ -59,14 +69,24 @@ def main() -> None:
         for name, params in cases.items():
             rate, tokens[name] = output_tokens_per_s(llm, prompts, params)
             runs[name].append(rate)
-    rows = {name: {"output_tokens_per_s": statistics.median(r), "runs": r, "output_tokens": tokens[name]}
-            for name, r in runs.items()}
+    rows = {
+        name: {"output_tokens_per_s": statistics.median(r), "runs": r, "output_tokens": tokens[name]}
+        for name, r in runs.items()
+    }
     slower = 1 - rows["json_schema"]["output_tokens_per_s"] / rows["free"]["output_tokens_per_s"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    record = {"benchmark": "structured_cpu", "commit": commit, "prompts": args.prompts, "max_tokens": args.max_tokens,
-              "torch_threads": 1, "cpu": platform.processor() or platform.machine(), "results": rows,
-              "json_schema_slower_by": slower}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    record = {
+        "benchmark": "structured_cpu",
+        "commit": commit,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "torch_threads": 1,
+        "cpu": platform.processor() or platform.machine(),
+        "results": rows,
+        "json_schema_slower_by": slower,
+    }
     out = Path(args.out) / f"structured_cpu_{commit}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     print("| case | output tokens/s | output tokens |\n| --- | --- | --- |")

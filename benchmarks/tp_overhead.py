@@ -44,8 +44,10 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [[(7 * i + 13 * j) % 30000 + 100 for j in range(args.prompt_len)] for i in range(args.prompts)]
     engines = {"plain": {}, "group of one": {"distributed_executor_backend": "mp"}}
-    llms = {name: LLM(args.model, max_model_len=args.prompt_len + args.max_tokens + 8, **options)
-            for name, options in engines.items()}
+    llms = {
+        name: LLM(args.model, max_model_len=args.prompt_len + args.max_tokens + 8, **options)
+        for name, options in engines.items()
+    }
     times = {name: [] for name in engines}
     tokens = {}
     for _ in range(args.repeats):
@@ -54,13 +56,22 @@ def main() -> None:
             times[name].append(elapsed)
     # one prefill step per prompt chunk, then max_tokens - 1 decode steps of the whole batch
     steps = args.max_tokens
-    rows = {name: {"median_s": statistics.median(t), "per_step_ms": statistics.median(t) / steps * 1e3,
-                   "runs_s": t} for name, t in times.items()}
+    rows = {
+        name: {"median_s": statistics.median(t), "per_step_ms": statistics.median(t) / steps * 1e3, "runs_s": t}
+        for name, t in times.items()
+    }
     overhead = rows["group of one"]["per_step_ms"] - rows["plain"]["per_step_ms"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    result = {"commit": commit, "device": device, "torch": torch.__version__, "args": vars(args), "rows": rows,
-              "overhead_per_step_ms": overhead, "identical_tokens": tokens["plain"] == tokens["group of one"]}
+    result = {
+        "commit": commit,
+        "device": device,
+        "torch": torch.__version__,
+        "args": vars(args),
+        "rows": rows,
+        "overhead_per_step_ms": overhead,
+        "identical_tokens": tokens["plain"] == tokens["group of one"],
+    }
     kind = "gpu" if torch.cuda.is_available() else "cpu"
     out = Path(args.out or Path(__file__).parent / "results" / f"tp_overhead_{kind}_{commit}.json")
     out.write_text(json.dumps(result, indent=2))

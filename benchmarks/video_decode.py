@@ -33,8 +33,8 @@ def write_clip(path: str, seconds: int, fps: int = 30, width: int = 1280, height
         for i in range(seconds * fps):
             frame = noise.copy()
             cx, cy = (40 + 9 * i) % width, (60 + 5 * i) % height
-            frame[(xs - cx) ** 2 + (ys - cy) ** 2 < 90 ** 2] = (200, 80, 30)
-            frame[:, (i * 4) % width:(i * 4) % width + 30] = (20, 180, 220)
+            frame[(xs - cx) ** 2 + (ys - cy) ** 2 < 90**2] = (200, 80, 30)
+            frame[:, (i * 4) % width : (i * 4) % width + 30] = (20, 180, 220)
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -91,8 +91,10 @@ def main() -> None:
     path = os.path.join(tempfile.mkdtemp(), "clip.mp4")
     started = time.perf_counter()
     write_clip(path, args.seconds)
-    print(f"clip: {args.seconds} s 1280x720 30 fps H.264, {os.path.getsize(path) / 1e6:.1f} MB, "
-          f"written in {time.perf_counter() - started:.0f} s")
+    print(
+        f"clip: {args.seconds} s 1280x720 30 fps H.264, {os.path.getsize(path) / 1e6:.1f} MB, "
+        f"written in {time.perf_counter() - started:.0f} s"
+    )
     rows = []
     for name, decode in (("pyav", pyav), ("opencv", opencv), ("decord2", decord2)):
         for threaded in (False, True):
@@ -105,18 +107,33 @@ def main() -> None:
             except ImportError as error:
                 print(f"{name}: not installed ({error})")
                 break
-            rows.append({"library": name, "threads": "library's" if threaded else 1, "frames_returned": count,
-                         "seconds_median": statistics.median(times), "seconds_all": times})
+            rows.append(
+                {
+                    "library": name,
+                    "threads": "library's" if threaded else 1,
+                    "frames_returned": count,
+                    "seconds_median": statistics.median(times),
+                    "seconds_all": times,
+                }
+            )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"clip_seconds": args.seconds, "clip_bytes": os.path.getsize(path), "cores": os.cpu_count(),
-              "machine": platform.processor() or platform.machine(), "commit": commit, "rows": rows}
+    result = {
+        "clip_seconds": args.seconds,
+        "clip_bytes": os.path.getsize(path),
+        "cores": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "commit": commit,
+        "rows": rows,
+    }
     if args.out:
         with open(args.out, "w") as file:
             json.dump(result, file, indent=1)
     print(f"{'library':10} {'threads':10} {'frames':>6} {'s (median)':>10} {'x realtime':>10}")
     for row in rows:
-        print(f"{row['library']:10} {str(row['threads']):10} {row['frames_returned']:6d} "
-              f"{row['seconds_median']:10.2f} {args.seconds / row['seconds_median']:10.1f}")
+        print(
+            f"{row['library']:10} {str(row['threads']):10} {row['frames_returned']:6d} "
+            f"{row['seconds_median']:10.2f} {args.seconds / row['seconds_median']:10.1f}"
+        )
 
 
 if __name__ == "__main__":

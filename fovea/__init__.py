@@ -22,14 +22,18 @@ def __getattr__(name: str):
     # imported on first use, so `fovea --version` and light tools do not pay for torch
     if name == "LLM":
         from fovea.llm import LLM
+
         return LLM
     if name == "SamplingParams":
         from fovea.core.sampling_params import SamplingParams
+
         return SamplingParams
     if name == "StructuredOutputsParams":
         from fovea.core.sampling_params import StructuredOutputsParams
+
         return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):
         from fovea.core import request
+
         return getattr(request, name)
     raise AttributeError(f"module 'fovea' has no attribute {name!r}")

@@ -23,8 +23,15 @@ def _tiny(args: argparse.Namespace) -> None:
     from fovea.testing.tiny_llava import LLAVA_SHAPES, write_llava_checkpoint
 
     write = write_llava_checkpoint if args.config in LLAVA_SHAPES else write_tiny_checkpoint
-    out = write(args.out_dir, args.config, seed=args.seed, layout=args.layout, shards=args.shards, dtype=args.dtype,
-                device=args.device)
+    out = write(
+        args.out_dir,
+        args.config,
+        seed=args.seed,
+        layout=args.layout,
+        shards=args.shards,
+        dtype=args.dtype,
+        device=args.device,
+    )
     print(f"wrote a random-weight {args.config} checkpoint to {out}")
 
 
@@ -36,11 +43,19 @@ def _plan(args: argparse.Namespace) -> None:
     options = {**engine_kwargs(args, PLAN_FLAGS), "max_pixels": args.max_pixels}
     tensor_parallel_size = options.pop("tensor_parallel_size")
     plan = plan_memory(model_dir, args.gpu_memory, tensor_parallel_size=tensor_parallel_size, **options)
-    print(format_plan(plan, f"{model_dir}: {plan.dtype}, {args.gpu_memory:g} GiB x {args.gpu_memory_utilization:g}"
-                            f" per GPU, tensor_parallel_size {tensor_parallel_size} (figures per GPU)"))
+    print(
+        format_plan(
+            plan,
+            f"{model_dir}: {plan.dtype}, {args.gpu_memory:g} GiB x {args.gpu_memory_utilization:g}"
+            f" per GPU, tensor_parallel_size {tensor_parallel_size} (figures per GPU)",
+        )
+    )
     smallest = smallest_fitting_size(model_dir, args.gpu_memory, **options)
-    print(f"smallest tensor_parallel_size that fits: {smallest}" if smallest else
-          "no tensor_parallel_size up to 32 fits these limits")
+    print(
+        f"smallest tensor_parallel_size that fits: {smallest}"
+        if smallest
+        else "no tensor_parallel_size up to 32 fits these limits"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,12 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-pixels", type=int, default=None, help="image resize cap (default: the checkpoint's)")
     plan.set_defaults(func=_plan)
 
-    tiny = sub.add_parser("tiny", help="write a random-weight checkpoint in the HF layout (Qwen2.5-VL, Qwen2-VL, "
-                          "LLaVA-1.5)")
+    tiny = sub.add_parser(
+        "tiny", help="write a random-weight checkpoint in the HF layout (Qwen2.5-VL, Qwen2-VL, LLaVA-1.5)"
+    )
     tiny.add_argument("out_dir")
-    tiny.add_argument("--config", default="tiny-3b", choices=["tiny-3b", "tiny-7b", "qwen2.5-vl-7b", "tiny-qwen2-vl",
-                                                              "qwen2-vl-7b", "tiny-llava", "llava-1.5-7b"],
-                      help="the 7b ones: the published 7B shapes (14-16 GB in bf16; use --device cuda)")
+    tiny.add_argument(
+        "--config",
+        default="tiny-3b",
+        choices=["tiny-3b", "tiny-7b", "qwen2.5-vl-7b", "tiny-qwen2-vl", "qwen2-vl-7b", "tiny-llava", "llava-1.5-7b"],
+        help="the 7b ones: the published 7B shapes (14-16 GB in bf16; use --device cuda)",
+    )
     tiny.add_argument("--device", default="cpu", help="where the random weights are drawn")
     tiny.add_argument("--layout", default="published", choices=["published", "transformers5"])
     tiny.add_argument("--shards", type=int, default=1)

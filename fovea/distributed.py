@@ -34,6 +34,7 @@ START_TIMEOUT = datetime.timedelta(minutes=30)
 @dataclass(frozen=True)
 class TPGroup:
     """This rank's place in a tensor-parallel group; SINGLE (no group) means no communication."""
+
     rank: int = 0
     size: int = 1
     group: object = None  # torch.distributed.ProcessGroup
@@ -102,15 +103,21 @@ class ParallelGroups:
         return int(box.item())
 
 
-def join_groups(rank: int, size: int, address: str, port: int, device: torch.device, mm_encoder_tp_mode: str,
-                check_workers: Callable[[], None] | None = None) -> ParallelGroups:
+def join_groups(
+    rank: int,
+    size: int,
+    address: str,
+    port: int,
+    device: torch.device,
+    mm_encoder_tp_mode: str,
+    check_workers: Callable[[], None] | None = None,
+) -> ParallelGroups:
     """Joins the process group (rank 0 hosts the rendezvous store at address:port) and makes the four groups.
     Rank 0 waits for the workers to connect, calling `check_workers` meanwhile (it raises when one died)."""
     gloo = device.type == "cpu"
     if not gloo and device.index is None:  # NCCL binds to a numbered device: rank 0's is the current one
         device = torch.device(device.type, torch.cuda.current_device())
-    store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=START_TIMEOUT,
-                          wait_for_workers=False)
+    store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=START_TIMEOUT, wait_for_workers=False)
     if rank == 0:
         while size > 1 and not store.check([f"joined/{r}" for r in range(1, size)]):
             if check_workers is not None:
@@ -118,16 +125,28 @@ def join_groups(rank: int, size: int, address: str, port: int, device: torch.dev
             time.sleep(0.1)
     else:
         store.set(f"joined/{rank}", "1")
-    dist.init_process_group("gloo" if gloo else "nccl", store=store, rank=rank, world_size=size,
-                            timeout=START_TIMEOUT, device_id=None if gloo else device)
+    dist.init_process_group(
+        "gloo" if gloo else "nccl",
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=START_TIMEOUT,
+        device_id=None if gloo else device,
+    )
     world = dist.group.WORLD
     lm_control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     vision = dist.new_group(backend="gloo" if gloo else "nccl", timeout=START_TIMEOUT)
     vision_control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     vision_group = TPGroup(rank, size, vision)
-    return ParallelGroups(rank, size, TPGroup(rank, size, world),
-                          vision_group if mm_encoder_tp_mode == "weights" else SINGLE, vision_group,
-                          lm_control, vision_control)
+    return ParallelGroups(
+        rank,
+        size,
+        TPGroup(rank, size, world),
+        vision_group if mm_encoder_tp_mode == "weights" else SINGLE,
+        vision_group,
+        lm_control,
+        vision_control,
+    )
 
 
 def free_port() -> int:

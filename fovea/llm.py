@@ -20,8 +20,10 @@ class LLM:
         enable_prefix_caching, mm_processor_kwargs, limit_mm_per_prompt, encoder_cache_size, seed, ...)."""
         config = EngineConfig.from_args(model, **engine_args)
         if config.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is for `fovea serve` (one engine process per replica); offline, "
-                             "run one LLM per replica (as `fovea eval --ray --num-replicas N` does)")
+            raise ValueError(
+                "data_parallel_size > 1 is for `fovea serve` (one engine process per replica); offline, "
+                "run one LLM per replica (as `fovea eval --ray --num-replicas N` does)"
+            )
         self.engine = LLMEngine(config)
         # prompts are prepared here, with the engine's tokenizer and grammars (its config: max_model_len may have
         # been lowered to what the KV cache holds)
@@ -45,28 +47,41 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.default_params.clone()
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable = True, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable = True,
+        mm_processor_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """`prompts`: one or a list of strings, token-id lists or {"prompt", "multi_modal_data", ...} dicts."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         processed = [self.inputs.process(p, mm_processor_kwargs) for p in prompts]
         return self._run(processed, sampling_params, use_tqdm)
 
-    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None,
-             chat_template_content_format: str = "auto") -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        mm_processor_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        chat_template_content_format: str = "auto",
+    ) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations; `tools`
         (OpenAI's function definitions) and `chat_template_kwargs` go to the chat template, as in vLLM;
         `chat_template_content_format`: auto, string or openai (fovea/multimodal/chat_format.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        chat = ChatOptions(chat_template, add_generation_prompt, tools, chat_template_kwargs,
-                           chat_template_content_format)
-        processed = [self.inputs.process_chat(conversation, mm_processor_kwargs, chat)
-                     for conversation in conversations]
+        chat = ChatOptions(
+            chat_template, add_generation_prompt, tools, chat_template_kwargs, chat_template_content_format
+        )
+        processed = [
+            self.inputs.process_chat(conversation, mm_processor_kwargs, chat) for conversation in conversations
+        ]
         return self._run(processed, sampling_params, use_tqdm)
 
     def _run(self, processed, sampling_params, use_tqdm) -> list[RequestOutput]:
@@ -75,9 +90,10 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(processed)
         if len(params) != len(processed):
             raise ValueError(f"got {len(params)} sampling_params for {len(processed)} prompts")
-        requests = [self.inputs.make_request(str(next(self._ids)), prompt,
-                                                    p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
-                    for prompt, p in zip(processed, params)]
+        requests = [
+            self.inputs.make_request(str(next(self._ids)), prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+            for prompt, p in zip(processed, params)
+        ]
         for request in requests:
             self.engine.add_request(request)
         order = {request.request_id: i for i, request in enumerate(requests)}
@@ -93,8 +109,11 @@ class LLM:
                             prompt_tokens += len(output.prompt_token_ids)
                             output_tokens += sum(len(o.token_ids) for o in output.outputs)
                             elapsed = bar.format_dict["elapsed"] or 1e-9
-                            bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
-                                                f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
+                            bar.set_postfix_str(
+                                f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                                f"output: {output_tokens / elapsed:.2f} toks/s",
+                                refresh=False,
+                            )
                             bar.update(1)
         except BaseException:
             self.engine.abort_request(list(order))  # Ctrl-C or a failure: free everything, keep the engine usable

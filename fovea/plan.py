@@ -49,12 +49,17 @@ def count_parameters(config: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = default("dtype"),
-                max_model_len: int | None = default("max_model_len"),
-                max_num_batched_tokens: int = default("max_num_batched_tokens"),
-                max_num_seqs: int = default("max_num_seqs"),
-                gpu_memory_utilization: float = default("gpu_memory_utilization"),
-                tensor_parallel_size: int = default("tensor_parallel_size"), max_pixels: int | None = None) -> MemoryPlan:
+def plan_memory(
+    model_dir,
+    gpu_memory_gib: float,
+    dtype: str = default("dtype"),
+    max_model_len: int | None = default("max_model_len"),
+    max_num_batched_tokens: int = default("max_num_batched_tokens"),
+    max_num_seqs: int = default("max_num_seqs"),
+    gpu_memory_utilization: float = default("gpu_memory_utilization"),
+    tensor_parallel_size: int = default("tensor_parallel_size"),
+    max_pixels: int | None = None,
+) -> MemoryPlan:
     config = ModelConfig.from_dir(model_dir)
     text, vision = config.text, config.vision
     served = serving_dtype(config.torch_dtype, dtype, "cuda")
@@ -79,8 +84,14 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = default("dtype"),
         tokens = (h // factor) * (w // factor)
         images.append((width, height, tokens, vision_activations(tokens)))
     options = VideoOptions().with_kwargs({"max_pixels": max_pixels} if max_pixels else None)
-    clips = [(f"{seconds} s {width}x{height}", frame_indices(seconds * 30, 30, options), (height, width))
-             for seconds, width, height in VIDEO_CLIPS] if config.video_token_id is not None else []
+    clips = (
+        [
+            (f"{seconds} s {width}x{height}", frame_indices(seconds * 30, 30, options), (height, width))
+            for seconds, width, height in VIDEO_CLIPS
+        ]
+        if config.video_token_id is not None
+        else []
+    )
     most = options.max_frames // 2 * 2  # the largest video: max_frames kept, frames as large as that allows
     side = largest_side(frame_max_pixels(options, most), factor)
     if clips:
@@ -95,8 +106,16 @@ def plan_memory(model_dir, gpu_memory_gib: float, dtype: str = default("dtype"),
     peak = max(lm, max(a for *_, a in images + videos))
     budget = gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak
     max_model_len = max_model_len or text.max_position_embeddings
-    return MemoryPlan(weights, kv_per_token, lm, images, videos, max(0, int(budget // kv_per_token)), max_model_len,
-                      str(served).removeprefix("torch."))
+    return MemoryPlan(
+        weights,
+        kv_per_token,
+        lm,
+        images,
+        videos,
+        max(0, int(budget // kv_per_token)),
+        max_model_len,
+        str(served).removeprefix("torch."),
+    )
 
 
 def smallest_fitting_size(model_dir, gpu_memory_gib: float, **options) -> int | None:
@@ -112,19 +131,30 @@ def smallest_fitting_size(model_dir, gpu_memory_gib: float, **options) -> int | 
 
 
 def format_plan(plan: MemoryPlan, title: str) -> str:
-    lines = [title, f"{'weights':<34}{plan.weights_bytes / GIB:>10.2f} GiB",
-             f"{'KV cache per token':<34}{plan.kv_bytes_per_token / 1024:>10.1f} KiB",
-             f"{'LM step activations (estimate)':<34}{plan.lm_activation_bytes / GIB:>10.2f} GiB",
-             "", f"{'image (w x h)':<16}{'tokens':>8}{'vision activations (estimate)':>34}"]
+    lines = [
+        title,
+        f"{'weights':<34}{plan.weights_bytes / GIB:>10.2f} GiB",
+        f"{'KV cache per token':<34}{plan.kv_bytes_per_token / 1024:>10.1f} KiB",
+        f"{'LM step activations (estimate)':<34}{plan.lm_activation_bytes / GIB:>10.2f} GiB",
+        "",
+        f"{'image (w x h)':<16}{'tokens':>8}{'vision activations (estimate)':>34}",
+    ]
     lines += [f"{f'{w}x{h}':<16}{tokens:>8}{activations / GIB:>30.2f} GiB" for w, h, tokens, activations in plan.images]
     if plan.videos:  # none for a model that takes no videos
         lines += ["", f"{'video at fps 2':<24}{'frames':>7}{'tokens':>8}{'vision activations per step':>31}"]
-    lines += [f"{what:<24}{frames:>7}{tokens:>8}{activations / GIB:>27.2f} GiB"
-              + ("  (over max_model_len)" if tokens > plan.max_model_len else "")
-              for what, frames, tokens, activations in plan.videos]
-    lines += ["", f"KV cache: {plan.kv_tokens} tokens, max concurrency {plan.max_concurrency:.2f}x for max_model_len "
-                  f"{plan.max_model_len}"]
+    lines += [
+        f"{what:<24}{frames:>7}{tokens:>8}{activations / GIB:>27.2f} GiB"
+        + ("  (over max_model_len)" if tokens > plan.max_model_len else "")
+        for what, frames, tokens, activations in plan.videos
+    ]
+    lines += [
+        "",
+        f"KV cache: {plan.kv_tokens} tokens, max concurrency {plan.max_concurrency:.2f}x for max_model_len "
+        f"{plan.max_model_len}",
+    ]
     if plan.kv_tokens < plan.max_model_len:
-        lines.append("does not fit: lower max_model_len, max_num_batched_tokens, max_pixels or limit_mm_per_prompt; "
-                     "raise gpu_memory_utilization; or use more GPUs (--tensor-parallel-size)")
+        lines.append(
+            "does not fit: lower max_model_len, max_num_batched_tokens, max_pixels or limit_mm_per_prompt; "
+            "raise gpu_memory_utilization; or use more GPUs (--tensor-parallel-size)"
+        )
     return "\n".join(lines)

@@ -32,8 +32,13 @@ def small_gpu_share():
 
     build = EngineConfig.build.__func__
     patch = pytest.MonkeyPatch()
-    patch.setattr(EngineConfig, "build", classmethod(
-        lambda cls, *args, **options: build(cls, *args, **{"gpu_memory_utilization": GPU_SHARE, **options})))
+    patch.setattr(
+        EngineConfig,
+        "build",
+        classmethod(
+            lambda cls, *args, **options: build(cls, *args, **{"gpu_memory_utilization": GPU_SHARE, **options})
+        ),
+    )
     yield
     patch.undo()
 
@@ -44,8 +49,7 @@ def tiny_dirs(tmp_path_factory):
     from fovea.testing.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
-    return {name: write_tiny_checkpoint(root / name, name, seed=1 + i)
-            for i, name in enumerate(["tiny-3b", "tiny-7b"])}
+    return {name: write_tiny_checkpoint(root / name, name, seed=1 + i) for i, name in enumerate(["tiny-3b", "tiny-7b"])}
 
 
 _HF_CACHE: dict = {}
@@ -58,11 +62,13 @@ def hf_model(model_dir):
     key = str(model_dir)
     if key not in _HF_CACHE:
         _HF_CACHE[key] = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            key, dtype=torch.float32, attn_implementation="eager").eval()
+            key, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         # Plain greedy: otherwise generate() merges the checkpoint's generation_config.json (repetition
         # penalty 1.05, top_k...) into every call, even into an explicit greedy GenerationConfig.
-        _HF_CACHE[key].generation_config = GenerationConfig(do_sample=False, eos_token_id=[151645, 151643],
-                                                             pad_token_id=151643)
+        _HF_CACHE[key].generation_config = GenerationConfig(
+            do_sample=False, eos_token_id=[151645, 151643], pad_token_id=151643
+        )
     return _HF_CACHE[key]
 
 
@@ -145,8 +151,12 @@ def hf_inputs(model_dir, messages, images, max_pixels=None):
 
 
 # Published shapes (shared/reference/qwen2_5_vl-facts.md): hidden, layers, heads, kv heads, intermediate, vocab, tied
-QWEN_SHAPES = {"3b": (2048, 36, 16, 2, 11008, 151936, True), "7b": (3584, 28, 28, 4, 18944, 152064, False),
-               "32b": (5120, 64, 40, 8, 27648, 152064, False), "72b": (8192, 80, 64, 8, 29568, 152064, False)}
+QWEN_SHAPES = {
+    "3b": (2048, 36, 16, 2, 11008, 151936, True),
+    "7b": (3584, 28, 28, 4, 18944, 152064, False),
+    "32b": (5120, 64, 40, 8, 27648, 152064, False),
+    "72b": (8192, 80, 64, 8, 29568, 152064, False),
+}
 
 
 def published_param_count(size: str) -> int:
@@ -157,8 +167,16 @@ def published_param_count(size: str) -> int:
     lm_layer = hidden * qkv + qkv + heads * 128 * hidden + 3 * hidden * intermediate + 2 * hidden
     lm = layers * lm_layer + vocab * hidden * (1 if tied else 2) + hidden
     v_hidden, v_inter, merged = 1280, 3420, 1280 * 4
-    v_block = 2 * v_hidden + v_hidden * 3 * v_hidden + 3 * v_hidden + v_hidden * v_hidden + v_hidden \
-        + 2 * (v_hidden * v_inter + v_inter) + v_inter * v_hidden + v_hidden
+    v_block = (
+        2 * v_hidden
+        + v_hidden * 3 * v_hidden
+        + 3 * v_hidden
+        + v_hidden * v_hidden
+        + v_hidden
+        + 2 * (v_hidden * v_inter + v_inter)
+        + v_inter * v_hidden
+        + v_hidden
+    )
     vision = 1176 * v_hidden + 32 * v_block + v_hidden + merged * merged + merged + merged * hidden + hidden
     return lm + vision
 
@@ -172,11 +190,25 @@ def published_shape_dir(root, tiny_dir, size: str):
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy(tiny_dir / "preprocessor_config.json", root / "preprocessor_config.json")
     config = json.loads((tiny_dir / "config.json").read_text())
-    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  intermediate_size=intermediate, vocab_size=vocab, tie_word_embeddings=tied, torch_dtype="bfloat16",
-                  rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
-    config["vision_config"].update(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                                   out_hidden_size=hidden, fullatt_block_indexes=[7, 15, 23, 31])
+    config.update(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        torch_dtype="bfloat16",
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    )
+    config["vision_config"].update(
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=hidden,
+        fullatt_block_indexes=[7, 15, 23, 31],
+    )
     (root / "config.json").write_text(json.dumps(config))
     return root
 

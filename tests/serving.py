@@ -33,11 +33,27 @@ def running_server(model_dir, *flags: str, startup_s: float = 120, env: dict | N
     `process.output` once it has stopped."""
     port = free_port()
     model = [] if model_dir is None else [str(model_dir)]  # None: the flags name it
-    cmd = [sys.executable, "-m", "fovea.cli", "serve", *model, "--port", str(port),
-           "--uvicorn-log-level", "warning", *GPU_SHARE_FLAGS, *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                            start_new_session=True)  # its own process group, as under a terminal or systemd
+    cmd = [
+        sys.executable,
+        "-m",
+        "fovea.cli",
+        "serve",
+        *model,
+        "--port",
+        str(port),
+        "--uvicorn-log-level",
+        "warning",
+        *GPU_SHARE_FLAGS,
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        start_new_session=True,
+    )  # its own process group, as under a terminal or systemd
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + startup_s
     while True:

@@ -39,8 +39,7 @@ class CountingTokenizer:
 
 def varied_text(chars: int, seed: int = 0) -> str:
     rng = random.Random(seed)
-    words = ["the", "Cat", "naïve", "東京", "x=3.14;", "(quoted)", "don't", "\n\n", "  ", "1234567", "😀", "--",
-             "\t"]
+    words = ["the", "Cat", "naïve", "東京", "x=3.14;", "(quoted)", "don't", "\n\n", "  ", "1234567", "😀", "--", "\t"]
     out, size = [], 0
     while size < chars:
         word = rng.choice(words)
@@ -82,7 +81,7 @@ def png_header(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height)).save(buffer, format="PNG")
     raw = buffer.getvalue()
-    return raw[:raw.index(b"IDAT") - 4] + raw[raw.index(b"IEND") - 4:]
+    return raw[: raw.index(b"IDAT") - 4] + raw[raw.index(b"IEND") - 4 :]
 
 
 def test_images_are_counted_before_their_pixels_are_decoded(prompts):
@@ -96,13 +95,16 @@ def test_images_are_counted_before_their_pixels_are_decoded(prompts):
 def test_request_pixel_limits_cannot_exceed_the_servers():
     processor = ImageProcessor(ImageProcessorConfig(max_pixels=100_000))
     tiny, large = random_image(8, 8, 1), random_image(1000, 800, 2)
-    for image, overrides in ((tiny, {"min_pixels": 40_000_000}), (large, {"max_pixels": 10 ** 12})):
+    for image, overrides in ((tiny, {"min_pixels": 40_000_000}), (large, {"max_pixels": 10**12})):
         planned = processor.plan(image, overrides)  # as if the request had asked for the server's max_pixels
         capped = {key: 100_000 for key in overrides}
-        assert (planned.height, planned.width) == smart_resize(image.height, image.width, 28,
-                                                               capped.get("min_pixels", 3136), 100_000)
-    assert processor.plan(large, {"max_pixels": 50_000}).height * processor.plan(large, {"max_pixels": 50_000}).width \
-        <= 50_000  # lowering still works
+        assert (planned.height, planned.width) == smart_resize(
+            image.height, image.width, 28, capped.get("min_pixels", 3136), 100_000
+        )
+    assert (
+        processor.plan(large, {"max_pixels": 50_000}).height * processor.plan(large, {"max_pixels": 50_000}).width
+        <= 50_000
+    )  # lowering still works
 
 
 def test_vision_attention_never_builds_a_dense_mask(tiny_dirs, monkeypatch):
@@ -140,6 +142,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 def test_attention_over_large_images_stays_small():
     """16384 patches of one image: scores for every pair would take 2 GB for this tiny tower's two heads (the
     previous code asked for 34 GB for an 8192x8192 image); the memory-efficient kernels need a few MB."""
-    grew_mb = int(subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True,
-                                 check=True).stdout)
+    grew_mb = int(
+        subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, check=True).stdout
+    )
     assert grew_mb < 200, grew_mb

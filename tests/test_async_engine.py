@@ -31,8 +31,15 @@ async def collect(engine, request_id, stop_after=None, **request):
 
 def test_streams_run_concurrently_and_abort_on_early_exit(tiny_dirs):
     model = str(tiny_dirs["tiny-3b"])
-    image_chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(300, 200, 40)},
-                                               {"type": "text", "text": "What is it?"}]}]
+    image_chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": random_image(300, 200, 40)},
+                {"type": "text", "text": "What is it?"},
+            ],
+        }
+    ]
     engine = AsyncLLM.from_args(model, **OPTIONS)
 
     async def main():
@@ -57,7 +64,7 @@ def test_streams_run_concurrently_and_abort_on_early_exit(tiny_dirs):
     reference = LLM(model, **OPTIONS)
     greedy = PARAMS.clone(output_kind=RequestOutputKind.CUMULATIVE)
     assert a == reference.generate(LOREM * 3, greedy, use_tqdm=False)[0].outputs[0].token_ids
-    assert b == reference.generate(LOREM, greedy, use_tqdm=False)[0].outputs[0].token_ids[:len(b)]
+    assert b == reference.generate(LOREM, greedy, use_tqdm=False)[0].outputs[0].token_ids[: len(b)]
     assert c == reference.chat(image_chat, greedy, use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -83,9 +90,13 @@ def test_a_failing_request_fails_alone(tiny_dirs):
         running = asyncio.create_task(collect(engine, "long", prompt=LOREM))
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://fovea") as client:
+
             def chat(text, **fields):
-                return client.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": text}], "max_tokens": 3, **fields})
+                return client.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": text}], "max_tokens": 3, **fields},
+                )
+
             broken, refused, fine = await asyncio.gather(chat("boom"), chat("hi", n=400), chat("hi"))
         return await running, broken, refused, fine
 
@@ -192,8 +203,7 @@ def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
             async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
                 events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
             await failing
-            waiting, _ = await asyncio.gather(client.post("/v1/chat/completions", json=body),
-                                              fail_the_newest_request())
+            waiting, _ = await asyncio.gather(client.post("/v1/chat/completions", json=body), fail_the_newest_request())
             return events, waiting, await bystander
 
     seen: set[str] = set()

@@ -25,9 +25,15 @@ def dense_reference(q, k_cache, meta, specs, window, spans, scale):
         slots = [int(meta.block_tables[index, p // block_size]) * block_size + p % block_size for p in range(length)]
         keys, values = flat[0][slots].repeat_interleave(group, 1), flat[1][slots].repeat_interleave(group, 1)
         for position in range(cached, length):
-            allowed = torch.tensor([j <= position and (window is None or j > position - window) or
-                                    any(first <= position < end and first <= j < end for first, end in
-                                        spans.get(index, [])) for j in range(length)], device=q.device)
+            allowed = torch.tensor(
+                [
+                    j <= position
+                    and (window is None or j > position - window)
+                    or any(first <= position < end and first <= j < end for first, end in spans.get(index, []))
+                    for j in range(length)
+                ],
+                device=q.device,
+            )
             scores = torch.einsum("hd,khd->hk", q[row], keys) * scale
             weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
             out[row] = torch.einsum("hk,khd->hd", weights, values)
@@ -35,13 +41,16 @@ def dense_reference(q, k_cache, meta, specs, window, spans, scale):
     return out
 
 
-@pytest.mark.parametrize("window, spans", [
-    (None, {}),
-    (4, {}),  # shorter than every chunk
-    (40, {}),  # reaches into the cached prefix of the chunked sequences
-    (None, {0: [(3, 11), (20, 30)], 3: [(18, 25)]}),  # image-like spans in a fresh prompt and in a later chunk
-    (6, {0: [(3, 11)], 5: [(71, 75)]}),  # both at once (Gemma 3's sliding layers see their images whole)
-])
+@pytest.mark.parametrize(
+    "window, spans",
+    [
+        (None, {}),
+        (4, {}),  # shorter than every chunk
+        (40, {}),  # reaches into the cached prefix of the chunked sequences
+        (None, {0: [(3, 11), (20, 30)], 3: [(18, 25)]}),  # image-like spans in a fresh prompt and in a later chunk
+        (6, {0: [(3, 11)], 5: [(71, 75)]}),  # both at once (Gemma 3's sliding layers see their images whole)
+    ],
+)
 def test_reference_windows_and_bidirectional_spans(window, spans):
     specs = MIXED
     q, k, v, cache, make_meta = ragged_batch(specs, 4, 2, 16, 16, torch.float32)
@@ -60,8 +69,11 @@ def test_reference_windows_and_bidirectional_spans(window, spans):
 def test_registry_builds_by_name_and_refuses_missing_features():
     assert set(BY_NAME["attention_backend"].choices) == {"auto", *BACKENDS}  # the flag offers what is registered
     assert isinstance(make_backend("torch", 2, False, torch.device("cpu"), needs=("sliding_window",)), TorchAttention)
-    with pytest.raises(ValueError, match="needs sliding_window attention, which the triton backend does not have; "
-                                         r"backends that do: \['torch'\]"):
+    with pytest.raises(
+        ValueError,
+        match="needs sliding_window attention, which the triton backend does not have; "
+        r"backends that do: \['torch'\]",
+    ):
         make_backend("triton", 2, False, torch.device("cpu"), needs=("sliding_window",))
     with pytest.raises(ValueError, match="attention backend 'flash' is not one of torch, triton"):
         make_backend("flash", 2, False, torch.device("cpu"))
@@ -70,8 +82,9 @@ def test_registry_builds_by_name_and_refuses_missing_features():
 
 def test_a_model_with_sliding_window_layers_needs_a_backend_that_has_them():
     plain = torch.nn.ModuleList([Attention(16, causal=True, layer_index=0), Attention(16, causal=False)])
-    windowed = torch.nn.ModuleList([Attention(16, causal=True, layer_index=0),
-                                    Attention(16, causal=True, layer_index=1, sliding_window=512)])
+    windowed = torch.nn.ModuleList(
+        [Attention(16, causal=True, layer_index=0), Attention(16, causal=True, layer_index=1, sliding_window=512)]
+    )
     assert features_needed(plain) == () and features_needed(windowed) == ("sliding_window",)
     with pytest.raises(ValueError, match="needs sliding_window attention"):
         make_backend("triton", 2, False, torch.device("cpu"), needs=features_needed(windowed))

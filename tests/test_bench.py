@@ -14,17 +14,30 @@ from fovea.bench.metrics import RequestResult, compute_metrics, format_table, pa
 from fovea.cli import build_parser
 from fovea.multimodal import video_decode
 
-FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-          "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
-          "max_concurrent_requests"] + [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
-                                         for stat in ("mean", "median", "std")] + \
-    ["p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms"]  # percentiles for the default --percentile-metrics
+FIELDS = (
+    [
+        "duration",
+        "completed",
+        "failed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_output_tokens_per_s",
+        "max_concurrent_requests",
+    ]
+    + [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std")]
+    + ["p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms"]
+)  # percentiles for the default --percentile-metrics
 
 
 def synthetic_results() -> list[RequestResult]:
     return [
-        RequestResult(10, 4, start_time=0.0, success=True, ttft=0.1, itl=[0.05, 0.05, 0.1], latency=0.3,
-                      output_tokens=4),
+        RequestResult(
+            10, 4, start_time=0.0, success=True, ttft=0.1, itl=[0.05, 0.05, 0.1], latency=0.3, output_tokens=4
+        ),
         RequestResult(20, 2, start_time=0.5, success=True, ttft=0.2, itl=[0.1], latency=0.3, output_tokens=2),
         RequestResult(5, 1, start_time=1.2, success=True, ttft=0.4, itl=[], latency=0.4, output_tokens=1),
         RequestResult(7, 4, start_time=1.3, success=False, error="HTTP 500"),
@@ -32,18 +45,39 @@ def synthetic_results() -> list[RequestResult]:
 
 
 def test_metrics_equal_hand_computed_values():
-    m = compute_metrics(synthetic_results(), duration=2.0, goodput={"ttft": 250, "tpot": 90},
-                        selected=("ttft", "tpot", "itl", "e2el"), percentiles=(50, 99))
+    m = compute_metrics(
+        synthetic_results(),
+        duration=2.0,
+        goodput={"ttft": 250, "tpot": 90},
+        selected=("ttft", "tpot", "itl", "e2el"),
+        percentiles=(50, 99),
+    )
     expected = {
-        "completed": 3, "failed": 1, "total_input_tokens": 35, "total_output_tokens": 7,
-        "request_throughput": 1.5, "output_throughput": 3.5, "total_token_throughput": 21.0,
+        "completed": 3,
+        "failed": 1,
+        "total_input_tokens": 35,
+        "total_output_tokens": 7,
+        "request_throughput": 1.5,
+        "output_throughput": 3.5,
+        "total_token_throughput": 21.0,
         "request_goodput": 0.5,  # only the first request meets TTFT <= 250 ms and TPOT <= 90 ms
-        "max_output_tokens_per_s": 6, "max_concurrent_requests": 2,  # second 0: 6 chunks, 2 requests
-        "mean_ttft_ms": 233.3333, "median_ttft_ms": 200, "std_ttft_ms": 124.7219, "p99_ttft_ms": 396,
+        "max_output_tokens_per_s": 6,
+        "max_concurrent_requests": 2,  # second 0: 6 chunks, 2 requests
+        "mean_ttft_ms": 233.3333,
+        "median_ttft_ms": 200,
+        "std_ttft_ms": 124.7219,
+        "p99_ttft_ms": 396,
         "p50_ttft_ms": 200,
-        "mean_tpot_ms": 83.3333, "median_tpot_ms": 83.3333, "p99_tpot_ms": 99.6667,  # 200/3 and 100 ms
-        "mean_itl_ms": 75, "median_itl_ms": 75, "p99_itl_ms": 100, "std_itl_ms": 25,
-        "mean_e2el_ms": 333.3333, "median_e2el_ms": 300, "p99_e2el_ms": 398,
+        "mean_tpot_ms": 83.3333,
+        "median_tpot_ms": 83.3333,
+        "p99_tpot_ms": 99.6667,  # 200/3 and 100 ms
+        "mean_itl_ms": 75,
+        "median_itl_ms": 75,
+        "p99_itl_ms": 100,
+        "std_itl_ms": 25,
+        "mean_e2el_ms": 333.3333,
+        "median_e2el_ms": 300,
+        "p99_e2el_ms": 398,
     }
     for key, value in expected.items():
         assert m[key] == pytest.approx(value, abs=1e-3), key
@@ -81,14 +115,31 @@ def test_random_prompts_retokenize_to_the_asked_length(tiny_dirs):
         assert not special & set(ids) and 10 <= r.output_len <= 30
     assert len({r.prompt[:20] for r in requests}) == 1  # the shared random prefix
     assert len({r.prompt_len for r in requests}) > 3  # lengths spread over the range
-    mm = random_mm_requests(tokenizer, 20, 16, 4, base_items=2, items_range_ratio=0.5, limits={"image": 2},
-                            buckets={(28, 56, 1): 1.0}, seed=2)
+    mm = random_mm_requests(
+        tokenizer,
+        20,
+        16,
+        4,
+        base_items=2,
+        items_range_ratio=0.5,
+        limits={"image": 2},
+        buckets={(28, 56, 1): 1.0},
+        seed=2,
+    )
     counts = [len(r.images) for r in mm]
     assert min(counts) >= 1 and max(counts) == 2  # 2 +- 50 % capped at the limit of 2
     assert all(url.startswith("data:image/jpeg;base64,") for r in mm for url in r.images)
     # vLLM's buckets with frames > 1 are videos; a modality at its limit leaves the draw
-    mixed = random_mm_requests(tokenizer, 20, 16, 4, base_items=3, limits={"image": 3, "video": 1},
-                               buckets={(28, 56, 1): 0.5, (32, 48, 8): 0.5, (64, 64, 1): 0.0}, seed=3)
+    mixed = random_mm_requests(
+        tokenizer,
+        20,
+        16,
+        4,
+        base_items=3,
+        limits={"image": 3, "video": 1},
+        buckets={(28, 56, 1): 0.5, (32, 48, 8): 0.5, (64, 64, 1): 0.0},
+        seed=3,
+    )
     assert all(len(r.images) + len(r.videos) == 3 and len(r.videos) <= 1 for r in mixed)
     assert 5 <= sum(len(r.videos) for r in mixed) < 20  # half the first draws are videos
     video = base64.b64decode(mixed[[bool(r.videos) for r in mixed].index(True)].videos[0].split(",", 1)[1])
@@ -104,18 +155,60 @@ def bench(*flags):
 
 def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
     model = str(tiny_dirs["tiny-3b"])
-    with running_server(model, "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override",
-                        "300", "--served-model-name", "tiny") as (base, _):
+    with running_server(
+        model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        "300",
+        "--served-model-name",
+        "tiny",
+    ) as (base, _):
         common = ["--base-url", base, "--tokenizer", model, "--ignore-eos", "--random-output-len", "6"]
-        result = bench(*common, "--num-prompts", "8", "--random-input-len", "40", "--request-rate", "10",
-                       "--burstiness", "100", "--save-detailed", "--result-dir", str(tmp_path), "--label", "t",
-                       "--metadata", "hardware=cpu", "--goodput", "e2el:60000", "--num-warmups", "1",
-                       "--plot", str(tmp_path / "run.png"))
+        result = bench(
+            *common,
+            "--num-prompts",
+            "8",
+            "--random-input-len",
+            "40",
+            "--request-rate",
+            "10",
+            "--burstiness",
+            "100",
+            "--save-detailed",
+            "--result-dir",
+            str(tmp_path),
+            "--label",
+            "t",
+            "--metadata",
+            "hardware=cpu",
+            "--goodput",
+            "e2el:60000",
+            "--num-warmups",
+            "1",
+            "--plot",
+            str(tmp_path / "run.png"),
+        )
         table = capsys.readouterr().out
-        mm = bench(*common, "--num-prompts", "3", "--random-input-len", "12", "--dataset-name", "random-mm",
-                   "--backend", "openai-chat", "--random-mm-bucket-config", "{(56, 84, 1): 0.5, (56, 84, 6): 0.5}",
-                   "--random-mm-base-items-per-request", "2", "--random-mm-limit-mm-per-prompt",
-                   '{"image": 1, "video": 1}')
+        mm = bench(
+            *common,
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "12",
+            "--dataset-name",
+            "random-mm",
+            "--backend",
+            "openai-chat",
+            "--random-mm-bucket-config",
+            "{(56, 84, 1): 0.5, (56, 84, 6): 0.5}",
+            "--random-mm-base-items-per-request",
+            "2",
+            "--random-mm-limit-mm-per-prompt",
+            '{"image": 1, "video": 1}',
+        )
     assert result["completed"] == 8 and result["failed"] == 0
     assert result["total_output_tokens"] == 8 * 6 and result["output_lens"] == [6] * 8
     assert result["total_input_tokens"] == 8 * 40 and result["request_goodput"] == result["request_throughput"]
@@ -136,18 +229,52 @@ def test_bench_throughput_compares_with_hf_and_latency_runs(tiny_dirs, tmp_path,
     model = str(tiny_dirs["tiny-3b"])
     common = ["--model", model, "--dtype", "float32", "--max-model-len", "1024", *GPU_SHARE_FLAGS]
     parser = build_parser()
-    args = parser.parse_args(["bench", "throughput", *common, "--compare", "hf", "--dataset-name", "random-mm",
-                              "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "5",
-                              "--random-mm-bucket-config", "{(56, 84, 1): 1.0}", "--random-mm-base-items-per-request",
-                              "1", "--output-json", str(tmp_path / "t.json")])
+    args = parser.parse_args(
+        [
+            "bench",
+            "throughput",
+            *common,
+            "--compare",
+            "hf",
+            "--dataset-name",
+            "random-mm",
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "5",
+            "--random-mm-bucket-config",
+            "{(56, 84, 1): 1.0}",
+            "--random-mm-base-items-per-request",
+            "1",
+            "--output-json",
+            str(tmp_path / "t.json"),
+        ]
+    )
     result = args.func(args)
     printed = capsys.readouterr().out
     assert "fovea  Throughput:" in printed and "hf     Throughput:" in printed and "fovea/hf:" in printed
     assert result["fovea"]["output_tokens"] == result["hf"]["output_tokens"] == 30
     assert result["identical_outputs"] == 6  # greedy, fp32: the same tokens as transformers
     assert json.loads((tmp_path / "t.json").read_text())["ratio"] == pytest.approx(result["ratio"])
-    args = parser.parse_args(["bench", "latency", *common, "--input-len", "16", "--output-len", "4",
-                              "--batch-size", "2", "--num-iters", "3", "--num-iters-warmup", "1"])
+    args = parser.parse_args(
+        [
+            "bench",
+            "latency",
+            *common,
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--batch-size",
+            "2",
+            "--num-iters",
+            "3",
+            "--num-iters-warmup",
+            "1",
+        ]
+    )
     latency = args.func(args)
     assert len(latency["latencies"]) == 3 and set(latency["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert "Avg latency:" in capsys.readouterr().out
@@ -172,11 +299,19 @@ def test_sharegpt_and_jsonl_workloads(tiny_dirs, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["tiny-3b"]))
     long_reply = "word " * 3000
     conversations = [
-        {"conversations": [{"from": "human", "value": "Tell me about the harbour at dawn."},
-                           {"from": "gpt", "value": "The boats leave early and the gulls follow them out."}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "Tell me about the harbour at dawn."},
+                {"from": "gpt", "value": "The boats leave early and the gulls follow them out."},
+            ]
+        },
         {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there, friend."}]},
-        {"conversations": [{"from": "human", "value": "Write a long story please."},
-                           {"from": "gpt", "value": long_reply}]},  # prompt + reply over 2048 tokens: skipped
+        {
+            "conversations": [
+                {"from": "human", "value": "Write a long story please."},
+                {"from": "gpt", "value": long_reply},
+            ]
+        },  # prompt + reply over 2048 tokens: skipped
         {"conversations": [{"from": "human", "value": "Only one turn"}]},
     ]
     path = tmp_path / "sharegpt.json"
@@ -187,8 +322,10 @@ def test_sharegpt_and_jsonl_workloads(tiny_dirs, tmp_path):
     with pytest.raises(ValueError, match="only 1 usable"):
         sharegpt_requests(str(path), tokenizer, 2)
     lines = tmp_path / "prompts.jsonl"
-    lines.write_text('{"prompt": "a b c", "output_len": 7}\n\n{"prompt": "d", "images": ["data:image/png;base64,x"], '
-                     f'"videos": ["{tmp_path}/clip.mp4", "http://videos.test/a.mp4"]}}\n')
+    lines.write_text(
+        '{"prompt": "a b c", "output_len": 7}\n\n{"prompt": "d", "images": ["data:image/png;base64,x"], '
+        f'"videos": ["{tmp_path}/clip.mp4", "http://videos.test/a.mp4"]}}\n'
+    )
     first, second = jsonl_requests(str(lines), tokenizer, 10, 5)
     assert (first.output_len, second.output_len, second.images) == (7, 5, ["data:image/png;base64,x"])
     assert second.videos == [(tmp_path / "clip.mp4").as_uri(), "http://videos.test/a.mp4"] and first.videos == []
@@ -199,11 +336,30 @@ def test_sharegpt_and_jsonl_workloads(tiny_dirs, tmp_path):
 
 # Bodies as vLLM's `vllm bench serve` client builds them (vllm/benchmarks/lib/endpoint_request_func.py: the
 # completions and chat request functions; sampling flags and --extra-body are merged in only when given)
-VLLM_COMPLETIONS_BODY = {"model": "tiny", "prompt": "a b c", "repetition_penalty": 1.0, "max_tokens": 3,
-                         "logprobs": None, "stream": True, "stream_options": {"include_usage": True}}
-VLLM_CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": [
-    {"type": "text", "text": "a b c"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}}]}],
-    "max_completion_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+VLLM_COMPLETIONS_BODY = {
+    "model": "tiny",
+    "prompt": "a b c",
+    "repetition_penalty": 1.0,
+    "max_tokens": 3,
+    "logprobs": None,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+VLLM_CHAT_BODY = {
+    "model": "tiny",
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "a b c"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}},
+            ],
+        }
+    ],
+    "max_completion_tokens": 3,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 class FakeServer:
@@ -222,8 +378,11 @@ class FakeServer:
             def do_POST(self):
                 bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 usage = {"completion_tokens": 2, **({"prompt_tokens": prompt_tokens} if prompt_tokens else {})}
-                events = [{"choices": [{"index": 0, "text": "x"}]}, {"choices": [{"index": 0, "text": "y"}]},
-                          {"choices": [], "usage": usage}]
+                events = [
+                    {"choices": [{"index": 0, "text": "x"}]},
+                    {"choices": [{"index": 0, "text": "y"}]},
+                    {"choices": [], "usage": usage},
+                ]
                 payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -246,10 +405,21 @@ def test_request_bodies_and_input_tokens_as_vllms_client(prompt_tokens):
     fake = FakeServer(prompt_tokens)
     text, image = BenchRequest("a b c", 3, 3), BenchRequest("a b c", 3, 3, ["data:image/png;base64,x"])
     try:
-        results, _ = asyncio.run(serve.run([text], fake.url, "/v1/completions", "tiny", request_rate=float("inf"),
-                                           progress=False))
-        asyncio.run(serve.run([image], fake.url, "/v1/chat/completions", "tiny", request_rate=float("inf"),
-                              progress=False, ignore_eos=True, extra_body={"temperature": 0.0}))
+        results, _ = asyncio.run(
+            serve.run([text], fake.url, "/v1/completions", "tiny", request_rate=float("inf"), progress=False)
+        )
+        asyncio.run(
+            serve.run(
+                [image],
+                fake.url,
+                "/v1/chat/completions",
+                "tiny",
+                request_rate=float("inf"),
+                progress=False,
+                ignore_eos=True,
+                extra_body={"temperature": 0.0},
+            )
+        )
     finally:
         fake.server.shutdown()
     assert fake.bodies == [VLLM_COMPLETIONS_BODY, {**VLLM_CHAT_BODY, "ignore_eos": True, "temperature": 0.0}]
@@ -276,14 +446,37 @@ def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, tmp_path, mo
     from fovea.cli import main
 
     model = str(tiny_dirs["tiny-3b"])
-    common = ["bench", "serve", "--tokenizer", model, "--dataset-name", "random", "--num-prompts", "2",
-              "--random-input-len", "8", "--random-output-len", "2", "--disable-tqdm", "--save-result",
-              "--result-dir", str(tmp_path)]
+    common = [
+        "bench",
+        "serve",
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        "2",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+    ]
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with pytest.raises(SystemExit, match="could not reach the server at http://127.0.0.1:"):
         main([*common, "--base-url", f"http://127.0.0.1:{free_port()}"])
-    with running_server(model, "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64",
-                        env={"VLLM_API_KEY": "sk-env"}) as (base, _):
+    with running_server(
+        model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--num-gpu-blocks-override",
+        "64",
+        env={"VLLM_API_KEY": "sk-env"},
+    ) as (base, _):
         with pytest.raises(SystemExit, match="answered 401 .give the key with --api-key or OPENAI_API_KEY"):
             main([*common, "--base-url", base])
         with pytest.raises(SystemExit, match=r"no request completed \(2 failed\); the first failure: .*401"):

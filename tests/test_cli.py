@@ -13,8 +13,13 @@ from fovea.testing.tiny import DEMO_DIR_NAME
 
 
 def run_fovea(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "fovea.cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "fovea.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def test_demo_builds_and_announces_the_embedded_model(tmp_path):
@@ -46,9 +51,12 @@ def test_serve_flags_help_and_errors():
     assert _json_arg('{"image": 4}') == _json_arg("image=4") == {"image": 4}
     assert _json_arg("image=2, video=0") == {"image": 2, "video": 0}
     shown = run_fovea("serve", "--help").stdout
-    for group, flag in (("server", "--served-model-name"), ("server", "--trust-request-chat-template"),
-                        ("images", "--limit-mm-per-prompt"),
-                        ("engine", "--enable-prefix-caching")):
+    for group, flag in (
+        ("server", "--served-model-name"),
+        ("server", "--trust-request-chat-template"),
+        ("images", "--limit-mm-per-prompt"),
+        ("engine", "--enable-prefix-caching"),
+    ):
         assert f"\n{group}:" in shown and flag in shown
     bad_json = run_fovea("serve", "--limit-mm-per-prompt", "image:four")
     assert bad_json.returncode == 2 and "--limit-mm-per-prompt: not valid JSON" in bad_json.stderr
@@ -59,10 +67,15 @@ def test_serve_flags_help_and_errors():
 
 def test_readme_offline_snippet_runs_as_written(tmp_path):
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Offline API"):]
-    snippet = section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
-    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "FOVEA_CACHE_DIR": str(tmp_path)})
+    section = readme[readme.index("## Offline API") :]
+    snippet = section[section.index("```python\n") + len("```python\n") : section.index("\n```\n")]
+    done = subprocess.run(
+        [sys.executable, "-c", snippet],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "FOVEA_CACHE_DIR": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     samples = ast.literal_eval(lines[-1])  # the last print: two samples for each of the two prompts

@@ -33,8 +33,15 @@ def test_padded_static_buffer_decode_gives_the_eager_tokens(tiny_dirs):
     conversations = [
         [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "What?"}]}],
         [{"role": "user", "content": "Tell me a story about a boat."}],
-        [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(56, 112, seed=4)},
-                                      {"type": "text", "text": "Describe it in detail please."}]}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_pil", "image_pil": random_image(56, 112, seed=4)},
+                    {"type": "text", "text": "Describe it in detail please."},
+                ],
+            }
+        ],
         [{"role": "user", "content": "Hi"}],
         [{"role": "user", "content": "A longer question about the sea, the wind and the stars at night?"}],
     ]
@@ -43,17 +50,22 @@ def test_padded_static_buffer_decode_gives_the_eager_tokens(tiny_dirs):
 
     eager = LLM(str(tiny_dirs["tiny-7b"]), enforce_eager=True, **options)
     assert eager.engine.runner.graphs is None  # no GPU, or --enforce-eager
-    expected = [[o.outputs[0].token_ids for o in eager.chat(batch, params, use_tqdm=False)]
-                for batch in (conversations, conversations[:3])]
+    expected = [
+        [o.outputs[0].token_ids for o in eager.chat(batch, params, use_tqdm=False)]
+        for batch in (conversations, conversations[:3])
+    ]
 
     llm = LLM(str(tiny_dirs["tiny-7b"]), **options)
     runner = llm.engine.runner
-    runner.graphs = graphs = DecodeGraphs(runner.model, runner.backend, 6, 256, 16, runner.kv_caches, runner.device,
-                                          capture=torch.cuda.is_available())
+    runner.graphs = graphs = DecodeGraphs(
+        runner.model, runner.backend, 6, 256, 16, runner.kv_caches, runner.device, capture=torch.cuda.is_available()
+    )
     buckets = []
     run = graphs.run
     graphs.run = lambda ids, positions, meta: buckets.append(graphs.bucket(ids.numel())) or run(ids, positions, meta)
-    got = [[o.outputs[0].token_ids for o in llm.chat(batch, params, use_tqdm=False)]
-           for batch in (conversations, conversations[:3])]
+    got = [
+        [o.outputs[0].token_ids for o in llm.chat(batch, params, use_tqdm=False)]
+        for batch in (conversations, conversations[:3])
+    ]
     assert {6, 4} <= set(buckets)  # both batches decoded through padded buffers
     assert got == expected

@@ -36,8 +36,9 @@ def test_padded_bucket_gives_the_unpadded_embeddings(tiny_dirs, kernel):
     frames alike. With our kernel the tile tables are padded to the bucket's fixed size too."""
     # the kernel on the GPU where there is one (without: under Triton's interpreter, on the CPU)
     device = torch.device("cuda" if kernel and torch.cuda.is_available() else "cpu")
-    model, _ = load_model(tiny_dirs["tiny-7b"], dtype="float32", device=device,
-                          options=ModelOptions(vision_kernel=kernel))
+    model, _ = load_model(
+        tiny_dirs["tiny-7b"], dtype="float32", device=device, options=ModelOptions(vision_kernel=kernel)
+    )
     processor = ImageProcessor()
     images = [processor(random_image(w, h, seed=i)) for i, (w, h) in enumerate([(84, 56), (112, 84), (56, 56)])]
     pixels = image_patches(images).to(device)
@@ -54,13 +55,23 @@ def test_engine_with_buckets_gives_the_same_tokens(tiny_dirs, fovea_log):
     image = random_image(84, 56, seed=3)
     conversations = [
         [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "What?"}]}],
-        [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(112, 84, seed=4)},
-                                      {"type": "image_pil", "image_pil": image}, {"type": "text", "text": "Both?"}]}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_pil", "image_pil": random_image(112, 84, seed=4)},
+                    {"type": "image_pil", "image_pil": image},
+                    {"type": "text", "text": "Both?"},
+                ],
+            }
+        ],
     ]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     options = dict(dtype="float32", max_model_len=512, enable_prefix_caching=False)
-    expected = [o.outputs[0].token_ids for o in LLM(str(tiny_dirs["tiny-3b"]), **options)
-                .chat(conversations, params, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(str(tiny_dirs["tiny-3b"]), **options).chat(conversations, params, use_tqdm=False)
+    ]
     llm = LLM(str(tiny_dirs["tiny-3b"]), mm_buckets=[64, 256], **options)
     log = fovea_log.text
     done = "captured" if torch.cuda.is_available() else "warmed up"  # graphs on a GPU, eager runs without

@@ -15,22 +15,33 @@ PROMPTS = ["The cat sat on the", LOREM, "Numbers: 1 2 3 4", LOREM * 4 + "And so"
 
 @pytest.fixture(scope="module")
 def llm(tiny_dirs):
-    return LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_num_batched_tokens=256, max_model_len=2048,
-               num_gpu_blocks_override=400)
+    return LLM(
+        str(tiny_dirs["tiny-3b"]),
+        dtype="float32",
+        max_num_batched_tokens=256,
+        max_model_len=2048,
+        num_gpu_blocks_override=400,
+    )
 
 
 def image_chat(image, text="What is here?", system=None):
     messages = [{"role": "system", "content": system}] if system else []
-    return messages + [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
-                                                    {"type": "text", "text": text}]}]
+    return messages + [
+        {"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": text}]}
+    ]
 
 
 def tokens(outputs):
     return [[list(c.token_ids) for c in o.outputs] for o in outputs]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=10),
-                                    SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=5, max_tokens=10)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=10),
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=5, max_tokens=10),
+    ],
+)
 def test_batch_equals_solo(llm, params):
     batch = llm.generate(PROMPTS, params, use_tqdm=False)
     solo = [llm.generate(p, params, use_tqdm=False)[0] for p in PROMPTS]
@@ -39,14 +50,21 @@ def test_batch_equals_solo(llm, params):
 
 
 def test_shared_system_prompt_hits_the_prefix_cache(llm, tiny_dirs):
-    conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-                     for q in ("Describe it.", "Count them.", "Name a colour.")]
+    conversations = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        for q in ("Describe it.", "Count them.", "Name a colour.")
+    ]
     params = SamplingParams(temperature=0, max_tokens=8)
     first = llm.chat(conversations[0], params, use_tqdm=False)
     rest = llm.chat(conversations[1:], params, use_tqdm=False)
     assert all(o.num_cached_tokens >= 32 for o in rest)
-    uncached = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", enable_prefix_caching=False, max_model_len=2048,
-                   num_gpu_blocks_override=200)
+    uncached = LLM(
+        str(tiny_dirs["tiny-3b"]),
+        dtype="float32",
+        enable_prefix_caching=False,
+        max_model_len=2048,
+        num_gpu_blocks_override=200,
+    )
     reference = uncached.chat(conversations, params, use_tqdm=False)
     assert all(o.num_cached_tokens == 0 for o in reference)
     assert tokens(first + rest) == tokens(reference)
@@ -61,8 +79,13 @@ def test_requests_arriving_together_share_an_image_and_a_prefix(tiny_dirs, budge
     chats = [image_chat(image, f"Question number {i}: what is it?") for i in range(32)]
     texts = [LOREM * 3 + f" Item {i}:" for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=4)
-    llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=2048, max_num_batched_tokens=budget,
-              num_gpu_blocks_override=1200)
+    llm = LLM(
+        str(tiny_dirs["tiny-3b"]),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_batched_tokens=budget,
+        num_gpu_blocks_override=1200,
+    )
     together = llm.chat(chats, params, use_tqdm=False)
     scheduler = llm.engine.scheduler
     assert scheduler.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in together)
@@ -74,8 +97,13 @@ def test_requests_arriving_together_share_an_image_and_a_prefix(tiny_dirs, budge
     shared = min(len(o.prompt_token_ids) for o in text_outputs) - 8  # the lorem part, in whole blocks
     assert scheduler.prefix_cache_hits - hits >= 11 * (shared // 16 * 16 - 16)
     assert_engine_idle(llm.engine)
-    plain = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=2048, enable_prefix_caching=False,
-                num_gpu_blocks_override=1200)
+    plain = LLM(
+        str(tiny_dirs["tiny-3b"]),
+        dtype="float32",
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=1200,
+    )
     assert tokens(together) == tokens(plain.chat(chats, params, use_tqdm=False))
     assert tokens(text_outputs) == tokens(plain.generate(texts, params, use_tqdm=False))
 
@@ -101,8 +129,7 @@ def test_n_samples_share_the_prompt_and_match_seeded_singles(llm):
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, logprobs=2)
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
-    singles = [llm.generate(prompt, params.clone(n=1, seed=11 + i), use_tqdm=False)[0].outputs[0]
-               for i in range(3)]
+    singles = [llm.generate(prompt, params.clone(n=1, seed=11 + i), use_tqdm=False)[0].outputs[0] for i in range(3)]
     assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
     assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([s.cumulative_logprob for s in singles])
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -112,8 +139,9 @@ def test_n_samples_share_the_prompt_and_match_seeded_singles(llm):
 def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
     model, processor = our_model(tiny_dirs["tiny-3b"])
     messages = image_chat(random_image(200, 150, 23))
-    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2),
-                   use_tqdm=False)[0]
+    out = llm.chat(
+        messages, SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2), use_tqdm=False
+    )[0]
     generated = out.outputs[0].token_ids
     prompt = processor.process_chat(messages)
     assert out.prompt_token_ids == prompt.token_ids
@@ -125,13 +153,15 @@ def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
         assert entry[token].rank == 1  # greedy
         best = row.topk(3)
         assert sorted(entry) == sorted(set(best.indices.tolist()) | {token})
-    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
-                                                                  zip(generated, out.outputs[0].logprobs)))
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(generated, out.outputs[0].logprobs))
+    )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == num_prompt
     for index in (1, 7, num_prompt - 1):
         target = prompt.token_ids[index]
-        assert out.prompt_logprobs[index][target].logprob == pytest.approx(reference[index - 1, target].item(),
-                                                                           abs=1e-4)
+        assert out.prompt_logprobs[index][target].logprob == pytest.approx(
+            reference[index - 1, target].item(), abs=1e-4
+        )
 
 
 def test_prompt_logprobs_scored_in_blocks_match_the_model(llm, tiny_dirs, monkeypatch):
@@ -142,8 +172,11 @@ def test_prompt_logprobs_scored_in_blocks_match_the_model(llm, tiny_dirs, monkey
     vocab = llm.engine.config.model.text.vocab_size
     monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_BLOCK", 5 * vocab)
     scored, compute_logits = [], llm.engine.runner.model.compute_logits
-    monkeypatch.setattr(llm.engine.runner.model, "compute_logits",
-                        lambda rows, out=None: scored.append(len(rows)) or compute_logits(rows, out))
+    monkeypatch.setattr(
+        llm.engine.runner.model,
+        "compute_logits",
+        lambda rows, out=None: scored.append(len(rows)) or compute_logits(rows, out),
+    )
     model, processor = our_model(tiny_dirs["tiny-3b"])
     messages = [{"role": "user", "content": LOREM}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
@@ -169,11 +202,12 @@ def test_stop_strings_cut_the_text_exactly(llm):
     index = text.find(stop)
     cut = llm.generate(PROMPTS[1], base.clone(stop=[stop, "\x00never"]), use_tqdm=False)[0].outputs[0]
     assert cut.text == text[:index] and cut.finish_reason == "stop" and cut.stop_reason == stop
-    kept = llm.generate(PROMPTS[1], base.clone(stop=stop, include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
-    assert kept.text == text[:index + len(stop)]
+    kept = llm.generate(PROMPTS[1], base.clone(stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[
+        0
+    ]
+    assert kept.text == text[: index + len(stop)]
     by_token = llm.generate(PROMPTS[1], base.clone(stop_token_ids=[full.token_ids[3]]), use_tqdm=False)[0].outputs[0]
-    assert by_token.token_ids == full.token_ids[:full.token_ids.index(full.token_ids[3]) + 1]
+    assert by_token.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[3]) + 1]
     assert by_token.stop_reason == full.token_ids[3] and by_token.finish_reason == "stop"
     assert llm.generate(PROMPTS[1], base.clone(max_tokens=3), use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
@@ -219,17 +253,24 @@ def test_bad_requests_fail_at_admission_with_a_clear_message(llm, tiny_dirs):
     with pytest.raises(ValueError, match="out of vocabulary"):
         llm.generate([1, 2, 10**7], greedy, use_tqdm=False)
     with pytest.raises(ValueError, match="image placeholders"):
-        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": random_image(64, 64)}},
-                     use_tqdm=False)
+        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": random_image(64, 64)}}, use_tqdm=False)
     with pytest.raises(TypeError, match="unexpected engine arguments"):
         LLM(str(tiny_dirs["tiny-3b"]), no_such_option=1)
-    small = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", encoder_cache_size=50, limit_mm_per_prompt={"image": 1},
-                max_model_len=1024, num_gpu_blocks_override=100)
+    small = LLM(
+        str(tiny_dirs["tiny-3b"]),
+        dtype="float32",
+        encoder_cache_size=50,
+        limit_mm_per_prompt={"image": 1},
+        max_model_len=1024,
+        num_gpu_blocks_override=100,
+    )
     with pytest.raises(ValueError, match="does not fit the encoder cache"):
         small.chat(image_chat(random_image(448, 448)), use_tqdm=False)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        small.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(64, 64)}] * 2}],
-                   use_tqdm=False)
+        small.chat(
+            [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(64, 64)}] * 2}],
+            use_tqdm=False,
+        )
     assert inputs.process("fine") and llm.generate("still serving", greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert_engine_idle(llm.engine)
 
@@ -239,15 +280,20 @@ def test_generate_accepts_vllm_prompt_forms(llm):
     text = "<|vision_start|><|image_pad|><|vision_end|>Describe."
     params = SamplingParams(temperature=0, max_tokens=4)
     as_dict = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, params, use_tqdm=False)[0]
-    as_list = llm.generate([{"prompt": text, "multi_modal_data": {"image": [image]},
-                             "mm_processor_kwargs": {"max_pixels": 128 * 96}}], params, use_tqdm=False)[0]
+    as_list = llm.generate(
+        [{"prompt": text, "multi_modal_data": {"image": [image]}, "mm_processor_kwargs": {"max_pixels": 128 * 96}}],
+        params,
+        use_tqdm=False,
+    )[0]
     ids = llm.get_tokenizer().encode("Describe the sea.")
     as_ids = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
     assert as_dict.outputs[0].token_ids == as_list.outputs[0].token_ids
     assert as_ids.prompt_token_ids == ids and as_dict.prompt == text and as_ids.prompt is None
     chat = llm.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)[0]
-    assert chat.prompt == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHello" \
+    assert (
+        chat.prompt == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHello"
         "<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert llm.get_default_sampling_params().repetition_penalty == 1.05  # from generation_config.json
 
 
@@ -258,16 +304,22 @@ def test_output_timings_are_ordered(llm):
 
 
 def test_logprobs_zero_gives_only_the_chosen_token_and_others_none(llm):
-    with_lp, without = llm.generate(["a b", "c d"], [SamplingParams(temperature=0, max_tokens=3, logprobs=0),
-                                                    SamplingParams(temperature=0, max_tokens=3)], use_tqdm=False)
+    with_lp, without = llm.generate(
+        ["a b", "c d"],
+        [SamplingParams(temperature=0, max_tokens=3, logprobs=0), SamplingParams(temperature=0, max_tokens=3)],
+        use_tqdm=False,
+    )
     entries = with_lp.outputs[0].logprobs
     assert [list(e) for e in entries] == [[t] for t in with_lp.outputs[0].token_ids]
     assert without.outputs[0].logprobs is None and without.outputs[0].cumulative_logprob is None
 
 
 def test_kv_cache_too_small_for_max_model_len_fails_at_start_with_advice(tiny_dirs, fovea_log):
-    with pytest.raises(ValueError, match=r"max_model_len 1024 needs .* only 160 tokens .* Lower max_model_len "
-                                         r"\(to at most 160\), max_num_batched_tokens, max_pixels"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len 1024 needs .* only 160 tokens .* Lower max_model_len "
+        r"\(to at most 160\), max_num_batched_tokens, max_pixels",
+    ):
         LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024, num_gpu_blocks_override=10)
     fits = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", num_gpu_blocks_override=10)  # the model's length
     assert fits.engine.config.max_model_len == 160
@@ -293,13 +345,18 @@ def test_fp32_softmax_flags_reach_the_attention(tiny_dirs, monkeypatch, flags):
         def sdpa(q, *args, **kwargs):
             seen[name].add(q.dtype)
             return F.scaled_dot_product_attention(q, *args, **kwargs)
+
         return SimpleNamespace(scaled_dot_product_attention=sdpa)
 
     monkeypatch.setattr(paged_attention, "F", recorder("lm"))
     monkeypatch.setattr(vision_attention, "F", recorder("vision"))
     llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="bfloat16", max_model_len=256, **flags)
-    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(56, 56)},
-                                         {"type": "text", "text": "What?"}]}]
+    chat = [
+        {
+            "role": "user",
+            "content": [{"type": "image_pil", "image_pil": random_image(56, 56)}, {"type": "text", "text": "What?"}],
+        }
+    ]
     out = llm.chat([chat], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert seen["lm"] == {torch.float32 if flags.get("fp32_softmax") else torch.bfloat16}
@@ -324,9 +381,13 @@ def test_default_dtype_is_bf16_on_gpus(tiny_dirs, tmp_path):
         (target / "config.json").write_text(json.dumps(raw))
         return target
 
-    cases = {("float32", "cuda"): torch.bfloat16, ("float32", "cpu"): torch.float32,
-             ("bfloat16", "cuda"): torch.bfloat16, ("float16", "cuda"): torch.float16,
-             ("float16", "cpu"): torch.float32}
+    cases = {
+        ("float32", "cuda"): torch.bfloat16,
+        ("float32", "cpu"): torch.float32,
+        ("bfloat16", "cuda"): torch.bfloat16,
+        ("float16", "cuda"): torch.float16,
+        ("float16", "cpu"): torch.float32,
+    }
     for (checkpoint, device), expected in cases.items():
         assert EngineConfig.build(config_dir(checkpoint), device=device).dtype == expected, (checkpoint, device)
         shutil.rmtree(tmp_path / checkpoint)

@@ -43,6 +43,7 @@ def test_a_failing_step_fails_its_requests_and_nothing_else(llm, tiny_dirs, monk
     engine = llm.engine
     picture = random_image(200, 150, 61)
     alone = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS).generate([image_prompt(picture), LOREM], GREEDY, use_tqdm=False)
+
     def encoder_breaks(items):  # in the encoder's thread, after the scheduler reserved the image's entry
         raise RuntimeError("injected encoder failure")
 

@@ -14,10 +14,14 @@ from fovea import LLM, SamplingParams
 from fovea.engine.engine import LLMEngine
 
 MAX_TOKENS = 12
-SYSTEM = ("You are a meticulous assistant for a museum. You describe paintings and photographs with care, name "
-          "colours precisely, count objects, and answer in two sentences. ") * 3
-LOREM = ("Sailors watched the grey horizon while gulls circled the masts and the cook argued with the carpenter "
-         "about the price of nails in the last harbour. ")
+SYSTEM = (
+    "You are a meticulous assistant for a museum. You describe paintings and photographs with care, name "
+    "colours precisely, count objects, and answer in two sentences. "
+) * 3
+LOREM = (
+    "Sailors watched the grey horizon while gulls circled the masts and the cook argued with the carpenter "
+    "about the price of nails in the last harbour. "
+)
 
 
 def chat(user_parts, images=(), system=None):
@@ -27,9 +31,16 @@ def chat(user_parts, images=(), system=None):
 
 
 def mixed_requests():
-    img = {name: random_image(*size, seed=seed) for name, size, seed in [
-        ("a", (224, 168), 11), ("b", (300, 420), 12), ("c", (333, 517), 13), ("d", (640, 480), 14),
-        ("a2", (224, 168), 15)]}  # a2: same size as a, other content
+    img = {
+        name: random_image(*size, seed=seed)
+        for name, size, seed in [
+            ("a", (224, 168), 11),
+            ("b", (300, 420), 12),
+            ("c", (333, 517), 13),
+            ("d", (640, 480), 14),
+            ("a2", (224, 168), 15),
+        ]
+    }  # a2: same size as a, other content
     return [
         {"kind": "text", "text": "The cat sat on the"},  # 5 tokens
         {"kind": "text", "text": LOREM * 19},  # ~600 tokens
@@ -55,9 +66,17 @@ def our_prompt(req):
     if req["kind"] == "text":
         return req["text"]
     images = iter(req["images"])
-    messages = [{**m, "content": m["content"] if isinstance(m["content"], str) else
-                 [{"type": "image_pil", "image_pil": next(images)} if p["type"] == "image" else p
-                  for p in m["content"]]} for m in req["messages"]]
+    messages = [
+        {
+            **m,
+            "content": m["content"]
+            if isinstance(m["content"], str)
+            else [
+                {"type": "image_pil", "image_pil": next(images)} if p["type"] == "image" else p for p in m["content"]
+            ],
+        }
+        for m in req["messages"]
+    ]
     return messages
 
 
@@ -72,7 +91,7 @@ def hf_greedy(model_dir, req) -> list[int]:
         inputs = hf_inputs(model_dir, req["messages"], req["images"])
     with torch.no_grad():
         out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def assert_engine_idle(engine: LLMEngine):
@@ -100,8 +119,15 @@ def test_mixed_batch_matches_hf_greedy(tiny_dirs, name):
     model_dir = tiny_dirs[name]
     # 56 blocks: preemption happens however the image encoder's thread is timed (with 70, a loaded machine, whose
     # encoder finished later, never filled the cache)
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=8, max_num_batched_tokens=96, block_size=16,
-              num_gpu_blocks_override=56, max_model_len=896)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=96,
+        block_size=16,
+        num_gpu_blocks_override=56,
+        max_model_len=896,
+    )
     requests = mixed_requests()
     assert len(requests) >= 16
     outputs = run_mixed(llm, requests)
@@ -115,7 +141,7 @@ def test_mixed_batch_matches_hf_greedy(tiny_dirs, name):
     assert engine.encoder_cache.hits >= 1
     for req, out in zip(requests, outputs):
         expected = hf_greedy(model_dir, req)
-        assert out.outputs[0].token_ids == expected, (req.get("text") or req["messages"])
+        assert out.outputs[0].token_ids == expected, req.get("text") or req["messages"]
     # the same text with another image of the same size shares no block from the image on
     image_start = outputs[7].prompt_token_ids.index(151655)
     assert outputs[7].num_cached_tokens <= image_start

@@ -48,6 +48,7 @@ def test_answer_extraction_with_several_options():
 
 def test_metrics_equal_scikit_learn():
     from sklearn import metrics as sklearn
+
     rng = np.random.default_rng(0)
     labels = ["a", "b", "c"]
     targets = [labels[i] for i in rng.integers(0, 3, 200)]
@@ -55,8 +56,9 @@ def test_metrics_equal_scikit_learn():
     predictions[:40] = targets[:40]  # better than chance
     ours = classification_metrics(targets, predictions, labels)
     theirs_pred = ["<missing>" if p is None else p for p in predictions]
-    precision, recall, f1, _ = sklearn.precision_recall_fscore_support(targets, theirs_pred, labels=labels,
-                                                                        average="macro", zero_division=0)
+    precision, recall, f1, _ = sklearn.precision_recall_fscore_support(
+        targets, theirs_pred, labels=labels, average="macro", zero_division=0
+    )
     assert ours["accuracy"] == pytest.approx(sklearn.accuracy_score(targets, theirs_pred))
     with warnings.catch_warnings():  # sklearn may note the <missing> class that never occurs in the targets
         warnings.simplefilter("ignore")
@@ -66,10 +68,14 @@ def test_metrics_equal_scikit_learn():
     assert ours["confusion_matrix"] == sklearn.confusion_matrix(targets, theirs_pred, labels=labels).tolist()
     assert ours["num_missing"] == sum(p is None for p in predictions) == sum(ours["missing_per_label"])
     never_predicted = classification_metrics(["a", "b"], ["a", "a"], ["a", "b", "c"])
-    precision, recall, f1, _ = sklearn.precision_recall_fscore_support(["a", "b"], ["a", "a"], labels=["a", "b", "c"],
-                                                                        average="macro", zero_division=0)
-    assert (never_predicted["macro_precision"], never_predicted["macro_recall"],
-            never_predicted["macro_f1"]) == pytest.approx((precision, recall, f1))
+    precision, recall, f1, _ = sklearn.precision_recall_fscore_support(
+        ["a", "b"], ["a", "a"], labels=["a", "b", "c"], average="macro", zero_division=0
+    )
+    assert (
+        never_predicted["macro_precision"],
+        never_predicted["macro_recall"],
+        never_predicted["macro_f1"],
+    ) == pytest.approx((precision, recall, f1))
 
 
 def make_image_folder(root, counts: dict[str, int]):
@@ -85,8 +91,9 @@ def test_smallest_task_file_and_balanced_sampling(tmp_path):
     from fovea.eval.tasks import Task
 
     make_image_folder(tmp_path / "data", {"no": 5, "yes": 3})
-    (tmp_path / "t.yaml").write_text('name: t\ndataset: {type: image_folder, path: data}\n'
-                                     'question: "Is there a tumour?"\noptions: ["no", "yes"]\n')
+    (tmp_path / "t.yaml").write_text(
+        'name: t\ndataset: {type: image_folder, path: data}\nquestion: "Is there a tumour?"\noptions: ["no", "yes"]\n'
+    )
     task = Task.from_yaml(tmp_path / "t.yaml")
     samples = task.samples()
     assert [s.target for s in samples] == ["no"] * 5 + ["yes"] * 3 and len({s.id for s in samples}) == 8
@@ -99,19 +106,24 @@ def test_smallest_task_file_and_balanced_sampling(tmp_path):
     assert task.messages(first[0])[0]["content"][1]["type"] == "image_url"
     bad_files = [
         ("name: t\ndataset: {type: image_folder, path: data}\noptions: [a, b]\n", "missing.*question"),
-        ('name: t\ndataset: {type: image_folder, path: data}\nquestion: q\noptions: ["a", "b"]\n',
-         "label 'no' is not one of the options"),
+        (
+            'name: t\ndataset: {type: image_folder, path: data}\nquestion: q\noptions: ["a", "b"]\n',
+            "label 'no' is not one of the options",
+        ),
         ("name: t\ndataset: {path: data}\nquestion: q\noptions: [no, yes]\n", "unquoted yes/no"),
         ("name: t\ndataset: {path: data\n", "bad.yaml is not valid YAML"),
-        ("name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\nlabel_map: {no: a, yes: b}\n",
-         "unquoted yes/no"),
+        (
+            "name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\nlabel_map: {no: a, yes: b}\n",
+            "unquoted yes/no",
+        ),
     ]
     for text, message in bad_files:
         (tmp_path / "bad.yaml").write_text(text)
         with pytest.raises(ValueError, match=message):
             Task.from_yaml(tmp_path / "bad.yaml").samples()
-    (tmp_path / "ok.yaml").write_text("name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\n"
-                                      "label_map: {'no': a, 'yes': b}\n")
+    (tmp_path / "ok.yaml").write_text(
+        "name: t\ndataset: {path: data}\nquestion: q\noptions: [a, b]\nlabel_map: {'no': a, 'yes': b}\n"
+    )
     assert [s.target for s in Task.from_yaml(tmp_path / "ok.yaml").samples()] == ["a"] * 5 + ["b"] * 3
 
 
@@ -126,23 +138,42 @@ def test_table_datasets_bytes_images_and_data_override(tmp_path, monkeypatch):
     for i in range(4):
         random_image(56, 56, seed=i).save(tmp_path / f"{i}.png")
         pngs.append((tmp_path / f"{i}.png").read_bytes())
-    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(row) for row in [
-        {"image": "0.png", "answer": "yes"}, {"image": "1.png", "answer": "no"},
-        {"image": "2.png", "answer": "b", "question": "Which?", "options": ["a", "b"]}]) + "\n")
+    (tmp_path / "d.jsonl").write_text(
+        "\n".join(
+            json.dumps(row)
+            for row in [
+                {"image": "0.png", "answer": "yes"},
+                {"image": "1.png", "answer": "no"},
+                {"image": "2.png", "answer": "b", "question": "Which?", "options": ["a", "b"]},
+            ]
+        )
+        + "\n"
+    )
     task = Task("t", {"type": "jsonl", "path": str(tmp_path / "d.jsonl")}, "Tumour?", ["no", "yes"])
     samples = task.samples()
     assert [(s.target, s.question, s.options) for s in samples] == [
-        ("yes", "Tumour?", ["no", "yes"]), ("no", "Tumour?", ["no", "yes"]), ("b", "Which?", ["a", "b"])]
+        ("yes", "Tumour?", ["no", "yes"]),
+        ("no", "Tumour?", ["no", "yes"]),
+        ("b", "Which?", ["a", "b"]),
+    ]
     assert samples[0].image == str(tmp_path / "0.png")  # relative to the file
     assert '{"answer": "a"}' in task.messages(samples[2])[0]["content"][1]["text"]
     (tmp_path / "d.csv").write_text("img,label\n3.png,1\n0.png,0\n")
-    task = Task("t", {"type": "csv", "path": str(tmp_path / "d.csv"), "image": "img", "answer": "label"},
-                "Tumour?", ["no", "yes"], label_map={"0": "no", "1": "yes"})
-    assert [(s.target, s.image) for s in task.samples()] == [("yes", str(tmp_path / "3.png")),
-                                                              ("no", str(tmp_path / "0.png"))]
+    task = Task(
+        "t",
+        {"type": "csv", "path": str(tmp_path / "d.csv"), "image": "img", "answer": "label"},
+        "Tumour?",
+        ["no", "yes"],
+        label_map={"0": "no", "1": "yes"},
+    )
+    assert [(s.target, s.image) for s in task.samples()] == [
+        ("yes", str(tmp_path / "3.png")),
+        ("no", str(tmp_path / "0.png")),
+    ]
     # parquet as Hugging Face datasets writes it: image structs holding the bytes, boolean labels
-    table = pyarrow.table({"image": [{"bytes": raw, "path": None} for raw in pngs],
-                           "label": [False, True, True, False]})
+    table = pyarrow.table(
+        {"image": [{"bytes": raw, "path": None} for raw in pngs], "label": [False, True, True, False]}
+    )
     pyarrow.parquet.write_table(table, tmp_path / "pcam.parquet")
     monkeypatch.delenv("PCAM_DIR", raising=False)
     shipped = Task.find("patch_camelyon")
@@ -183,15 +214,22 @@ def test_model_registry_yaml_decorator_and_defaults(tmp_path, monkeypatch):
     (tmp_path / "models.yaml").write_text(
         "models:\n  my-vlm:\n    path: /ckpt/my-vlm\n    max_pixels: 401408\n"
         "    engine_kwargs: {max_num_seqs: 8, mm_processor_kwargs: {min_pixels: 3136}}\n"
-        "    system_prompt: You are a pathologist.\n    max_tokens: 16\n")
+        "    system_prompt: You are a pathologist.\n    max_tokens: 16\n"
+    )
     registry.load_registry(tmp_path / "models.yaml")
     entry = registry.find_model("my-vlm")
     assert (entry.path, entry.system_prompt, entry.max_tokens, entry.temperature) == (
-        "/ckpt/my-vlm", "You are a pathologist.", 16, 0.0)
+        "/ckpt/my-vlm",
+        "You are a pathologist.",
+        16,
+        0.0,
+    )
     assert entry.llm_kwargs() == {"max_num_seqs": 8, "mm_processor_kwargs": {"min_pixels": 3136, "max_pixels": 401408}}
-    (tmp_path / "models.py").write_text("from fovea.eval.registry import register_model\n\n"
-                                        "@register_model('other')\ndef other():\n"
-                                        "    return {'path': '/ckpt/other', 'tensor_parallel_size': 2}\n")
+    (tmp_path / "models.py").write_text(
+        "from fovea.eval.registry import register_model\n\n"
+        "@register_model('other')\ndef other():\n"
+        "    return {'path': '/ckpt/other', 'tensor_parallel_size': 2}\n"
+    )
     registry.load_registry(tmp_path / "models.py")
     assert registry.find_model("other").llm_kwargs() == {"tensor_parallel_size": 2}
     plain = registry.find_model("/some/dir/ckpt")
@@ -226,16 +264,18 @@ def test_in_process_run_writes_predictions_results_and_report(tiny_dirs, tmp_pat
     from fovea.eval.tasks import Task
 
     make_image_folder(tmp_path / "data", {"no": 3, "yes": 2})
-    task = Task("t", {"type": "image_folder", "path": str(tmp_path / "data")}, "Is there a tumour?", ["no", "yes"],
-                runs=2)
+    task = Task(
+        "t", {"type": "image_folder", "path": str(tmp_path / "data")}, "Is there a tumour?", ["no", "yes"], runs=2
+    )
     entry = ModelEntry("tiny", str(tiny_dirs["tiny-3b"]), max_tokens=6)
     results = evaluate(InProcessBackend(entry, dtype="float32", max_model_len=1024), task, entry, tmp_path / "out")
     predictions = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 10 and [p["target"] for p in predictions[:5]] == ["no"] * 3 + ["yes"] * 2
     for run in results["runs"]:  # counts add up: every sample is in the matrix or missing
         assert sum(map(sum, run["confusion_matrix"])) + run["num_missing"] == run["num_samples"] == 5
-    assert predictions[:5] == [{**p, "run": 0, "latency": q["latency"]}
-                               for p, q in zip(predictions[5:], predictions[:5])]
+    assert predictions[:5] == [
+        {**p, "run": 0, "latency": q["latency"]} for p, q in zip(predictions[5:], predictions[:5])
+    ]
     assert all(p["answer"] == extract_answer(p["output"], ["no", "yes"]) for p in predictions)
     assert all(p["output_tokens"] == 6 and p["prompt_tokens"] > 4 and p["latency"] > 0 for p in predictions)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())

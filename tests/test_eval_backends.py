@@ -23,11 +23,13 @@ def task_file(tmp_path_factory):
     sizes = [(56, 56), (84, 56), (112, 84), (56, 112)]
     for label in ("no", "yes"):
         (root / "data" / label).mkdir(parents=True)
-        for i, (width, height) in enumerate(sizes[:4 if label == "no" else 3]):
+        for i, (width, height) in enumerate(sizes[: 4 if label == "no" else 3]):
             random_image(width, height, seed=10 * (label == "yes") + i).save(root / "data" / label / f"{i}.png")
     (root / "data" / "yes" / "broken.png").write_bytes(b"not an image at all")
-    (root / "task.yaml").write_text('name: tumour\ndataset: {type: image_folder, path: data}\n'
-                                    'question: "Is there a tumour?"\noptions: ["no", "yes"]\nruns: 2\n')
+    (root / "task.yaml").write_text(
+        "name: tumour\ndataset: {type: image_folder, path: data}\n"
+        'question: "Is there a tumour?"\noptions: ["no", "yes"]\nruns: 2\n'
+    )
     return root / "task.yaml"
 
 
@@ -63,11 +65,14 @@ def test_in_process_server_and_ray_give_identical_predictions(tiny_dirs, task_fi
     for backend, description in (("server", "(tiny)"), ("ray", "ray: 2 replicas x 1 CPU")):
         predictions, other = read_outputs(tmp_path / backend)
         assert description in other["backend"]
-        assert [{k: p.get(k) for k in SAME_FIELDS} for p in predictions] == \
-               [{k: p.get(k) for k in SAME_FIELDS} for p in expected], backend
+        assert [{k: p.get(k) for k in SAME_FIELDS} for p in predictions] == [
+            {k: p.get(k) for k in SAME_FIELDS} for p in expected
+        ], backend
         assert ["error" in p for p in predictions] == ["error" in p for p in expected]
-        assert other["runs"] == [{**run, **{k: other_run[k] for k in run if k.endswith("_s")}}
-                                 for run, other_run in zip(results["runs"], other["runs"])]
+        assert other["runs"] == [
+            {**run, **{k: other_run[k] for k in run if k.endswith("_s")}}
+            for run, other_run in zip(results["runs"], other["runs"])
+        ]
         assert (tmp_path / backend / "report.md").is_file() and (tmp_path / backend / "confusion_matrix.png").is_file()
 
 
@@ -82,8 +87,24 @@ def test_shipped_patch_camelyon_task_on_a_parquet_copy(tiny_dirs, tmp_path, caps
     labels = [i % 2 == 1 for i in range(10)]
     pyarrow.parquet.write_table(pyarrow.table({"image": images, "label": labels}), tmp_path / "test.parquet")
     with pytest.raises(SystemExit, match="more than 5% missing answers"):  # a random model cannot answer in JSON
-        main(["eval", "--model", str(tiny_dirs["tiny-3b"]), "--task", "patch_camelyon", *ENGINE, "--max-tokens",
-              "4", "--data", str(tmp_path / "test.parquet"), "--limit", "4", "--output-dir", str(tmp_path / "out")])
+        main(
+            [
+                "eval",
+                "--model",
+                str(tiny_dirs["tiny-3b"]),
+                "--task",
+                "patch_camelyon",
+                *ENGINE,
+                "--max-tokens",
+                "4",
+                "--data",
+                str(tmp_path / "test.parquet"),
+                "--limit",
+                "4",
+                "--output-dir",
+                str(tmp_path / "out"),
+            ]
+        )
     predictions, results = read_outputs(tmp_path / "out")
     assert [p["id"] for p in predictions] == ["000000", "000003", "000006", "000009"]  # spread over the rows
     assert [p["target"] for p in predictions] == ["no", "yes", "no", "yes"]
@@ -99,11 +120,12 @@ def test_eval_command_errors_name_the_problem(tiny_dirs, task_file):
 
     with pytest.raises(ValueError, match="cannot reach the server at http://127.0.0.1:"):
         OpenAIBackend(f"http://127.0.0.1:{free_port()}/v1", ModelEntry("m", "m"))
-    for argv, message in ((["--task", str(task_file)], "--model and --task are required"),
-                          (["--model", "m", "--task", "nope"], "no task file 'nope'"),
-                          (["--model", "m", "--task", str(task_file), "--ray", "--base-url", "http://x"],
-                           "two different backends"),
-                          (["--model", "m", "--task", str(task_file), "--runs", "0"], "runs and samples_per_class")):
+    for argv, message in (
+        (["--task", str(task_file)], "--model and --task are required"),
+        (["--model", "m", "--task", "nope"], "no task file 'nope'"),
+        (["--model", "m", "--task", str(task_file), "--ray", "--base-url", "http://x"], "two different backends"),
+        (["--model", "m", "--task", str(task_file), "--runs", "0"], "runs and samples_per_class"),
+    ):
         with pytest.raises(SystemExit, match=message):
             main(["eval", *argv])
 
@@ -114,20 +136,41 @@ def test_tensor_parallel_registry_entry_in_process_and_on_ray(tiny_dirs, task_fi
     from fovea.eval import registry
 
     monkeypatch.setattr(registry, "MODELS", dict(registry.MODELS))
-    (tmp_path / "models.yaml").write_text(f"models:\n  tiny-tp2:\n    path: {tiny_dirs['tiny-3b']}\n"
-                                          "    tensor_parallel_size: 2\n")
+    (tmp_path / "models.yaml").write_text(
+        f"models:\n  tiny-tp2:\n    path: {tiny_dirs['tiny-3b']}\n    tensor_parallel_size: 2\n"
+    )
     common = ["eval", "--task", str(task_file), "--max-tokens", "6", *ENGINE, "--limit", "4"]
     main([*common, "--model", str(tiny_dirs["tiny-3b"]), "--output-dir", str(tmp_path / "tp1")])
-    main([*common, "--registry", str(tmp_path / "models.yaml"), "--model", "tiny-tp2",
-          "--output-dir", str(tmp_path / "tp2")])
-    main([*common, "--registry", str(tmp_path / "models.yaml"), "--model", "tiny-tp2", "--ray",
-          "--output-dir", str(tmp_path / "ray-tp2")])
+    main(
+        [
+            *common,
+            "--registry",
+            str(tmp_path / "models.yaml"),
+            "--model",
+            "tiny-tp2",
+            "--output-dir",
+            str(tmp_path / "tp2"),
+        ]
+    )
+    main(
+        [
+            *common,
+            "--registry",
+            str(tmp_path / "models.yaml"),
+            "--model",
+            "tiny-tp2",
+            "--ray",
+            "--output-dir",
+            str(tmp_path / "ray-tp2"),
+        ]
+    )
     capsys.readouterr()
     expected, _ = read_outputs(tmp_path / "tp1")
     for run in ("tp2", "ray-tp2"):
         predictions, results = read_outputs(tmp_path / run)
-        assert [{k: p.get(k) for k in SAME_FIELDS} for p in predictions] == \
-               [{k: p.get(k) for k in SAME_FIELDS} for p in expected], run
+        assert [{k: p.get(k) for k in SAME_FIELDS} for p in predictions] == [
+            {k: p.get(k) for k in SAME_FIELDS} for p in expected
+        ], run
     assert "ray: 1 replicas x" in results["backend"]
 
 
@@ -166,8 +209,9 @@ def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, caps
     rows += [{"image": "still.png", "answer": "no"}, {"video": "broken.mp4", "answer": "yes"}]
     (data / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     task = tmp_path / "task.yaml"
-    task.write_text('name: clips\ndataset: {path: data/rows.jsonl}\nquestion: "Is it moving?"\n'
-                    'options: ["no", "yes"]\n')
+    task.write_text(
+        'name: clips\ndataset: {path: data/rows.jsonl}\nquestion: "Is it moving?"\noptions: ["no", "yes"]\n'
+    )
     model = str(tiny_dirs["tiny-3b"])
     common = ["eval", "--model", model, "--task", str(task), "--max-tokens", "4"]
     main([*common, *ENGINE, "--output-dir", str(tmp_path / "in-process")])
@@ -182,7 +226,8 @@ def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, caps
     assert ["error" in p for p in expected] == [False, False, False, True]
     assert "could not be read" in expected[3]["error"] and "could not be read" in served[3]["error"]
     sizes = [frame_size(56, 84, kept, VideoOptions()) for kept in (4, 6)]  # the published sizes (test_video.py)
-    video_tokens = [kept // 2 * h * w // 28 ** 2 for kept, (h, w) in zip((4, 6), sizes)]
+    video_tokens = [kept // 2 * h * w // 28**2 for kept, (h, w) in zip((4, 6), sizes)]
     image_tokens = 4  # 56 x 56: 4 x 4 patches, merged 2 x 2
-    assert [p["prompt_tokens"] - expected[2]["prompt_tokens"] for p in expected[:2]] == \
-           [tokens - image_tokens for tokens in video_tokens]
+    assert [p["prompt_tokens"] - expected[2]["prompt_tokens"] for p in expected[:2]] == [
+        tokens - image_tokens for tokens in video_tokens
+    ]

@@ -20,8 +20,13 @@ from fovea.server.protocol import ChatCompletionRequest, CompletionRequest
 
 OPTIONS = dict(dtype="float32", max_model_len=1024, num_gpu_blocks_override=200, mm_processor_workers=0)
 HELLO = [{"role": "user", "content": "hi"}]
-TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
-    "type": "object", "properties": {"x": {"type": "integer"}}}}} for i in range(3)]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": f"tool_{i}", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    }
+    for i in range(3)
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,42 +62,69 @@ def send_all(app, requests: list[tuple[str, dict | bytes]]) -> list[httpx.Respon
     async def main():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://fovea", timeout=120) as client:
-            return [await client.post(path, **({"content": body, "headers": {"content-type": "application/json"}}
-                                               if isinstance(body, bytes) else {"json": body}))
-                    for path, body in requests]
+            return [
+                await client.post(
+                    path,
+                    **(
+                        {"content": body, "headers": {"content-type": "application/json"}}
+                        if isinstance(body, bytes)
+                        else {"json": body}
+                    ),
+                )
+                for path, body in requests
+            ]
 
     return asyncio.run(main())
 
 
 def test_bodies_parameters_templates_and_responses_are_built_off_the_event_loop(engine, monkeypatch):
-    seen = record_threads(monkeypatch, {
-        "parse the body": (routes, "parse_body"),
-        "list the tools": (routes, "tool_list"),
-        "chat sampling parameters": (ChatCompletionRequest, "to_sampling_params"),
-        "completion sampling parameters": (CompletionRequest, "to_sampling_params"),
-        "normalize a chat for a request's template": (engine.inputs.prompts, "normalize_chat"),
-        "build a chat response": (openai_serving, "chat_response"),
-        "build a completion response": (openai_serving, "completion_response"),
-    })
+    seen = record_threads(
+        monkeypatch,
+        {
+            "parse the body": (routes, "parse_body"),
+            "list the tools": (routes, "tool_list"),
+            "chat sampling parameters": (ChatCompletionRequest, "to_sampling_params"),
+            "completion sampling parameters": (CompletionRequest, "to_sampling_params"),
+            "normalize a chat for a request's template": (engine.inputs.prompts, "normalize_chat"),
+            "build a chat response": (openai_serving, "chat_response"),
+            "build a completion response": (openai_serving, "completion_response"),
+        },
+    )
     app = build_app(engine, ServerOptions(["tiny"], trust_request_chat_template=True))
     try:
         template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-        replies = send_all(app, [
-            ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 4, "n": 2, "logprobs": True,
-                                      "top_logprobs": 5, "tools": TOOLS, "tool_choice": "none"}),
-            ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, "chat_template": template}),
-            ("/v1/completions", {"prompt": ["one", "two"], "max_tokens": 3, "echo": True, "logprobs": 2}),
-            ("/tokenize", {"prompt": "hi there"}),
-            ("/detokenize", {"tokens": [1, 2, 3]}),
-        ])
+        replies = send_all(
+            app,
+            [
+                (
+                    "/v1/chat/completions",
+                    {
+                        "messages": HELLO,
+                        "max_tokens": 4,
+                        "n": 2,
+                        "logprobs": True,
+                        "top_logprobs": 5,
+                        "tools": TOOLS,
+                        "tool_choice": "none",
+                    },
+                ),
+                ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, "chat_template": template}),
+                ("/v1/completions", {"prompt": ["one", "two"], "max_tokens": 3, "echo": True, "logprobs": 2}),
+                ("/tokenize", {"prompt": "hi there"}),
+                ("/detokenize", {"tokens": [1, 2, 3]}),
+            ],
+        )
     finally:
         app.state.template_sandbox.close()
     assert [reply.status_code for reply in replies] == [200] * 5, [reply.text[:300] for reply in replies]
     chat, _, completion = (reply.json() for reply in replies[:3])
     assert len(chat["choices"]) == 2 and len(chat["choices"][0]["logprobs"]["content"]) == 4
     assert len(completion["choices"]) == 2 and completion["choices"][1]["text"].startswith("two")
-    assert len(completion["choices"][0]["logprobs"]["top_logprobs"]) == len(completion["choices"][0]["logprobs"][
-        "tokens"]) > 3  # echoed prompt tokens and the completion's
+    assert (
+        len(completion["choices"][0]["logprobs"]["top_logprobs"])
+        == len(completion["choices"][0]["logprobs"]["tokens"])
+        > 3
+    )  # echoed prompt tokens and the completion's
     assert all(seen.values()), {name: calls for name, calls in seen.items() if not calls}
     on_loop = [name for name, calls in seen.items() if any(calls)]
     assert not on_loop, f"ran on the event loop: {on_loop}"
@@ -110,14 +142,17 @@ def test_bodies_with_too_many_json_objects_are_refused_before_parsing(engine):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://fovea", timeout=120) as client:
             data = json.dumps(over).encode()
+
             async def chunks():  # no Content-Length: counted as it comes
                 for i in range(0, len(data), 4096):
-                    yield data[i:i + 4096]
+                    yield data[i : i + 4096]
 
-            return [await client.post("/v1/chat/completions", json=over),
-                    await client.post("/v1/chat/completions", content=chunks()),
-                    await client.post("/v1/chat/completions", json=near),
-                    await client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2})]
+            return [
+                await client.post("/v1/chat/completions", json=over),
+                await client.post("/v1/chat/completions", content=chunks()),
+                await client.post("/v1/chat/completions", json=near),
+                await client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2}),
+            ]
 
     refused, refused_chunked, near_limit, fine = asyncio.run(main())
     for reply in (refused, refused_chunked):

@@ -28,8 +28,10 @@ def family_dirs(tmp_path_factory):
     from fovea.testing.tiny_llava import write_llava_checkpoint
 
     root = tmp_path_factory.mktemp("families")
-    return {"llava": write_llava_checkpoint(root / "llava", seed=3),
-            "qwen2-vl": write_tiny_checkpoint(root / "qwen2-vl", "tiny-qwen2-vl", seed=4)}
+    return {
+        "llava": write_llava_checkpoint(root / "llava", seed=3),
+        "qwen2-vl": write_tiny_checkpoint(root / "qwen2-vl", "tiny-qwen2-vl", seed=4),
+    }
 
 
 _HF: dict = {}
@@ -57,20 +59,21 @@ def hf_llava_inputs(model_dir, messages, images):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                   chat_template=llava_template(model_dir))
+    text = tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, chat_template=llava_template(model_dir)
+    )
     out = {}
     if images:
-        out["pixel_values"] = CLIPImageProcessorPil.from_pretrained(str(model_dir))(
-            images=images, return_tensors="pt")["pixel_values"]
+        out["pixel_values"] = CLIPImageProcessorPil.from_pretrained(str(model_dir))(images=images, return_tensors="pt")[
+            "pixel_values"
+        ]
         text = text.replace("<image>", "<image>" * 576)
     out["input_ids"] = torch.tensor([tok.encode(text, add_special_tokens=False)])
     return out
 
 
 def reference_inputs(family, model_dir, messages, images):
-    return hf_llava_inputs(model_dir, messages, images) if family == "llava" else hf_inputs(model_dir, messages,
-                                                                                           images)
+    return hf_llava_inputs(model_dir, messages, images) if family == "llava" else hf_inputs(model_dir, messages, images)
 
 
 def conversation(kind: str):
@@ -86,9 +89,15 @@ def conversation(kind: str):
 
 def with_pil(messages, images):
     it = iter(images)
-    return [{**m, "content": m["content"] if isinstance(m["content"], str) else
-             [{"type": "image_pil", "image_pil": next(it)} if p["type"] == "image" else p for p in m["content"]]}
-            for m in messages]
+    return [
+        {
+            **m,
+            "content": m["content"]
+            if isinstance(m["content"], str)
+            else [{"type": "image_pil", "image_pil": next(it)} if p["type"] == "image" else p for p in m["content"]],
+        }
+        for m in messages
+    ]
 
 
 @pytest.mark.parametrize("size", [(640, 480), (333, 517), (336, 336), (200, 90), (1000, 336)])
@@ -140,7 +149,7 @@ def hf_greedy(family, model_dir, messages, images) -> list[int]:
     inputs = reference_inputs(family, model_dir, messages, images)
     with torch.no_grad():
         out = hf_model(model_dir).generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -155,16 +164,29 @@ def test_engine_greedy_matches_transformers(family_dirs, family):
         cases.append(([{"role": "system", "content": system}] + messages, images))
     cases.append(conversation("one_image"))  # the same image again: encoder cache and prefix cache
     per_image = 576 if family == "llava" else None
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, block_size=16,
-              num_gpu_blocks_override=120 if per_image else 40, max_model_len=1536 if per_image else 640,
-              encoder_cache_size=4 * 576)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        block_size=16,
+        num_gpu_blocks_override=120 if per_image else 40,
+        max_model_len=1536 if per_image else 640,
+        encoder_cache_size=4 * 576,
+    )
     # every image encoded first and kept in the encoder cache: how many sequences grow together (and so whether
     # they preempt) then no longer depends on how fast the vision tower's thread keeps up with the steps (a slow
     # machine ran them one after another, with no preemption)
-    llm.chat([with_pil(*conversation(kind)) for kind in ("one_image", "two_images")], SamplingParams(max_tokens=1),
-             use_tqdm=False)
-    outputs = llm.chat([with_pil(m, i) for m, i in cases], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                                          ignore_eos=True), use_tqdm=False)
+    llm.chat(
+        [with_pil(*conversation(kind)) for kind in ("one_image", "two_images")],
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+    )
+    outputs = llm.chat(
+        [with_pil(m, i) for m, i in cases],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     engine = llm.engine
     assert max(len(o.prompt_token_ids) for o in outputs) > engine.config.max_num_batched_tokens  # chunked
     assert engine.scheduler.num_preemptions > 0
@@ -192,20 +214,26 @@ def test_llava_encoder_buckets_per_image_count(family_dirs):
     buckets = EncoderBuckets(model.visual, [576, 2304], torch.float32, torch.device("cpu"), capture=False)
     assert buckets.bucket(1152) == 2304
     with torch.no_grad():
-        torch.testing.assert_close(buckets.encode(pixels, grids, 2304), model.visual(pixels, grids),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            buckets.encode(pixels, grids, 2304), model.visual(pixels, grids), rtol=1e-5, atol=1e-5
+        )
     # our Triton attention (on the GPU, or under its interpreter without one): the tile table padded to the
     # bucket's fixed size
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernel, _ = load_model(model_dir, dtype="float32", device=device, options=ModelOptions(vision_kernel=True))
     kernel_buckets = EncoderBuckets(kernel.visual, [1152], torch.float32, device, capture=False)
     with torch.no_grad():
-        torch.testing.assert_close(kernel_buckets.encode(pixels[:576].to(device), grids[:1], 1152).cpu(),
-                                   model.visual(pixels[:576], grids[:1]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            kernel_buckets.encode(pixels[:576].to(device), grids[:1], 1152).cpu(),
+            model.visual(pixels[:576], grids[:1]),
+            rtol=1e-4,
+            atol=1e-4,
+        )
     messages, pictures = conversation("two_images")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    plain = LLM(str(model_dir), dtype="float32", max_model_len=1536).chat([with_pil(messages, pictures)], params,
-                                                                          use_tqdm=False)
+    plain = LLM(str(model_dir), dtype="float32", max_model_len=1536).chat(
+        [with_pil(messages, pictures)], params, use_tqdm=False
+    )
     llm = LLM(str(model_dir), dtype="float32", max_model_len=1536, mm_buckets=[576, 1152])
     assert llm.engine.runner.encoder_buckets.buckets == [576, 1152]
     bucketed = llm.chat([with_pil(messages, pictures)], params, use_tqdm=False)
@@ -220,8 +248,10 @@ def test_llava_layouts_and_plan(family_dirs, tmp_path):
 
     published = write_llava_checkpoint(tmp_path / "a", seed=7)
     tf5 = write_llava_checkpoint(tmp_path / "b", seed=7, layout="transformers5", shards=2)
-    assert any(name.startswith("model.language_model.") for name in json.loads(
-        (tf5 / "model.safetensors.index.json").read_text())["weight_map"])
+    assert any(
+        name.startswith("model.language_model.")
+        for name in json.loads((tf5 / "model.safetensors.index.json").read_text())["weight_map"]
+    )
     a, b = load_model(published, dtype="float32")[0], load_model(tf5, dtype="float32")[0]
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert len(a.visual.layers) == 2  # three CLIP layers, feature layer -2: the last one is not built
@@ -241,8 +271,9 @@ def test_what_installed_transformers_saves_loads(family_dirs, tiny_dirs, family,
     from transformers import AutoModelForImageTextToText
 
     source = tiny_dirs["tiny-3b"] if family == "qwen2.5-vl" else family_dirs[family]
-    reference = AutoModelForImageTextToText.from_pretrained(str(source), dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    reference = AutoModelForImageTextToText.from_pretrained(
+        str(source), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     saved = tmp_path / "saved"
     reference.save_pretrained(saved)
     for extra in source.iterdir():  # tokenizer and preprocessor files: save_pretrained writes the model only
@@ -253,8 +284,11 @@ def test_what_installed_transformers_saves_loads(family_dirs, tiny_dirs, family,
         stripped = tmp_path / "no-vision-model"
         shutil.copytree(saved, stripped)
         for shard in stripped.glob("*.safetensors"):
-            save_file({k.replace("vision_tower.vision_model.", "vision_tower."): v
-                       for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+            save_file(
+                {k.replace("vision_tower.vision_model.", "vision_tower."): v for k, v in load_file(shard).items()},
+                shard,
+                metadata={"format": "pt"},
+            )
         layouts.append(stripped)
     published = load_model(source, dtype="float32")[0].state_dict()
     ids = torch.tensor([[9707, 11, 1879, 0, 151, 17, 4, 33]]) % reference.config.get_text_config().vocab_size

@@ -68,13 +68,15 @@ def test_rotary_in_place_on_a_fused_projection(dtype):
     for ours, reference in zip(got, expected):
         close(ours, reference, dtype)
     assert got[0].data_ptr() == fused_qkv.data_ptr()  # rotated in place, no copy
-    torch.testing.assert_close(got[2], qkv[:, -kv_heads * head_dim:].view(n, kv_heads, head_dim), rtol=0, atol=0)
+    torch.testing.assert_close(got[2], qkv[:, -kv_heads * head_dim :].view(n, kv_heads, head_dim), rtol=0, atol=0)
 
 
 def test_model_with_fused_kernels_gives_the_unfused_logits(tiny_dirs):
     """The decoder's wiring (residual handed between layers, final norm) with the kernels, on a real checkpoint."""
-    models = [load_model(tiny_dirs["tiny-3b"], dtype="float32", device=DEVICE,
-                         options=ModelOptions(fused_kernels=fused))[0] for fused in (False, True)]
+    models = [
+        load_model(tiny_dirs["tiny-3b"], dtype="float32", device=DEVICE, options=ModelOptions(fused_kernels=fused))[0]
+        for fused in (False, True)
+    ]
     lengths = [11, 4]
     ids = torch.randint(0, 1000, (sum(lengths),), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     positions = torch.cat([torch.arange(n) for n in lengths]).expand(3, -1).to(DEVICE)

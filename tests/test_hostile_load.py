@@ -34,8 +34,11 @@ def chat(text: str, image: str | None = None, **fields) -> dict:
 
 def post(base: str, path: str, body, timeout: float = 120) -> int:
     try:
-        kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        kwargs = (
+            {"content": body, "headers": {"content-type": "application/json"}}
+            if isinstance(body, bytes)
             else {"json": body}
+        )
         return httpx.post(base + path, timeout=timeout, **kwargs).status_code
     except httpx.TimeoutException:
         return 0  # the client gave up (on purpose)
@@ -47,16 +50,23 @@ def one_round(base: str, drip: str) -> tuple[list[int], dict[str, list[int]]]:
     hostile = {
         "slow host": [(chat("What is it?", f"{drip}/{i}.jpg"), 120) for i in range(6)],
         "slow host, client leaves": [(chat("And this?", f"{drip}/x{i}.jpg"), 0.5) for i in range(6)],
-        "largest stop lists": [(chat(f"Say {i}", stop=["x" * 990 + str(j) for j in range(64)],
-                                     stop_token_ids=list(range(1024))), 120) for i in range(4)],
-        "bad input": [(chat("hi", n=257), 120), (b'{"messages": [{"role": "user", "content": "hi"}], '
-                                                  b'"temperature": NaN}', 120), (chat("hi", top_k=10 ** 20), 120)],
+        "largest stop lists": [
+            (chat(f"Say {i}", stop=["x" * 990 + str(j) for j in range(64)], stop_token_ids=list(range(1024))), 120)
+            for i in range(4)
+        ],
+        "bad input": [
+            (chat("hi", n=257), 120),
+            (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 120),
+            (chat("hi", top_k=10**20), 120),
+        ],
     }
     many_prompts = {"prompt": [f"Prompt number {i} says" for i in range(100)], "max_tokens": 8, "ignore_eos": True}
     normal = [chat(f"Question {i}: what comes next?") for i in range(16)] + [chat("Describe.", PICTURE)] * 4
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
-        hostile_futures = {kind: [pool.submit(post, base, "/v1/chat/completions", body, timeout)
-                                  for body, timeout in bodies] for kind, bodies in hostile.items()}
+        hostile_futures = {
+            kind: [pool.submit(post, base, "/v1/chat/completions", body, timeout) for body, timeout in bodies]
+            for kind, bodies in hostile.items()
+        }
         hostile_futures["many prompts"] = [pool.submit(post, base, "/v1/completions", many_prompts)]
         time.sleep(0.5)  # the hostile requests are in: downloads dripping, the long request queued
         normal_statuses = list(pool.map(lambda body: post(base, "/v1/chat/completions", body), normal))
@@ -85,8 +95,9 @@ def status_of(pid: int, field: str) -> int:
 
 def assert_idle(base: str) -> None:
     deadline = time.time() + 30
-    while time.time() < deadline and (metric(base, "fovea:num_requests_running") or
-                                      metric(base, "fovea:kv_cache_used_blocks")):
+    while time.time() < deadline and (
+        metric(base, "fovea:num_requests_running") or metric(base, "fovea:kv_cache_used_blocks")
+    ):
         time.sleep(0.2)
     assert metric(base, "fovea:num_requests_running") == 0 and metric(base, "fovea:num_requests_waiting") == 0
     assert metric(base, "fovea:kv_cache_used_blocks") == 0
@@ -94,10 +105,22 @@ def assert_idle(base: str) -> None:
 
 
 def test_hostile_traffic_beside_normal_traffic(tiny_dirs, drip):
-    with running_server(tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "2048",
-                        "--num-gpu-blocks-override", "600", "--allowed-media-domains", "127.0.0.1",
-                        "--max-engine-restarts", "2", "--max-num-seqs", "32",
-                        env={"FOVEA_IMAGE_FETCH_TIMEOUT": "2"}) as (base, server):
+    with running_server(
+        tiny_dirs["tiny-3b"],
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--num-gpu-blocks-override",
+        "600",
+        "--allowed-media-domains",
+        "127.0.0.1",
+        "--max-engine-restarts",
+        "2",
+        "--max-num-seqs",
+        "32",
+        env={"FOVEA_IMAGE_FETCH_TIMEOUT": "2"},
+    ) as (base, server):
         normal, hostile = one_round(base, drip)
         assert normal == [200] * 20, normal
         assert hostile["slow host"] == [400] * 6 and hostile["largest stop lists"] == [200] * 4, hostile

@@ -26,7 +26,7 @@ def hub_server(model_dir: Path) -> ThreadingHTTPServer:
 
         def _file(self, body: bool):
             prefix = f"/{REPO}/resolve/"
-            name = self.path.split("?")[0][len(prefix):].split("/", 1)[1] if self.path.startswith(prefix) else ""
+            name = self.path.split("?")[0][len(prefix) :].split("/", 1)[1] if self.path.startswith(prefix) else ""
             if name not in files:
                 self.send_response(404)
                 self.send_header("X-Error-Code", "EntryNotFound")
@@ -48,11 +48,23 @@ def hub_server(model_dir: Path) -> ThreadingHTTPServer:
         def do_GET(self):
             if self.path.startswith(f"/api/models/{REPO}"):
                 if self.path.startswith(f"/api/models/{REPO}/tree/"):  # the file listing
-                    body = [{"type": "file", "path": name, "size": (model_dir / name).stat().st_size,
-                             "oid": hashlib.sha1((model_dir / name).read_bytes()).hexdigest()} for name in files]
+                    body = [
+                        {
+                            "type": "file",
+                            "path": name,
+                            "size": (model_dir / name).stat().st_size,
+                            "oid": hashlib.sha1((model_dir / name).read_bytes()).hexdigest(),
+                        }
+                        for name in files
+                    ]
                 else:  # the repository's description
-                    body = {"id": REPO, "modelId": REPO, "sha": SHA, "private": False,
-                            "siblings": [{"rfilename": name} for name in files]}
+                    body = {
+                        "id": REPO,
+                        "modelId": REPO,
+                        "sha": SHA,
+                        "private": False,
+                        "siblings": [{"rfilename": name} for name in files],
+                    }
                 data = json.dumps(body).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -77,15 +89,20 @@ RESOLVE = "from fovea.config.model import resolve_model_dir; import sys; print(r
 
 def resolve(model: str, env: dict) -> subprocess.CompletedProcess:
     # huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE when imported: a fresh interpreter for each setting
-    return subprocess.run([sys.executable, "-c", RESOLVE, model], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", RESOLVE, model], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_hub_id_is_downloaded_then_found_offline(tiny_dirs, tmp_path):
     source = tiny_dirs["tiny-3b"]
     server = hub_server(source)
-    env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
+    env = {
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_OFFLINE": "0",
+    }
     try:
         online = resolve(REPO, env)
         assert online.returncode == 0, online.stderr[-2000:]
@@ -104,4 +121,3 @@ def test_hub_id_is_downloaded_then_found_offline(tiny_dirs, tmp_path):
     absent = resolve("tiny-org/other", {**env, "HF_HUB_OFFLINE": "1"})
     assert "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in absent.stderr
     assert "`hf download tiny-org/other`" in absent.stderr
-

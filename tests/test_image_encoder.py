@@ -28,8 +28,9 @@ def test_decoding_goes_on_while_an_image_is_encoded(tiny_dirs):
     llm = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS)
     picture = random_image(640, 480, 3)
     final_only = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-    reference = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS).generate([LOREM, image_prompt(picture)], final_only,
-                                                                     use_tqdm=False)
+    reference = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS).generate(
+        [LOREM, image_prompt(picture)], final_only, use_tqdm=False
+    )
     engine = llm.engine
     release = threading.Event()
     encode = engine.image_encoder._encode

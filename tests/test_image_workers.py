@@ -38,8 +38,11 @@ def test_workers_give_the_in_process_pixels(workers, config):
     from fovea.config.image import ImageProcessorConfig
 
     before = segments()
-    processor = ImageProcessor(ImageProcessorConfig() if config == "qwen" else ImageProcessorConfig.center_crop(
-        {"crop_size": 336, "size": {"shortest_edge": 336}}, 14, 336))
+    processor = ImageProcessor(
+        ImageProcessorConfig()
+        if config == "qwen"
+        else ImageProcessorConfig.center_crop({"crop_size": 336, "size": {"shortest_edge": 336}}, 14, 336)
+    )
     for width, height in ((640, 480), (333, 517), (200, 150), (3000, 2000)):  # the last decodes at reduced scale
         planned = processor.plan(jpeg_bytes(random_image(width, height, seed=width)))
         local = processor.process(planned)
@@ -122,13 +125,13 @@ def test_one_request_may_not_decode_more_than_its_share_of_pixels(tiny_dirs, mon
     text = "<|vision_start|><|image_pad|><|vision_end|>" * 2
     with pytest.raises(ImageTooLarge, match=r"0.0 megapixels before resizing, more than the 0.0 one request may have"):
         prompts.process(text, images)
-    assert len(prompts.process(text[:len(text) // 2], images[:1]).images) == 1
+    assert len(prompts.process(text[: len(text) // 2], images[:1]).images) == 1
 
 
 def test_a_bad_or_crashing_image_fails_alone(workers):
     processor = ImageProcessor()
     good = jpeg_bytes(random_image(320, 240, seed=1))
-    truncated = processor.plan(good[:len(good) // 2])
+    truncated = processor.plan(good[: len(good) // 2])
     with pytest.raises(ValueError, match="not a readable image"):
         workers.process(truncated)
     # a worker dies in the middle of a job (as a decoder crash would take it): that job fails, the next run on
@@ -159,8 +162,10 @@ def test_no_segment_outlives_its_request(tiny_dirs):
     before = segments()
     engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), mm_processor_workers=1, **OPTIONS)
     picture = jpeg_bytes(random_image(640, 480, seed=9))
-    image_prompt = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe.",
-                    "multi_modal_data": {"image": picture}}
+    image_prompt = {
+        "prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe.",
+        "multi_modal_data": {"image": picture},
+    }
     params = SamplingParams(temperature=0, max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def run(**request):
@@ -170,8 +175,9 @@ def test_no_segment_outlives_its_request(tiny_dirs):
         assert (await run(prompt=image_prompt))[-1].finished
         with pytest.raises(ValueError, match="max_num_seqs"):  # checked after the image was decoded
             await run(prompt=image_prompt, sampling_params=params.clone(n=9))
-        leaving = asyncio.ensure_future(run(prompt={**image_prompt, "multi_modal_data": {
-            "image": jpeg_bytes(random_image(2000, 1500, seed=10))}}))
+        leaving = asyncio.ensure_future(
+            run(prompt={**image_prompt, "multi_modal_data": {"image": jpeg_bytes(random_image(2000, 1500, seed=10))}})
+        )
         await asyncio.sleep(0.05)
         leaving.cancel()
         await asyncio.gather(leaving, return_exceptions=True)

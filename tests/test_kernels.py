@@ -44,9 +44,17 @@ def ragged_batch(specs, q_heads, kv_heads, head_dim, block_size, dtype, seed=0):
     q, k, v = rand(n, q_heads, head_dim), rand(n, kv_heads, head_dim), rand(n, kv_heads, head_dim)
 
     def meta(backend):
-        return PagedAttentionMetadata(backend, torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-                                      starts.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                                      tables.to(DEVICE), max(query_lens), max(seq_lens), block_size)
+        return PagedAttentionMetadata(
+            backend,
+            torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+            starts.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            tables.to(DEVICE),
+            max(query_lens),
+            max(seq_lens),
+            block_size,
+        )
+
     return q, k, v, cache, meta
 
 
@@ -60,12 +68,15 @@ def run(backend, q, k, v, cache, meta):
 MIXED = [(0, 37), (20, 1), (45, 1), (16, 17), (0, 1), (70, 5)]  # prefill, decode, chunk over a cached prefix
 
 
-@pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_size", [
-    (4, 2, 16, 16),   # like tiny-3b
-    (4, 1, 24, 32),   # like tiny-7b: head_dim not a power of two
-    (14, 2, 32, 16),  # 7 query heads per KV head, as in Qwen2.5-VL-7B
-    (8, 8, 16, 48),   # no GQA; block_size a multiple of 16 but not a power of two
-])
+@pytest.mark.parametrize(
+    "q_heads, kv_heads, head_dim, block_size",
+    [
+        (4, 2, 16, 16),  # like tiny-3b
+        (4, 1, 24, 32),  # like tiny-7b: head_dim not a power of two
+        (14, 2, 32, 16),  # 7 query heads per KV head, as in Qwen2.5-VL-7B
+        (8, 8, 16, 48),  # no GQA; block_size a multiple of 16 but not a power of two
+    ],
+)
 def test_triton_attention_matches_reference_fp32(q_heads, kv_heads, head_dim, block_size):
     q, k, v, cache, meta = ragged_batch(MIXED, q_heads, kv_heads, head_dim, block_size, torch.float32)
     expected, expected_cache = run(TorchAttention(), q, k, v, cache, meta)
@@ -74,8 +85,9 @@ def test_triton_attention_matches_reference_fp32(q_heads, kv_heads, head_dim, bl
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("specs", [[(30, 1), (0, 1), (63, 1), (5, 1)], [(0, 50)], [(33, 31), (0, 2)]],
-                         ids=["decode", "prefill", "chunked"])
+@pytest.mark.parametrize(
+    "specs", [[(30, 1), (0, 1), (63, 1), (5, 1)], [(0, 50)], [(33, 31), (0, 2)]], ids=["decode", "prefill", "chunked"]
+)
 def test_triton_attention_bf16_within_bf16_tolerance(specs):
     q, k, v, cache, meta = ragged_batch(specs, 4, 2, 32, 16, torch.bfloat16, seed=1)
     expected, _ = run(TorchAttention(), q.float(), k.float(), v.float(), cache.float(), meta)
@@ -133,8 +145,14 @@ def test_engine_with_triton_backend_generates_the_reference_tokens(tiny_dirs):
     for name in ("tiny-3b", "tiny-7b"):
         outputs = {}
         for backend in ("torch", "triton"):
-            llm = LLM(str(tiny_dirs[name]), dtype="float32", max_model_len=512, max_num_batched_tokens=32,
-                      attention_backend=backend, block_size=16)
+            llm = LLM(
+                str(tiny_dirs[name]),
+                dtype="float32",
+                max_model_len=512,
+                max_num_batched_tokens=32,
+                attention_backend=backend,
+                block_size=16,
+            )
             expected_type = TorchAttention if backend == "torch" else TritonAttention
             assert type(llm.engine.runner.backend) is expected_type
             outputs[backend] = [o.outputs[0].token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
@@ -154,8 +172,9 @@ def test_vision_varlen_kernel_matches_reference(dtype, tol):
     qkv = torch.randn(n, 3, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     q, k, v = qkv.unbind(1)
     meta = AttentionMetadata.from_lengths(lengths, DEVICE)
-    expected = varlen_attention(q.float(), k.float(), v.float(), meta.cu_seqlens, meta.max_seqlen, causal=False,
-                                scale=0.3)
+    expected = varlen_attention(
+        q.float(), k.float(), v.float(), meta.cu_seqlens, meta.max_seqlen, causal=False, scale=0.3
+    )
     tiles = tile_table(lengths, 12).to(DEVICE)
     assert int((tiles[:, 1] > 0).sum()) == 7  # one tile each, 3 for the 140; 5 rows left empty
     got = varlen_attention_triton(q, k, v, tiles, scale=0.3)
@@ -186,8 +205,9 @@ def test_the_reference_builds_no_queries_by_keys_mask(monkeypatch):
     batch = ragged_batch(MIXED, 4, 2, 16, 16, torch.float32)
     run(TorchAttention(device=DEVICE), *batch)
     assert len(masks) == 1 + 3  # the decodes together, then each of the three prefill chunks
-    chunk_over_prefix = [mask for mask in masks if mask is not None and (isinstance(mask, CausalBias)
-                                                                          or mask.shape[-2] > 1)]
+    chunk_over_prefix = [
+        mask for mask in masks if mask is not None and (isinstance(mask, CausalBias) or mask.shape[-2] > 1)
+    ]
     assert len(chunk_over_prefix) == 2  # 17 tokens over 16 cached, 5 over 70; the 37-token prefill needs none
     for mask in masks:
         assert mask is None or isinstance(mask, CausalBias) or mask.shape[-2] == 1 or mask.dim() == 2, mask.shape

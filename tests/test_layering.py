@@ -9,9 +9,30 @@ from pathlib import Path
 
 FOVEA = Path(__file__).parents[1] / "fovea"
 # higher imports lower; equal ranks may import each other
-RANK = {"cli": 9, "__main__": 9, "entrypoints": 9, "__init__": 9, "bench": 8, "eval": 8, "demo": 8, "plan": 8,
-        "server": 7, "llm": 7, "frontend": 6, "engine": 5, "runner": 4, "multimodal": 3.5, "models": 3,
-        "attention": 2, "layers": 2, "core": 1.5, "config": 1, "testing": 1, "distributed": 0, "worker_pool": 0}
+RANK = {
+    "cli": 9,
+    "__main__": 9,
+    "entrypoints": 9,
+    "__init__": 9,
+    "bench": 8,
+    "eval": 8,
+    "demo": 8,
+    "plan": 8,
+    "server": 7,
+    "llm": 7,
+    "frontend": 6,
+    "engine": 5,
+    "runner": 4,
+    "multimodal": 3.5,
+    "models": 3,
+    "attention": 2,
+    "layers": 2,
+    "core": 1.5,
+    "config": 1,
+    "testing": 1,
+    "distributed": 0,
+    "worker_pool": 0,
+}
 
 
 def upward_imports() -> set[tuple[str, str]]:
@@ -19,8 +40,9 @@ def upward_imports() -> set[tuple[str, str]]:
     for path in FOVEA.rglob("*.py"):
         importer = path.relative_to(FOVEA).as_posix()
         source = importer.split("/")[0].removesuffix(".py")
-        for match in re.finditer(r"^\s*(?:from (fovea(?:\.\w+)+) import|import (fovea(?:\.\w+)+))", path.read_text(),
-                                 re.MULTILINE):
+        for match in re.finditer(
+            r"^\s*(?:from (fovea(?:\.\w+)+) import|import (fovea(?:\.\w+)+))", path.read_text(), re.MULTILINE
+        ):
             module = match.group(1) or match.group(2)
             target = module.split(".")[1]
             assert source in RANK and target in RANK, f"{importer} or {module}: give its package a rank"

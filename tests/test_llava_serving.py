@@ -49,37 +49,90 @@ def test_llava_serve_with_template_file_and_bench(llava_dir, tmp_path):
     assert plain.prompt_token_ids == tokenizer.encode("The cat sat on the") and plain.prompt_token_ids[0] == 1  # BOS
     del llm
 
-    with running_server(llava_dir, "--dtype", "float32", "--chat-template", TEMPLATE, *SEED_FLAGS,
-                        "--served-model-name", "llava") as (base, _):
-        body = {"model": "llava", "temperature": 0, "max_tokens": 6, "ignore_eos": True, "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
-                                         {"type": "text", "text": "What is in this picture?"}]}]}
+    with running_server(
+        llava_dir, "--dtype", "float32", "--chat-template", TEMPLATE, *SEED_FLAGS, "--served-model-name", "llava"
+    ) as (base, _):
+        body = {
+            "model": "llava",
+            "temperature": 0,
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(image)}},
+                        {"type": "text", "text": "What is in this picture?"},
+                    ],
+                }
+            ],
+        }
         reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
         assert reply["choices"][0]["message"]["content"] == expected.outputs[0].text
         assert reply["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
-        video = {**body, "messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]}
+        video = {
+            **body,
+            "messages": [
+                {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}
+            ],
+        }
         refused = httpx.post(base + "/v1/chat/completions", json=video, timeout=60)
         assert refused.status_code == 400 and "takes no videos" in refused.json()["error"]["message"]
-        completion = httpx.post(base + "/v1/completions", json={"model": "llava", "prompt": "The cat sat on the",
-                                                                 "max_tokens": 6, "temperature": 0,
-                                                                 "ignore_eos": True}, timeout=60).json()
+        completion = httpx.post(
+            base + "/v1/completions",
+            json={
+                "model": "llava",
+                "prompt": "The cat sat on the",
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        ).json()
         assert completion["choices"][0]["text"] == plain.outputs[0].text
         assert completion["usage"]["prompt_tokens"] == len(plain.prompt_token_ids)
         for special in (True, False):  # /tokenize adds what the installed tokenizer adds (BOS); /detokenize undoes it
-            counted = httpx.post(base + "/tokenize", json={"model": "llava", "prompt": "The cat sat on the",
-                                                           "add_special_tokens": special}, timeout=30).json()
+            counted = httpx.post(
+                base + "/tokenize",
+                json={"model": "llava", "prompt": "The cat sat on the", "add_special_tokens": special},
+                timeout=30,
+            ).json()
             assert counted["tokens"] == tokenizer.encode("The cat sat on the", add_special_tokens=special)
             assert counted["tokens"][0] == 1 if special else counted["tokens"][0] != 1
-            text = httpx.post(base + "/detokenize", json={"model": "llava", "tokens": counted["tokens"]},
-                              timeout=30).json()["prompt"]
+            text = httpx.post(
+                base + "/detokenize", json={"model": "llava", "tokens": counted["tokens"]}, timeout=30
+            ).json()["prompt"]
             assert text == tokenizer.decode(counted["tokens"]) and text.endswith("The cat sat on the")
-        args = build_parser().parse_args([
-            "bench", "serve", "--base-url", base, "--tokenizer", str(llava_dir), "--model", "llava",
-            "--backend", "openai-chat", "--dataset-name", "random-mm", "--num-prompts", "4",
-            "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos",
-            "--random-mm-bucket-config", "{(336, 336, 1): 1.0}", "--random-mm-base-items-per-request", "1",
-            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}', "--disable-tqdm"])
+        args = build_parser().parse_args(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                base,
+                "--tokenizer",
+                str(llava_dir),
+                "--model",
+                "llava",
+                "--backend",
+                "openai-chat",
+                "--dataset-name",
+                "random-mm",
+                "--num-prompts",
+                "4",
+                "--random-input-len",
+                "16",
+                "--random-output-len",
+                "4",
+                "--ignore-eos",
+                "--random-mm-bucket-config",
+                "{(336, 336, 1): 1.0}",
+                "--random-mm-base-items-per-request",
+                "1",
+                "--random-mm-limit-mm-per-prompt",
+                '{"image": 1, "video": 0}',
+                "--disable-tqdm",
+            ]
+        )
         result = args.func(args)
     assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 16
     assert result["total_input_tokens"] >= 4 * (576 + 16)  # each prompt: its text, the template, 576 image tokens
@@ -99,5 +152,7 @@ def test_llava_eval_in_process(tmp_path):
     results = evaluate(InProcessBackend(entry, dtype="float32", max_model_len=2048), task, entry, tmp_path / "out")
     run = results["runs"][0]
     assert run["num_samples"] == 4 and sum(map(sum, run["confusion_matrix"])) + run["num_missing"] == 4
-    assert MODELS["llava-1.5-7b"].path == "llava-hf/llava-1.5-7b-hf" and "mm_processor_kwargs" not in \
-        MODELS["llava-1.5-7b"].llm_kwargs()
+    assert (
+        MODELS["llava-1.5-7b"].path == "llava-hf/llava-1.5-7b-hf"
+        and "mm_processor_kwargs" not in MODELS["llava-1.5-7b"].llm_kwargs()
+    )

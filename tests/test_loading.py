@@ -14,8 +14,15 @@ from fovea.config.model import ModelConfig, resolve_model_dir
 from fovea.models.loader import CheckpointMismatchError, load_model
 from fovea.testing.tiny import write_tiny_checkpoint
 
-MESSAGES = [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(200, 150, 9)},
-                                         {"type": "text", "text": "What is this?"}]}]
+MESSAGES = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "image_pil", "image_pil": random_image(200, 150, 9)},
+            {"type": "text", "text": "What is this?"},
+        ],
+    }
+]
 
 
 def logits_of(model_dir, dtype="float32"):
@@ -55,8 +62,10 @@ def test_config_forms_parse_identically(tmp_path):
     b = write_tiny_checkpoint(tmp_path / "b", "tiny-3b", layout="transformers5")
     ca, cb = ModelConfig.from_dir(a), ModelConfig.from_dir(b)
     assert ca == cb
-    assert ca.tie_word_embeddings and not ModelConfig.from_dir(write_tiny_checkpoint(
-        tmp_path / "c", "tiny-7b")).tie_word_embeddings
+    assert (
+        ca.tie_word_embeddings
+        and not ModelConfig.from_dir(write_tiny_checkpoint(tmp_path / "c", "tiny-7b")).tie_word_embeddings
+    )
     assert ca.text.mrope_section == (2, 3, 3) and ca.vision.fullatt_block_indexes == (2,)
     assert ca.vision.patch_dim == 1176 and ca.vision.window_merged == 4
 

@@ -21,12 +21,14 @@ from fovea.server.media import fetch_media as fetch_media_async
 def fetch_media(*args, **kwargs):
     return asyncio.run(fetch_media_async(*args, **kwargs))
 
+
 PICTURE = jpeg_bytes(random_image(90, 60, 3))
 
 
 @pytest.fixture(scope="module")
 def image_host():
     """A local HTTP server: /cat.jpg, /again (redirects to /cat.jpg), /away (redirects to another host)."""
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             port = self.server.server_address[1]
@@ -64,8 +66,15 @@ def names_resolve_to_loopback(monkeypatch):
 
 
 def chat(*urls: str) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
-                                         {"type": "text", "text": "What is it?"}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                *({"type": "image_url", "image_url": {"url": u}} for u in urls),
+                {"type": "text", "text": "What is it?"},
+            ],
+        }
+    ]
 
 
 def test_load_image_fetches_http_urls(image_host):
@@ -96,19 +105,56 @@ def test_allowed_domains_may_be_private_and_bind_redirects_too(image_host, names
         fetch_media(chat(data_url, data_url), policy, {"image": 1})
 
 
-@pytest.mark.parametrize("address,public", [
-    ("8.8.8.8", True), ("2606:4700:4700::1111", True), ("2002:808:808::", True), ("64:ff9b::808:808", True),
-    ("127.0.0.1", False), ("10.1.2.3", False), ("169.254.169.254", False), ("100.64.0.1", False),
-    ("100.100.100.200", False), ("198.18.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
-    ("::1", False), ("::ffff:127.0.0.1", False), ("::ffff:10.0.0.1", False), ("2002:7f00:1::", False),
-    ("2002:a00:1::", False), ("64:ff9b::a9fe:a9fe", False), ("fc00::1", False), ("fe80::1", False),
-    ("::a00:1", False), ("64:ff9b:1::a00:1", False), ("64:ff9b:1::808:808", False), ("::ffff:0:a00:1", False),
-    ("::ffff:0:808:808", True), ("::808:808", True), ("fec0::1", False), ("::", False), ("2001::1", False),
-    ("2001:0:4136:e378:8000:63bf:3fff:fdd2", False), ("2001:db8::1", False), ("3fff::1", False), ("ff02::1", False),
-    ("ff0e::1", False), ("2002:c0a8:101::", False), ("64:ff9b::7f00:1", False), ("2001:4860:4860::8888", True),
-    ("2a00:1450:4001:82a::200e", True), ("192.168.1.1", False), ("172.16.0.1", False), ("240.0.0.1", False),
-    ("255.255.255.255", False), ("192.0.2.1", False), ("1.1.1.1", True), ("::ffff:192.168.0.1", False),
-])
+@pytest.mark.parametrize(
+    "address,public",
+    [
+        ("8.8.8.8", True),
+        ("2606:4700:4700::1111", True),
+        ("2002:808:808::", True),
+        ("64:ff9b::808:808", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("169.254.169.254", False),
+        ("100.64.0.1", False),
+        ("100.100.100.200", False),
+        ("198.18.0.1", False),
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("::ffff:10.0.0.1", False),
+        ("2002:7f00:1::", False),
+        ("2002:a00:1::", False),
+        ("64:ff9b::a9fe:a9fe", False),
+        ("fc00::1", False),
+        ("fe80::1", False),
+        ("::a00:1", False),
+        ("64:ff9b:1::a00:1", False),
+        ("64:ff9b:1::808:808", False),
+        ("::ffff:0:a00:1", False),
+        ("::ffff:0:808:808", True),
+        ("::808:808", True),
+        ("fec0::1", False),
+        ("::", False),
+        ("2001::1", False),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", False),
+        ("2001:db8::1", False),
+        ("3fff::1", False),
+        ("ff02::1", False),
+        ("ff0e::1", False),
+        ("2002:c0a8:101::", False),
+        ("64:ff9b::7f00:1", False),
+        ("2001:4860:4860::8888", True),
+        ("2a00:1450:4001:82a::200e", True),
+        ("192.168.1.1", False),
+        ("172.16.0.1", False),
+        ("240.0.0.1", False),
+        ("255.255.255.255", False),
+        ("192.0.2.1", False),
+        ("1.1.1.1", True),
+        ("::ffff:192.168.0.1", False),
+    ],
+)
 def test_only_public_addresses_pass(address, public):
     """Carrier-grade NAT (Alibaba Cloud's metadata service sits at 100.100.100.200) and IPv6 forms that carry a
     private IPv4 address (mapped, SIIT, IPv4-compatible, NAT64, 6to4) are refused like the private ranges

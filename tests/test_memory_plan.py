@@ -80,9 +80,14 @@ def test_startup_profile_step_and_kv_budget(tiny_dirs):
     # (22 patches of 14) are then the largest the vision tower sees, not the 112 px images
     videos_first = EngineConfig.from_args(str(model_dir), dtype="float32", mm_processor_kwargs={"max_pixels": 12544})
     assert largest_image_grid(videos_first) == (1, 22, 22)
-    assert videos_first.encoder_cache_size == int(128 * 28 * 28 * 1.05) // 28 ** 2 + videos_first.encoder_budget
-    config = EngineConfig.from_args(str(model_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
-                                    mm_processor_kwargs={"max_pixels": 112 * 112, "min_pixels": 56 * 56})
+    assert videos_first.encoder_cache_size == int(128 * 28 * 28 * 1.05) // 28**2 + videos_first.encoder_budget
+    config = EngineConfig.from_args(
+        str(model_dir),
+        dtype="float32",
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        mm_processor_kwargs={"max_pixels": 112 * 112, "min_pixels": 56 * 56},
+    )
     assert largest_image_grid(config) == (1, 8, 8)  # 112 px = 8 patches of 14; 64 patches = 16 image tokens
     model, _ = load_model(model_dir, dtype="float32", device=config.device)
     encoded = []
@@ -95,8 +100,11 @@ def test_startup_profile_step_and_kv_budget(tiny_dirs):
     # 48 GiB, whatever other processes hold (they are checked at start: free_memory_at_start)
     assert kv_cache_budget(80 * gib, 0.9, 20 * gib, 3 * gib, 1 * gib) == 48 * gib
     assert kv_cache_budget(80 * gib, 0.9, 70 * gib, 3 * gib, 0) < 0  # does not fit: the runner refuses to start
-    with pytest.raises(ValueError, match="no memory left for the KV cache .* lower max_num_batched_tokens, "
-                                         "max_pixels .* limit_mm_per_prompt, raise gpu_memory_utilization"):
+    with pytest.raises(
+        ValueError,
+        match="no memory left for the KV cache .* lower max_num_batched_tokens, "
+        "max_pixels .* limit_mm_per_prompt, raise gpu_memory_utilization",
+    ):
         LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=1)
 
 

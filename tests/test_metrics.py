@@ -12,9 +12,13 @@ from serving import running_server
 
 QUERIES = Path(__file__).parent / "data" / "vllm_grafana_queries.txt"
 # what vLLM 0.33 also exports and dashboards built on it read, beyond the published dashboard: name -> type
-ALSO = {"vllm:request_inference_time_seconds": "histogram", "vllm:iteration_tokens_total": "histogram",
-        "vllm:cache_config_info": "gauge", "vllm:inter_token_latency_seconds": "histogram",
-        "vllm:kv_cache_usage_perc": "gauge"}
+ALSO = {
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:cache_config_info": "gauge",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:kv_cache_usage_perc": "gauge",
+}
 
 
 def dashboard_series() -> set[str]:
@@ -29,11 +33,23 @@ def families(text: str) -> dict:
 def test_every_dashboard_series_is_exported_with_the_values_of_the_requests(tiny_dirs):
     series = dashboard_series()
     assert len(series) >= 18 and "vllm:request_queue_time_seconds_sum" in series
-    with running_server(tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "512",
-                        "--num-gpu-blocks-override", "64", "--served-model-name", "tiny") as (base, _):
+    with running_server(
+        tiny_dirs["tiny-3b"],
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--num-gpu-blocks-override",
+        "64",
+        "--served-model-name",
+        "tiny",
+    ) as (base, _):
         for max_tokens in (3, 5):
-            reply = httpx.post(base + "/v1/completions", timeout=60, json={
-                "model": "tiny", "prompt": "The harbour at dawn", "max_tokens": max_tokens, "ignore_eos": True})
+            reply = httpx.post(
+                base + "/v1/completions",
+                timeout=60,
+                json={"model": "tiny", "prompt": "The harbour at dawn", "max_tokens": max_tokens, "ignore_eos": True},
+            )
             assert reply.status_code == 200
         text = httpx.get(base + "/metrics").text
     samples = {}
@@ -44,11 +60,20 @@ def test_every_dashboard_series_is_exported_with_the_values_of_the_requests(tiny
     missing = sorted(name for name in series if name not in samples)
     assert not missing, f"series the vLLM dashboard plots that /metrics lacks: {missing}"
     found = families(text)
-    for name, kind in {**{n: "histogram" for n in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens",
-                                                   "vllm:time_per_output_token_seconds",
-                                                   "vllm:request_queue_time_seconds",
-                                                   "vllm:request_prefill_time_seconds",
-                                                   "vllm:request_decode_time_seconds")}, **ALSO}.items():
+    for name, kind in {
+        **{
+            n: "histogram"
+            for n in (
+                "vllm:request_prompt_tokens",
+                "vllm:request_generation_tokens",
+                "vllm:time_per_output_token_seconds",
+                "vllm:request_queue_time_seconds",
+                "vllm:request_prefill_time_seconds",
+                "vllm:request_decode_time_seconds",
+            )
+        },
+        **ALSO,
+    }.items():
         assert found[name].type == kind, name
 
     def value(name, **labels):

@@ -14,8 +14,7 @@ EOS = [151645, 151643]
 
 
 @torch.inference_mode()
-def generate_greedy(model, prompt, max_new_tokens: int,
-                    stop_token_ids: tuple[int, ...] = ()) -> list[int]:
+def generate_greedy(model, prompt, max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> list[int]:
     """The plainest correct greedy loop over the model's varlen forward (no KV cache: the whole sequence is
     recomputed every step); the engine's paged path is checked against transformers separately."""
     device = model.lm_head.weight.device
@@ -42,8 +41,14 @@ def case(name):
     """(messages as HF's template sees them, images, max_pixels override)."""
     text = {"type": "text", "text": "Describe what you see, then count the colours."}
     if name == "text":
-        return [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Write a haiku about the sea, please."}], [], None
+        return (
+            [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Write a haiku about the sea, please."},
+            ],
+            [],
+            None,
+        )
     if name == "one_image":
         return [{"role": "user", "content": [{"type": "image"}, text]}], [random_image(640, 480, 1)], None
     if name == "two_images":
@@ -54,10 +59,15 @@ def case(name):
     if name == "above_max_pixels":
         return [{"role": "user", "content": [{"type": "image"}, text]}], [random_image(900, 700, 5)], 200_000
     if name == "multi_turn":
-        return [{"role": "user", "content": [{"type": "image"}, text]},
+        return (
+            [
+                {"role": "user", "content": [{"type": "image"}, text]},
                 {"role": "assistant", "content": "A red square."},
-                {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]}], \
-            [random_image(168, 224, 6), random_image(280, 280, 7)], None
+                {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]},
+            ],
+            [random_image(168, 224, 6), random_image(280, 280, 7)],
+            None,
+        )
     raise KeyError(name)
 
 
@@ -81,8 +91,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def our_logits(model, prompt, extra_tokens=()):
     """Logits of every position of prompt + extra_tokens (the extra ones placed as decode steps)."""
     ids = list(prompt.token_ids) + list(extra_tokens)
-    positions = np.concatenate([prompt.positions,
-                                decode_positions(len(prompt.token_ids), len(extra_tokens), prompt.mrope_delta)], 1)
+    positions = np.concatenate(
+        [prompt.positions, decode_positions(len(prompt.token_ids), len(extra_tokens), prompt.mrope_delta)], 1
+    )
     mm = None
     if prompt.images:
         mm = torch.cat(model.encode_images(image_patches(prompt.images), [im.grid_thw for im in prompt.images]))
@@ -101,8 +112,7 @@ def test_logits_and_greedy_match_transformers(tiny_dirs, config, name):
     messages, images, max_pixels = case(name)
     ref_inputs = hf_inputs(model_dir, messages, images, max_pixels)
     model, processor = our_model(model_dir)
-    prompt = processor.process_chat(our_messages(messages, images),
-                                    {"max_pixels": max_pixels} if max_pixels else None)
+    prompt = processor.process_chat(our_messages(messages, images), {"max_pixels": max_pixels} if max_pixels else None)
 
     # the prompt we build equals the reference's, token for token and pixel for pixel
     assert prompt.token_ids == ref_inputs["input_ids"][0].tolist()
@@ -119,11 +129,11 @@ def test_logits_and_greedy_match_transformers(tiny_dirs, config, name):
 
     with torch.no_grad():
         ref = hf.generate(**ref_inputs, max_new_tokens=20, output_logits=True, return_dict_in_generate=True)
-    ref_tokens = ref.sequences[0, ref_inputs["input_ids"].shape[1]:].tolist()
+    ref_tokens = ref.sequences[0, ref_inputs["input_ids"].shape[1] :].tolist()
     ours = generate_greedy(model, prompt, 20, tuple(EOS))
     assert ours == ref_tokens
     # decode-step logits too: catches wrong decode positions even when a random model repeats itself
-    step_logits = our_logits(model, prompt, ours[:-1])[len(prompt.token_ids) - 1:]
+    step_logits = our_logits(model, prompt, ours[:-1])[len(prompt.token_ids) - 1 :]
     assert rel_err(step_logits, torch.cat(ref.logits)) <= 1e-4
 
 

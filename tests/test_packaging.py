@@ -14,9 +14,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # imported only where present, each behind its own check: not a dependency of any extra
-OPTIONAL = {"flashinfer": "fovea bench kernels compares with it when installed",
-            "triton": "our GPU kernels; torch's Linux builds bring it",
-            "ray": "only with --ray / --distributed-executor-backend ray (the ray extra)"}
+OPTIONAL = {
+    "flashinfer": "fovea bench kernels compares with it when installed",
+    "triton": "our GPU kernels; torch's Linux builds bring it",
+    "ray": "only with --ray / --distributed-executor-backend ray (the ray extra)",
+}
 
 
 def requirement_names(requirements: list[str]) -> set[str]:
@@ -34,8 +36,10 @@ def imported_modules(folder: Path) -> set[str]:
     return {n for n in names if n not in sys.stdlib_module_names and n not in ("fovea", "__future__")}
 
 
-@pytest.mark.parametrize("folder, extra", [("bench", "bench"), ("eval", "eval"), ("server", None),
-                                           ("engine", None), ("models", None), ("multimodal", None)])
+@pytest.mark.parametrize(
+    "folder, extra",
+    [("bench", "bench"), ("eval", "eval"), ("server", None), ("engine", None), ("models", None), ("multimodal", None)],
+)
 def test_every_import_is_a_declared_dependency(folder, extra):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = requirement_names(project["dependencies"])

@@ -29,8 +29,15 @@ def solo_texts(model_dir, prompts: list[str], max_tokens: int) -> list[str]:
 
 async def complete_all(base: str, model, prompts: list[str], max_tokens: int) -> list[str]:
     async with httpx.AsyncClient(timeout=120) as client:
-        replies = await asyncio.gather(*(client.post(base + "/v1/completions", json={
-            "model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}) for prompt in prompts))
+        replies = await asyncio.gather(
+            *(
+                client.post(
+                    base + "/v1/completions",
+                    json={"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                )
+                for prompt in prompts
+            )
+        )
     assert all(reply.status_code == 200 for reply in replies), [r.text for r in replies if r.status_code != 200]
     return [reply.json()["choices"][0]["text"] for reply in replies]
 
@@ -81,8 +88,8 @@ def test_killed_tensor_parallel_worker_stops_the_server_with_its_message(tiny_di
     expected = solo_texts(model, prompts, 6)
     with running_server(model, "--tensor-parallel-size", "2", *COMMON) as (base, proc):
         assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
-        engine, = children(proc.pid, "spawn_main")
-        worker, = children(engine, "fovea.runner.tp_workers")
+        (engine,) = children(proc.pid, "spawn_main")
+        (worker,) = children(engine, "fovea.runner.tp_workers")
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=60) != 0
     assert f"tensor-parallel worker rank 1 stopped (pid {worker}, signal 9)" in proc.output, proc.output[-2000:]
@@ -96,18 +103,34 @@ def test_ray_replicas_are_actors_that_answer_like_one_engine_then_one_dying_is_f
     model = tiny_dirs["tiny-3b"]
     prompts = [f"Replica on Ray number {i} says" + " more" * (i % 3) for i in range(12)]
     expected = solo_texts(model, prompts, 8)
-    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(120, 90, 7)},
-                                         {"type": "text", "text": "What is it?"}]}]
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": random_image(120, 90, 7)},
+                {"type": "text", "text": "What is it?"},
+            ],
+        }
+    ]
     solo = LLM(str(model), max_model_len=256)
-    expected_chat = solo.chat(chat, solo.get_default_sampling_params().clone(temperature=0, max_tokens=8),
-                              use_tqdm=False)[0].outputs[0].text
+    expected_chat = (
+        solo.chat(chat, solo.get_default_sampling_params().clone(temperature=0, max_tokens=8), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
     fatal = threading.Event()
     engine = None
     try:
         # one decoding worker: the image's pixels reach the front end in shared memory, which it copies out
-        engine = AsyncLLM.from_args(str(model), max_model_len=256, mm_processor_workers=1, data_parallel_size=2,
-                                    tensor_parallel_size=2, distributed_executor_backend="ray")
+        engine = AsyncLLM.from_args(
+            str(model),
+            max_model_len=256,
+            mm_processor_workers=1,
+            data_parallel_size=2,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+        )
         engine.on_fatal = fatal.set
         params = engine.default_params.clone(temperature=0, max_tokens=8)
 

@@ -17,8 +17,7 @@ from fovea.multimodal.image import ImageProcessor, load_image
 
 
 def reference(image, **kwargs):
-    out = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056, **kwargs)(images=[image],
-                                                                                   return_tensors="np")
+    out = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056, **kwargs)(images=[image], return_tensors="np")
     return out["pixel_values"], tuple(out["image_grid_thw"][0].tolist())
 
 
@@ -32,11 +31,25 @@ def alpha_image(width, height, mode):
     return rgba if mode == "RGBA" else rgba.convert(mode)
 
 
-@pytest.mark.parametrize("width,height,mode", [
-    (640, 480, "RGB"), (1280, 720, "RGB"), (333, 517, "RGB"), (56, 56, "RGB"), (20, 30, "RGB"),
-    (1000, 100, "RGB"), (97, 1203, "RGB"), (300, 200, "RGBA"), (250, 180, "L"), (199, 301, "P"),
-    (160, 120, "LA"), (144, 144, "P_transparent"), (321, 123, "CMYK"), (64, 48, "1"),
-])
+@pytest.mark.parametrize(
+    "width,height,mode",
+    [
+        (640, 480, "RGB"),
+        (1280, 720, "RGB"),
+        (333, 517, "RGB"),
+        (56, 56, "RGB"),
+        (20, 30, "RGB"),
+        (1000, 100, "RGB"),
+        (97, 1203, "RGB"),
+        (300, 200, "RGBA"),
+        (250, 180, "L"),
+        (199, 301, "P"),
+        (160, 120, "LA"),
+        (144, 144, "P_transparent"),
+        (321, 123, "CMYK"),
+        (64, 48, "1"),
+    ],
+)
 def test_matches_transformers(width, height, mode):
     if mode in ("RGBA", "LA", "P_transparent"):
         image = alpha_image(width, height, mode)
@@ -48,12 +61,20 @@ def test_matches_transformers(width, height, mode):
     assert np.array_equal(image_patches([ours], frames=2).numpy(), ref_pixels)  # bit for bit
 
 
-@pytest.mark.parametrize("overrides", [{"max_pixels": 100_000}, {"min_pixels": 200_000},
-                                       {"min_pixels": 50_000, "max_pixels": 60_000}, {"max_pixels": 784}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"max_pixels": 100_000},
+        {"min_pixels": 200_000},
+        {"min_pixels": 50_000, "max_pixels": 60_000},
+        {"max_pixels": 784},
+    ],
+)
 def test_min_max_overrides_match_transformers(overrides):
     image = random_image(500, 375, seed=7)
     ref = Qwen2VLImageProcessorPil(**{"min_pixels": 3136, "max_pixels": 12845056, **overrides})(
-        images=[image], return_tensors="np")
+        images=[image], return_tensors="np"
+    )
     ours = ImageProcessor()(image, overrides)
     assert ours.grid_thw == tuple(ref["image_grid_thw"][0].tolist())
     assert np.array_equal(image_patches([ours], frames=2).numpy(), ref["pixel_values"])
@@ -61,8 +82,13 @@ def test_min_max_overrides_match_transformers(overrides):
 
 def test_checkpoint_config_and_its_overrides(tiny_dirs):
     cfg = ModelConfig.from_dir(tiny_dirs["tiny-3b"]).image
-    assert (cfg.min_pixels, cfg.max_pixels, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size) == \
-        (3136, 12845056, 14, 2, 2)
+    assert (cfg.min_pixels, cfg.max_pixels, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size) == (
+        3136,
+        12845056,
+        14,
+        2,
+        2,
+    )
     assert cfg.with_overrides({"max_pixels": 5000}).max_pixels == 5000
     with pytest.raises(ValueError, match="unsupported mm_processor_kwargs"):
         cfg.with_overrides({"resized_height": 2})
@@ -100,14 +126,17 @@ def test_load_image_sources(tmp_path):
     assert load_image(image) is image
 
 
-@pytest.mark.parametrize("source,message", [
-    (b"not an image at all", "not a readable image"),
-    ("data:image/png;base64,@@@", "invalid base64"),
-    ("data:image/png,abc", "data URL must look like"),
-    ("/nonexistent/file.png", "not found"),
-    ("http://127.0.0.1:9/x.png", "could not fetch image"),  # nothing listens on the discard port
-    (12345, "cannot load an image"),
-])
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        (b"not an image at all", "not a readable image"),
+        ("data:image/png;base64,@@@", "invalid base64"),
+        ("data:image/png,abc", "data URL must look like"),
+        ("/nonexistent/file.png", "not found"),
+        ("http://127.0.0.1:9/x.png", "could not fetch image"),  # nothing listens on the discard port
+        (12345, "cannot load an image"),
+    ],
+)
 def test_load_image_errors(source, message):
     with pytest.raises(ValueError, match=message):
         load_image(source)
@@ -152,7 +181,7 @@ def test_processing_is_deterministic_and_order_is_merge_groups():
     tiles = np.zeros((56, 56, 3), dtype=np.uint8)
     for r in range(4):
         for c in range(4):
-            tiles[r * 14:(r + 1) * 14, c * 14:(c + 1) * 14] = 10 * (4 * r + c)
+            tiles[r * 14 : (r + 1) * 14, c * 14 : (c + 1) * 14] = 10 * (4 * r + c)
     out = ImageProcessor()(Image.fromarray(tiles))
     first_value = (image_patches([out])[:, 0].numpy() * 0.26862954 + 0.48145466) * 255  # undo normalize, channel 0
     order = np.rint(first_value / 10).astype(int).tolist()
@@ -174,7 +203,8 @@ def test_large_jpegs_decode_at_reduced_scale_others_exactly():
     for max_pixels, exact in ((1_000_000, True), (200_000, False)):  # 3000 / 1204 < 2; 3000 / 532 > 2
         ours = image_patches([ImageProcessor(ImageProcessorConfig(max_pixels=max_pixels))(big)], frames=2).numpy()
         ref = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=max_pixels)(
-            images=[Image.open(io.BytesIO(big))], return_tensors="np")["pixel_values"]
+            images=[Image.open(io.BytesIO(big))], return_tensors="np"
+        )["pixel_values"]
         difference = np.abs(ours - ref)
         assert (difference.max() == 0) == exact
         assert difference.mean() < 0.02 and difference.max() < 0.2  # normalized units: 0.02 is ~1.4 grey levels

@@ -15,13 +15,14 @@ DRAWS = 4000
 
 
 def rows(params: SamplingParams, count: int, prompt=(), output=(), stop_ids=(), generator=None):
-    return [SampleRow(params, list(prompt) + list(output), len(prompt), generator, tuple(stop_ids))
-            for _ in range(count)]
+    return [
+        SampleRow(params, list(prompt) + list(output), len(prompt), generator, tuple(stop_ids)) for _ in range(count)
+    ]
 
 
 def logits_of(probs: list[float], vocab: int = 10) -> torch.Tensor:
     full = torch.full((vocab,), 1e-9)
-    full[:len(probs)] = torch.tensor(probs)
+    full[: len(probs)] = torch.tensor(probs)
     return full.log()
 
 
@@ -72,8 +73,10 @@ def test_top_k_one_is_the_argmax_after_penalties_and_bias():
     applied, whatever temperature, top_p, min_p or seed say; the caller's logits are left as they were."""
     logits = torch.tensor([[2.0, 1.9, 0.5, -1.0]]).expand(6, -1).clone()
     generator = torch.Generator().manual_seed(5)
-    params = [SamplingParams(temperature=t, top_k=1, top_p=p, min_p=m, repetition_penalty=1.5)
-              for t, p, m in ((0.1, 0.001, 0.0), (1.5, 1.0, 0.0), (2.0, 0.5, 0.3))]
+    params = [
+        SamplingParams(temperature=t, top_k=1, top_p=p, min_p=m, repetition_penalty=1.5)
+        for t, p, m in ((0.1, 0.001, 0.0), (1.5, 1.0, 0.0), (2.0, 0.5, 0.3))
+    ]
     batch = [SampleRow(p, [0, 0], 1, generator if i else None, ()) for i, p in enumerate(params)]  # 0 was seen
     batch += [SampleRow(p.clone(logit_bias={2: 5.0}), [3], 1, None, ()) for p in params]
     before = logits.clone()
@@ -131,9 +134,21 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     assert out.ranks.tolist() == [int((expected[i] > expected[i, t]).sum()) + 1 for i, t in enumerate(out.token_ids)]
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-5), dict(min_p=1.5),
-                                 dict(n=0), dict(max_tokens=0), dict(logprobs=-1), dict(stop=[""]),
-                                 dict(min_tokens=5, max_tokens=2), dict(presence_penalty=3)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=-5),
+        dict(min_p=1.5),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(logprobs=-1),
+        dict(stop=[""]),
+        dict(min_tokens=5, max_tokens=2),
+        dict(presence_penalty=3),
+    ],
+)
 def test_invalid_parameters_are_rejected_with_their_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
         SamplingParams(**bad)
@@ -146,9 +161,16 @@ def mixed_rows(vocab: int):
     peaked = torch.randn(vocab)
     peaked[torch.randperm(vocab)[:20]] += 12  # the mass sits in 20 tokens, as in a language model
     flat = torch.randn(vocab) * 0.1  # no 256 tokens cover 90 %
-    cases = [(peaked, dict(top_p=0.9)), (flat, dict(top_p=0.9)), (flat, dict(top_k=7)),
-             (peaked, dict(top_k=50, top_p=0.5)), (flat, dict(top_k=3000, top_p=0.95)),
-             (peaked, dict(min_p=0.1, top_p=0.99)), (peaked, dict(top_k=5, min_p=0.3)), (flat, dict(top_k=1))]
+    cases = [
+        (peaked, dict(top_p=0.9)),
+        (flat, dict(top_p=0.9)),
+        (flat, dict(top_k=7)),
+        (peaked, dict(top_k=50, top_p=0.5)),
+        (flat, dict(top_k=3000, top_p=0.95)),
+        (peaked, dict(min_p=0.1, top_p=0.99)),
+        (peaked, dict(top_k=5, min_p=0.3)),
+        (flat, dict(top_k=1)),
+    ]
     logits = torch.stack([row for row, _ in cases])
     return logits, [SampleRow(SamplingParams(temperature=0.8, **kw), [1, 2], 1, None, ()) for _, kw in cases]
 
@@ -160,8 +182,11 @@ def test_candidate_filters_equal_the_whole_vocabulary_filters():
     logits, batch = mixed_rows(vocab)
     temperature = torch.full((len(batch),), 0.8)
     reference = filter_logits(logits / 0.8, batch).softmax(-1)
-    narrowed = [i for i, r in enumerate(batch) if r.params.top_k <= MAX_CANDIDATE_TOP_K and r.params.top_k
-                or r.params.top_p < 1 and not r.params.top_k]
+    narrowed = [
+        i
+        for i, r in enumerate(batch)
+        if r.params.top_k <= MAX_CANDIDATE_TOP_K and r.params.top_k or r.params.top_p < 1 and not r.params.top_k
+    ]
     values, ids, settled = filter_candidates(logits[narrowed], temperature[narrowed], [batch[i] for i in narrowed])
     assert settled.tolist() == [True, False, True, True, True, True, True]  # both outcomes happen
     for row, (i, ok) in enumerate(zip(narrowed, settled.tolist())):
@@ -180,10 +205,10 @@ def test_seeded_rows_draw_the_same_token_on_either_path():
     for i in range(len(batch)):
         row = SampleRow(batch[i].params.clone(seed=11), [1, 2], 1, torch.Generator().manual_seed(11), ())
         mirror = torch.Generator().manual_seed(11)
-        probs = filter_logits(logits[i:i + 1] / 0.8, [row]).softmax(-1)[0]
+        probs = filter_logits(logits[i : i + 1] / 0.8, [row]).softmax(-1)[0]
         sampler = Sampler()
         for _ in range(5):
-            token = int(sampler(logits[i:i + 1], [row]).token_ids[0])
+            token = int(sampler(logits[i : i + 1], [row]).token_ids[0])
             expected = int((probs / torch.empty(vocab).exponential_(generator=mirror)).argmax())
             assert token == expected, i
 
@@ -192,8 +217,12 @@ def test_sparse_penalties_equal_dense_ones():
     torch.manual_seed(5)
     vocab = 300
     logits = torch.randn(4, vocab) * 3
-    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2),
-              SamplingParams(repetition_penalty=0.7), SamplingParams(), SamplingParams(frequency_penalty=1.0)]
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2),
+        SamplingParams(repetition_penalty=0.7),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=1.0),
+    ]
     batch = [SampleRow(p, torch.randint(0, vocab, (50,)).tolist(), 30, None, ()) for p in params]
     got = logits.clone()
     undo = apply_penalties_and_bias(got, batch)
@@ -217,8 +246,11 @@ def test_penalty_tokens_kept_across_steps_equal_ones_rebuilt_each_step():
     from the whole token list."""
     torch.manual_seed(6)
     vocab = 40
-    params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2),
-              SamplingParams(repetition_penalty=0.8), SamplingParams(temperature=0)]
+    params = [
+        SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2),
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(temperature=0),
+    ]
     tokens = [torch.randint(0, vocab, (12,)).tolist() + [vocab + 3] for _ in params]  # one id past the vocabulary
     sampler = Sampler(seed=0)
     for step in range(6):

@@ -26,10 +26,23 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs, media_dir):
-    with running_server(tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "2048",
-                        "--num-gpu-blocks-override", "400", "--served-model-name", "tiny", "tiny-alias",
-                        "--api-key", KEY, "--allowed-local-media-path", str(media_dir),
-                        "--trust-remote-code") as (base, proc):
+    with running_server(
+        tiny_dirs["tiny-3b"],
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--num-gpu-blocks-override",
+        "400",
+        "--served-model-name",
+        "tiny",
+        "tiny-alias",
+        "--api-key",
+        KEY,
+        "--allowed-local-media-path",
+        str(media_dir),
+        "--trust-remote-code",
+    ) as (base, proc):
         yield base
     assert proc.returncode == 0, proc.output  # SIGTERM is a clean shutdown
     assert "accepted and ignored trust_remote_code=True" in proc.output
@@ -52,8 +65,9 @@ def greedy(llm, max_tokens):
 
 
 def image_message(url: str, text: str = "What is in the picture?"):
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": text}]}]
+    return [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
+    ]
 
 
 def data_url_of(raw: bytes) -> str:
@@ -71,11 +85,9 @@ def test_models_and_health(client, server):
 
 def test_chat_with_images_equals_offline_greedy(client, llm, media_dir):
     path = media_dir / "boat.jpg"
-    expected = llm.chat(image_message(data_url(path)), greedy(llm, 12),
-                        use_tqdm=False)[0]
+    expected = llm.chat(image_message(data_url(path)), greedy(llm, 12), use_tqdm=False)[0]
     for url in (data_url(path), f"file://{path}"):
-        reply = client.chat.completions.create(model="tiny", messages=image_message(url), temperature=0,
-                                               max_tokens=12)
+        reply = client.chat.completions.create(model="tiny", messages=image_message(url), temperature=0, max_tokens=12)
         assert reply.choices[0].message.content == expected.outputs[0].text
         assert reply.usage.completion_tokens == len(expected.outputs[0].token_ids)
         assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)  # image tokens counted
@@ -85,13 +97,20 @@ def test_multi_image_multi_turn_chat_equals_offline_greedy(client, llm, media_di
     other = data_url_of(jpeg_bytes(random_image(200, 260, 51)))
     boat = data_url(media_dir / "boat.jpg")
     messages = [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": boat}},
-                                     {"type": "text", "text": "What is this?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": boat}}, {"type": "text", "text": "What is this?"}],
+        },
         {"role": "assistant", "content": "A boat on the water."},
-        {"role": "user", "content": [{"type": "text", "text": "Compare it with"},
-                                     {"type": "image_url", "image_url": {"url": other}},
-                                     {"type": "text", "text": "and with"},
-                                     {"type": "image_url", "image_url": {"url": f"file://{media_dir / 'boat.jpg'}"}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare it with"},
+                {"type": "image_url", "image_url": {"url": other}},
+                {"type": "text", "text": "and with"},
+                {"type": "image_url", "image_url": {"url": f"file://{media_dir / 'boat.jpg'}"}},
+            ],
+        },
     ]
     expected = llm.chat(messages, greedy(llm, 12), use_tqdm=False)[0]
     reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12)
@@ -108,8 +127,9 @@ def test_completions_equal_offline_greedy(client, llm):
 
 
 def test_streaming_chat_with_usage(client):
-    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Tell me about boats."}], temperature=0,
-                  max_tokens=15)
+    kwargs = dict(
+        model="tiny", messages=[{"role": "user", "content": "Tell me about boats."}], temperature=0, max_tokens=15
+    )
     whole = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -121,10 +141,12 @@ def test_streaming_chat_with_usage(client):
 
 def test_n_seed_logprobs_stop(client):
     messages = [{"role": "user", "content": "Say something."}]
-    first = client.chat.completions.create(model="tiny", messages=messages, n=2, seed=3, temperature=1.0,
-                                           max_tokens=8, logprobs=True, top_logprobs=3)
-    again = client.chat.completions.create(model="tiny", messages=messages, n=2, seed=3, temperature=1.0,
-                                           max_tokens=8, logprobs=True, top_logprobs=3)
+    first = client.chat.completions.create(
+        model="tiny", messages=messages, n=2, seed=3, temperature=1.0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    again = client.chat.completions.create(
+        model="tiny", messages=messages, n=2, seed=3, temperature=1.0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
     assert len(first.choices) == 2
     assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
     content = first.choices[0].logprobs.content
@@ -133,25 +155,32 @@ def test_n_seed_logprobs_stop(client):
     text = first.choices[0].message.content
     if len(text) > 4:
         stop = text[2:4]
-        cut = client.chat.completions.create(model="tiny", messages=messages, seed=3, temperature=1.0,
-                                             max_tokens=8, stop=[stop])
-        assert cut.choices[0].message.content == text[:text.find(stop)]
+        cut = client.chat.completions.create(
+            model="tiny", messages=messages, seed=3, temperature=1.0, max_tokens=8, stop=[stop]
+        )
+        assert cut.choices[0].message.content == text[: text.find(stop)]
         assert cut.choices[0].finish_reason == "stop"
 
 
 def test_async_clients_run_concurrently(server, client):
     async def main():
         aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
-        replies = await asyncio.gather(*[aclient.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"Question {i}"}], temperature=0, max_tokens=6)
-            for i in range(4)])
+        replies = await asyncio.gather(
+            *[
+                aclient.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"Question {i}"}], temperature=0, max_tokens=6
+                )
+                for i in range(4)
+            ]
+        )
         await aclient.close()
         return [r.choices[0].message.content for r in replies]
 
     answers = asyncio.run(main())
     for i, answer in enumerate(answers):
-        alone = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Question {i}"}],
-                                               temperature=0, max_tokens=6)
+        alone = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"Question {i}"}], temperature=0, max_tokens=6
+        )
         assert alone.choices[0].message.content == answer
 
 
@@ -171,8 +200,9 @@ def test_errors_are_sdk_exceptions_and_the_server_keeps_serving(server, client, 
         client.chat.completions.create(model="tiny", messages=image_message("data:image/png;base64,aGVsbG8="))
     with pytest.raises(openai.BadRequestError, match="non-public address"):
         client.chat.completions.create(model="tiny", messages=image_message("http://127.0.0.1:9/x.png"))
-    body = httpx.post(server + "/v1/chat/completions", json={"model": "tiny"},
-                      headers={"Authorization": f"Bearer {KEY}"})
+    body = httpx.post(
+        server + "/v1/chat/completions", json={"model": "tiny"}, headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert body.status_code == 400 and body.json()["error"]["param"] == "messages"
     reply = client.chat.completions.create(model="tiny", messages=ok, max_tokens=2)
     assert reply.choices[0].message.content is not None
@@ -184,12 +214,17 @@ def test_tokenize_and_detokenize_round_trip(server, llm):
     headers = {"Authorization": f"Bearer {KEY}"}
     text = "Hello, world: 42 boats"
     for special in (True, False):
-        counted = httpx.post(server + "/tokenize", headers=headers, timeout=30,
-                             json={"model": "tiny", "prompt": text, "add_special_tokens": special}).json()
+        counted = httpx.post(
+            server + "/tokenize",
+            headers=headers,
+            timeout=30,
+            json={"model": "tiny", "prompt": text, "add_special_tokens": special},
+        ).json()
         assert counted["tokens"] == tokenizer.encode(text, add_special_tokens=special) == tokenizer.encode(text)
         assert counted["count"] == len(counted["tokens"]) and counted["max_model_len"] == 2048
-        back = httpx.post(server + "/detokenize", headers=headers, timeout=30,
-                          json={"model": "tiny", "tokens": counted["tokens"]}).json()
+        back = httpx.post(
+            server + "/detokenize", headers=headers, timeout=30, json={"model": "tiny", "tokens": counted["tokens"]}
+        ).json()
         assert back["prompt"] == text
 
 
@@ -204,8 +239,13 @@ def test_ids_past_the_tokenizer_read_the_same_everywhere(client, llm):
     expected = llm.generate(["The harbour at dawn"], params, use_tqdm=False)[0].outputs[0]
     assert set(expected.token_ids) & set(past) and set(expected.token_ids) - set(past)  # both kinds were drawn
     assert expected.text == tokenizer.decode([t for t in expected.token_ids if t < len(tokenizer)])
-    kwargs = dict(model="tiny", prompt="The harbour at dawn", temperature=0, max_tokens=12,
-                  logit_bias={str(k): v for k, v in bias.items()})
+    kwargs = dict(
+        model="tiny",
+        prompt="The harbour at dawn",
+        temperature=0,
+        max_tokens=12,
+        logit_bias={str(k): v for k, v in bias.items()},
+    )
     assert client.completions.create(**kwargs).choices[0].text == expected.text
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices)
     assert streamed == expected.text
@@ -216,6 +256,13 @@ def test_fields_that_ask_nothing_of_this_model_are_accepted(client):
     and so the answer is the one without them."""
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Name a boat."}], temperature=0, max_tokens=6)
     plain = client.chat.completions.create(**kwargs).choices[0].message.content
-    extra = client.chat.completions.create(**kwargs, reasoning_effort="high", extra_body={
-        "include_reasoning": True, "web_search_options": {}, "verbosity": "low"}).choices[0].message.content
+    extra = (
+        client.chat.completions.create(
+            **kwargs,
+            reasoning_effort="high",
+            extra_body={"include_reasoning": True, "web_search_options": {}, "verbosity": "low"},
+        )
+        .choices[0]
+        .message.content
+    )
     assert extra == plain

@@ -42,8 +42,9 @@ def stream_chunk_times(base: str, prompt: str, times: list[float], stop: threadi
 
 def post_concurrently(base: str, bodies: list[str]) -> list[int]:
     def post(body):
-        return httpx.post(base + "/v1/chat/completions", content=body, timeout=120,
-                          headers={"content-type": "application/json"}).status_code
+        return httpx.post(
+            base + "/v1/chat/completions", content=body, timeout=120, headers={"content-type": "application/json"}
+        ).status_code
 
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         return list(pool.map(post, bodies))
@@ -53,17 +54,33 @@ def test_large_image_arrivals_do_not_stall_running_streams(tiny_dirs):
     bodies = []
     for i in range(8):
         url = "data:image/jpeg;base64," + base64.b64encode(jpeg_bytes(photo_like(3000, 2000, i))).decode()
-        bodies.append(json.dumps({
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                      {"type": "text", "text": "Describe it."}]}],
-            "max_tokens": 2, "temperature": 0,
-            # the front end still decodes all 6 megapixels; the engine gets a 16-token image
-            "mm_processor_kwargs": {"max_pixels": 28 * 28 * 16}}))
-    with running_server(tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "2048",
-                        "--num-gpu-blocks-override", "400") as (base, server):
+        bodies.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image_url", "image_url": {"url": url}},
+                                {"type": "text", "text": "Describe it."},
+                            ],
+                        }
+                    ],
+                    "max_tokens": 2,
+                    "temperature": 0,
+                    # the front end still decodes all 6 megapixels; the engine gets a 16-token image
+                    "mm_processor_kwargs": {"max_pixels": 28 * 28 * 16},
+                }
+            )
+        )
+    with running_server(
+        tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "2048", "--num-gpu-blocks-override", "400"
+    ) as (base, server):
         streams, stop = [[] for _ in range(2)], threading.Event()
-        threads = [threading.Thread(target=stream_chunk_times, args=(base, f"Stream {i} is about", times, stop))
-                   for i, times in enumerate(streams)]
+        threads = [
+            threading.Thread(target=stream_chunk_times, args=(base, f"Stream {i} is about", times, stop))
+            for i, times in enumerate(streams)
+        ]
         for thread in threads:
             thread.start()
         while min(len(t) for t in streams) < 20:  # both streams are decoding
@@ -97,7 +114,9 @@ def test_large_image_arrivals_do_not_stall_running_streams(tiny_dirs):
                 before.append(gap)
             elif previous < window_end:
                 during.append(gap)
-    print(f"\nimage arrivals took {window_end - window_start:.2f} s; inter-chunk gap before: median "
-          f"{np.median(before) * 1e3:.1f} ms, max {max(before) * 1e3:.1f} ms; during: median "
-          f"{np.median(during) * 1e3:.1f} ms, max {max(during) * 1e3:.1f} ms")
+    print(
+        f"\nimage arrivals took {window_end - window_start:.2f} s; inter-chunk gap before: median "
+        f"{np.median(before) * 1e3:.1f} ms, max {max(before) * 1e3:.1f} ms; during: median "
+        f"{np.median(during) * 1e3:.1f} ms, max {max(during) * 1e3:.1f} ms"
+    )
     assert max(during) < MAX_GAP_S

@@ -18,24 +18,36 @@ PLAIN = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs):
-    with running_server(tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "1024",
-                        "--num-gpu-blocks-override", "200", "--trust-request-chat-template") as (base, proc):
+    with running_server(
+        tiny_dirs["tiny-3b"],
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        "200",
+        "--trust-request-chat-template",
+    ) as (base, proc):
         yield base
     assert proc.returncode == 0, proc.output
 
 
 def chat(base: str, **fields) -> httpx.Response:
-    return httpx.post(base + "/v1/chat/completions", timeout=60,
-                      json={"messages": HELLO, "max_tokens": 2, "temperature": 0, **fields})
+    return httpx.post(
+        base + "/v1/chat/completions", timeout=60, json={"messages": HELLO, "max_tokens": 2, "temperature": 0, **fields}
+    )
 
 
 def test_client_templates_are_bounded(server, tiny_dirs):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["tiny-3b"]))
-    cases = [("{{ raise_exception('no system role here') }}", "no system role here"),
-             (LOOPS, "did not finish within"), (EATS_MEMORY, "more memory than allowed"),
-             (WRITES_TOO_MUCH, "more than the")]
+    cases = [
+        ("{{ raise_exception('no system role here') }}", "no system role here"),
+        (LOOPS, "did not finish within"),
+        (EATS_MEMORY, "more memory than allowed"),
+        (WRITES_TOO_MUCH, "more than the"),
+    ]
     for template, message in cases:
         start = time.monotonic()
         reply = chat(server, chat_template=template)

@@ -16,19 +16,40 @@ from serving import running_server
 
 from fovea import LLM, SamplingParams, StructuredOutputsParams
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "tags", "address"],
-          "properties": {
-              "name": {"type": "string", "maxLength": 12},
-              "age": {"type": "integer", "minimum": 0, "maximum": 120},
-              "role": {"enum": ["admin", "user", "guest"]},
-              "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 3},
-              "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
-                          "properties": {"city": {"type": "string", "maxLength": 10},
-                                         "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}}}}}
-BOX = {"type": "object", "additionalProperties": False, "required": ["label", "box"],
-       "properties": {"label": {"enum": ["cat", "dog", "boat"]},
-                      "box": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1000},
-                              "minItems": 4, "maxItems": 4}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "role", "tags", "address"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "zip"],
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+            },
+        },
+    },
+}
+BOX = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["label", "box"],
+    "properties": {
+        "label": {"enum": ["cat", "dog", "boat"]},
+        "box": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 1000},
+            "minItems": 4,
+            "maxItems": 4,
+        },
+    },
+}
 REGEX = r"([0-9]{3})-[A-Z]{2,4}"  # not \d: Unicode versions disagree on which digits that takes
 CHOICES = ["yes", "no", "maybe not"]
 
@@ -49,8 +70,12 @@ def check(text: str, finish: str, spec: StructuredOutputsParams) -> bool:
 def test_offline_outputs_match_their_constraints(tiny_dirs):
     llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=512)
     prompts = [f"Describe person number {i}:" for i in range(6)]
-    specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(json=BOX),
-             StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=CHOICES)]
+    specs = [
+        StructuredOutputsParams(json=PERSON),
+        StructuredOutputsParams(json=BOX),
+        StructuredOutputsParams(regex=REGEX),
+        StructuredOutputsParams(choice=CHOICES),
+    ]
     stopped = total = 0
     for spec in specs:
         params = SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=120, structured_outputs=spec)
@@ -69,20 +94,31 @@ def test_constraints_hold_through_chunked_prefill_preemption_prefix_cache_and_st
     """16 samples of 104-token prompts sharing 64 tokens, prefilled 48 tokens a step, in 40 KV blocks (a sample
     may need 11): sequences are preempted and recomputed, prefixes come from the cache, and every output that
     stopped still validates (a recomputed sequence's matcher is not advanced twice)."""
-    llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=512, max_num_seqs=16, max_num_batched_tokens=48,
-              block_size=16, num_gpu_blocks_override=40)
+    llm = LLM(
+        str(tiny_dirs["tiny-3b"]),
+        max_model_len=512,
+        max_num_seqs=16,
+        max_num_batched_tokens=48,
+        block_size=16,
+        num_gpu_blocks_override=40,
+    )
     shared = [(13 * j) % 5000 + 200 for j in range(64)]
     prompts = [{"prompt_token_ids": shared + [(7 * i + j) % 5000 + 300 for j in range(40)]} for i in range(8)]
     spec = StructuredOutputsParams(json=BOX)
-    outputs = llm.generate(prompts, SamplingParams(temperature=1.0, n=2, seed=1, max_tokens=60,
-                                                   structured_outputs=spec), use_tqdm=False)
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=1.0, n=2, seed=1, max_tokens=60, structured_outputs=spec), use_tqdm=False
+    )
     scheduler = llm.engine.scheduler
     assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits >= 7 * 64
     stopped = sum(check(s.text, s.finish_reason, spec) for o in outputs for s in o.outputs)
     assert stopped >= 15
-    cut = llm.generate(prompts[:4], SamplingParams(temperature=1.0, seed=2, max_tokens=20, stop=["-"],
-                                                   structured_outputs=StructuredOutputsParams(regex=REGEX)),
-                       use_tqdm=False)
+    cut = llm.generate(
+        prompts[:4],
+        SamplingParams(
+            temperature=1.0, seed=2, max_tokens=20, stop=["-"], structured_outputs=StructuredOutputsParams(regex=REGEX)
+        ),
+        use_tqdm=False,
+    )
     for output in cut:  # a stop string ends a constrained answer where it appears, as in free text
         sample = output.outputs[0]
         assert (sample.finish_reason, sample.stop_reason) == ("stop", "-") and re.fullmatch("[0-9]{3}", sample.text)
@@ -95,13 +131,22 @@ class Detection(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(tiny_dirs):
-    with running_server(tiny_dirs["tiny-3b"], "--max-model-len", "1024", "--mm-processor-workers", "0",
-                        "--served-model-name", "tiny", "--enable-log-requests") as (base, proc):
+    with running_server(
+        tiny_dirs["tiny-3b"],
+        "--max-model-len",
+        "1024",
+        "--mm-processor-workers",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--enable-log-requests",
+    ) as (base, proc):
         yield openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     # the grammar engine (its vocabulary table, its compiled masking step) started before any request came
     ready = proc.output.index("structured outputs: grammar engine ready in")
-    assert proc.output.index("structured outputs: starting the grammar engine") < ready < \
-        proc.output.index("request c")  # the first request logged (--enable-log-requests), chat or completion
+    assert (
+        proc.output.index("structured outputs: starting the grammar engine") < ready < proc.output.index("request c")
+    )  # the first request logged (--enable-log-requests), chat or completion
     assert all(len(line) < 1300 for line in proc.output.splitlines())  # 100,000 choices are not logged whole
 
 
@@ -121,9 +166,12 @@ def chat(client, stream: bool = False, **body):
 
 def test_server_request_forms(client):
     forms = [
-        (dict(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON,
-                                                                      "strict": True}}),
-         StructuredOutputsParams(json=PERSON)),
+        (
+            dict(
+                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+            ),
+            StructuredOutputsParams(json=PERSON),
+        ),
         (dict(extra_body={"structured_outputs": {"json": BOX}}), StructuredOutputsParams(json=BOX)),
         (dict(extra_body={"guided_regex": REGEX}), StructuredOutputsParams(regex=REGEX)),
         (dict(extra_body={"structured_outputs": {"choice": CHOICES}}), StructuredOutputsParams(choice=CHOICES)),
@@ -143,36 +191,56 @@ def test_server_request_forms(client):
 
 def test_openai_sdk_parse_with_a_pydantic_model(client):
     for seed in range(3):
-        reply = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "What is it?"}],
-                                              response_format=Detection, temperature=1.0, seed=seed, max_tokens=60)
+        reply = client.chat.completions.parse(
+            model="tiny",
+            messages=[{"role": "user", "content": "What is it?"}],
+            response_format=Detection,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=60,
+        )
         parsed = reply.choices[0].message.parsed
         assert isinstance(parsed, Detection) and 0 <= parsed.confidence <= 100
 
 
-@pytest.mark.parametrize("body, words", [
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
-     "Invalid type: objectx"),
-    (dict(extra_body={"guided_grammar": "start: (("}), "does not compile"),
-    (dict(extra_body={"guided_regex": "a", "guided_choice": ["b"]}), "exactly one of"),
-    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
-     "not response_format and guided_regex"),
-    (dict(extra_body={"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}}),
-     "['whitespace_pattern'] not supported"),
-    (dict(response_format={"type": "xml"}), "response_format type must be"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+            "Invalid type: objectx",
+        ),
+        (dict(extra_body={"guided_grammar": "start: (("}), "does not compile"),
+        (dict(extra_body={"guided_regex": "a", "guided_choice": ["b"]}), "exactly one of"),
+        (
+            dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
+            "not response_format and guided_regex",
+        ),
+        (
+            dict(extra_body={"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}}),
+            "['whitespace_pattern'] not supported",
+        ),
+        (dict(response_format={"type": "xml"}), "response_format type must be"),
+    ],
+)
 def test_bad_constraints_get_400_with_the_reason(client, body, words):
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, **body)
     assert words in str(error.value)
 
 
-@pytest.mark.parametrize("extra, refused", [
-    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
-    ({"priority": 5}, "priority"), ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
-    ({"use_beam_search": True}, "use_beam_search"), ({"echo": True}, "echo"),
-    ({"priority": 0, "best_of": 1, "parallel_tool_calls": False, "store": False}, None),  # values asking nothing
-    ({"not_a_field_of_any_api": 1}, None),  # outside both protocols: logged and ignored, as vLLM does
-])
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+        ({"priority": 5}, "priority"),
+        ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"echo": True}, "echo"),
+        ({"priority": 0, "best_of": 1, "parallel_tool_calls": False, "store": False}, None),  # values asking nothing
+        ({"not_a_field_of_any_api": 1}, None),  # outside both protocols: logged and ignored, as vLLM does
+    ],
+)
 def test_protocol_fields_fovea_lacks_are_refused_by_name(client, extra, refused):
     if refused is None:
         assert chat(client, extra_body=extra, max_tokens=2)[0][1] in ("stop", "length")
@@ -202,13 +270,25 @@ def test_large_grammars_compile_off_the_event_loop(client):
 
     base = str(client.base_url).removesuffix("/").removesuffix("/v1")
     choices = [f"option-{i:06d}" for i in range(100_000)]
-    bodies = [json.dumps({"model": "tiny", "prompt": f"pick {k}", "max_tokens": 3,
-                          "guided_choice": [choice + str(k) for choice in choices]}).encode() for k in range(6)]
+    bodies = [
+        json.dumps(
+            {
+                "model": "tiny",
+                "prompt": f"pick {k}",
+                "max_tokens": 3,
+                "guided_choice": [choice + str(k) for choice in choices],
+            }
+        ).encode()
+        for k in range(6)
+    ]
     answers = []
 
     def send(body):
-        answers.append(httpx.post(base + "/v1/completions", content=body, timeout=300,
-                                  headers={"content-type": "application/json"}))
+        answers.append(
+            httpx.post(
+                base + "/v1/completions", content=body, timeout=300, headers={"content-type": "application/json"}
+            )
+        )
 
     threads = [threading.Thread(target=send, args=(body,)) for body in bodies]
     for thread in threads:
@@ -257,11 +337,17 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
 
     engine = llm.engine
     inputs = llm.inputs
-    plain = inputs.make_request("plain", inputs.process("Tell me"), SamplingParams(
-        max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
+    plain = inputs.make_request(
+        "plain",
+        inputs.process("Tell me"),
+        SamplingParams(max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY),
+    )
     monkeypatch.setattr(inputs, "check_params", lambda params, grammar=True: None)  # the front end let it through
-    structured = inputs.make_request("structured", inputs.process("Pick"), SamplingParams(
-        max_tokens=4, structured_outputs=slow, output_kind=RequestOutputKind.FINAL_ONLY))
+    structured = inputs.make_request(
+        "structured",
+        inputs.process("Pick"),
+        SamplingParams(max_tokens=4, structured_outputs=slow, output_kind=RequestOutputKind.FINAL_ONLY),
+    )
     released = threading.Event()
     build = compiler.build
 
@@ -271,6 +357,7 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
         def finish():
             released.wait(30)
             future.set_result(build(params, copies).result())
+
         threading.Thread(target=finish, daemon=True).start()
         return future
 
@@ -288,8 +375,13 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
 
     monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.2)  # a build past the engine's limit fails alone
     released.clear()
-    engine.add_request(inputs.make_request("late", inputs.process("Pick"), SamplingParams(
-        max_tokens=4, structured_outputs=slow, output_kind=RequestOutputKind.FINAL_ONLY)))
+    engine.add_request(
+        inputs.make_request(
+            "late",
+            inputs.process("Pick"),
+            SamplingParams(max_tokens=4, structured_outputs=slow, output_kind=RequestOutputKind.FINAL_ONLY),
+        )
+    )
     time.sleep(0.3)
     with pytest.raises(Exception, match="did not compile within 0.2 s") as failure:
         engine.step()

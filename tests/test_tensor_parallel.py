@@ -33,17 +33,26 @@ def workload() -> list:
 def run(model_dir, **engine_args) -> tuple[list, dict]:
     """Greedy tokens and top-2 log-probabilities (of the prompts too) of the workload, in two rounds (the second hits the prefix
     cache), on an engine small enough to chunk prompts and preempt sequences."""
-    llm = LLM(str(model_dir), max_model_len=160, max_num_batched_tokens=48, num_gpu_blocks_override=10,
-              block_size=16, **engine_args)
+    llm = LLM(
+        str(model_dir),
+        max_model_len=160,
+        max_num_batched_tokens=48,
+        num_gpu_blocks_override=10,
+        block_size=16,
+        **engine_args,
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=20, logprobs=2, prompt_logprobs=2, ignore_eos=True)
-        outputs = llm.generate(workload(), params, use_tqdm=False) + llm.generate(workload()[1:3], params,
-                                                                                  use_tqdm=False)
+        outputs = llm.generate(workload(), params, use_tqdm=False) + llm.generate(
+            workload()[1:3], params, use_tqdm=False
+        )
         runner = llm.engine.runner
-        stats = {"preemptions": llm.engine.scheduler.num_preemptions,
-                 "prefix_hits": llm.engine.scheduler.prefix_cache_hits,
-                 "kv_bytes_per_token": runner.kv_cache_bytes // (runner.num_blocks * 16),
-                 "ranks": runner.parallel.size if runner.parallel else 0}
+        stats = {
+            "preemptions": llm.engine.scheduler.num_preemptions,
+            "prefix_hits": llm.engine.scheduler.prefix_cache_hits,
+            "kv_bytes_per_token": runner.kv_cache_bytes // (runner.num_blocks * 16),
+            "ranks": runner.parallel.size if runner.parallel else 0,
+        }
         # the prompt's log-probabilities too: every rank joins in scoring them (a gathered vocabulary)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs + o.prompt_logprobs[1:]) for o in outputs], stats
     finally:
@@ -65,16 +74,21 @@ def assert_same(expected, got):
         assert ids == want_ids
         for want_entry, entry in zip(want_lp, lp, strict=True):
             assert list(entry) == list(want_entry)  # the same top tokens, in order
-            np.testing.assert_allclose([e.logprob for e in entry.values()],
-                                       [e.logprob for e in want_entry.values()], atol=1e-4)
+            np.testing.assert_allclose(
+                [e.logprob for e in entry.values()], [e.logprob for e in want_entry.values()], atol=1e-4
+            )
 
 
-@pytest.mark.parametrize("name, engine_args", [
-    ("tiny-3b", dict(tensor_parallel_size=2)),
-    ("tiny-7b", dict(tensor_parallel_size=4)),
-    ("tiny-3b", dict(tensor_parallel_size=4, mm_encoder_tp_mode="data")),
-    ("tiny-3b", dict(tensor_parallel_size=1, distributed_executor_backend="mp")),
-], ids=["3b-tp2", "7b-tp4-replicated-kv", "3b-tp4-vision-data", "3b-group-of-one"])
+@pytest.mark.parametrize(
+    "name, engine_args",
+    [
+        ("tiny-3b", dict(tensor_parallel_size=2)),
+        ("tiny-7b", dict(tensor_parallel_size=4)),
+        ("tiny-3b", dict(tensor_parallel_size=4, mm_encoder_tp_mode="data")),
+        ("tiny-3b", dict(tensor_parallel_size=1, distributed_executor_backend="mp")),
+    ],
+    ids=["3b-tp2", "7b-tp4-replicated-kv", "3b-tp4-vision-data", "3b-group-of-one"],
+)
 def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
     from fovea.plan import plan_memory
 
@@ -91,8 +105,10 @@ def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
     assert stats["ranks"] == size and base_stats["ranks"] == 0  # the distributed path, against the plain one
     kv_heads = {"tiny-3b": 2, "tiny-7b": 1}[name]
     assert stats["kv_bytes_per_token"] == base_stats["kv_bytes_per_token"] * max(1, kv_heads // size) // kv_heads
-    assert stats["kv_bytes_per_token"] == plan_memory(tiny_dirs[name], 80, dtype="float32",
-                                                      tensor_parallel_size=size).kv_bytes_per_token
+    assert (
+        stats["kv_bytes_per_token"]
+        == plan_memory(tiny_dirs[name], 80, dtype="float32", tensor_parallel_size=size).kv_bytes_per_token
+    )
 
 
 def test_ray_backend_same_tokens(tiny_dirs):
@@ -106,11 +122,14 @@ def test_ray_backend_same_tokens(tiny_dirs):
         ray.shutdown()
 
 
-@pytest.mark.parametrize("name, size, mode, words", [
-    ("tiny-3b", 3, "weights", "attention heads (4) do not divide over tensor_parallel_size 3"),
-    ("tiny-3b", 4, "weights", "vision attention heads (2)"),
-    ("tiny-3b", 2, "pipeline", "mm_encoder_tp_mode must be weights or data"),
-])
+@pytest.mark.parametrize(
+    "name, size, mode, words",
+    [
+        ("tiny-3b", 3, "weights", "attention heads (4) do not divide over tensor_parallel_size 3"),
+        ("tiny-3b", 4, "weights", "vision attention heads (2)"),
+        ("tiny-3b", 2, "pipeline", "mm_encoder_tp_mode must be weights or data"),
+    ],
+)
 def test_sizes_that_do_not_divide_fail_at_start(tiny_dirs, name, size, mode, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         LLM(str(tiny_dirs[name]), tensor_parallel_size=size, mm_encoder_tp_mode=mode)

@@ -37,9 +37,20 @@ def published_nframes(total: int, video_fps: float, fps=2.0, min_frames=4, max_f
     return math.floor(nframes / 2) * 2
 
 
-@pytest.mark.parametrize("total, video_fps, kwargs", [
-    (300, 30.0, {}), (301, 29.97, {}), (7, 2.0, {}), (5, 30.0, {}), (4000, 25.0, {}), (90, 30.0, {"fps": 1.0}),
-    (90, 30.0, {"min_frames": 10}), (600, 30.0, {"max_frames": 16}), (61, 24.0, {"fps": 0.5})])
+@pytest.mark.parametrize(
+    "total, video_fps, kwargs",
+    [
+        (300, 30.0, {}),
+        (301, 29.97, {}),
+        (7, 2.0, {}),
+        (5, 30.0, {}),
+        (4000, 25.0, {}),
+        (90, 30.0, {"fps": 1.0}),
+        (90, 30.0, {"min_frames": 10}),
+        (600, 30.0, {"max_frames": 16}),
+        (61, 24.0, {"fps": 0.5}),
+    ],
+)
 def test_frames_are_sampled_as_published(total, video_fps, kwargs):
     indices = frame_indices(total, video_fps, VideoOptions(**kwargs))
     count = published_nframes(total, video_fps, **kwargs)
@@ -142,16 +153,23 @@ def hf_reference_inputs(llm: LLM, name: str) -> dict:
     videos = [item for item in processed.images if item.is_video]
     images = [item for item in processed.images if not item.is_video]
     ids = processed.token_ids
-    inputs = {"input_ids": torch.tensor([ids]),
-              "mm_token_type_ids": torch.tensor([[1 if t == IMAGE_ID else 2 if t == VIDEO_ID else 0 for t in ids]])}
+    inputs = {
+        "input_ids": torch.tensor([ids]),
+        "mm_token_type_ids": torch.tensor([[1 if t == IMAGE_ID else 2 if t == VIDEO_ID else 0 for t in ids]]),
+    }
     if videos:
-        inputs.update(pixel_values_videos=torch.from_numpy(np.concatenate(
-                          [published_video_patches(v.pixels, config) for v in videos])),
-                      video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
-                      second_per_grid_ts=torch.tensor([v.second_per_grid_t for v in videos]))
+        inputs.update(
+            pixel_values_videos=torch.from_numpy(
+                np.concatenate([published_video_patches(v.pixels, config) for v in videos])
+            ),
+            video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
+            second_per_grid_ts=torch.tensor([v.second_per_grid_t for v in videos]),
+        )
     if images:
-        inputs.update(pixel_values=torch.cat([patchify(torch.from_numpy(i.pixels), config, 2) for i in images]),
-                      image_grid_thw=torch.tensor([i.grid_thw for i in images]))
+        inputs.update(
+            pixel_values=torch.cat([patchify(torch.from_numpy(i.pixels), config, 2) for i in images]),
+            image_grid_thw=torch.tensor([i.grid_thw for i in images]),
+        )
     items = [(VIDEO_ID if i.is_video else IMAGE_ID, i.grid_thw, i.second_per_grid_t) for i in processed.images]
     inputs["position_ids"] = published_positions(ids, items)[:, None, :]
     return inputs, processed
@@ -209,13 +227,19 @@ def test_text_after_a_video_follows_the_released_rule(tiny_dirs):
     assert np.array_equal(ours.positions, published_positions(ours.token_ids, items).numpy())
     types = torch.tensor([[1 if t == IMAGE_ID else 2 if t == VIDEO_ID else 0 for t in ours.token_ids]])
     hf_positions, _ = model.model.get_rope_index(
-        torch.tensor([ours.token_ids]), types, image_grid_thw=torch.tensor([image.grid_thw]),
-        video_grid_thw=torch.tensor([video.grid_thw]), second_per_grid_ts=torch.tensor([video.second_per_grid_t]))
+        torch.tensor([ours.token_ids]),
+        types,
+        image_grid_thw=torch.tensor([image.grid_thw]),
+        video_grid_thw=torch.tensor([video.grid_thw]),
+        second_per_grid_ts=torch.tensor([video.second_per_grid_t]),
+    )
     after_video = ours.token_ids.index(VIDEO_ID) + video.num_tokens + 1  # <|vision_end|>
     assert int(ours.positions[0, after_video]) == int(ours.positions[:, :after_video].max()) + 1
     assert int(hf_positions[0, 0, after_video]) < int(ours.positions[0, after_video])  # 5.23 differs here only
     image_only = prompts.expand(prompts.tokenizer.encode("a<|image_pad|>b", add_special_tokens=False), [image])
     hf_image, _ = model.model.get_rope_index(
-        torch.tensor([image_only.token_ids]), torch.tensor([[int(t == IMAGE_ID) for t in image_only.token_ids]]),
-        image_grid_thw=torch.tensor([image.grid_thw]))
+        torch.tensor([image_only.token_ids]),
+        torch.tensor([[int(t == IMAGE_ID) for t in image_only.token_ids]]),
+        image_grid_thw=torch.tensor([image.grid_thw]),
+    )
     assert np.array_equal(image_only.positions, hf_image[:, 0].numpy())  # images: both rules agree

@@ -129,18 +129,43 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
     kwargs = '{"min_pixels": 3136, "max_pixels": 12544}'
     llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=512, mm_processor_kwargs=SMALL)
     params = llm.get_default_sampling_params().clone(temperature=0, max_tokens=6)
-    reference = llm.chat([{"role": "user", "content": [{"type": "video", "video": (CLIP, {"fps": 6})},
-                                                       {"type": "text", "text": "What happens?"}]}], params)[0]
-    with file_host({"clip.mkv": video_file(CLIP, 6)}) as host, running_server(
-            tiny_dirs["tiny-3b"], "--dtype", "float32", "--max-model-len", "512", "--api-key", KEY,
-            "--served-model-name", "tiny", "--limit-mm-per-prompt", '{"image": 4, "video": 1}',
-            "--mm-processor-kwargs", kwargs, "--max-num-encoder-input-tokens", "12",  # videos in parts of 2 patches
-            "--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "127.0.0.1") as (base, _):
+    reference = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "video", "video": (CLIP, {"fps": 6})}, {"type": "text", "text": "What happens?"}],
+            }
+        ],
+        params,
+    )[0]
+    with (
+        file_host({"clip.mkv": video_file(CLIP, 6)}) as host,
+        running_server(
+            tiny_dirs["tiny-3b"],
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            "tiny",
+            "--limit-mm-per-prompt",
+            '{"image": 4, "video": 1}',
+            "--mm-processor-kwargs",
+            kwargs,
+            "--max-num-encoder-input-tokens",
+            "12",  # videos in parts of 2 patches
+            "--allowed-local-media-path",
+            str(tmp_path),
+            "--allowed-media-domains",
+            "127.0.0.1",
+        ) as (base, _),
+    ):
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
 
         def ask(messages, **extra):
-            return client.chat.completions.create(model="tiny", messages=messages,
-                                                  temperature=0, max_tokens=6, **extra)
+            return client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6, **extra)
 
         for url in (data_url(video_file(CLIP, 6)), (tmp_path / "clip.mkv").as_uri(), f"{host}/clip.mkv"):
             reply = ask(video_chat(url))
@@ -151,8 +176,10 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
         video_tokens = reference.prompt_token_ids.count(151656)
         fewer = ask(video_chat(data_url(video_file(CLIP, 6))), extra_body={"mm_processor_kwargs": {"fps": 1}})
         assert fewer.usage.prompt_tokens == len(reference.prompt_token_ids) - video_tokens // 3
-        capped = ask(video_chat(data_url(video_file(CLIP, 6))),  # uncapped: 1,260 tokens a patch, over 512
-                     extra_body={"mm_processor_kwargs": {"min_pixels": 10 ** 6, "max_pixels": 10 ** 7}})
+        capped = ask(
+            video_chat(data_url(video_file(CLIP, 6))),  # uncapped: 1,260 tokens a patch, over 512
+            extra_body={"mm_processor_kwargs": {"min_pixels": 10**6, "max_pixels": 10**7}},
+        )
         height, width = frame_size(60, 84, 6, VideoOptions(min_pixels=12544, max_pixels=12544))
         assert capped.usage.prompt_tokens == len(reference.prompt_token_ids) - video_tokens + 3 * height * width // 784
 
@@ -169,8 +196,14 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
                 ask(messages)
         with pytest.raises(openai.BadRequestError, match="maximum model length of 512"):  # 60 x 16 tokens, planned
             ask(video_chat((tmp_path / "long.mkv").as_uri()), extra_body={"mm_processor_kwargs": {"fps": 20}})
-        body = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json={
-            "model": "tiny", "messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": "a"}]}]})
+        body = httpx.post(
+            base + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": "a"}]}],
+            },
+        )
         assert body.status_code == 400 and "video_url" in body.json()["error"]["message"]
         again = ask(video_chat((tmp_path / "clip.mkv").as_uri()))  # the server still serves
         assert again.choices[0].message.content == reference.outputs[0].text
@@ -179,13 +212,21 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
 def test_a_long_video_is_encoded_in_parts_of_one_steps_budget(tiny_dirs):
     """24 frames given without a rate (taken as sampled at fps 2): 12 temporal patches of 6 tokens. With an encoder
     budget of 20 tokens a step it runs as 4 parts of 3 patches, and the answer is the one of the whole video."""
-    prompt = {"prompt": "<|vision_start|><|video_pad|><|vision_end|>Describe.",
-              "multi_modal_data": {"video": frames(24, 56, 84, 4)}}
+    prompt = {
+        "prompt": "<|vision_start|><|video_pad|><|vision_end|>Describe.",
+        "multi_modal_data": {"video": frames(24, 56, 84, 4)},
+    }
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=3)
     answers = []
     for budget in (128, 20):
-        llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=512, max_num_batched_tokens=64,
-                  max_num_encoder_input_tokens=budget, mm_processor_kwargs=SMALL)
+        llm = LLM(
+            str(tiny_dirs["tiny-3b"]),
+            dtype="float32",
+            max_model_len=512,
+            max_num_batched_tokens=64,
+            max_num_encoder_input_tokens=budget,
+            mm_processor_kwargs=SMALL,
+        )
         request = llm.inputs.make_request("r", llm.inputs.process(prompt), params)
         spans = [(item.span.start, item.span.length, item.grid_thw) for item in request.mm_items]
         answers.append((spans, llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]))
@@ -202,13 +243,21 @@ def test_a_long_video_is_encoded_in_parts_of_one_steps_budget(tiny_dirs):
 def test_prefix_cache_reuses_a_video_only_for_the_same_frames_and_time_step(tiny_dirs):
     """Block hashes cover a video by its content and time step: the same file again reuses every full block; the
     same frames at another rate (other M-RoPE time positions) or other frames reuse only the text before them."""
-    llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=512, block_size=16,
-              max_num_encoder_input_tokens=12, mm_processor_kwargs=SMALL)  # parts of 2 temporal patches
+    llm = LLM(
+        str(tiny_dirs["tiny-3b"]),
+        dtype="float32",
+        max_model_len=512,
+        block_size=16,
+        max_num_encoder_input_tokens=12,
+        mm_processor_kwargs=SMALL,
+    )  # parts of 2 temporal patches
     text = " ".join(["word"] * 40)
 
     def run(video):
-        prompt = {"prompt": f"{text}<|vision_start|><|video_pad|><|vision_end|>What happens?",
-                  "multi_modal_data": {"video": video}}
+        prompt = {
+            "prompt": f"{text}<|vision_start|><|video_pad|><|vision_end|>What happens?",
+            "multi_modal_data": {"video": video},
+        }
         output = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
         return output.num_cached_tokens, len(output.prompt_token_ids), output.prompt_token_ids.index(151656)
 

@@ -20,9 +20,21 @@ from fovea.config.vllm_args import parse_max_model_len
 from fovea.core.sampling_params import default_sampling_params
 
 
-@pytest.mark.parametrize("text, tokens", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600),
-                                          ("1m", 10 ** 6), ("2M", 2 ** 21), ("auto", None), ("-1", None),
-                                          (4096, 4096), (None, None)])
+@pytest.mark.parametrize(
+    "text, tokens",
+    [
+        ("32768", 32768),
+        ("32k", 32000),
+        ("32K", 32768),
+        ("25.6k", 25600),
+        ("1m", 10**6),
+        ("2M", 2**21),
+        ("auto", None),
+        ("-1", None),
+        (4096, 4096),
+        (None, None),
+    ],
+)
 def test_max_model_len_forms(text, tokens):
     assert parse_max_model_len(text) == tokens
 
@@ -35,17 +47,28 @@ def test_max_model_len_nonsense_is_refused(text):
 
 def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
     model = tiny_dirs["tiny-3b"]
-    config = EngineConfig.from_args(str(model), pipeline_parallel_size=1, kv_cache_dtype="auto", load_format="auto",
-                                    enable_chunked_prefill=False, trust_remote_code=True, tokenizer=str(model),
-                                    max_model_len="1K", swap_space=4, mm_processor_cache_gb=0)
+    config = EngineConfig.from_args(
+        str(model),
+        pipeline_parallel_size=1,
+        kv_cache_dtype="auto",
+        load_format="auto",
+        enable_chunked_prefill=False,
+        trust_remote_code=True,
+        tokenizer=str(model),
+        max_model_len="1K",
+        swap_space=4,
+        mm_processor_cache_gb=0,
+    )
     assert config.max_model_len == 1024
-    for args, words in [(dict(pipeline_parallel_size=2), "pipeline parallelism is not implemented"),
-                        (dict(kv_cache_dtype="fp8"), "quantized KV is not implemented"),
-                        (dict(quantization="awq"), "quantized checkpoints are not supported"),
-                        (dict(load_format="pt"), "only safetensors"),
-                        (dict(tokenizer=str(tiny_dirs["tiny-7b"])), "a tokenizer other than the model's own"),
-                        (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or"),
-                        (dict(mm_processor_cache_gb=4), "multimodal processor cache is not implemented")]:
+    for args, words in [
+        (dict(pipeline_parallel_size=2), "pipeline parallelism is not implemented"),
+        (dict(kv_cache_dtype="fp8"), "quantized KV is not implemented"),
+        (dict(quantization="awq"), "quantized checkpoints are not supported"),
+        (dict(load_format="pt"), "only safetensors"),
+        (dict(tokenizer=str(tiny_dirs["tiny-7b"])), "a tokenizer other than the model's own"),
+        (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or"),
+        (dict(mm_processor_cache_gb=4), "multimodal processor cache is not implemented"),
+    ]:
         with pytest.raises(ValueError, match=words):
             EngineConfig.from_args(str(model), **args)
     with pytest.raises(TypeError, match="unexpected engine arguments"):
@@ -64,43 +87,82 @@ def test_generation_config_auto_vllm_or_a_directory(tiny_dirs, tmp_path):
 
 def test_max_logprobs_bounds_requests(tiny_dirs):
     llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=256, max_logprobs=3)
-    assert len(llm.generate("hi", SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0]
-               .outputs[0].logprobs[0]) >= 3
+    assert (
+        len(llm.generate("hi", SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0].outputs[0].logprobs[0]) >= 3
+    )
     with pytest.raises(ValueError, match="logprobs=4 is more than max_logprobs=3"):
         llm.generate("hi", SamplingParams(max_tokens=2, logprobs=4), use_tqdm=False)
 
 
 def test_a_vllm_launch_line_serves(tiny_dirs):
     model = str(tiny_dirs["tiny-3b"])
-    flags = ["--model", model, "--served-model-name", "first", "second", "-pp", "1", "--kv-cache-dtype", "auto",
-             "--load-format", "auto", "--generation-config", "vllm", "--max-model-len", "1k", "--max-logprobs", "2",
-             "--enable-log-requests", "--response-role", "bot", "--tokenizer", model, "--root-path", "/proxied",
-             "--no-enable-chunked-prefill", "--trust-remote-code", "--disable-log-stats", "--mm-processor-workers",
-             "0", "--uvicorn-log-level", "info"]
+    flags = [
+        "--model",
+        model,
+        "--served-model-name",
+        "first",
+        "second",
+        "-pp",
+        "1",
+        "--kv-cache-dtype",
+        "auto",
+        "--load-format",
+        "auto",
+        "--generation-config",
+        "vllm",
+        "--max-model-len",
+        "1k",
+        "--max-logprobs",
+        "2",
+        "--enable-log-requests",
+        "--response-role",
+        "bot",
+        "--tokenizer",
+        model,
+        "--root-path",
+        "/proxied",
+        "--no-enable-chunked-prefill",
+        "--trust-remote-code",
+        "--disable-log-stats",
+        "--mm-processor-workers",
+        "0",
+        "--uvicorn-log-level",
+        "info",
+    ]
     with running_server(None, *flags) as (base, proc):
         models = httpx.get(base + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["first", "second"] and models[0]["max_model_len"] == 1000
-        reply = httpx.post(base + "/v1/chat/completions", json={
-            "model": "second", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, timeout=60)
+        reply = httpx.post(
+            base + "/v1/chat/completions",
+            json={"model": "second", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            timeout=60,
+        )
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "bot"
         too_many = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 3})
         assert too_many.status_code == 400 and "max_logprobs=2" in too_many.json()["error"]["message"]
-        samples = dict(line.rsplit(" ", 1) for line in httpx.get(base + "/metrics").text.splitlines()
-                       if line and not line.startswith("#"))
+        samples = dict(
+            line.rsplit(" ", 1)
+            for line in httpx.get(base + "/metrics").text.splitlines()
+            if line and not line.startswith("#")
+        )
     ours = {name: value for name, value in samples.items() if name.startswith("fovea:")}
-    assert ours and {name.replace("fovea:", "vllm:", 1): value for name, value in ours.items()} == \
-        {name: value for name, value in samples.items() if name.startswith("vllm:")}
+    assert ours and {name.replace("fovea:", "vllm:", 1): value for name, value in ours.items()} == {
+        name: value for name, value in samples.items() if name.startswith("vllm:")
+    }
     assert 'vllm:num_requests_running{model_name="first"}' in samples  # dashboards made for vLLM find theirs
     request_id = reply.json()["id"]
-    assert f"request {request_id}: " in proc.output and "sampling defaults for fields a request leaves out: none " \
-        "(--generation-config vllm)" in proc.output
+    assert (
+        f"request {request_id}: " in proc.output
+        and "sampling defaults for fields a request leaves out: none (--generation-config vllm)" in proc.output
+    )
     assert "accepted and ignored enable_chunked_prefill=False" in proc.output
 
 
 def fovea_serve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "fovea.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", "fovea.cli", "serve", *args], capture_output=True, text=True, timeout=timeout
+    )
     return done, time.monotonic() - start
 
 
@@ -129,15 +191,31 @@ def test_serve_help_shows_every_default():
     from fovea.cli import build_parser
 
     text = build_parser().subcommands["serve"].format_help().split("options:", 1)[1]  # past the usage lines
-    for flag, default in (("--host HOST", "127.0.0.1"), ("--port PORT", "8000"), ("--dtype", "auto"),
-                          ("--max-num-seqs MAX_NUM_SEQS", "256"), ("--max-num-batched-tokens", "8192"),
-                          ("--gpu-memory-utilization", "0.9"), ("--seed SEED", "0"), ("--api-key", "none"),
-                          ("--enable-prefix-caching", "True")):
-        entry = text[text.index(flag):]
-        assert f"(default: {default})" in " ".join(entry[:entry.index("\n  -", 1)].split()), flag
+    for flag, default in (
+        ("--host HOST", "127.0.0.1"),
+        ("--port PORT", "8000"),
+        ("--dtype", "auto"),
+        ("--max-num-seqs MAX_NUM_SEQS", "256"),
+        ("--max-num-batched-tokens", "8192"),
+        ("--gpu-memory-utilization", "0.9"),
+        ("--seed SEED", "0"),
+        ("--api-key", "none"),
+        ("--enable-prefix-caching", "True"),
+    ):
+        entry = text[text.index(flag) :]
+        assert f"(default: {default})" in " ".join(entry[: entry.index("\n  -", 1)].split()), flag
     entries = re.split(r"\n(?=  -)", text)
-    switches = ("-h, --help", "--trust", "--disable", "--enable-log", "--enable-auto", "--enforce", "--skip", "--fp32",
-                "--enable-chunked")
+    switches = (
+        "-h, --help",
+        "--trust",
+        "--disable",
+        "--enable-log",
+        "--enable-auto",
+        "--enforce",
+        "--skip",
+        "--fp32",
+        "--enable-chunked",
+    )
     for entry in entries:
         if entry.strip() and not entry.strip().startswith(switches):
             assert "default" in entry, entry
@@ -147,10 +225,26 @@ def test_the_vllm_module_entry_point_serves(tiny_dirs):
     """`python -m fovea.entrypoints.openai.api_server --model M` (vLLM's older form), with seed 002's
     --mm-processor-cache-gb 0; the address is logged at start."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fovea.entrypoints.openai.api_server", "--model",
-                             str(tiny_dirs["tiny-3b"]), "--port", str(port), "--max-model-len", "512",
-                             "--mm-processor-cache-gb", "0", "--served-model-name", "m"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fovea.entrypoints.openai.api_server",
+            "--model",
+            str(tiny_dirs["tiny-3b"]),
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--mm-processor-cache-gb",
+            "0",
+            "--served-model-name",
+            "m",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline:

@@ -37,8 +37,12 @@ def _triton(heads_per_kv_head: int, fp32_softmax: bool, device: torch.device) ->
 
 
 BACKENDS = {  # the reference sizes its tensors from each batch, so it cannot be captured
-    "torch": BackendSpec(lambda group, fp32, device: TorchAttention(fp32, device), sliding_window=True,
-                         bidirectional_spans=True, cuda_graphs=False),
+    "torch": BackendSpec(
+        lambda group, fp32, device: TorchAttention(fp32, device),
+        sliding_window=True,
+        bidirectional_spans=True,
+        cuda_graphs=False,
+    ),
     "triton": BackendSpec(_triton, sliding_window=False, bidirectional_spans=False, cuda_graphs=True),
 }
 
@@ -51,14 +55,17 @@ def features_needed(model: torch.nn.Module) -> tuple[str, ...]:
     return ("sliding_window",) if any(layer.sliding_window is not None for layer in layers) else ()
 
 
-def make_backend(name: str, heads_per_kv_head: int, fp32_softmax: bool, device: torch.device,
-                 needs: tuple[str, ...] = ()) -> AttentionBackend:
+def make_backend(
+    name: str, heads_per_kv_head: int, fp32_softmax: bool, device: torch.device, needs: tuple[str, ...] = ()
+) -> AttentionBackend:
     """The backend `name`; `needs`: the features (BackendSpec's flags) the model's layers use."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
     spec = BACKENDS[name]
     missing = [feature for feature in needs if not getattr(spec, feature)]
     if missing:
-        raise ValueError(f"the model needs {', '.join(missing)} attention, which the {name} backend does not "
-                         f"have; backends that do: {[n for n, s in BACKENDS.items() if all(getattr(s, f) for f in needs)]}")
+        raise ValueError(
+            f"the model needs {', '.join(missing)} attention, which the {name} backend does not "
+            f"have; backends that do: {[n for n, s in BACKENDS.items() if all(getattr(s, f) for f in needs)]}"
+        )
     return spec.build(heads_per_kv_head, fp32_softmax, device)

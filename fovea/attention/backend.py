@@ -48,8 +48,16 @@ class AttentionBackend:
     def prepare(self, meta: PagedAttentionMetadata) -> None:
         """Per-step work shared by all layers (index tensors, kernel plans); called once before the forward."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: PagedAttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
         """q: (N, Hq, D), k/v: (N, Hkv, D) for the N new tokens. Stores k/v, returns (N, Hq, D). `window`: a
         sliding-window layer's W (a query sees itself and the W - 1 keys before it); None: all keys."""
         raise NotImplementedError
@@ -96,14 +104,21 @@ class TorchAttention(AttentionBackend):
             blocks = tables[index].gather(1, (positions // bs).clamp(max=tables.shape[1] - 1).expand(len(decodes), -1))
             valid = positions[None, :] < lengths[:, None]
             slots = torch.where(valid, blocks * bs + positions % bs, 0)  # padding reads slot 0, masked
-            meta.plan["decode"] = (meta.query_start_loc[index].long(), slots,
-                                   valid[:, None, None, :])  # (D, 1, 1, keys): padded keys hidden
+            meta.plan["decode"] = (
+                meta.query_start_loc[index].long(),
+                slots,
+                valid[:, None, None, :],
+            )  # (D, 1, 1, keys): padded keys hidden
             meta.plan["decode_positions"] = positions[None, :], lengths[:, None]  # for sliding windows
-        meta.plan["prefill"] = [(i, starts[i], starts[i + 1] - starts[i], key_slots(i, seq_lens[i]))
-                                for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
+        meta.plan["prefill"] = [
+            (i, starts[i], starts[i + 1] - starts[i], key_slots(i, seq_lens[i]))
+            for i in range(len(seq_lens))
+            if starts[i + 1] - starts[i] > 1
+        ]
 
-    def prefill_mask(self, length: int, context: int, window: int | None, spans: list[tuple[int, int]],
-                     device) -> torch.Tensor | None:
+    def prefill_mask(
+        self, length: int, context: int, window: int | None, spans: list[tuple[int, int]], device
+    ) -> torch.Tensor | None:
         """(length, context) bool mask of a chunk's queries (the last `length` of `context` positions): causal,
         within the window, and both ways inside bidirectional spans. None: plain causal (SDPA's own path)."""
         if window is None and not spans:
@@ -127,9 +142,15 @@ class TorchAttention(AttentionBackend):
 
         def attend(queries, slots, mask=None, causal=False):  # queries (B, Lq, Hq, D), slots (B, Lk)
             keys, values = flat[0][slots].to(dtype), flat[1][slots].to(dtype)
-            result = F.scaled_dot_product_attention(queries.to(dtype).transpose(1, 2), keys.transpose(1, 2),
-                                                    values.transpose(1, 2), attn_mask=mask, is_causal=causal,
-                                                    scale=scale, enable_gqa=gqa)
+            result = F.scaled_dot_product_attention(
+                queries.to(dtype).transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=gqa,
+            )
             return result.transpose(1, 2).to(q.dtype)
 
         if "decode" in meta.plan:
@@ -141,6 +162,7 @@ class TorchAttention(AttentionBackend):
         for index, start, length, slots in meta.plan["prefill"]:
             context = slots.numel()
             mask = self.prefill_mask(length, context, window, meta.bidirectional_spans.get(index, []), q.device)
-            out[start:start + length] = attend(q[start:start + length][None], slots[None], mask,
-                                               causal=mask is None)[0]
+            out[start : start + length] = attend(
+                q[start : start + length][None], slots[None], mask, causal=mask is None
+            )[0]
         return out

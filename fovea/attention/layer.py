@@ -38,18 +38,31 @@ class AttentionMetadata:
         return cls(cu.to(device), max(lengths), lengths=tuple(lengths))
 
     def to(self, device: torch.device) -> AttentionMetadata:
-        return AttentionMetadata(self.cu_seqlens.to(device), self.max_seqlen,
-                                 None if self.tiles is None else self.tiles.to(device), self.lengths)
+        return AttentionMetadata(
+            self.cu_seqlens.to(device),
+            self.max_seqlen,
+            None if self.tiles is None else self.tiles.to(device),
+            self.lengths,
+        )
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, causal: bool, scale: float, fp32: bool = False,
-                     lengths: tuple[int, ...] | None = None) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float,
+    fp32: bool = False,
+    lengths: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """q: (N, Hq, D), k/v: (N, Hkv, D) with Hq a multiple of Hkv (GQA). Returns (N, Hq, D).
     fp32: scores, softmax and weighted sum in fp32 whatever the inputs' dtype (--fp32-softmax*)."""
     if fp32 and q.dtype != torch.float32:
-        return varlen_attention(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, causal, scale,
-                                lengths=lengths).to(q.dtype)
+        return varlen_attention(
+            q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, causal, scale, lengths=lengths
+        ).to(q.dtype)
     if lengths is None:
         lengths = tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
     gqa = q.shape[1] != k.shape[1]
@@ -77,21 +90,38 @@ class Attention(nn.Module):
     models); `fp32`: scores and softmax in fp32 on the uncached path (--fp32-softmax, --fp32-softmax-vision; the
     paged backends are configured at their own construction); `sliding_window`: W for a sliding-window layer."""
 
-    def __init__(self, head_dim: int, causal: bool, layer_index: int | None = None, fp32: bool = False,
-                 sliding_window: int | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        causal: bool,
+        layer_index: int | None = None,
+        fp32: bool = False,
+        sliding_window: int | None = None,
+    ):
         super().__init__()
-        self.scale, self.causal, self.layer_index, self.fp32 = head_dim ** -0.5, causal, layer_index, fp32
+        self.scale, self.causal, self.layer_index, self.fp32 = head_dim**-0.5, causal, layer_index, fp32
         self.sliding_window = sliding_window  # paged path only: the backend must have the feature (see __init__)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata | PagedAttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | PagedAttentionMetadata
+    ) -> torch.Tensor:
         """q: (N, Hq, D), k/v: (N, Hkv, D) -> (N, Hq, D)."""
         if isinstance(meta, PagedAttentionMetadata):
-            return meta.backend.forward(q, k, v, meta.kv_caches[self.layer_index], meta, self.scale,
-                                        window=self.sliding_window)
+            return meta.backend.forward(
+                q, k, v, meta.kv_caches[self.layer_index], meta, self.scale, window=self.sliding_window
+            )
         if meta.tiles is not None:
             from fovea.attention.triton_varlen import varlen_attention_triton
 
             return varlen_attention_triton(q, k, v, meta.tiles, self.scale, fp32=self.fp32)
-        return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=self.causal, scale=self.scale,
-                                fp32=self.fp32, lengths=meta.lengths)
+        return varlen_attention(
+            q,
+            k,
+            v,
+            meta.cu_seqlens,
+            meta.max_seqlen,
+            causal=self.causal,
+            scale=self.scale,
+            fp32=self.fp32,
+            lengths=meta.lengths,
+        )

@@ -33,8 +33,18 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _store_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, cache_stride_kv, cache_stride_slot,
-              ROW: tl.constexpr, ROW_P2: tl.constexpr):
+def _store_kv(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    k_stride,
+    v_stride,
+    cache_stride_kv,
+    cache_stride_slot,
+    ROW: tl.constexpr,
+    ROW_P2: tl.constexpr,
+):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -47,8 +57,19 @@ def _store_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, cache_strid
 
 
 @triton.jit
-def _kv_tile(cache_head, block_table, keys, key_ok, dims, dim_ok, cache_stride_kv, cache_stride_block,
-             cache_stride_offset, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+def _kv_tile(
+    cache_head,
+    block_table,
+    keys,
+    key_ok,
+    dims,
+    dim_ok,
+    cache_stride_kv,
+    cache_stride_block,
+    cache_stride_offset,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """The keys and values at context positions `keys` of one sequence (its block table row) and KV head."""
     block = tl.load(block_table + keys // BLOCK_SIZE, mask=key_ok, other=0)
     offsets = block.to(tl.int64) * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
@@ -61,12 +82,35 @@ def _kv_tile(cache_head, block_table, keys, key_ok, dims, dim_ok, cache_stride_k
 
 
 @triton.jit
-def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr,
-               block_tables_ptr, scale, q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-               cache_stride_kv, cache_stride_block, cache_stride_offset, cache_stride_head, block_tables_stride,
-               GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _attention(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    tile_seq_ptr,
+    tile_first_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale,
+    q_stride_token,
+    q_stride_head,
+    out_stride_token,
+    out_stride_head,
+    cache_stride_kv,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    block_tables_stride,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
     first = tl.load(tile_first_ptr + tile)  # the tile's first query, counted within the sequence's new tokens
@@ -83,8 +127,11 @@ def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_st
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dims < HEAD_DIM
     token = (query_start + query).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * q_stride_token + head[:, None] * q_stride_head + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * q_stride_token + head[:, None] * q_stride_head + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -96,8 +143,19 @@ def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_st
     for start in range(0, last_key, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < last_key
-        k, v = _kv_tile(cache_head, block_tables_ptr + seq * block_tables_stride, keys, key_ok, dims, dim_ok,
-                        cache_stride_kv, cache_stride_block, cache_stride_offset, BLOCK_SIZE, UPCAST)
+        k, v = _kv_tile(
+            cache_head,
+            block_tables_ptr + seq * block_tables_stride,
+            keys,
+            key_ok,
+            dims,
+            dim_ok,
+            cache_stride_kv,
+            cache_stride_block,
+            cache_stride_offset,
+            BLOCK_SIZE,
+            UPCAST,
+        )
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -109,17 +167,42 @@ def _attention(q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, query_st
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         best = new_best
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out_ptr + token[:, None] * out_stride_token + head[:, None] * out_stride_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        out_ptr + token[:, None] * out_stride_token + head[:, None] * out_stride_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
 @triton.jit
-def _decode(q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_stat_ptr, seq_lens_ptr, block_tables_ptr, scale,
-            q_stride_token, q_stride_head, out_stride_token, out_stride_head, cache_stride_kv, cache_stride_block,
-            cache_stride_offset, cache_stride_head, block_tables_stride,
-            GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-            HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-            UPCAST: tl.constexpr):
+def _decode(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_stat_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale,
+    q_stride_token,
+    q_stride_head,
+    out_stride_token,
+    out_stride_head,
+    cache_stride_kv,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    block_tables_stride,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS)
@@ -131,8 +214,11 @@ def _decode(q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_stat_ptr, seq_lens_ptr
     head = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_token + head[:, None] * q_stride_head + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * q_stride_token + head[:, None] * q_stride_head + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     best = tl.full([ROWS], float("-inf"), tl.float32)
@@ -142,8 +228,19 @@ def _decode(q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_stat_ptr, seq_lens_ptr
     for start in range(begin, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        k, v = _kv_tile(cache_head, block_tables_ptr + seq * block_tables_stride, keys, key_ok, dims, dim_ok,
-                        cache_stride_kv, cache_stride_block, cache_stride_offset, BLOCK_SIZE, UPCAST)
+        k, v = _kv_tile(
+            cache_head,
+            block_tables_ptr + seq * block_tables_stride,
+            keys,
+            key_ok,
+            dims,
+            dim_ok,
+            cache_stride_kv,
+            cache_stride_block,
+            cache_stride_offset,
+            BLOCK_SIZE,
+            UPCAST,
+        )
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))  # every tile holds at least one key: finite
@@ -154,8 +251,11 @@ def _decode(q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_stat_ptr, seq_lens_ptr
         best = new_best
     if SPLITS == 1:
         out = acc / total[:, None]
-        tl.store(out_ptr + seq.to(tl.int64) * out_stride_token + head[:, None] * out_stride_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(
+            out_ptr + seq.to(tl.int64) * out_stride_token + head[:, None] * out_stride_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
     else:  # partials of (sequence, query head, split): an empty split leaves max -inf, sum 0
         part = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + head) * SPLITS + split
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :], acc, mask=row_ok[:, None])
@@ -164,8 +264,18 @@ def _decode(q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_stat_ptr, seq_lens_ptr
 
 
 @triton.jit
-def _combine(part_acc_ptr, part_stat_ptr, out_ptr, out_stride_token, out_stride_head, q_heads,
-             HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+def _combine(
+    part_acc_ptr,
+    part_stat_ptr,
+    out_ptr,
+    out_stride_token,
+    out_stride_head,
+    q_heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
     seq, head = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
     split_ok = splits < SPLITS
@@ -177,8 +287,11 @@ def _combine(part_acc_ptr, part_stat_ptr, out_ptr, out_stride_token, out_stride_
     top = tl.max(best, 0)  # the first split always holds keys: finite
     weights = tl.exp(best - top)  # 0 for empty splits
     out = tl.sum(acc * weights[:, None], 0) / tl.sum(total * weights, 0)
-    tl.store(out_ptr + seq.to(tl.int64) * out_stride_token + head * out_stride_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * out_stride_token + head * out_stride_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 def _block_q(meta, group_p2: int, rows: int = 64) -> int:
@@ -209,9 +322,17 @@ class TritonAttention(AttentionBackend):
     how many programs a decode step should launch at least (default: 4 per multiprocessor on a GPU, 8 under the
     interpreter); `*_warps`, `*_stages`: Triton launch settings (None: Triton's defaults)."""
 
-    def __init__(self, group: int = 1, block_n: int = 64, prefill_rows: int = 64, decode_block_n: int = 64,
-                 decode_programs: int | None = None, prefill_warps: int | None = None,
-                 decode_warps: int | None = None, decode_stages: int | None = None):
+    def __init__(
+        self,
+        group: int = 1,
+        block_n: int = 64,
+        prefill_rows: int = 64,
+        decode_block_n: int = 64,
+        decode_programs: int | None = None,
+        prefill_warps: int | None = None,
+        decode_warps: int | None = None,
+        decode_stages: int | None = None,
+    ):
         self.block_n, self.prefill_rows, self.decode_block_n = block_n, prefill_rows, decode_block_n
         self.decode_programs = decode_programs
         self.prefill_launch = {"num_warps": prefill_warps} if prefill_warps else {}
@@ -230,8 +351,18 @@ class TritonAttention(AttentionBackend):
         kv_heads = k.shape[1]
         k, v = k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)
         row = kv_heads * head_dim
-        _store_kv[(num_tokens,)](k, v, kv_cache, meta.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-                                 kv_cache.stride(2), ROW=row, ROW_P2=triton.next_power_of_2(row))
+        _store_kv[(num_tokens,)](
+            k,
+            v,
+            kv_cache,
+            meta.slot_mapping,
+            k.stride(0),
+            v.stride(0),
+            kv_cache.stride(0),
+            kv_cache.stride(2),
+            ROW=row,
+            ROW_P2=triton.next_power_of_2(row),
+        )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 = no-op for bf16
@@ -246,31 +377,82 @@ class TritonAttention(AttentionBackend):
             meta.plan[key] = _tiles(meta, block_q)
         tile_seq, tile_first = meta.plan[key]
         _attention[(tile_seq.numel(), kv_heads)](
-            q, kv_cache, out, tile_seq, tile_first, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, meta.block_tables.stride(0),
-            GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=self.block_n, HEAD_DIM=head_dim,
-            HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size, PRECISION=precision,
-            UPCAST=INTERPRETED, **self.prefill_launch)
+            q,
+            kv_cache,
+            out,
+            tile_seq,
+            tile_first,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *cache_strides,
+            meta.block_tables.stride(0),
+            GROUP=group,
+            GROUP_P2=group_p2,
+            BLOCK_Q=block_q,
+            BLOCK_N=self.block_n,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=meta.block_size,
+            PRECISION=precision,
+            UPCAST=INTERPRETED,
+            **self.prefill_launch,
+        )
         return out
 
     def _decode(self, q, kv_cache, out, meta, scale, kv_heads, cache_strides, precision) -> None:
         num_seqs, q_heads, head_dim = q.shape
         group, head_dim_p2 = q_heads // kv_heads, triton.next_power_of_2(head_dim)
         if self.decode_programs is None:
-            self.decode_programs = (4 * torch.cuda.get_device_properties(q.device).multi_processor_count
-                                    if q.is_cuda else 8)
+            self.decode_programs = (
+                4 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+            )
         splits = decode_splits(num_seqs, kv_heads, meta.max_seq_len, self.decode_block_n, self.decode_programs)
         part_acc = part_stat = out  # unused with one split
         if splits > 1:
             part_acc = torch.empty(num_seqs * q_heads * splits, head_dim_p2, dtype=torch.float32, device=q.device)
             part_stat = torch.empty(num_seqs * q_heads * splits, 2, dtype=torch.float32, device=q.device)
         _decode[(num_seqs, kv_heads, splits)](
-            q, kv_cache, out, part_acc, part_stat, meta.seq_lens, meta.block_tables, scale, q.stride(0),
-            q.stride(1), out.stride(0), out.stride(1), *cache_strides, meta.block_tables.stride(0),
-            GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), BLOCK_N=self.decode_block_n,
-            HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=meta.block_size, SPLITS=splits,
-            PRECISION=precision, UPCAST=INTERPRETED, **self.decode_launch)
+            q,
+            kv_cache,
+            out,
+            part_acc,
+            part_stat,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *cache_strides,
+            meta.block_tables.stride(0),
+            GROUP=group,
+            ROWS=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=self.decode_block_n,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim_p2,
+            BLOCK_SIZE=meta.block_size,
+            SPLITS=splits,
+            PRECISION=precision,
+            UPCAST=INTERPRETED,
+            **self.decode_launch,
+        )
         if splits > 1:
-            _combine[(num_seqs, q_heads)](part_acc, part_stat, out, out.stride(0), out.stride(1), q_heads,
-                                          HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, SPLITS=splits,
-                                          SPLITS_P2=triton.next_power_of_2(splits))
+            _combine[(num_seqs, q_heads)](
+                part_acc,
+                part_stat,
+                out,
+                out.stride(0),
+                out.stride(1),
+                q_heads,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_P2=head_dim_p2,
+                SPLITS=splits,
+                SPLITS_P2=triton.next_power_of_2(splits),
+            )

@@ -20,10 +20,28 @@ BLOCK_M = 64  # queries per program: one 8x8-patch window of Qwen2.5-VL
 
 
 @triton.jit
-def _varlen_attention(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, scale, q_stride, k_stride, v_stride, out_stride,
-                      q_head_stride, k_head_stride, v_head_stride, out_head_stride,
-                      HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _varlen_attention(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    tiles_ptr,
+    scale,
+    q_stride,
+    k_stride,
+    v_stride,
+    out_stride,
+    q_head_stride,
+    k_head_stride,
+    v_head_stride,
+    out_head_stride,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tile, head = tl.program_id(0), tl.program_id(1)
     start = tl.load(tiles_ptr + tile * 3).to(tl.int64)
     length = tl.load(tiles_ptr + tile * 3 + 1)
@@ -33,8 +51,11 @@ def _varlen_attention(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, scale, q_stride, 
         row_ok = rows < length
         dims = tl.arange(0, HEAD_DIM_P2)
         dim_ok = dims < HEAD_DIM
-        q = tl.load(q_ptr + (start + rows)[:, None] * q_stride + head * q_head_stride + dims[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + (start + rows)[:, None] * q_stride + head * q_head_stride + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
         best = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -58,8 +79,11 @@ def _varlen_attention(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, scale, q_stride, 
             acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             best = new_best
         out = acc / total[:, None]
-        tl.store(out_ptr + (start + rows)[:, None] * out_stride + head * out_head_stride + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(
+            out_ptr + (start + rows)[:, None] * out_stride + head * out_head_stride + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
 
 
 def max_tiles(num_patches: int, min_segment: int = 4) -> int:
@@ -78,12 +102,13 @@ def tile_table(lengths: list[int], size: int | None = None) -> torch.Tensor:
     if len(rows) > size:
         raise ValueError(f"{len(rows)} attention tiles do not fit a table of {size}")
     table = np.zeros((size, 3), dtype=np.int32)
-    table[:len(rows)] = rows
+    table[: len(rows)] = rows
     return torch.from_numpy(table)
 
 
-def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor,
-                            scale: float, fp32: bool = False) -> torch.Tensor:
+def varlen_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor, scale: float, fp32: bool = False
+) -> torch.Tensor:
     """q/k/v: (N, H, D) (strided views are fine); tiles from tile_table. Returns (N, H, D) in q's dtype."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if fp32 and q.dtype != torch.float32:  # the dots in fp32 too; the result is written back in q's dtype
@@ -91,8 +116,25 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
     head_dim = q.shape[2]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1
     _varlen_attention[(tiles.shape[0], q.shape[1])](
-        q, k, v, out, tiles, scale, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-        q.stride(1), k.stride(1), v.stride(1), out.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M, BLOCK_N=32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED)
+        q,
+        k,
+        v,
+        out,
+        tiles,
+        scale,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        out.stride(0),
+        q.stride(1),
+        k.stride(1),
+        v.stride(1),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=INTERPRETED,
+    )
     return out

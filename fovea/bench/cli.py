@@ -15,8 +15,15 @@ from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwa
 
 # vLLM's --backend values for OpenAI-compatible servers, and the endpoint each speaks to
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty")
+SAMPLING_FLAGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
 
 
 def add_bench_parser(sub) -> None:
@@ -27,11 +34,16 @@ def add_bench_parser(sub) -> None:
     target.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (else --host/--port)")
     target.add_argument("--host", default="127.0.0.1")
     target.add_argument("--port", type=int, default=8000)
-    target.add_argument("--backend", default=None, choices=list(BACKEND_ENDPOINTS),
-                        help="openai and vllm: /v1/completions; openai-chat: /v1/chat/completions (default: the "
-                             "one --endpoint names, else openai)")
-    target.add_argument("--endpoint", default=None, choices=sorted(set(BACKEND_ENDPOINTS.values())),
-                        help="default: the backend's")
+    target.add_argument(
+        "--backend",
+        default=None,
+        choices=list(BACKEND_ENDPOINTS),
+        help="openai and vllm: /v1/completions; openai-chat: /v1/chat/completions (default: the "
+        "one --endpoint names, else openai)",
+    )
+    target.add_argument(
+        "--endpoint", default=None, choices=sorted(set(BACKEND_ENDPOINTS.values())), help="default: the backend's"
+    )
     target.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     target.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     target.add_argument("--api-key", default=None)
@@ -42,8 +54,15 @@ def add_bench_parser(sub) -> None:
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--ignore-eos", action="store_true")
     sampling = serve.add_argument_group("sampling (sent only when given: else the server's defaults apply)")
-    for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
-                       ("--frequency-penalty", float), ("--presence-penalty", float), ("--repetition-penalty", float)):
+    for flag, kind in (
+        ("--temperature", float),
+        ("--top-p", float),
+        ("--top-k", int),
+        ("--min-p", float),
+        ("--frequency-penalty", float),
+        ("--presence-penalty", float),
+        ("--repetition-penalty", float),
+    ):
         sampling.add_argument(flag, type=kind, default=None)
     sampling.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     load.add_argument("--num-warmups", type=int, default=0)
@@ -107,10 +126,17 @@ def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "
     data.add_argument("--random-prefix-len", type=int, default=0)
     data.add_argument("--random-mm-base-items-per-request", type=int, default=1)
     data.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
-    data.add_argument("--random-mm-limit-mm-per-prompt", type=json.loads, default=None,
-                      help='items per request by modality (default {"image": 255, "video": 1})')
-    data.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
-                      help="{(height, width, frames): weight}; frames > 1 is a video (MP4 at 30 fps)")
+    data.add_argument(
+        "--random-mm-limit-mm-per-prompt",
+        type=json.loads,
+        default=None,
+        help='items per request by modality (default {"image": 255, "video": 1})',
+    )
+    data.add_argument(
+        "--random-mm-bucket-config",
+        default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
+        help="{(height, width, frames): weight}; frames > 1 is a video (MP4 at 30 fps)",
+    )
     data.add_argument("--sharegpt-output-len", type=int, default=None)
     data.add_argument("--seed", type=int, default=0, help="seeds the workload and, offline, the engine (default: 0)")
 
@@ -139,16 +165,24 @@ def run_bench_throughput(args: argparse.Namespace) -> dict:
     backends = [args.backend] + ([args.compare] if args.compare and args.compare != args.backend else [])
     runs = {name: throughput(model, requests, name, engine_kwargs(args)) for name in backends}
     for name, run in runs.items():
-        print(f"{name:<6} Throughput: {run['requests_per_second']:.2f} requests/s, {run['tokens_per_second']:.2f} "
-              f"total tokens/s, {run['output_tokens_per_second']:.2f} output tokens/s")
-    result = {"model": model, "num_prompts": args.num_prompts, "dataset_name": args.dataset_name,
-              **{name: {k: v for k, v in run.items() if k != "outputs"} for name, run in runs.items()}}
+        print(
+            f"{name:<6} Throughput: {run['requests_per_second']:.2f} requests/s, {run['tokens_per_second']:.2f} "
+            f"total tokens/s, {run['output_tokens_per_second']:.2f} output tokens/s"
+        )
+    result = {
+        "model": model,
+        "num_prompts": args.num_prompts,
+        "dataset_name": args.dataset_name,
+        **{name: {k: v for k, v in run.items() if k != "outputs"} for name, run in runs.items()},
+    }
     if len(runs) == 2:
         first, second = (runs[name] for name in backends)
         result["ratio"] = first["output_tokens_per_second"] / second["output_tokens_per_second"]
         result["identical_outputs"] = sum(a == b for a, b in zip(first["outputs"], second["outputs"]))
-        print(f"{backends[0]}/{backends[1]}: {result['ratio']:.2f}x output tokens/s; identical greedy outputs "
-              f"{result['identical_outputs']}/{len(requests)}")
+        print(
+            f"{backends[0]}/{backends[1]}: {result['ratio']:.2f}x output tokens/s; identical greedy outputs "
+            f"{result['identical_outputs']}/{len(requests)}"
+        )
     write_json(args.output_json, result)
     return result
 
@@ -157,8 +191,15 @@ def run_bench_latency(args: argparse.Namespace) -> dict:
     from fovea.bench.offline import latency
     from fovea.config.model import resolve_model_dir
 
-    result = latency(str(resolve_model_dir(args.model)), args.input_len, args.output_len, args.batch_size,
-                     args.num_iters, args.num_iters_warmup, engine_kwargs(args))
+    result = latency(
+        str(resolve_model_dir(args.model)),
+        args.input_len,
+        args.output_len,
+        args.batch_size,
+        args.num_iters,
+        args.num_iters_warmup,
+        engine_kwargs(args),
+    )
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
     for p, value in result["percentiles"].items():
         print(f"{p}% percentile latency: {value:.4f} seconds")
@@ -172,21 +213,29 @@ def build_requests(args, tokenizer):
     if args.dataset_name in ("sharegpt", "jsonl") and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
     if args.dataset_name == "sharegpt":
-        return datasets.sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len,
-                                          args.seed)
+        return datasets.sharegpt_requests(
+            args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed
+        )
     if args.dataset_name == "jsonl":
         return datasets.jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.random_output_len)
     common = dict(range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len, seed=args.seed)
     if args.dataset_name == "random":
-        return datasets.random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                                        **common)
+        return datasets.random_requests(
+            tokenizer, args.num_prompts, args.random_input_len, args.random_output_len, **common
+        )
     if args.endpoint != "/v1/chat/completions":
         raise ValueError("--dataset-name random-mm needs --backend openai-chat (--endpoint /v1/chat/completions)")
     return datasets.random_mm_requests(
-        tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-        base_items=args.random_mm_base_items_per_request, items_range_ratio=args.random_mm_num_mm_items_range_ratio,
-        limits=args.random_mm_limit_mm_per_prompt, buckets=datasets.parse_bucket_config(args.random_mm_bucket_config),
-        **common)
+        tokenizer,
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        base_items=args.random_mm_base_items_per_request,
+        items_range_ratio=args.random_mm_num_mm_items_range_ratio,
+        limits=args.random_mm_limit_mm_per_prompt,
+        buckets=datasets.parse_bucket_config(args.random_mm_bucket_config),
+        **common,
+    )
 
 
 def served_model(httpx, base_url: str, headers: dict) -> str:
@@ -229,10 +278,23 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     metadata = dict(item.partition("=")[::2] for item in args.metadata)
     requests = build_requests(args, AutoTokenizer.from_pretrained(tokenizer_id))  # images encoded once, here
     cpu_start = time.process_time()
-    results, duration = asyncio.run(serve.run(
-        requests, base_url, endpoint, model, request_rate=args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, extra_body=extra_body, ignore_eos=args.ignore_eos,
-        num_warmups=args.num_warmups, api_key=args.api_key, seed=args.seed, progress=not args.disable_tqdm))
+    results, duration = asyncio.run(
+        serve.run(
+            requests,
+            base_url,
+            endpoint,
+            model,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            extra_body=extra_body,
+            ignore_eos=args.ignore_eos,
+            num_warmups=args.num_warmups,
+            api_key=args.api_key,
+            seed=args.seed,
+            progress=not args.disable_tqdm,
+        )
+    )
     client_cpu_s = time.process_time() - cpu_start
     metrics = compute_metrics(results, duration, goodput, selected, percentiles)
     print(format_table(metrics, selected, percentiles, args.max_concurrency))
@@ -249,19 +311,37 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     if len(failures) == len(results):  # no figure above means anything: no result file, a non-zero exit
         raise ValueError(f"no request completed ({len(failures)} failed); the first failure: {failures[0]}")
     rate = "inf" if args.request_rate == float("inf") else args.request_rate
-    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend,
-              "backend": args.backend, "label": args.label, "model_id": model, "tokenizer_id": tokenizer_id,
-              "num_prompts": args.num_prompts, "request_rate": rate, "burstiness": args.burstiness,
-              "max_concurrency": args.max_concurrency, "client_cpu_s": client_cpu_s, **metadata, **metrics}
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": args.backend,
+        "backend": args.backend,
+        "label": args.label,
+        "model_id": model,
+        "tokenizer_id": tokenizer_id,
+        "num_prompts": args.num_prompts,
+        "request_rate": rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "client_cpu_s": client_cpu_s,
+        **metadata,
+        **metrics,
+    }
     if args.save_detailed:
-        result.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
-                      start_times=[r.start_time for r in results], ttfts=[r.ttft for r in results],
-                      itls=[r.itl for r in results], generated_texts=[r.generated_text for r in results],
-                      errors=[r.error for r in results])
+        result.update(
+            input_lens=[r.prompt_len for r in results],
+            output_lens=[r.output_tokens for r in results],
+            start_times=[r.start_time for r in results],
+            ttfts=[r.ttft for r in results],
+            itls=[r.itl for r in results],
+            generated_texts=[r.generated_text for r in results],
+            errors=[r.error for r in results],
+        )
     if args.save_result or args.save_detailed:
-        name = args.result_filename or (f"{args.label or 'fovea'}-{rate}qps"
-                                        f"{f'-concurrency{args.max_concurrency}' if args.max_concurrency else ''}-"
-                                        f"{Path(model).name}-{result['date']}.json")
+        name = args.result_filename or (
+            f"{args.label or 'fovea'}-{rate}qps"
+            f"{f'-concurrency{args.max_concurrency}' if args.max_concurrency else ''}-"
+            f"{Path(model).name}-{result['date']}.json"
+        )
         write_json(str(Path(args.result_dir) / name), result)
     return result
 

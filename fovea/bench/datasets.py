@@ -60,8 +60,15 @@ class PromptMaker:
         return text, len(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    prefix_len: int = 0, seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    tokenizer,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    seed: int = 0,
+) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
     maker = PromptMaker(tokenizer, rng)
     prefix = maker.random_ids(prefix_len)
@@ -124,10 +131,19 @@ def noise_mp4_url(height: int, width: int, frames: int, rng: np.random.Generator
 DEFAULT_MM_LIMITS = {"image": 255, "video": 1}  # vLLM's bench defaults
 
 
-def random_mm_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                       prefix_len: int = 0, base_items: int = 1, items_range_ratio: float = 0.0,
-                       limits: dict[str, int] | None = None, buckets: dict | None = None,
-                       seed: int = 0) -> list[BenchRequest]:
+def random_mm_requests(
+    tokenizer,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    base_items: int = 1,
+    items_range_ratio: float = 0.0,
+    limits: dict[str, int] | None = None,
+    buckets: dict | None = None,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """Each request draws its item count from the range, then items by bucket weight; a modality at its limit
     leaves the draw (its buckets removed, the rest renormalized), as vLLM samples."""
     requests = random_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, prefix_len, seed)
@@ -157,8 +173,9 @@ def random_mm_requests(tokenizer, num_prompts: int, input_len: int, output_len: 
     return requests
 
 
-def sharegpt_requests(path: str, tokenizer, num_prompts: int, output_len: int | None = None,
-                      seed: int = 0) -> list[BenchRequest]:
+def sharegpt_requests(
+    path: str, tokenizer, num_prompts: int, output_len: int | None = None, seed: int = 0
+) -> list[BenchRequest]:
     """First human turn as the prompt, the reply's length as the output length; vLLM's filters (prompt and
     reply of at least 4 tokens, prompt at most 1024, both at most 2048)."""
     conversations = [c for c in json.loads(Path(path).read_text()) if len(c.get("conversations", [])) >= 2]
@@ -189,9 +206,15 @@ def jsonl_requests(path: str, tokenizer, num_prompts: int, output_len: int) -> l
         row = json.loads(line)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{number}: each line must be an object with a string 'prompt'")
-        requests.append(BenchRequest(row["prompt"], len(tokenizer.encode(row["prompt"], add_special_tokens=False)),
-                                     int(row.get("output_len", output_len)), media_urls(row.get("images", [])),
-                                     media_urls(row.get("videos", []))))
+        requests.append(
+            BenchRequest(
+                row["prompt"],
+                len(tokenizer.encode(row["prompt"], add_special_tokens=False)),
+                int(row.get("output_len", output_len)),
+                media_urls(row.get("images", [])),
+                media_urls(row.get("videos", [])),
+            )
+        )
         if len(requests) == num_prompts:
             break
     if not requests:
@@ -202,5 +225,6 @@ def jsonl_requests(path: str, tokenizer, num_prompts: int, output_len: int) -> l
 def media_urls(values: list) -> list[str]:
     """URLs as given; a plain path becomes a file:// URL (the server must allow its folder:
     --allowed-local-media-path)."""
-    return [value if "://" in value or value.startswith("data:") else Path(value).resolve().as_uri()
-            for value in values]
+    return [
+        value if "://" in value or value.startswith("data:") else Path(value).resolve().as_uri() for value in values
+    ]

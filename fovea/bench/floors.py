@@ -46,15 +46,24 @@ def decode_step_bytes(config: ModelConfig, batch: int, mean_context: float, dtyp
     return (layers + lm_head) * dtype_bytes + batch * mean_context * kv_per_token
 
 
-def workload_floor(config: ModelConfig, hw: Hardware, input_len: int, output_len: int, num_prompts: int,
-                   max_num_seqs: int = 256, image_patches: int = 0, dtype_bytes: int = 2) -> dict[str, float]:
+def workload_floor(
+    config: ModelConfig,
+    hw: Hardware,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    max_num_seqs: int = 256,
+    image_patches: int = 0,
+    dtype_bytes: int = 2,
+) -> dict[str, float]:
     """Seconds: prefill (+ images), decode, total; and the mean decode-step floor (the TPOT floor) in ms.
     input_len counts every prompt token, image tokens included."""
     layers, lm_head = lm_matmul_params(config)
     t = config.text
     attn_width = t.num_heads * t.head_dim
-    prefill = num_prompts * (2 * layers * input_len + 2 * lm_head
-                             + 4 * t.num_layers * attn_width * input_len * input_len / 2)
+    prefill = num_prompts * (
+        2 * layers * input_len + 2 * lm_head + 4 * t.num_layers * attn_width * input_len * input_len / 2
+    )
     if image_patches:
         prefill += num_prompts * vision_flops(config, image_patches)
     prefill_s = prefill / hw.matmul_flops
@@ -65,9 +74,14 @@ def workload_floor(config: ModelConfig, hw: Hardware, input_len: int, output_len
         for i in range(1, output_len):  # the prefill step samples the first token
             context = input_len + i
             flops = batch * (2 * (layers + lm_head) + 4 * t.num_layers * attn_width * context)
-            decode_s += max(flops / hw.matmul_flops,
-                            decode_step_bytes(config, batch, context, dtype_bytes) / hw.bandwidth)
+            decode_s += max(
+                flops / hw.matmul_flops, decode_step_bytes(config, batch, context, dtype_bytes) / hw.bandwidth
+            )
             steps += 1
         remaining -= batch
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
-            "tpot_floor_ms": 1000 * decode_s / max(steps, 1)}
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "total_s": prefill_s + decode_s,
+        "tpot_floor_ms": 1000 * decode_s / max(steps, 1),
+    }

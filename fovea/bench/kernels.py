@@ -51,8 +51,10 @@ def _rates(quick: bool) -> dict:
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     src = torch.randn(((64 if quick else 4096) << 20) // 2, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    return {"matmul_tflops": 2 * n**3 / timed_ms(lambda: a @ b) / 1e9,
-            "copy_tb_s": 2 * src.numel() * 2 / timed_ms(lambda: dst.copy_(src)) / 1e9}
+    return {
+        "matmul_tflops": 2 * n**3 / timed_ms(lambda: a @ b) / 1e9,
+        "copy_tb_s": 2 * src.numel() * 2 / timed_ms(lambda: dst.copy_(src)) / 1e9,
+    }
 
 
 def paged_decode_inputs(batch: int, context: int, device: str, dtype=torch.bfloat16):
@@ -60,7 +62,7 @@ def paged_decode_inputs(batch: int, context: int, device: str, dtype=torch.bfloa
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = batch * blocks_per_seq + 1
     cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
-    tables = (torch.randperm(num_blocks - 1, device=device)[:batch * blocks_per_seq] + 1).to(torch.int32)
+    tables = (torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq] + 1).to(torch.int32)
     tables = tables.view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     last = context - 1
@@ -69,8 +71,18 @@ def paged_decode_inputs(batch: int, context: int, device: str, dtype=torch.bfloa
     k, v = (torch.randn(batch, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(2))
 
     def meta(backend):
-        return PagedAttentionMetadata(backend, slots, torch.arange(batch + 1, dtype=torch.int32, device=device),
-                                      seq_lens, tables, 1, context, BLOCK, [cache])
+        return PagedAttentionMetadata(
+            backend,
+            slots,
+            torch.arange(batch + 1, dtype=torch.int32, device=device),
+            seq_lens,
+            tables,
+            1,
+            context,
+            BLOCK,
+            [cache],
+        )
+
     return q, k, v, cache, meta
 
 
@@ -78,8 +90,7 @@ def ours_decode(config=(64, None, None)):
     from fovea.attention.triton_paged import TritonAttention
 
     block_n, warps, stages = config
-    return TritonAttention(group=Q_HEADS // KV_HEADS, decode_block_n=block_n, decode_warps=warps,
-                           decode_stages=stages)
+    return TritonAttention(group=Q_HEADS // KV_HEADS, decode_block_n=block_n, decode_warps=warps, decode_stages=stages)
 
 
 def flashinfer_decode(q, cache, meta_fn):
@@ -91,16 +102,26 @@ def flashinfer_decode(q, cache, meta_fn):
     last_page = ((meta.seq_lens - 1) % BLOCK + 1).to(torch.int32)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-    wrapper.plan(indptr, meta.block_tables.flatten(), last_page, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK,
-                 q_data_type=q.dtype, kv_data_type=cache.dtype)
+    wrapper.plan(
+        indptr,
+        meta.block_tables.flatten(),
+        last_page,
+        Q_HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        BLOCK,
+        q_data_type=q.dtype,
+        kv_data_type=cache.dtype,
+    )
     return lambda: wrapper.run(q, (cache[0], cache[1]))
 
 
 def bench_decode(quick: bool, bandwidth: float, device: str) -> list[dict]:
     rows = []
     for batch, context in [(2, 64)] if quick else DECODE_CASES:
-        rows += decode_case(batch, context, sweep=not quick and (batch, context) in DECODE_SWEEP,
-                            bandwidth=bandwidth, device=device)
+        rows += decode_case(
+            batch, context, sweep=not quick and (batch, context) in DECODE_SWEEP, bandwidth=bandwidth, device=device
+        )
     return rows
 
 
@@ -115,18 +136,25 @@ def decode_case(batch: int, context: int, sweep: bool, bandwidth: float, device:
         meta = meta_fn(backend)
 
         def run(backend=backend, meta=meta):
-            return backend.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5)
+            return backend.forward(q, k, v, cache, meta, HEAD_DIM**-0.5)
+
         out = run()
         reference = out if reference is None else reference
         rows.append(row("decode", name, batch, context, timed_ms(run), kv_bytes, bandwidth, out, reference))
     if device == "cuda":
         try:
             fn = flashinfer_decode(q, cache, meta_fn)
-            rows.append(row("decode", "flashinfer", batch, context, timed_ms(fn), kv_bytes, bandwidth, fn(),
-                            reference))
+            rows.append(row("decode", "flashinfer", batch, context, timed_ms(fn), kv_bytes, bandwidth, fn(), reference))
         except Exception as exc:  # noqa: BLE001 - not installed, or its compile failed: say so, go on
-            rows.append({"kind": "decode", "impl": "flashinfer", "batch": batch, "context": context,
-                         "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            rows.append(
+                {
+                    "kind": "decode",
+                    "impl": "flashinfer",
+                    "batch": batch,
+                    "context": context,
+                    "error": f"{type(exc).__name__}: {str(exc)[:200]}",
+                }
+            )
     return rows
 
 
@@ -134,8 +162,16 @@ def row(kind, impl, batch, context, ms, work, limit, out, reference) -> dict:
     """work: bytes (decode; limit: bytes/s) or FLOPs (limit: FLOP/s)."""
     achieved = work / (ms / 1e3)
     error = float((out.float() - reference.float()).norm() / reference.float().norm())
-    return {"kind": kind, "impl": impl, "batch": batch, "context": context, "ms": ms, "achieved": achieved,
-            "of_limit": achieved / limit, "rel_diff_vs_first": error}
+    return {
+        "kind": kind,
+        "impl": impl,
+        "batch": batch,
+        "context": context,
+        "ms": ms,
+        "achieved": achieved,
+        "of_limit": achieved / limit,
+        "rel_diff_vs_first": error,
+    }
 
 
 def bench_prefill(quick: bool, rate: float, device: str) -> list[dict]:
@@ -149,20 +185,35 @@ def bench_prefill(quick: bool, rate: float, device: str) -> list[dict]:
     flops = 4 * Q_HEADS * HEAD_DIM * length * length / 2  # causal: half the scores
     rows, reference = [], None
     configs = [(64, 64, None), (128, 64, 8), (128, 32, 4), (128, 128, 8), (64, 32, 4)]
-    for prefill_rows, block_n, warps in (configs[:1] if quick else configs):
-        backend = TritonAttention(group=Q_HEADS // KV_HEADS, block_n=block_n, prefill_rows=prefill_rows,
-                                  prefill_warps=warps)
+    for prefill_rows, block_n, warps in configs[:1] if quick else configs:
+        backend = TritonAttention(
+            group=Q_HEADS // KV_HEADS, block_n=block_n, prefill_rows=prefill_rows, prefill_warps=warps
+        )
         meta = meta_fn(backend)
         backend.prepare(meta)
-        fn = lambda: backend.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5)  # noqa: E731
+        fn = lambda: backend.forward(q, k, v, cache, meta, HEAD_DIM**-0.5)  # noqa: E731
         out = fn()
         reference = out if reference is None else reference
-        rows.append(row("prefill", f"ours rows{prefill_rows} n{block_n} w{warps}", 1, length, timed_ms(fn), flops,
-                        rate, out, reference))
+        rows.append(
+            row(
+                "prefill",
+                f"ours rows{prefill_rows} n{block_n} w{warps}",
+                1,
+                length,
+                timed_ms(fn),
+                flops,
+                rate,
+                out,
+                reference,
+            )
+        )
     group = Q_HEADS // KV_HEADS  # K and V expanded to every query head once, outside the timing
     qt, kt, vt = (x.repeat_interleave(h, 1).transpose(0, 1)[None] for x, h in ((q, 1), (k, group), (v, group)))
-    for name, kernel in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
-                         ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    for name, kernel in (
+        ("sdpa flash", SDPBackend.FLASH_ATTENTION),
+        ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
         try:
             with sdpa_kernel(kernel):
                 fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
@@ -193,6 +244,7 @@ def paged_prefill_inputs(length: int, device: str):
 
     def meta(backend):
         return PagedAttentionMetadata(backend, slots, starts, lens, tables, length, length, BLOCK, [cache])
+
     return q, k, v, cache, meta
 
 
@@ -210,25 +262,30 @@ def bench_vision(quick: bool, rate: float, device: str) -> list[dict]:
         meta = AttentionMetadata.from_lengths(lengths, device)
         flops = sum(4 * heads * dim * n * n for n in lengths)
         tiles = tile_table(lengths).to(device)
-        impls = {"ours": lambda q=q, k=k, v=v, tiles=tiles: varlen_attention_triton(q, k, v, tiles, dim ** -0.5),
-                 "sdpa (grouped by length)": lambda q=q, k=k, v=v, meta=meta: varlen_attention(
-                     q, k, v, meta.cu_seqlens, meta.max_seqlen, False, dim ** -0.5, lengths=meta.lengths)}
+        impls = {
+            "ours": lambda q=q, k=k, v=v, tiles=tiles: varlen_attention_triton(q, k, v, tiles, dim**-0.5),
+            "sdpa (grouped by length)": lambda q=q, k=k, v=v, meta=meta: varlen_attention(
+                q, k, v, meta.cu_seqlens, meta.max_seqlen, False, dim**-0.5, lengths=meta.lengths
+            ),
+        }
         reference = None
         for name, fn in impls.items():
             out = fn()
             reference = out if reference is None else reference
-            rows.append(row(f"vision {layer}", name, len(lengths), patches, timed_ms(fn), flops, rate, out,
-                            reference))
+            rows.append(row(f"vision {layer}", name, len(lengths), patches, timed_ms(fn), flops, rate, out, reference))
     return rows
 
 
 def bench_kernels(out: str | None, quick: bool) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rates = measure_rates(quick)
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rates": rates,
-              "rows": bench_decode(quick, rates["copy_tb_s"] * 1e12, device)
-              + bench_prefill(quick, rates["matmul_tflops"] * 1e12, device)
-              + bench_vision(quick, rates["matmul_tflops"] * 1e12, device)}
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "rates": rates,
+        "rows": bench_decode(quick, rates["copy_tb_s"] * 1e12, device)
+        + bench_prefill(quick, rates["matmul_tflops"] * 1e12, device)
+        + bench_vision(quick, rates["matmul_tflops"] * 1e12, device),
+    }
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2))
@@ -239,7 +296,8 @@ def bench_kernels(out: str | None, quick: bool) -> dict:
             print(f"| {r['kind']} | {r['impl']} | {r.get('batch', '')} | {r.get('context', '')} | {r['error']} |")
             continue
         unit = f"{r['achieved'] / 1e12:.2f} TB/s" if r["kind"] == "decode" else f"{r['achieved'] / 1e12:.0f} TF/s"
-        print(f"| {r['kind']} | {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {unit} | "
-              f"{r['of_limit']:.0%} | {r['rel_diff_vs_first']:.1e} |")
+        print(
+            f"| {r['kind']} | {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {unit} | "
+            f"{r['of_limit']:.0%} | {r['rel_diff_vs_first']:.1e} |"
+        )
     return result
-

@@ -15,8 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-METRIC_TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
-                 "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
+METRIC_TITLES = {
+    "ttft": ("Time to First Token", "TTFT"),
+    "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+    "itl": ("Inter-token Latency", "ITL"),
+    "e2el": ("End-to-end Latency", "E2EL"),
+}
 
 
 @dataclass
@@ -72,17 +76,25 @@ def peaks(results: list[RequestResult]) -> tuple[float, float]:
     first = min(r.start_time for r in done)
     running = np.zeros(int(math.ceil(max(r.start_time + r.latency for r in done) - first)) + 1)
     for r in done:
-        running[int(r.start_time - first):int(r.start_time + r.latency - first) + 1] += 1
+        running[int(r.start_time - first) : int(r.start_time + r.latency - first) + 1] += 1
     return float(chunks_per_second(done).max()), float(running.max())
 
 
-def compute_metrics(results: list[RequestResult], duration: float, goodput: dict[str, float] | None = None,
-                    selected: tuple[str, ...] = ("ttft", "tpot", "itl"),
-                    percentiles: tuple[float, ...] = (99,)) -> dict:
+def compute_metrics(
+    results: list[RequestResult],
+    duration: float,
+    goodput: dict[str, float] | None = None,
+    selected: tuple[str, ...] = ("ttft", "tpot", "itl"),
+    percentiles: tuple[float, ...] = (99,),
+) -> dict:
     """The result dict with vLLM's field names; latencies in milliseconds."""
     done = [r for r in results if r.success]
-    values = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.tpot is not None],
-              "itl": [gap for r in done for gap in r.itl], "e2el": [r.latency for r in done]}
+    values = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.latency for r in done],
+    }
     total_input = sum(r.prompt_len for r in done)
     total_output = sum(r.output_tokens or 0 for r in done)
     good = 0
@@ -91,12 +103,19 @@ def compute_metrics(results: list[RequestResult], duration: float, goodput: dict
             mine = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.latency}
             good += all(mine[name] * 1000 <= limit for name, limit in goodput.items())
     peak_tokens, peak_running = peaks(results)
-    metrics = {"duration": duration, "completed": len(done), "failed": len(results) - len(done),
-               "total_input_tokens": total_input, "total_output_tokens": total_output,
-               "request_throughput": len(done) / duration, "request_goodput": good / duration if goodput else None,
-               "output_throughput": total_output / duration,
-               "total_token_throughput": (total_input + total_output) / duration,
-               "max_output_tokens_per_s": peak_tokens, "max_concurrent_requests": peak_running}
+    metrics = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(done) / duration,
+        "request_goodput": good / duration if goodput else None,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+        "max_output_tokens_per_s": peak_tokens,
+        "max_concurrent_requests": peak_running,
+    }
     for name in ("ttft", "tpot", "itl", "e2el"):
         ms = np.asarray(values[name] or [0.0]) * 1000
         metrics[f"mean_{name}_ms"] = float(ms.mean())
@@ -107,8 +126,9 @@ def compute_metrics(results: list[RequestResult], duration: float, goodput: dict
     return metrics
 
 
-def format_table(metrics: dict, selected: tuple[str, ...], percentiles: tuple[float, ...],
-                 max_concurrency: int | None = None) -> str:
+def format_table(
+    metrics: dict, selected: tuple[str, ...], percentiles: tuple[float, ...], max_concurrency: int | None = None
+) -> str:
     """The "Serving Benchmark Result" block, row for row as vLLM prints it."""
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
 

@@ -60,17 +60,30 @@ def compare(sizes: list[tuple[int, int]], iters: int, min_pixels: int = 3136, ma
         our_ms = time_ms(fovea_patches, iters)
         target = smart_resize(height, width, 28, **limits)[::-1]
         floor_ms = time_ms(lambda: Image.open(io.BytesIO(data)).convert("RGB").resize(target, Image.BICUBIC), iters)
-        rows.append({"size": f"{width}x{height}", "patches": int(mine.shape[0]), "hf_median_ms": hf_ms[0],
-                     "hf_min_ms": hf_ms[1], "fovea_median_ms": our_ms[0], "fovea_min_ms": our_ms[1],
-                     "speedup": hf_ms[0] / our_ms[0], "pil_floor_ms": floor_ms[0]})
+        rows.append(
+            {
+                "size": f"{width}x{height}",
+                "patches": int(mine.shape[0]),
+                "hf_median_ms": hf_ms[0],
+                "hf_min_ms": hf_ms[1],
+                "fovea_median_ms": our_ms[0],
+                "fovea_min_ms": our_ms[1],
+                "speedup": hf_ms[0] / our_ms[0],
+                "pil_floor_ms": floor_ms[0],
+            }
+        )
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'image':>10} {'patches':>8} {'hf ms (median/min)':>20} {'fovea ms (median/min)':>22} "
-             f"{'speed-up':>9} {'PIL decode+resize ms':>21}"]
+    lines = [
+        f"{'image':>10} {'patches':>8} {'hf ms (median/min)':>20} {'fovea ms (median/min)':>22} "
+        f"{'speed-up':>9} {'PIL decode+resize ms':>21}"
+    ]
     for r in rows:
-        lines.append(f"{r['size']:>10} {r['patches']:>8} {r['hf_median_ms']:>11.1f} / {r['hf_min_ms']:<7.1f} "
-                     f"{r['fovea_median_ms']:>12.1f} / {r['fovea_min_ms']:<8.1f} {r['speedup']:>8.2f}x "
-                     f"{r['pil_floor_ms']:>21.1f}")
+        lines.append(
+            f"{r['size']:>10} {r['patches']:>8} {r['hf_median_ms']:>11.1f} / {r['hf_min_ms']:<7.1f} "
+            f"{r['fovea_median_ms']:>12.1f} / {r['fovea_min_ms']:<8.1f} {r['speedup']:>8.2f}x "
+            f"{r['pil_floor_ms']:>21.1f}"
+        )
     return "\n".join(lines)

@@ -50,14 +50,20 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
     processor = Qwen2VLImageProcessorPil.from_pretrained(model)
-    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
-                   "float16": torch.float16}[dtype]
+    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype
+    ]
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=torch_dtype).to(device).eval()
     image_token = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     hf.generation_config = GenerationConfig(do_sample=False, pad_token_id=tokenizer.pad_token_id or 151643)
-    templated = [tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}] * len(r.images) + [{"type": "text", "text": r.prompt}]}],
-        tokenize=False, add_generation_prompt=True) for r in requests]
+    templated = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}] * len(r.images) + [{"type": "text", "text": r.prompt}]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for r in requests
+    ]
     urls = [url for r in requests for url in r.images]
     new_tokens = lengths.pop()
 
@@ -67,35 +73,54 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
         extra = {}
         if urls:
             features = processor(images=[load_image(u) for u in urls], return_tensors="pt")
-            counts = iter((features["image_grid_thw"].prod(-1) // processor.merge_size ** 2).tolist())
+            counts = iter((features["image_grid_thw"].prod(-1) // processor.merge_size**2).tolist())
             # one placeholder per image in the template; the model wants one per image token
             texts = [re.sub(re.escape(IMAGE_PAD), lambda _: IMAGE_PAD * next(counts), t) for t in templated]
-            extra = {"pixel_values": features["pixel_values"].to(device, hf.dtype),
-                     "image_grid_thw": features["image_grid_thw"].to(device)}
+            extra = {
+                "pixel_values": features["pixel_values"].to(device, hf.dtype),
+                "image_grid_thw": features["image_grid_thw"].to(device),
+            }
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         batch["mm_token_type_ids"] = (batch["input_ids"] == image_token).long()
         out = hf.generate(**batch, **extra, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        return out[:, batch["input_ids"].shape[1]:].tolist()
+        return out[:, batch["input_ids"].shape[1] :].tolist()
 
     return run
 
 
 def throughput(model: str, requests: list[BenchRequest], backend: str, engine_args: dict) -> dict:
-    run = (fovea_runner(model, requests, engine_args) if backend == "fovea"
-           else hf_runner(model, requests, engine_args.get("dtype", "auto")))
+    run = (
+        fovea_runner(model, requests, engine_args)
+        if backend == "fovea"
+        else hf_runner(model, requests, engine_args.get("dtype", "auto"))
+    )
     start = time.perf_counter()
     outputs = run()
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o) for o in outputs)
     prompt_tokens = sum(r.prompt_len for r in requests)
-    return {"backend": backend, "elapsed_time": elapsed, "num_requests": len(requests),
-            "total_num_tokens": prompt_tokens + output_tokens, "output_tokens": output_tokens,
-            "requests_per_second": len(requests) / elapsed, "tokens_per_second": (prompt_tokens + output_tokens)
-            / elapsed, "output_tokens_per_second": output_tokens / elapsed, "outputs": outputs}
+    return {
+        "backend": backend,
+        "elapsed_time": elapsed,
+        "num_requests": len(requests),
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "output_tokens": output_tokens,
+        "requests_per_second": len(requests) / elapsed,
+        "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        "outputs": outputs,
+    }
 
 
-def latency(model: str, input_len: int, output_len: int, batch_size: int, num_iters: int, num_iters_warmup: int,
-            engine_args: dict) -> dict:
+def latency(
+    model: str,
+    input_len: int,
+    output_len: int,
+    batch_size: int,
+    num_iters: int,
+    num_iters_warmup: int,
+    engine_args: dict,
+) -> dict:
     from fovea import LLM, SamplingParams
 
     llm = LLM(model, **engine_args)

@@ -26,13 +26,23 @@ def request_body(request: BenchRequest, endpoint: str, model: str, extra_body: d
         content = [{"type": "text", "text": request.prompt}]
         content += [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
         content += [{"type": "video_url", "video_url": {"url": url}} for url in request.videos]
-        body = {"model": model, "messages": [{"role": "user", "content": content}],
-                "max_completion_tokens": request.output_len, **stream}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_completion_tokens": request.output_len,
+            **stream,
+        }
     elif request.images or request.videos:
         raise ValueError("images and videos need --backend openai-chat (--endpoint /v1/chat/completions)")
     else:
-        body = {"model": model, "prompt": request.prompt, "repetition_penalty": 1.0,
-                "max_tokens": request.output_len, "logprobs": None, **stream}
+        body = {
+            "model": model,
+            "prompt": request.prompt,
+            "repetition_penalty": 1.0,
+            "max_tokens": request.output_len,
+            "logprobs": None,
+            **stream,
+        }
     if ignore_eos:
         body["ignore_eos"] = True
     return {**body, **extra_body}
@@ -77,18 +87,31 @@ async def send(session, url: str, body: dict, headers: dict, result: RequestResu
     return result
 
 
-async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
-                   rng: np.random.Generator) -> AsyncIterator[BenchRequest]:
+async def arrivals(
+    requests: list[BenchRequest], rate: float, burstiness: float, rng: np.random.Generator
+) -> AsyncIterator[BenchRequest]:
     for request in requests:
         yield request
         if rate != float("inf"):
             await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
 
 
-async def run(requests: list[BenchRequest], base_url: str, endpoint: str, model: str, *, request_rate: float,
-              burstiness: float = 1.0, max_concurrency: int | None = None, extra_body: dict | None = None,
-              ignore_eos: bool = False, num_warmups: int = 0, api_key: str | None = None, seed: int = 0,
-              progress: bool = True) -> tuple[list[RequestResult], float]:
+async def run(
+    requests: list[BenchRequest],
+    base_url: str,
+    endpoint: str,
+    model: str,
+    *,
+    request_rate: float,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    extra_body: dict | None = None,
+    ignore_eos: bool = False,
+    num_warmups: int = 0,
+    api_key: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RequestResult], float]:
     """Sends `requests`; returns their results (in order) and the benchmark's duration in seconds."""
     try:
         import aiohttp

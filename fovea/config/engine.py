@@ -101,8 +101,14 @@ class EngineConfig:
         return cls.build(model_dir, **args)
 
     @classmethod
-    def build(cls, model_dir: Path, dtype: str | torch.dtype = default("dtype"), device: str = "auto",
-              max_model_len: int | None = default("max_model_len"), **options) -> EngineConfig:
+    def build(
+        cls,
+        model_dir: Path,
+        dtype: str | torch.dtype = default("dtype"),
+        device: str = "auto",
+        max_model_len: int | None = default("max_model_len"),
+        **options,
+    ) -> EngineConfig:
         model = ModelConfig.from_dir(model_dir)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,8 +120,15 @@ class EngineConfig:
         elif max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         options["mm_buckets"] = parse_buckets(options.get("mm_buckets"), model.image.encoder_unit)
-        config = cls(model_dir=Path(model_dir), model=model, dtype=torch_dtype, device=torch.device(device),
-                     max_model_len=max_model_len, max_model_len_from_model=max_model_len_from_model, **options)
+        config = cls(
+            model_dir=Path(model_dir),
+            model=model,
+            dtype=torch_dtype,
+            device=torch.device(device),
+            max_model_len=max_model_len,
+            max_model_len_from_model=max_model_len_from_model,
+            **options,
+        )
         if config.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
         if config.generation_config not in ("auto", "vllm") and not Path(config.generation_config).is_dir():
@@ -147,8 +160,10 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     """Fails at start-up, with the numbers, when the model cannot be split over tensor_parallel_size ranks."""
     size, text, vision = config.tensor_parallel_size, config.model.text, config.model.vision
     if size < 1 or config.data_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
-                         f"{config.data_parallel_size}")
+        raise ValueError(
+            f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
+            f"{config.data_parallel_size}"
+        )
     if config.mm_encoder_tp_mode not in ("weights", "data"):
         raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {config.mm_encoder_tp_mode!r}")
     if config.distributed_executor_backend not in (None, "mp", "ray"):
@@ -159,15 +174,25 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     for what, count in split:
         if count % size:
             hint = " (or --mm-encoder-tp-mode data: the vision tower whole on every rank)" if "vision" in what else ""
-            raise ValueError(f"the model's {what} ({count}) do not divide over tensor_parallel_size {size}; "
-                             f"choose a size that divides it{hint}")
+            raise ValueError(
+                f"the model's {what} ({count}) do not divide over tensor_parallel_size {size}; "
+                f"choose a size that divides it{hint}"
+            )
     kv = text.num_kv_heads
     if (kv >= size and kv % size) or (kv < size and size % kv):
-        raise ValueError(f"the model's {kv} KV heads cannot be split or replicated over tensor_parallel_size "
-                         f"{size}: one must divide the other")
+        raise ValueError(
+            f"the model's {kv} KV heads cannot be split or replicated over tensor_parallel_size "
+            f"{size}: one must divide the other"
+        )
     gpus = size * config.data_parallel_size
-    if gpus > 1 and config.device.type == "cuda" and gpus > torch.cuda.device_count() \
-            and config.distributed_executor_backend != "ray":
-        raise ValueError(f"tensor_parallel_size {size} x data_parallel_size {config.data_parallel_size} needs "
-                         f"{gpus} GPUs, this machine has {torch.cuda.device_count()}; use "
-                         "--distributed-executor-backend ray for several nodes")
+    if (
+        gpus > 1
+        and config.device.type == "cuda"
+        and gpus > torch.cuda.device_count()
+        and config.distributed_executor_backend != "ray"
+    ):
+        raise ValueError(
+            f"tensor_parallel_size {size} x data_parallel_size {config.data_parallel_size} needs "
+            f"{gpus} GPUs, this machine has {torch.cuda.device_count()}; use "
+            "--distributed-executor-backend ray for several nodes"
+        )

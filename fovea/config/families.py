@@ -16,16 +16,21 @@ from fovea.config.image import ImageProcessorConfig
 from fovea.config.model import ModelConfig, TextConfig, VisionConfig, resolve_dtype
 
 # config.json files without `architectures` are named by their model_type
-MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-               "llava": "LlavaForConditionalGeneration"}
+MODEL_TYPES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+}
 
 
 def architecture_of(raw: dict) -> str:
     names = raw.get("architectures") or [MODEL_TYPES.get(raw.get("model_type"), str(raw.get("model_type")))]
     supported = [name for name in names if name in PARSERS]
     if not supported:
-        raise ValueError(f"unsupported architecture {names[0]!r} (model_type {raw.get('model_type')!r}); fovea runs "
-                         f"{', '.join(sorted(PARSERS))}")
+        raise ValueError(
+            f"unsupported architecture {names[0]!r} (model_type {raw.get('model_type')!r}); fovea runs "
+            f"{', '.join(sorted(PARSERS))}"
+        )
     return supported[0]
 
 
@@ -58,20 +63,26 @@ def parse_text(raw: dict, mrope: bool, attention_bias: bool, defaults: dict | No
             raise ValueError(f"rope scaling {rope} is not supported; fovea runs the default RoPE")
         section = (head_dim // 2, 0, 0)  # every frequency reads the first position axis: 1-D RoPE
     return TextConfig(
-        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1e6)),
         mrope_section=tuple(section),
-        max_position_embeddings=raw.get("max_position_embeddings", 128000), attention_bias=attention_bias,
+        max_position_embeddings=raw.get("max_position_embeddings", 128000),
+        attention_bias=attention_bias,
     )
 
 
 def checkpoint_dtype(raw: dict) -> torch.dtype:
     text = raw.get("text_config") or {}
-    return resolve_dtype(raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype")
-                         or text.get("dtype") or "bfloat16")
+    return resolve_dtype(
+        raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    )
 
 
 def eos_ids(eos) -> tuple[int, ...]:
@@ -85,28 +96,44 @@ def parse_qwen2_5_vl(raw: dict, preprocessor: dict) -> ModelConfig:
     text = parse_text(text_keys(raw), mrope=True, attention_bias=True)
     vision = raw.get("vision_config") or {}
     rope = vision.get("rope_parameters") or {}
-    return qwen_model_config(raw, preprocessor, text, VisionConfig(
-        depth=vision.get("depth", 32), hidden_size=vision.get("hidden_size", 1280),
-        intermediate_size=vision.get("intermediate_size", 3420), num_heads=vision.get("num_heads", 16),
-        in_channels=vision.get("in_channels", vision.get("in_chans", 3)), patch_size=vision.get("patch_size", 14),
-        temporal_patch_size=vision.get("temporal_patch_size", 2),
-        spatial_merge_size=vision.get("spatial_merge_size", 2), window_size=vision.get("window_size", 112),
-        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        out_hidden_size=vision.get("out_hidden_size", text.hidden_size),
-        tokens_per_second=vision.get("tokens_per_second", 2), rope_theta=rope.get("rope_theta", 10000.0)))
+    return qwen_model_config(
+        raw,
+        preprocessor,
+        text,
+        VisionConfig(
+            depth=vision.get("depth", 32),
+            hidden_size=vision.get("hidden_size", 1280),
+            intermediate_size=vision.get("intermediate_size", 3420),
+            num_heads=vision.get("num_heads", 16),
+            in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+            patch_size=vision.get("patch_size", 14),
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
+            spatial_merge_size=vision.get("spatial_merge_size", 2),
+            window_size=vision.get("window_size", 112),
+            fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+            out_hidden_size=vision.get("out_hidden_size", text.hidden_size),
+            tokens_per_second=vision.get("tokens_per_second", 2),
+            rope_theta=rope.get("rope_theta", 10000.0),
+        ),
+    )
 
 
 def qwen_model_config(raw: dict, preprocessor: dict, text: TextConfig, vision: VisionConfig) -> ModelConfig:
     """The settings Qwen2-VL and Qwen2.5-VL share: special tokens, image processor, M-RoPE."""
     keys = text_keys(raw)
     return ModelConfig(
-        architecture=architecture_of(raw), text=text, vision=vision,
+        architecture=architecture_of(raw),
+        text=text,
+        vision=vision,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", keys.get("tie_word_embeddings", False))),
-        torch_dtype=checkpoint_dtype(raw), image_token_id=raw.get("image_token_id", 151655),
+        torch_dtype=checkpoint_dtype(raw),
+        image_token_id=raw.get("image_token_id", 151655),
         video_token_id=raw.get("video_token_id", 151656),
         vision_start_token_id=raw.get("vision_start_token_id", 151652),
         vision_end_token_id=raw.get("vision_end_token_id", 151653),
-        eos_token_ids=eos_ids(keys.get("eos_token_id", 151645)), image=ImageProcessorConfig.dynamic(preprocessor))
+        eos_token_ids=eos_ids(keys.get("eos_token_id", 151645)),
+        image=ImageProcessorConfig.dynamic(preprocessor),
+    )
 
 
 def parse_qwen2_vl(raw: dict, preprocessor: dict) -> ModelConfig:
@@ -114,36 +141,75 @@ def parse_qwen2_vl(raw: dict, preprocessor: dict) -> ModelConfig:
     vision = raw.get("vision_config") or {}
     width, depth = vision.get("embed_dim", 1280), vision.get("depth", 32)
     patch, merge = vision.get("patch_size", 14), vision.get("spatial_merge_size", 2)
-    return qwen_model_config(raw, preprocessor, text, VisionConfig(
-        depth=depth, hidden_size=width, intermediate_size=int(width * vision.get("mlp_ratio", 4)),
-        num_heads=vision.get("num_heads", 16), in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
-        patch_size=patch, temporal_patch_size=vision.get("temporal_patch_size", 2), spatial_merge_size=merge,
-        window_size=patch * merge, fullatt_block_indexes=tuple(range(depth)),  # every block attends per frame
-        out_hidden_size=vision.get("hidden_size", text.hidden_size), tokens_per_second=None,
-        rope_theta=(vision.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-        hidden_act=vision.get("hidden_act", "quick_gelu")))
+    return qwen_model_config(
+        raw,
+        preprocessor,
+        text,
+        VisionConfig(
+            depth=depth,
+            hidden_size=width,
+            intermediate_size=int(width * vision.get("mlp_ratio", 4)),
+            num_heads=vision.get("num_heads", 16),
+            in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+            patch_size=patch,
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
+            spatial_merge_size=merge,
+            window_size=patch * merge,
+            fullatt_block_indexes=tuple(range(depth)),  # every block attends per frame
+            out_hidden_size=vision.get("hidden_size", text.hidden_size),
+            tokens_per_second=None,
+            rope_theta=(vision.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            hidden_act=vision.get("hidden_act", "quick_gelu"),
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ LLaVA
 
-LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048)
-CLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                     image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5, num_channels=3)
-LLAVA_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                    image_size=336, patch_size=14)  # LlavaConfig's tower when config.json names none
+LLAMA_DEFAULTS = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=2048,
+)
+CLIP_DEFAULTS = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    image_size=224,
+    patch_size=32,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+    num_channels=3,
+)
+LLAVA_VISION = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    image_size=336,
+    patch_size=14,
+)  # LlavaConfig's tower when config.json names none
 
 
 def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
     text_raw = text_keys(raw)
-    text = parse_text(text_raw, mrope=False, attention_bias=bool(text_raw.get("attention_bias", False)),
-                      defaults=LLAMA_DEFAULTS)
+    text = parse_text(
+        text_raw, mrope=False, attention_bias=bool(text_raw.get("attention_bias", False)), defaults=LLAMA_DEFAULTS
+    )
     given = raw.get("vision_config")
     vision = {**CLIP_DEFAULTS, **(LLAVA_VISION if given is None else {}), **(given or {})}
     layer, strategy = raw.get("vision_feature_layer", -2), raw.get("vision_feature_select_strategy", "default")
     if not isinstance(layer, int) or strategy != "default":
-        raise ValueError(f"vision_feature_layer {layer!r} with select strategy {strategy!r} is not supported: fovea "
-                         "runs one feature layer with the class token dropped ('default')")
+        raise ValueError(
+            f"vision_feature_layer {layer!r} with select strategy {strategy!r} is not supported: fovea "
+            "runs one feature layer with the class token dropped ('default')"
+        )
     layers = vision["num_hidden_layers"]
     used = layer if layer >= 0 else layers + 1 + layer  # hidden_states[0] is the embeddings' output
     if not 0 < used <= layers:
@@ -153,18 +219,40 @@ def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
         raise ValueError(f"the vision tower's image_size {side} is not a multiple of its patch_size {patch}")
     image_token = raw.get("image_token_id", raw.get("image_token_index", 32000))
     return ModelConfig(
-        architecture="LlavaForConditionalGeneration", text=text,
+        architecture="LlavaForConditionalGeneration",
+        text=text,
         vision=VisionConfig(
-            depth=used, hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
-            num_heads=vision["num_attention_heads"], in_channels=vision["num_channels"], patch_size=patch,
-            temporal_patch_size=1, spatial_merge_size=1, window_size=0, fullatt_block_indexes=(),
-            out_hidden_size=text.hidden_size, tokens_per_second=None, rope_theta=0.0,
-            hidden_act=vision["hidden_act"], norm_eps=vision["layer_norm_eps"], image_size=side),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), torch_dtype=checkpoint_dtype(raw),
-        image_token_id=image_token, video_token_id=None, vision_start_token_id=None, vision_end_token_id=None,
+            depth=used,
+            hidden_size=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
+            num_heads=vision["num_attention_heads"],
+            in_channels=vision["num_channels"],
+            patch_size=patch,
+            temporal_patch_size=1,
+            spatial_merge_size=1,
+            window_size=0,
+            fullatt_block_indexes=(),
+            out_hidden_size=text.hidden_size,
+            tokens_per_second=None,
+            rope_theta=0.0,
+            hidden_act=vision["hidden_act"],
+            norm_eps=vision["layer_norm_eps"],
+            image_size=side,
+        ),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=checkpoint_dtype(raw),
+        image_token_id=image_token,
+        video_token_id=None,
+        vision_start_token_id=None,
+        vision_end_token_id=None,
         eos_token_ids=eos_ids(text_raw.get("eos_token_id", 2)),
-        image=ImageProcessorConfig.center_crop(preprocessor, patch, side), mrope=False)
+        image=ImageProcessorConfig.center_crop(preprocessor, patch, side),
+        mrope=False,
+    )
 
 
-PARSERS = {"Qwen2_5_VLForConditionalGeneration": parse_qwen2_5_vl, "Qwen2VLForConditionalGeneration": parse_qwen2_vl,
-           "LlavaForConditionalGeneration": parse_llava}
+PARSERS = {
+    "Qwen2_5_VLForConditionalGeneration": parse_qwen2_5_vl,
+    "Qwen2VLForConditionalGeneration": parse_qwen2_vl,
+    "LlavaForConditionalGeneration": parse_llava,
+}

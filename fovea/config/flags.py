@@ -39,26 +39,55 @@ class Flag:
 
 
 FLAGS = (
-    Flag("dtype", "auto", "weights and activations; auto: the checkpoint's (bf16 for fp32 ones on a GPU)",
-         choices=("auto", "bfloat16", "float16", "float32", "half", "float")),
-    Flag("max_model_len", None, "tokens per sequence: 32768, 32k (32000), 32K (32768), or auto (the model's own, "
-         "shortened to what the KV cache holds)", type=max_model_len_arg),
+    Flag(
+        "dtype",
+        "auto",
+        "weights and activations; auto: the checkpoint's (bf16 for fp32 ones on a GPU)",
+        choices=("auto", "bfloat16", "float16", "float32", "half", "float"),
+    ),
+    Flag(
+        "max_model_len",
+        None,
+        "tokens per sequence: 32768, 32k (32000), 32K (32768), or auto (the model's own, "
+        "shortened to what the KV cache holds)",
+        type=max_model_len_arg,
+    ),
     Flag("max_num_seqs", 256, "sequences running at once"),
     Flag("max_num_batched_tokens", 8192, "tokens per engine step (prompts are chunked to fit)"),
-    Flag("max_num_encoder_input_tokens", None, "image tokens handed to the vision encoder per step (default: "
-         "max-num-batched-tokens)", type=int),
+    Flag(
+        "max_num_encoder_input_tokens",
+        None,
+        "image tokens handed to the vision encoder per step (default: max-num-batched-tokens)",
+        type=int,
+    ),
     Flag("block_size", 16, "tokens per KV-cache block"),
     Flag("gpu_memory_utilization", 0.9, "this engine's share of the GPU's memory (weights, activations, KV cache)"),
-    Flag("kv_cache_memory_bytes", None, "KV-cache bytes per GPU, instead of sizing it by gpu-memory-utilization", type=int),
+    Flag(
+        "kv_cache_memory_bytes",
+        None,
+        "KV-cache bytes per GPU, instead of sizing it by gpu-memory-utilization",
+        type=int,
+    ),
     Flag("num_gpu_blocks_override", None, "KV-cache blocks, instead of the memory profile's count", type=int),
-    Flag("enable_prefix_caching", True, "reuse the KV cache of prompt prefixes (images included) seen before",
-         type=argparse.BooleanOptionalAction),
+    Flag(
+        "enable_prefix_caching",
+        True,
+        "reuse the KV cache of prompt prefixes (images included) seen before",
+        type=argparse.BooleanOptionalAction,
+    ),
     Flag("seed", 0, "seed of requests that set none"),
-    Flag("generation_config", "auto", "auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; "
-         "or a directory holding one"),
+    Flag(
+        "generation_config",
+        "auto",
+        "auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; or a directory holding one",
+    ),
     Flag("max_logprobs", 20, "most logprobs a request may ask for"),
-    Flag("attention_backend", "auto", "auto: our Triton kernels on CUDA, the PyTorch reference elsewhere",
-         choices=("auto", "torch", "triton")),
+    Flag(
+        "attention_backend",
+        "auto",
+        "auto: our Triton kernels on CUDA, the PyTorch reference elsewhere",
+        choices=("auto", "torch", "triton"),
+    ),
     Flag("enforce_eager", False, "no CUDA graphs"),
     Flag("mm_buckets", None, "vision encoder patch-count buckets, e.g. 1024,4096,16384", type=str),
     Flag("skip_warmup", False, "capture encoder buckets on first use"),
@@ -66,26 +95,58 @@ FLAGS = (
     Flag("fp32_softmax_vision", False, "vision-tower attention softmax in fp32"),
     # bounded by default: each image or video may need a full-size decode (up to 8192x8192; a video file up to
     # 256 MiB) in the front end, so an unbounded count is a CPU and memory lever for a single request
-    Flag("limit_mm_per_prompt", {"image": 16, "video": 2}, 'images and videos a prompt may hold, e.g. {"image": 4}',
-         "images", json_arg),
+    Flag(
+        "limit_mm_per_prompt",
+        {"image": 16, "video": 2},
+        'images and videos a prompt may hold, e.g. {"image": 4}',
+        "images",
+        json_arg,
+    ),
     Flag("mm_processor_kwargs", None, 'e.g. {"min_pixels": 3136, "max_pixels": 1003520}', "images", json_arg),
-    Flag("mm_processor_workers", None, "processes that decode and resize images (default: one per core, at most 8; 0: "
-         "in the front end's threads)", "images", int),
+    Flag(
+        "mm_processor_workers",
+        None,
+        "processes that decode and resize images (default: one per core, at most 8; 0: in the front end's threads)",
+        "images",
+        int,
+    ),
     Flag("tensor_parallel_size", 1, "GPUs (ranks) per engine", "parallelism", short="-tp"),
-    Flag("data_parallel_size", 1, "engine replicas behind a server, each tensor-parallel-size GPUs", "parallelism",
-         short="-dp"),
-    Flag("mm_encoder_tp_mode", "weights", "vision tower split over the ranks (weights) or whole on each, images shared out "
-         "(data)", "parallelism", choices=("weights", "data")),
-    Flag("distributed_executor_backend", None, "ranks and replicas as local processes (mp, default) or actors on a "
-         "running Ray cluster", "parallelism", str, choices=("mp", "ray")),
+    Flag(
+        "data_parallel_size",
+        1,
+        "engine replicas behind a server, each tensor-parallel-size GPUs",
+        "parallelism",
+        short="-dp",
+    ),
+    Flag(
+        "mm_encoder_tp_mode",
+        "weights",
+        "vision tower split over the ranks (weights) or whole on each, images shared out (data)",
+        "parallelism",
+        choices=("weights", "data"),
+    ),
+    Flag(
+        "distributed_executor_backend",
+        None,
+        "ranks and replicas as local processes (mp, default) or actors on a running Ray cluster",
+        "parallelism",
+        str,
+        choices=("mp", "ray"),
+    ),
     Flag("revision", None, "branch, tag or commit of a hub id", "hub", str),
     Flag("download_dir", None, "Hugging Face cache directory for hub ids", "hub", str),
     Flag("tokenizer", None, "must be the model's own (a separate one is not supported)", "hub", str),
 )
 BY_NAME = {flag.name: flag for flag in FLAGS}
 # what `fovea plan` can take into account, from config.json alone
-PLAN_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-              "tensor_parallel_size")
+PLAN_FLAGS = (
+    "dtype",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+)
 EVAL_FLAGS = ("dtype", "max_model_len", "max_num_seqs")  # laid over a registry entry's engine settings
 
 
@@ -131,12 +192,25 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", "-q", default=None, help="none yet: any value fails naming what is missing")
     group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
     group.add_argument("--mm-processor-cache-gb", type=float, default=None, help="0 only (no such cache yet)")
-    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                       help="accepted and logged: long prompts are always chunked")
-    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-frontend-multiprocessing",
-                 "--disable-custom-all-reduce", "--disable-mm-preprocessor-cache"):
-        group.add_argument(flag, action="store_true", default=None,  # None: not given, nothing to log
-                           help="accepted and logged: changes nothing here")
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="accepted and logged: long prompts are always chunked",
+    )
+    for flag in (
+        "--trust-remote-code",
+        "--disable-log-stats",
+        "--disable-frontend-multiprocessing",
+        "--disable-custom-all-reduce",
+        "--disable-mm-preprocessor-cache",
+    ):
+        group.add_argument(
+            flag,
+            action="store_true",
+            default=None,  # None: not given, nothing to log
+            help="accepted and logged: changes nothing here",
+        )
 
 
 def engine_kwargs(args: argparse.Namespace, names=None) -> dict:

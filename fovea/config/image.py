@@ -14,14 +14,17 @@ MAX_ASPECT_RATIO = 200
 VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels"}  # mm_processor_kwargs (multimodal/video.py)
 
 
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
-                 max_pixels: int = 28 * 28 * 1280) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280
+) -> tuple[int, int]:
     """Closest size with both sides multiples of `factor` and an area within [min_pixels, max_pixels]."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
-                         f"supported {MAX_ASPECT_RATIO} ({width}x{height})")
+        raise ValueError(
+            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
+            f"supported {MAX_ASPECT_RATIO} ({width}x{height})"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -40,8 +43,10 @@ def crop_resize(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
     if height <= 0 or width <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:  # a 1 x 10^5 image would resize to 10 GB
-        raise ValueError(f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
-                         f"supported {MAX_ASPECT_RATIO} ({width}x{height})")
+        raise ValueError(
+            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
+            f"supported {MAX_ASPECT_RATIO} ({width}x{height})"
+        )
     if width <= height:
         return int(shortest_edge * height / width), shortest_edge
     return shortest_edge, int(shortest_edge * width / height)
@@ -69,9 +74,12 @@ class ImageProcessorConfig:
         return cls(
             min_pixels=raw.get("min_pixels", size.get("shortest_edge", cls.min_pixels)),
             max_pixels=raw.get("max_pixels", size.get("longest_edge", cls.max_pixels)),
-            patch_size=raw.get("patch_size", 14), temporal_patch_size=raw.get("temporal_patch_size", 2),
+            patch_size=raw.get("patch_size", 14),
+            temporal_patch_size=raw.get("temporal_patch_size", 2),
             merge_size=raw.get("merge_size", 2),
-            image_mean=tuple(raw.get("image_mean", CLIP_MEAN)), image_std=tuple(raw.get("image_std", CLIP_STD)))
+            image_mean=tuple(raw.get("image_mean", CLIP_MEAN)),
+            image_std=tuple(raw.get("image_std", CLIP_STD)),
+        )
 
     @classmethod
     def center_crop(cls, raw: dict, patch_size: int, image_size: int) -> ImageProcessorConfig:
@@ -82,16 +90,26 @@ class ImageProcessorConfig:
         size = raw.get("size", image_size)
         shortest = size.get("shortest_edge", image_size) if isinstance(size, dict) else size
         if crop != image_size or raw.get("do_center_crop") is False:
-            raise ValueError(f"the vision tower takes {image_size}x{image_size} images but preprocessor_config.json "
-                             f"crops to {crop} (do_center_crop {raw.get('do_center_crop')})")
-        return cls(min_pixels=crop * crop, max_pixels=crop * crop, patch_size=patch_size, temporal_patch_size=1,
-                   merge_size=1, image_mean=tuple(raw.get("image_mean", CLIP_MEAN)),
-                   image_std=tuple(raw.get("image_std", CLIP_STD)), crop_size=crop, shortest_edge=shortest)
+            raise ValueError(
+                f"the vision tower takes {image_size}x{image_size} images but preprocessor_config.json "
+                f"crops to {crop} (do_center_crop {raw.get('do_center_crop')})"
+            )
+        return cls(
+            min_pixels=crop * crop,
+            max_pixels=crop * crop,
+            patch_size=patch_size,
+            temporal_patch_size=1,
+            merge_size=1,
+            image_mean=tuple(raw.get("image_mean", CLIP_MEAN)),
+            image_std=tuple(raw.get("image_std", CLIP_STD)),
+            crop_size=crop,
+            shortest_edge=shortest,
+        )
 
     @property
     def encoder_unit(self) -> int:
         """Patches a vision tower's input grows by: one merge group, or one whole image when all have one size."""
-        return (self.crop_size // self.patch_size) ** 2 if self.crop_size else self.merge_size ** 2
+        return (self.crop_size // self.patch_size) ** 2 if self.crop_size else self.merge_size**2
 
     def input_size(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) an image of this size reaches the vision tower at."""
@@ -107,12 +125,16 @@ class ImageProcessorConfig:
             return self
         unknown = set(overrides) - {"min_pixels", "max_pixels"} - VIDEO_ONLY_KWARGS
         if unknown:
-            raise ValueError(f"unsupported mm_processor_kwargs {sorted(unknown)}; supported: min_pixels, max_pixels, "
-                             f"and for videos {', '.join(sorted(VIDEO_ONLY_KWARGS))}")
+            raise ValueError(
+                f"unsupported mm_processor_kwargs {sorted(unknown)}; supported: min_pixels, max_pixels, "
+                f"and for videos {', '.join(sorted(VIDEO_ONLY_KWARGS))}"
+            )
         overrides = {key: value for key, value in overrides.items() if key not in VIDEO_ONLY_KWARGS}
         if overrides and self.crop_size:
-            raise ValueError(f"mm_processor_kwargs {sorted(overrides)} do not apply to this model: its images are "
-                             f"resized and cropped to {self.crop_size}x{self.crop_size}")
+            raise ValueError(
+                f"mm_processor_kwargs {sorted(overrides)} do not apply to this model: its images are "
+                f"resized and cropped to {self.crop_size}x{self.crop_size}"
+            )
         for key, value in overrides.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive integer, got {value!r}")

@@ -18,9 +18,16 @@ from fovea.config.image import ImageProcessorConfig
 
 logger = logging.getLogger("fovea")
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-           "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,
-           "float": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
 
 
 @dataclass(frozen=True)
@@ -61,12 +68,12 @@ class VisionConfig:
     @property
     def patch_dim(self) -> int:
         """Values in one flattened patch: channels x temporal x patch x patch (3*2*14*14 = 1176)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def frame_patch_dim(self) -> int:
         """Values in one patch of one frame (3*14*14 = 588): what a still image sends, see VisionPatchEmbed."""
-        return self.in_channels * self.patch_size ** 2
+        return self.in_channels * self.patch_size**2
 
     @property
     def window_merged(self) -> int:
@@ -95,8 +102,9 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
         preprocessor = Path(model_dir) / "preprocessor_config.json"
-        return cls.from_dict(json.loads(path.read_text()),
-                             json.loads(preprocessor.read_text()) if preprocessor.is_file() else {})
+        return cls.from_dict(
+            json.loads(path.read_text()), json.loads(preprocessor.read_text()) if preprocessor.is_file() else {}
+        )
 
     @classmethod
     def from_dict(cls, raw: dict, preprocessor: dict | None = None) -> ModelConfig:
@@ -151,11 +159,13 @@ def resolve_model_dir(model: str | Path | None, revision: str | None = None, dow
         pass
     fetch = f"Fetch it with `hf download {model}` where a network is available, or pass a local model directory."
     if constants.HF_HUB_OFFLINE:
-        raise FileNotFoundError(f"{model!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. "
-                                + fetch) from None
+        raise FileNotFoundError(
+            f"{model!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. " + fetch
+        ) from None
     logger.info("downloading %s from %s", model, constants.ENDPOINT)
     try:
         return Path(snapshot_download(**where))
     except Exception as error:  # noqa: BLE001 - no network, unknown repository, gated model, ...
-        raise FileNotFoundError(f"{model!r} could not be downloaded ({type(error).__name__}: "
-                                f"{str(error).splitlines()[0][:300]}). {fetch}") from None
+        raise FileNotFoundError(
+            f"{model!r} could not be downloaded ({type(error).__name__}: {str(error).splitlines()[0][:300]}). {fetch}"
+        ) from None

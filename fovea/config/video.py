@@ -18,6 +18,7 @@ FRAME_FACTOR = 2  # frames per temporal patch
 @dataclass(frozen=True)
 class VideoOptions:
     """Qwen's names and defaults (qwen-vl-utils); per request through mm_processor_kwargs."""
+
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
@@ -33,8 +34,13 @@ class VideoOptions:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
                 raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive finite number, got {value!r}")
         if capped:
-            bounds = {"min_frames": self.max_frames, "max_frames": self.max_frames, "min_pixels": self.max_pixels,
-                      "max_pixels": self.max_pixels, "total_pixels": self.total_pixels}
+            bounds = {
+                "min_frames": self.max_frames,
+                "max_frames": self.max_frames,
+                "min_pixels": self.max_pixels,
+                "max_pixels": self.max_pixels,
+                "total_pixels": self.total_pixels,
+            }
             kwargs = {k: min(v, bounds[k]) if k in bounds else v for k, v in kwargs.items()}
         return replace(self, **kwargs)
 

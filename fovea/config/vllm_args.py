@@ -35,8 +35,10 @@ ONLY_AT = {
     "cpu_offload_gb": ((0, None), "offloading weights to the CPU is not implemented"),
     "tokenizer_mode": (("auto", "hf", None), "only the checkpoint's Hugging Face tokenizer is supported"),
     "worker_cls": (("auto", None), "custom worker classes are not supported"),
-    "mm_processor_cache_gb": ((0, None), "the multimodal processor cache is not implemented yet; only 0 (off) "
-                                         "is accepted"),
+    "mm_processor_cache_gb": (
+        (0, None),
+        "the multimodal processor cache is not implemented yet; only 0 (off) is accepted",
+    ),
 }
 
 VLLM_ONLY_ARGS = set(NO_EFFECT) | set(ONLY_AT)
@@ -65,7 +67,7 @@ def parse_max_model_len(text: str | int | None) -> int | None:
     if not match:
         raise ValueError(f"max_model_len must be an integer, auto, or a size like 32k or 32K; got {text!r}")
     number, suffix = match.groups()
-    scale = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}[suffix]
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
     value = float(number) * scale
     if value != int(value) or value < 1:
         raise ValueError(f"max_model_len {text!r} is not a whole number of tokens")

@@ -21,6 +21,7 @@ from fovea.core.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class MMSpan:
     """Where one image's placeholder tokens sit in the prompt, and what the image is."""
+
     start: int
     length: int
     content_hash: str
@@ -32,6 +33,7 @@ class MMItem:
     hash, and the encoder's input: resized uint8 (height, width, 3) pixels (a video's (frames, height, width, 3)),
     patchified on the engine's device. From the server's decoding workers the pixels arrive as a SharedPixels
     handle, which the engine takes on arrival; `frames` then says which of its frames are this item's."""
+
     span: MMSpan
     grid_thw: tuple[int, int, int]
     pixels: np.ndarray  # or SharedPixels until the engine takes it
@@ -69,10 +71,20 @@ class SequenceStatus(enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 positions: np.ndarray | None = None, mrope_delta: int = 0, mm_items: list[MMItem] = (),
-                 prompt: str | None = None, arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = (),
-                 arrival_index: int = 0, fair_rank: int = 0):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        positions: np.ndarray | None = None,
+        mrope_delta: int = 0,
+        mm_items: list[MMItem] = (),
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_index: int = 0,
+        fair_rank: int = 0,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -96,7 +108,8 @@ class Request:
         self.sequences: list[Sequence] = []
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] if params.prompt_logprobs is not None else None)
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.aborted = False
         self.prompt_sent = False  # a DELTA output carried the prompt already
         self.num_finished_sequences = 0  # kept by the scheduler
@@ -116,7 +129,7 @@ class Request:
                 if item.pixels.name not in taken:
                     taken[item.pixels.name] = item.pixels.take()
                 whole = taken[item.pixels.name]
-                item.pixels = whole[item.frames[0]:item.frames[1]] if item.frames else whole
+                item.pixels = whole[item.frames[0] : item.frames[1]] if item.frames else whole
 
 
 class Sequence:
@@ -151,7 +164,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -180,6 +193,7 @@ class CompletionOutput:
 class RequestOutput:
     """What a request has produced. DELTA outputs (streaming) carry the prompt fields (prompt, its token ids and
     logprobs, metrics) only in the first and the final output, so that a step at batch 256 stays cheap to send."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-INT64_MAX = 2 ** 63 - 1  # seeds (plus the sample index) become torch generator seeds
+INT64_MAX = 2**63 - 1  # seeds (plus the sample index) become torch generator seeds
 
 
 WHERE = "structured_outputs"
@@ -19,6 +19,7 @@ WHERE = "structured_outputs"
 class StructuredOutputsParams:
     """vLLM's names: exactly one of json (a schema, as a dict or a JSON string), regex, choice, grammar (Lark,
     llguidance's dialect) or json_object (any JSON object)."""
+
     json: dict | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
@@ -29,8 +30,9 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"{WHERE} takes exactly one of json, regex, choice, grammar, json_object; got "
-                             f"{given or 'none'}")
+            raise ValueError(
+                f"{WHERE} takes exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}"
+            )
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"{WHERE}.choice must be a non-empty list of non-empty strings")
@@ -118,8 +120,9 @@ class SamplingParams:
             check(value is None or abs(value) <= INT64_MAX, f"{name} must fit in a 64-bit integer, got {value}")
         check(self.n >= 1, f"n must be at least 1, got {self.n}")
         check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0,
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        )
         check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -127,15 +130,19 @@ class SamplingParams:
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or 0 <= value <= INT64_MAX, f"{name} must be at least 0, got {value}")
         check(all(self.stop_strings), "stop strings must not be empty")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        check(self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX - self.n,
-              f"seed must be within the 64-bit integer range, got {self.seed}")
+        check(
+            self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX - self.n,
+            f"seed must be within the 64-bit integer range, got {self.seed}",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -152,8 +159,14 @@ def generation_config_defaults(model_dir: str | Path) -> dict:
     (a checkpoint may ship a repetition penalty); requests that leave a field out get these."""
     path = Path(model_dir) / "generation_config.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
-    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+    names = {
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "top_k": "top_k",
+        "min_p": "min_p",
+        "repetition_penalty": "repetition_penalty",
+        "max_new_tokens": "max_tokens",
+    }
     return {ours: raw[theirs] for theirs, ours in names.items() if raw.get(theirs) is not None}
 
 

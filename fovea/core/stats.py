@@ -24,8 +24,9 @@ class LatencyEvents:
     request_prompt_tokens: list[int] = field(default_factory=list)
     request_generation_tokens: list[int] = field(default_factory=list)
     request_max_tokens: list[int] = field(default_factory=list)
-    phases: dict[str, list[float]] = field(default_factory=lambda: {"queue": [], "prefill": [], "decode": [],
-                                                                    "inference": []})
+    phases: dict[str, list[float]] = field(
+        default_factory=lambda: {"queue": [], "prefill": [], "decode": [], "inference": []}
+    )
     iteration_tokens: list[int] = field(default_factory=list)  # tokens of each engine step
 
     def add_finished(self, request) -> None:
@@ -37,10 +38,12 @@ class LatencyEvents:
         self.request_generation_tokens.append(sum(seq.num_output_tokens for seq in request.sequences))
         if request.params.max_tokens is not None:
             self.request_max_tokens.append(request.params.max_tokens)
-        for phase, start, end in (("queue", times.arrival_time, times.first_scheduled_time),
-                                  ("prefill", times.first_scheduled_time, times.first_token_time),
-                                  ("decode", times.first_token_time, times.last_token_time),
-                                  ("inference", times.first_scheduled_time, times.last_token_time)):
+        for phase, start, end in (
+            ("queue", times.arrival_time, times.first_scheduled_time),
+            ("prefill", times.first_scheduled_time, times.first_token_time),
+            ("decode", times.first_token_time, times.last_token_time),
+            ("inference", times.first_scheduled_time, times.last_token_time),
+        ):
             if start is not None and end is not None:  # an aborted request may not have reached a phase
                 self.phases[phase].append(end - start)
 
@@ -70,9 +73,19 @@ def combine(replicas: list[EngineStats], events: LatencyEvents) -> EngineStats:
     """Data-parallel replicas' latest gauges and totals summed, with the latency events of one new report."""
     total = EngineStats(events=events)
     for stats in replicas:
-        for name in ("num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "prefix_cache_queries",
-                     "prefix_cache_hits", "encoder_cache_queries", "encoder_cache_hits", "num_preemptions",
-                     "encoder_cache_references", "num_requests_added"):
+        for name in (
+            "num_running",
+            "num_waiting",
+            "kv_used_blocks",
+            "kv_total_blocks",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "encoder_cache_queries",
+            "encoder_cache_hits",
+            "num_preemptions",
+            "encoder_cache_references",
+            "num_requests_added",
+        ):
             setattr(total, name, getattr(total, name) + getattr(stats, name))
     total.replicas = list(replicas)
     return total

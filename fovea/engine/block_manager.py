@@ -23,8 +23,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, mm_spans: Sequence[M
     return extend_block_hashes([], token_ids, block_size, mm_spans)
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        mm_spans: Sequence[MMSpan] = ()) -> list[bytes]:
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, mm_spans: Sequence[MMSpan] = ()
+) -> list[bytes]:
     """Appends to `hashes` the digests of the full blocks of `token_ids` it does not cover yet (a sequence
     grows one token at a time; its earlier digests never change).
 
@@ -67,7 +68,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         prefix = []
-        for h in hashes[:(num_tokens - 1) // self.block_size]:
+        for h in hashes[: (num_tokens - 1) // self.block_size]:
             block = self.cached.get(h)
             if block is None:
                 break
@@ -144,8 +145,9 @@ class BlockManager:
         child.append(self._take_free_block())
         return child, (table[full], child[-1])
 
-    def mark_computed(self, table: list[int], hashes: list[bytes], num_computed_tokens: int,
-                      num_registered: int = 0) -> int:
+    def mark_computed(
+        self, table: list[int], hashes: list[bytes], num_computed_tokens: int, num_registered: int = 0
+    ) -> int:
         """Makes the full blocks whose KV is now written findable by later sequences, from block
         `num_registered` on; returns how many blocks are registered now. Only after the model has run over
         their tokens: a block registered at allocation could be "hit" before its KV exists."""

@@ -13,14 +13,22 @@ PRIME_TOKENS = 4  # prompt tokens fed first, so the first generated token decode
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.backend = tokenizer.backend_tokenizer
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         # Without spaces between special tokens, two consecutive added tokens are joined with their raw text
         # (some decoders prefix a space to each).
-        self.added = None if spaces_between_special_tokens or skip_special_tokens else {
-            token_id: token.content for token_id, token in tokenizer.added_tokens_decoder.items()}
+        self.added = (
+            None
+            if spaces_between_special_tokens or skip_special_tokens
+            else {token_id: token.content for token_id, token in tokenizer.added_tokens_decoder.items()}
+        )
         self.last_was_added = False
         for token_id in prompt_ids[-PRIME_TOKENS:]:
             self._step(token_id)

@@ -45,8 +45,12 @@ class StepFailed(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
-                 on_worker_failure: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner | None = None,
+        on_worker_failure: Callable[[str], None] | None = None,
+    ):
         self.config = config
         self.workers = None  # tensor-parallel ranks 1..N-1
         if runner is None and config.distributed:
@@ -63,8 +67,9 @@ class LLMEngine:
         # the engine's own needs: token texts (outputs, logprobs) and the grammars of structured outputs; the
         # front end (AsyncLLM, or LLM in this process) has the input processor
         self.tokenizer = load_tokenizer(config.model_dir)
-        self.grammars = Grammars(self.tokenizer, config.model.text.vocab_size, config.model.eos_token_ids,
-                                 config.device)
+        self.grammars = Grammars(
+            self.tokenizer, config.model.text.vocab_size, config.model.eos_token_ids, config.device
+        )
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         self.scheduler = Scheduler(config, self.blocks, self.encoder_cache)
@@ -89,13 +94,21 @@ class LLMEngine:
                     f"but only {capacity} tokens ({capacity * gib:.2f} GiB) fit. Lower max_model_len (to at most "
                     f"{capacity}), max_num_batched_tokens, max_pixels (mm_processor_kwargs) or limit_mm_per_prompt; "
                     "raise gpu_memory_utilization (or kv_cache_memory_bytes / num_gpu_blocks_override); or use a "
-                    "GPU with more memory.")
-            logger.info("max_model_len lowered from the model's %d to the %d tokens the KV cache holds",
-                        config.max_model_len, capacity)
+                    "GPU with more memory."
+                )
+            logger.info(
+                "max_model_len lowered from the model's %d to the %d tokens the KV cache holds",
+                config.max_model_len,
+                capacity,
+            )
             # a sequence longer than the whole cache could never run
             self.config = config = dataclasses.replace(config, max_model_len=capacity)
-        logger.info("KV cache: %d tokens, max concurrency %.2fx for max_model_len %d", capacity,
-                    capacity / config.max_model_len, config.max_model_len)
+        logger.info(
+            "KV cache: %d tokens, max concurrency %.2fx for max_model_len %d",
+            capacity,
+            capacity / config.max_model_len,
+            config.max_model_len,
+        )
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -104,15 +117,22 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         if request.params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={request.params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences "
-                             "can run at once")
+            raise ValueError(
+                f"n={request.params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences can run at once"
+            )
         blocks = self.blocks.blocks_needed(len(request.prompt_token_ids) + 1) + request.params.n - 1
         if blocks > self.blocks.num_blocks:
-            raise ValueError(f"the prompt with n={request.params.n} needs {blocks} KV blocks but the cache has "
-                             f"{self.blocks.num_blocks}")
+            raise ValueError(
+                f"the prompt with n={request.params.n} needs {blocks} KV blocks but the cache has "
+                f"{self.blocks.num_blocks}"
+            )
         # One RNG per sample when seeded (sample i draws from seed + i), so its tokens do not depend on the batch.
-        request.generators = [None if request.params.seed is None else torch.Generator(
-            device=self.config.device).manual_seed(request.params.seed + i) for i in range(request.params.n)]
+        request.generators = [
+            None
+            if request.params.seed is None
+            else torch.Generator(device=self.config.device).manual_seed(request.params.seed + i)
+            for i in range(request.params.n)
+        ]
         self.requests[request.request_id] = request
         self.num_requests_added += 1
         if request.params.structured_outputs is not None:  # one grammar state per sample, built off the step loop
@@ -146,9 +166,12 @@ class LLMEngine:
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, index)
         if request.params.detokenize:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                     request.params.skip_special_tokens,
-                                                     request.params.spaces_between_special_tokens)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                request.params.skip_special_tokens,
+                request.params.spaces_between_special_tokens,
+            )
         request.sequences.append(seq)
         return seq
 
@@ -196,8 +219,11 @@ class LLMEngine:
                     raise failed
                 outputs, self.finished_outputs = self.finished_outputs, []
             elif self.compiling:  # everything waits for grammars: wait for one, briefly
-                concurrent.futures.wait([build for _, _, build in self.compiling], timeout=IDLE_WAIT_S,
-                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                concurrent.futures.wait(
+                    [build for _, _, build in self.compiling],
+                    timeout=IDLE_WAIT_S,
+                    return_when=concurrent.futures.FIRST_COMPLETED,
+                )
             elif self.scheduler.waiting or self.scheduler.running:  # cannot happen after admission checks
                 self.finished_outputs = outputs
                 stuck = (self.scheduler.running or self.scheduler.waiting)[0].request
@@ -266,11 +292,12 @@ class LLMEngine:
     def _record_prompt_logprobs(self, batch: ScheduledBatch, result: StepOutput) -> None:
         for index, (chosen, ranks, top_ids, top_values) in result.prompt_logprobs.items():
             seq = batch.seqs[index]
-            targets = seq.token_ids[len(seq.request.prompt_logprobs):][:chosen.numel()]
+            targets = seq.token_ids[len(seq.request.prompt_logprobs) :][: chosen.numel()]
             top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in targets]
             top_values = top_values.tolist() if top_values is not None else [[] for _ in targets]
-            seq.request.prompt_logprobs += [self._logprob_entry(*row) for row in zip(
-                targets, chosen.tolist(), ranks.tolist(), top_ids, top_values)]
+            seq.request.prompt_logprobs += [
+                self._logprob_entry(*row) for row in zip(targets, chosen.tolist(), ranks.tolist(), top_ids, top_values)
+            ]
 
     def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> set[Request]:
         touched = set()
@@ -326,12 +353,20 @@ class LLMEngine:
         the recording)."""
         events, self.events = self.events or LatencyEvents(), LatencyEvents()
         scheduler, encoder = self.scheduler, self.encoder_cache
-        return EngineStats(len({seq.request.request_id for seq in scheduler.running}),
-                           len({seq.request.request_id for seq in scheduler.waiting}),
-                           self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks,
-                           scheduler.prefix_cache_queries, scheduler.prefix_cache_hits,
-                           encoder.hits + encoder.encoded, encoder.hits, scheduler.num_preemptions,
-                           encoder.num_references(), events, self.num_requests_added)
+        return EngineStats(
+            len({seq.request.request_id for seq in scheduler.running}),
+            len({seq.request.request_id for seq in scheduler.waiting}),
+            self.blocks.num_blocks - self.blocks.num_free_blocks,
+            self.blocks.num_blocks,
+            scheduler.prefix_cache_queries,
+            scheduler.prefix_cache_hits,
+            encoder.hits + encoder.encoded,
+            encoder.hits,
+            scheduler.num_preemptions,
+            encoder.num_references(),
+            events,
+            self.num_requests_added,
+        )
 
     def _append_token(self, seq: Sequence, token: int, entry: dict | None, logprob: float) -> None:
         params = seq.params
@@ -354,11 +389,12 @@ class LLMEngine:
             found = find_stop_string(seq.text, new_chars, params.stop_strings)
             if found:
                 stop, index = found
-                seq.text = seq.text[:index + len(stop) if params.include_stop_str_in_output else index]
+                seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
                 self._finish(seq, "stop", stop)
         if seq.status != SequenceStatus.FINISHED and (
-                (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens)
-                or num_tokens >= self.config.max_model_len):
+            (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens)
+            or num_tokens >= self.config.max_model_len
+        ):
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
@@ -369,8 +405,9 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------------- outputs
 
-    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids: list[int],
-                       top_values: list[float]) -> dict[int, Logprob]:
+    def _logprob_entry(
+        self, token: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]
+    ) -> dict[int, Logprob]:
         """{token: Logprob} for the chosen token and the best ones (ranked 1, 2, ...)."""
         entry = {token: Logprob(logprob, rank, self._token_text(token))}
         for place, (tid, value) in enumerate(zip(top_ids, top_values), start=1):
@@ -386,15 +423,29 @@ class LLMEngine:
             text_end = len(seq.text) if done else max(len(seq.text) - holdback, 0)
             token_start = seq.sent_tokens if delta else 0
             text_start = min(seq.sent_text, text_end) if delta else 0
-            completions.append(CompletionOutput(
-                seq.index, seq.text[text_start:text_end], seq.token_ids[seq.num_prompt_tokens + token_start:],
-                seq.cumulative_logprob if seq.logprobs is not None else None,
-                seq.logprobs[token_start:] if seq.logprobs is not None else None,
-                seq.finish_reason, seq.stop_reason))
+            completions.append(
+                CompletionOutput(
+                    seq.index,
+                    seq.text[text_start:text_end],
+                    seq.token_ids[seq.num_prompt_tokens + token_start :],
+                    seq.cumulative_logprob if seq.logprobs is not None else None,
+                    seq.logprobs[token_start:] if seq.logprobs is not None else None,
+                    seq.finish_reason,
+                    seq.stop_reason,
+                )
+            )
             seq.sent_tokens, seq.sent_text = len(seq.token_ids) - seq.num_prompt_tokens, text_end
         completions.sort(key=lambda c: c.index)  # forks finish in any order
         if delta and request.prompt_sent and not final:  # streaming: the prompt travels with the first and last
             return RequestOutput(request.request_id, None, [], None, completions, final, request.num_cached_tokens)
         request.prompt_sent = True
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, request.prompt_logprobs,
-                             completions, final, request.num_cached_tokens, request.metrics)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            request.prompt_logprobs,
+            completions,
+            final,
+            request.num_cached_tokens,
+            request.metrics,
+        )

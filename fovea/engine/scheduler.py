@@ -94,7 +94,7 @@ class Scheduler:
 
     def _note_filled(self, seq: Sequence, start: int, n: int, computing: set[bytes]) -> None:
         if self._shares_blocks(seq):
-            computing.update(seq.block_hashes[start // self.blocks.block_size:(start + n) // self.blocks.block_size])
+            computing.update(seq.block_hashes[start // self.blocks.block_size : (start + n) // self.blocks.block_size])
 
     def _adopt_cached(self, seq: Sequence) -> None:
         """A prefill admitted before another sequence filled the blocks it needs next (requests that came
@@ -166,8 +166,9 @@ class Scheduler:
                 cache.hits += cache.contains(key)
             if not cache.contains(key):
                 planned = sum(i.span.length for i in batch.encode)
-                if (not planned or planned + item.span.length <= self.config.encoder_budget) \
-                        and cache.can_reserve(item.span.length):
+                if (not planned or planned + item.span.length <= self.config.encoder_budget) and cache.can_reserve(
+                    item.span.length
+                ):
                     cache.reserve(key, item.span.length)
                     batch.encode.append(item)
             if cache.contains(key):
@@ -212,7 +213,8 @@ class Scheduler:
             if seq.num_computed_tokens // block_size > seq.num_registered_blocks:  # a block filled up
                 extend_block_hashes(seq.block_hashes, seq.token_ids, block_size, seq.request.mm_spans)
                 seq.num_registered_blocks = self.blocks.mark_computed(
-                    seq.block_table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered_blocks)
+                    seq.block_table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered_blocks
+                )
             for item in seq.request.mm_items:
                 if item.end <= seq.num_computed_tokens:
                     self.encoder_cache.release(item.content_hash, seq.seq_id)

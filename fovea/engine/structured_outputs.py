@@ -65,8 +65,7 @@ class GrammarCompiler:
                 if len(self._too_slow) > 1024:
                     self._too_slow.clear()
                 self._too_slow.add(key)
-        raise ValueError(f"{WHERE}: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s "
-                         "(FOVEA_GRAMMAR_TIMEOUT)")
+        raise ValueError(f"{WHERE}: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s (FOVEA_GRAMMAR_TIMEOUT)")
 
     def build(self, params: StructuredOutputsParams, copies: int = 1) -> concurrent.futures.Future:
         """`copies` fresh matchers, built in the builders' threads (the future raises ValueError if the grammar

@@ -54,8 +54,15 @@ class InProcessBackend:
             outputs = self.llm.chat(conversations, sampling, use_tqdm=bar)
         except ValueError as exc:  # some conversation is bad: find which, answer the rest
             return self._complete_good_ones(conversations, params, exc)
-        return [Completion(o.outputs[0].text, o.metrics.finished_time - o.metrics.arrival_time,
-                           len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outputs]
+        return [
+            Completion(
+                o.outputs[0].text,
+                o.metrics.finished_time - o.metrics.arrival_time,
+                len(o.prompt_token_ids),
+                len(o.outputs[0].token_ids),
+            )
+            for o in outputs
+        ]
 
     def _complete_good_ones(self, conversations, params, failure: ValueError) -> list[Completion]:
         errors = {}
@@ -68,8 +75,9 @@ class InProcessBackend:
             raise failure
         good = [c for i, c in enumerate(conversations) if i not in errors]
         answered = iter(self.complete(good, params) if good else [])
-        return [Completion("", 0.0, error=errors[i]) if i in errors else next(answered)
-                for i in range(len(conversations))]
+        return [
+            Completion("", 0.0, error=errors[i]) if i in errors else next(answered) for i in range(len(conversations))
+        ]
 
 
 class OpenAIBackend:
@@ -78,8 +86,14 @@ class OpenAIBackend:
 
     RETRIES = 3  # for 5xx answers and dropped connections; a 4xx answer is the sample's own fault
 
-    def __init__(self, base_url: str, entry: ModelEntry, api_key: str | None = None, concurrency: int = 32,
-                 timeout: float = 600.0):
+    def __init__(
+        self,
+        base_url: str,
+        entry: ModelEntry,
+        api_key: str | None = None,
+        concurrency: int = 32,
+        timeout: float = 600.0,
+    ):
         self.root = base_url.rstrip("/").removesuffix("/v1")
         self.entry, self.concurrency, self.timeout = entry, concurrency, timeout
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -113,11 +127,13 @@ class OpenAIBackend:
         limits = httpx.Limits(max_connections=self.concurrency)
         slots = asyncio.Semaphore(self.concurrency)
         async with httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self.headers) as client:
+
             async def one(conversation):
                 async with slots:
                     completion = await self._complete_one(client, conversation, params)
                 bar.update(1)
                 return completion
+
             try:
                 return await asyncio.gather(*(one(c) for c in conversations))
             finally:
@@ -142,20 +158,28 @@ class OpenAIBackend:
                 if response.status_code == 200:
                     answer = response.json()
                     usage = answer.get("usage") or {}
-                    return Completion(answer["choices"][0]["message"].get("content") or "", latency,
-                                      usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+                    return Completion(
+                        answer["choices"][0]["message"].get("content") or "",
+                        latency,
+                        usage.get("prompt_tokens", 0),
+                        usage.get("completion_tokens", 0),
+                    )
                 if response.status_code < 500 or attempt == self.RETRIES:
                     return Completion("", latency, error=f"HTTP {response.status_code}: {response.text[:500]}")
-            await asyncio.sleep(0.5 * 2 ** attempt * (1 + random.random()))
+            await asyncio.sleep(0.5 * 2**attempt * (1 + random.random()))
 
 
 def inline_local_images(conversation: list[dict]) -> list[dict]:
     """The conversation with file:// image and video URLs turned into data URLs."""
+
     def inline(part):
         kind = part.get("type")
         url = part.get(kind, {}).get("url", "") if kind in ("image_url", "video_url") else ""
         if not url.startswith("file://"):
             return part
         return {**part, kind: {"url": data_url(file_url_path(url).read_bytes(), kind[:-4])}}
-    return [{**m, "content": [inline(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
-            for m in conversation]
+
+    return [
+        {**m, "content": [inline(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+        for m in conversation
+    ]

@@ -12,15 +12,22 @@ from fovea.config.flags import EVAL_FLAGS, add_engine_flags, engine_kwargs
 
 
 def add_eval_parser(sub) -> None:
-    parser = sub.add_parser("eval", help="evaluate a VLM's accuracy on an image task",
-                            description=__doc__.split(":", 1)[1].strip())
+    parser = sub.add_parser(
+        "eval", help="evaluate a VLM's accuracy on an image task", description=__doc__.split(":", 1)[1].strip()
+    )
     parser.add_argument("--model", help="a registry name (see --list), a model directory, or a served model name")
     parser.add_argument("--task", help="a task YAML file or a shipped task's name (see --list)")
     parser.add_argument("--list", action="store_true", help="list the registered models and shipped tasks")
-    parser.add_argument("--registry", action="append", default=[], metavar="FILE",
-                        help="more model entries: a YAML file or a Python file using @register_model (repeatable)")
-    parser.add_argument("--data", help="the task's dataset at this path instead (a class folder, or a .jsonl, "
-                                       ".csv or .parquet file)")
+    parser.add_argument(
+        "--registry",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="more model entries: a YAML file or a Python file using @register_model (repeatable)",
+    )
+    parser.add_argument(
+        "--data", help="the task's dataset at this path instead (a class folder, or a .jsonl, .csv or .parquet file)"
+    )
     parser.add_argument("--limit", type=int, help="at most N samples per run, spread evenly over the dataset")
     parser.add_argument("--output-dir", help="where the outputs go (default: eval-results/TASK/MODEL)")
     parser.add_argument("--runs", type=int, help="override the task's number of runs")
@@ -30,10 +37,18 @@ def add_eval_parser(sub) -> None:
     asking.add_argument("--max-tokens", type=int)
     asking.add_argument("--temperature", type=float)
     asking.add_argument("--system-prompt")
-    asking.add_argument("--structured-answer", action="store_true", default=None,
-                        help="generate the answer under a JSON schema of the task's options (structured outputs)")
-    engine = add_engine_flags(parser, EVAL_FLAGS, given_only=True,
-                              title="engine (in-process and Ray; laid over the registry entry where given)")
+    asking.add_argument(
+        "--structured-answer",
+        action="store_true",
+        default=None,
+        help="generate the answer under a JSON schema of the task's options (structured outputs)",
+    )
+    engine = add_engine_flags(
+        parser,
+        EVAL_FLAGS,
+        given_only=True,
+        title="engine (in-process and Ray; laid over the registry entry where given)",
+    )
     engine.add_argument("--max-pixels", type=int, help="resize images to at most this many pixels")
     server = parser.add_argument_group("server backend")
     server.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://localhost:8000")
@@ -56,8 +71,11 @@ def run_eval(args: argparse.Namespace) -> None:
     for path in args.registry:
         load_registry(path)
     if args.list:
-        print("models:", *(f"  {name}: {m.path} (tensor_parallel_size {m.tensor_parallel_size})"
-                           for name, m in MODELS.items()), sep="\n")
+        print(
+            "models:",
+            *(f"  {name}: {m.path} (tensor_parallel_size {m.tensor_parallel_size})" for name, m in MODELS.items()),
+            sep="\n",
+        )
         print("tasks:", *(f"  {p.stem}" for p in sorted(SHIPPED_TASKS.glob("*.yaml"))), sep="\n")
         return
     if not args.model or not args.task:

@@ -46,8 +46,9 @@ def guess_type(path: str | Path) -> str:
 
 def read_rows(dataset: dict) -> list[Row]:
     if "$" in str(dataset["path"]):
-        raise ValueError(f"dataset path {dataset['path']} names an unset environment variable: set it, or give "
-                         "the data with --data")
+        raise ValueError(
+            f"dataset path {dataset['path']} names an unset environment variable: set it, or give the data with --data"
+        )
     kind, path = dataset.get("type") or guess_type(dataset["path"]), Path(dataset["path"])
     if kind not in DATASET_TYPES:
         raise ValueError(f"dataset type must be one of {', '.join(DATASET_TYPES)}, got {kind!r}")
@@ -62,9 +63,11 @@ def read_rows(dataset: dict) -> list[Row]:
 def _image_folder(root: Path) -> list[Row]:
     if not root.is_dir():
         raise ValueError(f"image folder {root} does not exist")
-    rows = [Row(str(item), label_dir.name, video=item.suffix.lower() in VIDEO_SUFFIXES)
-            for label_dir in sorted(p for p in root.iterdir() if p.is_dir())
-            for item in sorted(p for p in label_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES)]
+    rows = [
+        Row(str(item), label_dir.name, video=item.suffix.lower() in VIDEO_SUFFIXES)
+        for label_dir in sorted(p for p in root.iterdir() if p.is_dir())
+        for item in sorted(p for p in label_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES)
+    ]
     if not rows:
         raise ValueError(f"image folder {root} holds no images or videos in class sub-folders")
     return rows
@@ -87,8 +90,10 @@ def _row(record: dict, columns: dict[str, str], path: Path, number: int) -> Row:
     video = bool(record.get(columns["video"]))
     media_column = columns["video" if video else "image"]
     if media_column not in record or columns["answer"] not in record:
-        raise ValueError(f"{path}: row {number} needs the columns {columns['image']!r} (or {columns['video']!r}) "
-                         f"and {columns['answer']!r}")
+        raise ValueError(
+            f"{path}: row {number} needs the columns {columns['image']!r} (or {columns['video']!r}) "
+            f"and {columns['answer']!r}"
+        )
     media = record[media_column]
     if isinstance(media, dict):  # a Hugging Face datasets Image: the bytes, or else a path
         media = media.get("bytes") or media.get("path")
@@ -100,5 +105,4 @@ def _row(record: dict, columns: dict[str, str], path: Path, number: int) -> Row:
     options = record.get(columns["options"])
     if isinstance(options, str):
         options = json.loads(options)
-    return Row(media, str(record[columns["answer"]]), record.get(columns["question"]) or None, options or None,
-               video)
+    return Row(media, str(record[columns["answer"]]), record.get(columns["question"]) or None, options or None, video)

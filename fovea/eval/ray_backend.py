@@ -32,8 +32,14 @@ class _Replica:
 
 
 class RayBackend:
-    def __init__(self, entry: ModelEntry, num_replicas: int, address: str | None = None, cpus_per_replica: int = 1,
-                 **engine_overrides):
+    def __init__(
+        self,
+        entry: ModelEntry,
+        num_replicas: int,
+        address: str | None = None,
+        cpus_per_replica: int = 1,
+        **engine_overrides,
+    ):
         try:
             import ray
         except ImportError:
@@ -47,8 +53,9 @@ class RayBackend:
         if gpus:
             needed = num_replicas * entry.tensor_parallel_size
             if needed > gpus:
-                raise ValueError(f"{num_replicas} replicas of {entry.name} need {needed} GPUs; the cluster has "
-                                 f"{gpus:g}")
+                raise ValueError(
+                    f"{num_replicas} replicas of {entry.name} need {needed} GPUs; the cluster has {gpus:g}"
+                )
             resources, threads = {"num_gpus": entry.tensor_parallel_size}, 0
         else:
             resources, threads = {"num_cpus": cpus_per_replica}, cpus_per_replica
@@ -62,7 +69,7 @@ class RayBackend:
         import ray
 
         size = max(1, min(MAX_CHUNK, math.ceil(len(conversations) / (4 * len(self.replicas)))))
-        chunks = [conversations[i:i + size] for i in range(0, len(conversations), size)]
+        chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
         answers: list[list[Completion] | None] = [None] * len(chunks)
         free = self.replicas * 2  # two queued chunks per replica
         in_flight: dict = {}

@@ -40,8 +40,12 @@ class ModelEntry:
     def sampling_params(self) -> dict:
         """What every backend asks with. Plain greedy unless the entry says otherwise: a server would otherwise
         apply the checkpoint's generation_config (Qwen2.5-VL's has repetition_penalty 1.05), in-process would not."""
-        return {"repetition_penalty": 1.0, "temperature": self.temperature, "max_tokens": self.max_tokens,
-                **self.sampling}
+        return {
+            "repetition_penalty": 1.0,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            **self.sampling,
+        }
 
     def llm_kwargs(self) -> dict:
         kwargs = dict(self.engine_kwargs)
@@ -57,10 +61,12 @@ MODELS: dict[str, ModelEntry] = {}
 
 def register_model(name: str) -> Callable:
     """Decorates a function returning a ModelEntry, or a dict of its fields (`name` comes from here)."""
+
     def register(make: Callable) -> Callable:
         made = make()
         MODELS[name] = made if isinstance(made, ModelEntry) else _entry(name, made, f"@register_model({name!r})")
         return make
+
     return register
 
 
@@ -108,11 +114,20 @@ def find_model(name_or_path: str) -> ModelEntry:
 # one, 32B (67 GB) on two, 72B (147 GB) on four.
 for _size, _tp in (("3B", 1), ("7B", 1), ("32B", 2), ("72B", 4)):
     MODELS[f"qwen2.5-vl-{_size.lower()}"] = ModelEntry(
-        name=f"qwen2.5-vl-{_size.lower()}", path=f"Qwen/Qwen2.5-VL-{_size}-Instruct", tensor_parallel_size=_tp,
-        max_pixels=QWEN_MAX_PIXELS, engine_kwargs={"max_model_len": 8192})
+        name=f"qwen2.5-vl-{_size.lower()}",
+        path=f"Qwen/Qwen2.5-VL-{_size}-Instruct",
+        tensor_parallel_size=_tp,
+        max_pixels=QWEN_MAX_PIXELS,
+        engine_kwargs={"max_model_len": 8192},
+    )
 # The other families, one GPU each (bf16 weights: LLaVA-1.5-7B 14 GB, Qwen2-VL-7B 16.6 GB); LLaVA-1.5's images are
 # always 576 tokens (no max_pixels), its language model reaches 4096 positions
-MODELS["llava-1.5-7b"] = ModelEntry(name="llava-1.5-7b", path="llava-hf/llava-1.5-7b-hf",
-                                    engine_kwargs={"max_model_len": 4096})
-MODELS["qwen2-vl-7b"] = ModelEntry(name="qwen2-vl-7b", path="Qwen/Qwen2-VL-7B-Instruct", max_pixels=QWEN_MAX_PIXELS,
-                                   engine_kwargs={"max_model_len": 8192})
+MODELS["llava-1.5-7b"] = ModelEntry(
+    name="llava-1.5-7b", path="llava-hf/llava-1.5-7b-hf", engine_kwargs={"max_model_len": 4096}
+)
+MODELS["qwen2-vl-7b"] = ModelEntry(
+    name="qwen2-vl-7b",
+    path="Qwen/Qwen2-VL-7B-Instruct",
+    max_pixels=QWEN_MAX_PIXELS,
+    engine_kwargs={"max_model_len": 8192},
+)

@@ -96,8 +96,12 @@ class Task:
 
     def answer_schema(self) -> dict:
         """{"answer": one of the options}: what the default instruction asks for, as a JSON schema."""
-        return {"type": "object", "properties": {"answer": {"enum": list(self.options)}}, "required": ["answer"],
-                "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": {"answer": {"enum": list(self.options)}},
+            "required": ["answer"],
+            "additionalProperties": False,
+        }
 
     def with_data(self, path: str | Path) -> Task:
         """The same task on another copy of its data (`--data`): a class folder or a .jsonl/.csv/.parquet file."""
@@ -107,8 +111,10 @@ class Task:
         if self.image_position not in ("before", "after"):
             raise ValueError(f"image_position must be before or after, got {self.image_position!r}")
         if any(isinstance(o, bool) for o in [*self.options, *self.label_map, *self.label_map.values()]):
-            raise ValueError("options and label_map hold booleans: YAML reads unquoted yes/no/true/false as such; "
-                             'quote them ("no", "yes")')
+            raise ValueError(
+                "options and label_map hold booleans: YAML reads unquoted yes/no/true/false as such; "
+                'quote them ("no", "yes")'
+            )
         self.options = [str(o) for o in self.options]
         self.label_map = {str(k): str(v) for k, v in self.label_map.items()}  # labels are read as strings
         if len(self.options) < 2 or len(set(self.options)) != len(self.options):
@@ -154,10 +160,13 @@ class Task:
                 target = self.label_map.get(row.label, row.label)
                 options = row.options or self.options
                 if target not in options:
-                    raise ValueError(f"{self.dataset['path']}: label {row.label!r} is not one of the options "
-                                     f"{options} (map it with label_map)")
-                self._samples.append(Sample(f"{i:06d}", row.image, target, row.question or self.question, options,
-                                            row.video))
+                    raise ValueError(
+                        f"{self.dataset['path']}: label {row.label!r} is not one of the options "
+                        f"{options} (map it with label_map)"
+                    )
+                self._samples.append(
+                    Sample(f"{i:06d}", row.image, target, row.question or self.question, options, row.video)
+                )
         return self._samples
 
 

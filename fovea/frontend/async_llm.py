@@ -65,8 +65,14 @@ class RequestFailed(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, on_stats: Callable[[EngineStats], None] | None = None,
-                 startup_timeout: float = 600.0, max_restarts: int = 3, prepare_threads: int | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        startup_timeout: float = 600.0,
+        max_restarts: int = 3,
+        prepare_threads: int | None = None,
+    ):
         self._start_config, self._startup_timeout = config, startup_timeout
         self.stats = EngineStats()
         self.on_stats = on_stats
@@ -105,8 +111,12 @@ class AsyncLLM:
         return cls(EngineConfig.from_args(model, **engine_args), on_stats, max_restarts=max_restarts)
 
     def _start(self, replica: int) -> EngineProcess:
-        return EngineProcess(replica_config(self._start_config, replica), lambda m: self._on_message(m, replica),
-                             self._on_exit, self._startup_timeout)
+        return EngineProcess(
+            replica_config(self._start_config, replica),
+            lambda m: self._on_message(m, replica),
+            self._on_exit,
+            self._startup_timeout,
+        )
 
     @property
     def process(self):
@@ -120,36 +130,58 @@ class AsyncLLM:
         """Runs front-end preparation work (templating, tokenizing, decoding images) in the bounded pool."""
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
 
-    async def generate(self, prompt=None, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, messages: list[dict] | None = None,
-                       mm_processor_kwargs: dict | None = None,
-                       chat: ChatOptions | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt=None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        messages: list[dict] | None = None,
+        mm_processor_kwargs: dict | None = None,
+        chat: ChatOptions | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request: `prompt` in any form LLM.generate takes, or chat `messages`.
         Bad input raises ValueError here, before anything reaches the engine."""
         self._check_alive()
         arrival = time.time()  # latencies count the preparation below
-        request = await self.run_in_pool(self._make_request, request_id or f"req-{next(self._ids)}", prompt,
-                                         messages, sampling_params, mm_processor_kwargs, chat, arrival)
+        request = await self.run_in_pool(
+            self._make_request,
+            request_id or f"req-{next(self._ids)}",
+            prompt,
+            messages,
+            sampling_params,
+            mm_processor_kwargs,
+            chat,
+            arrival,
+        )
         async for output in self.stream(request):
             yield output
 
-    async def prepare_many(self, prompts: list, sampling_params: SamplingParams, request_id: str,
-                           mm_processor_kwargs: dict | None = None) -> list[Request]:
+    async def prepare_many(
+        self, prompts: list, sampling_params: SamplingParams, request_id: str, mm_processor_kwargs: dict | None = None
+    ) -> list[Request]:
         """Requests `{request_id}-{i}` for several prompts, prepared in one pool job; prompt i waits behind the
         first prompts of requests that arrive later (fair_rank)."""
         self._check_alive()
         arrival = time.time()
 
         def make_all():
-            return [self._make_request(f"{request_id}-{i}", prompt, None, sampling_params, mm_processor_kwargs,
-                                       None, arrival, i) for i, prompt in enumerate(prompts)]
+            return [
+                self._make_request(
+                    f"{request_id}-{i}", prompt, None, sampling_params, mm_processor_kwargs, None, arrival, i
+                )
+                for i, prompt in enumerate(prompts)
+            ]
 
         return await self.run_in_pool(make_all)
 
-    def _make_request(self, request_id, prompt, messages, params, mm_processor_kwargs, chat, arrival,
-                      fair_rank=0) -> Request:
-        processed = (self.inputs.process_chat(messages, mm_processor_kwargs, chat)
-                     if messages is not None else self.inputs.process(prompt, mm_processor_kwargs))
+    def _make_request(
+        self, request_id, prompt, messages, params, mm_processor_kwargs, chat, arrival, fair_rank=0
+    ) -> Request:
+        processed = (
+            self.inputs.process_chat(messages, mm_processor_kwargs, chat)
+            if messages is not None
+            else self.inputs.process(prompt, mm_processor_kwargs)
+        )
         return self.inputs.make_request(request_id, processed, params or self.default_params, arrival, fair_rank)
 
     async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
@@ -221,8 +253,10 @@ class AsyncLLM:
                 self._deliver(request_id, ValueError(reason))
             case RequestsFailed(request_ids, reason):
                 for request_id in request_ids:
-                    self._deliver(request_id, RequestFailed(f"the engine failed while running this request "
-                                                            f"({reason}); see the server log"))
+                    self._deliver(
+                        request_id,
+                        RequestFailed(f"the engine failed while running this request ({reason}); see the server log"),
+                    )
 
     def _on_exit(self, engine: EngineProcess, reason: str, fatal: bool = False) -> None:
         """Runs in the dead engine's receive thread: fails the streams in flight, then starts a new engine
@@ -250,8 +284,9 @@ class AsyncLLM:
             return engine.stop()
         self._engines[0] = engine
         self.error = None
-        logger.warning("engine restarted (%d of at most %d in %.0f s)", len(self.restarts), self.max_restarts,
-                       RESTART_WINDOW_S)
+        logger.warning(
+            "engine restarted (%d of at most %d in %.0f s)", len(self.restarts), self.max_restarts, RESTART_WINDOW_S
+        )
 
     def _give_up(self, why: str) -> None:
         logger.error("%s; giving up", why)

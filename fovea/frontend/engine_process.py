@@ -24,8 +24,13 @@ logger = logging.getLogger("fovea")
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, on_message: Callable[[FromEngine], None],
-                 on_exit: Callable[[EngineProcess, str, bool], None], startup_timeout: float = 600.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_message: Callable[[FromEngine], None],
+        on_exit: Callable[[EngineProcess, str, bool], None],
+        startup_timeout: float = 600.0,
+    ):
         import torch
 
         if config.distributed_executor_backend == "ray":  # an actor, on whichever node has its GPUs
@@ -39,8 +44,12 @@ class EngineProcess:
             context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of threads or CUDA state
             command_reader, self._commands = context.Pipe(duplex=False)
             self._results, result_writer = context.Pipe(duplex=False)
-            self.process = context.Process(target=run_engine_core, name="fovea-engine", daemon=True,
-                                           args=(config, command_reader, result_writer, torch.get_num_threads()))
+            self.process = context.Process(
+                target=run_engine_core,
+                name="fovea-engine",
+                daemon=True,
+                args=(config, command_reader, result_writer, torch.get_num_threads()),
+            )
             self.process.start()
             command_reader.close()
             result_writer.close()

@@ -28,13 +28,19 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, decoder=None, tokenizer=None, grammars: Grammars | None = None):
         """`tokenizer`, `grammars`: an engine's in the same process (offline `LLM`), else loaded here."""
         self.config = config
-        self.prompts = PromptProcessor(config.model_dir, config.model, mm_processor_kwargs=config.mm_processor_kwargs,
-                                       decoder=decoder, tokenizer=tokenizer)
+        self.prompts = PromptProcessor(
+            config.model_dir,
+            config.model,
+            mm_processor_kwargs=config.mm_processor_kwargs,
+            decoder=decoder,
+            tokenizer=tokenizer,
+        )
         self.tokenizer = self.prompts.tokenizer
         self.vocab_size = config.model.text.vocab_size
         self._arrivals = itertools.count()
-        self.grammar_engine = grammars or Grammars(self.tokenizer, self.vocab_size, config.model.eos_token_ids,
-                                                   config.device)
+        self.grammar_engine = grammars or Grammars(
+            self.tokenizer, self.vocab_size, config.model.eos_token_ids, config.device
+        )
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -52,8 +58,9 @@ class InputProcessor:
                 raise ValueError(f"unknown prompt fields {sorted(unknown)}")
             data = prompt.get("multi_modal_data") or {}
             if set(data) - {"image", "video"}:
-                raise ValueError(f"unsupported multi_modal_data {sorted(set(data) - {'image', 'video'})}; "
-                                 "supported: image, video")
+                raise ValueError(
+                    f"unsupported multi_modal_data {sorted(set(data) - {'image', 'video'})}; supported: image, video"
+                )
             images = data.get("image") or []
             images = images if isinstance(images, (list, tuple)) else [images]
             videos = video_list(data.get("video"))
@@ -68,11 +75,13 @@ class InputProcessor:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         self._check_count("image", len(images))
         self._check_count("video", len(videos))
-        return self.prompts.process(prompt, images, mm_processor_kwargs or None, self.config.max_model_len, videos,
-                                    add_special_tokens=True)
+        return self.prompts.process(
+            prompt, images, mm_processor_kwargs or None, self.config.max_model_len, videos, add_special_tokens=True
+        )
 
-    def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
-                     chat: ChatOptions | None = None) -> ProcessedPrompt:
+    def process_chat(
+        self, messages: list[dict], mm_processor_kwargs: dict | None = None, chat: ChatOptions | None = None
+    ) -> ProcessedPrompt:
         text, media = self.prompts.render_chat(messages, chat, self.config.max_model_len)
         self._check_count("image", len(media.images))
         self._check_count("video", len(media.videos))
@@ -88,12 +97,15 @@ class InputProcessor:
         against max_logprobs, that a structured-output grammar compiles (`grammar`: seconds for a large one, so the
         server leaves it to the preparation pool, where make_request checks again)."""
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences can run "
-                             "at once")
+            raise ValueError(
+                f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences can run at once"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.config.max_logprobs:
-                raise ValueError(f"{name}={getattr(params, name)} is more than max_logprobs="
-                                 f"{self.config.max_logprobs} (a server flag: --max-logprobs)")
+                raise ValueError(
+                    f"{name}={getattr(params, name)} is more than max_logprobs="
+                    f"{self.config.max_logprobs} (a server flag: --max-logprobs)"
+                )
         if grammar and params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
@@ -101,16 +113,28 @@ class InputProcessor:
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]}, out of vocabulary (size {self.vocab_size})")
 
-    def make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                     arrival_time: float | None = None, fair_rank: int = 0) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        fair_rank: int = 0,
+    ) -> Request:
         try:
             return self._make_request(request_id, processed, params, arrival_time, fair_rank)
         except BaseException:
             release_images(processed.images)  # refused: its pixels never reach the engine
             raise
 
-    def _make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                      arrival_time: float | None, fair_rank: int) -> Request:
+    def _make_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        arrival_time: float | None,
+        fair_rank: int,
+    ) -> Request:
         ids = processed.token_ids
         if not ids:
             raise ValueError("the prompt is empty")
@@ -123,21 +147,40 @@ class InputProcessor:
         items, start, model = [], 0, self.config.model
         for image in processed.images:
             start = ids.index(model.video_token_id if image.is_video else model.image_token_id, start)
-            parts = self._video_parts(image, start) if image.is_video else [
-                MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw), image.pixels)]
+            parts = (
+                self._video_parts(image, start)
+                if image.is_video
+                else [MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw), image.pixels)]
+            )
             for part in parts:
                 if part.span.length > self.config.encoder_cache_size:
-                    raise ValueError(f"an image of {part.span.length} tokens does not fit the encoder cache "
-                                     f"({self.config.encoder_cache_size} tokens); lower max_pixels or raise "
-                                     "encoder_cache_size")
+                    raise ValueError(
+                        f"an image of {part.span.length} tokens does not fit the encoder cache "
+                        f"({self.config.encoder_cache_size} tokens); lower max_pixels or raise "
+                        "encoder_cache_size"
+                    )
             items += parts
             start += image.num_tokens
-        request = Request(request_id, ids, params, processed.positions, processed.mrope_delta, items,
-                          prompt=processed.text, arrival_time=arrival_time or time.time(),
-                          eos_token_ids=self.config.model.eos_token_ids, arrival_index=next(self._arrivals),
-                          fair_rank=fair_rank)
-        shared = list({item.pixels.name: item.pixels  # a long video's parts share one segment
-                       for item in items if isinstance(item.pixels, SharedPixels)}.values())
+        request = Request(
+            request_id,
+            ids,
+            params,
+            processed.positions,
+            processed.mrope_delta,
+            items,
+            prompt=processed.text,
+            arrival_time=arrival_time or time.time(),
+            eos_token_ids=self.config.model.eos_token_ids,
+            arrival_index=next(self._arrivals),
+            fair_rank=fair_rank,
+        )
+        shared = list(
+            {
+                item.pixels.name: item.pixels  # a long video's parts share one segment
+                for item in items
+                if isinstance(item.pixels, SharedPixels)
+            }.values()
+        )
         if shared:  # freed if this request is dropped unsent (client gone, another prompt failed, ...)
             request.release_unsent = weakref.finalize(request, release_shared, shared)
         return request
@@ -148,7 +191,7 @@ class InputProcessor:
         patch), so the parts' embeddings are the whole video's, and a long video's encoder work spreads over
         steps instead of stalling one."""
         t, h, w = video.grid_thw
-        per_patch = h * w // video.merge_size ** 2
+        per_patch = h * w // video.merge_size**2
         step = max(1, self.config.encoder_budget // per_patch)
         if step >= t:
             return [MMItem(MMSpan(start, video.num_tokens, video.content_hash), (t, h, w), video.pixels)]
@@ -160,5 +203,5 @@ class InputProcessor:
             if isinstance(video.pixels, SharedPixels):  # sliced when the engine takes the segment
                 parts.append(MMItem(span, (count, h, w), video.pixels, frames))
             else:
-                parts.append(MMItem(span, (count, h, w), video.pixels[frames[0]:frames[1]]))
+                parts.append(MMItem(span, (count, h, w), video.pixels[frames[0] : frames[1]]))
         return parts

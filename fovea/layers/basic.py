@@ -71,9 +71,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape != (self.vocab_size, param.shape[1]):
-            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)}, model expects "
-                             f"{(self.vocab_size, param.shape[1])}")
-        param.data[:self.valid].copy_(loaded.narrow(0, self.start, self.valid))
+            raise ValueError(
+                f"shape mismatch: checkpoint {tuple(loaded.shape)}, model expects {(self.vocab_size, param.shape[1])}"
+            )
+        param.data[: self.valid].copy_(loaded.narrow(0, self.start, self.valid))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.communicates:
@@ -90,7 +91,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.communicates:
-            return self.tp.all_gather(F.linear(hidden_states, self.weight))[:, :self.vocab_size]
+            return self.tp.all_gather(F.linear(hidden_states, self.weight))[:, : self.vocab_size]
         if out is None:
             return F.linear(hidden_states, self.weight)
         return torch.mm(hidden_states, self.weight.t(), out=out)

@@ -20,8 +20,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, x_stride, residual_stride, eps,
-              N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    sum_ptr,
+    x_stride,
+    residual_stride,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     keep = cols < N
@@ -37,21 +48,36 @@ def _rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, x_stride, resid
     tl.store(out_ptr + row * N + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(s) * weight, s) for s = x + residual (or x) over the last dimension (unit stride)."""
     shape, hidden = x.shape, x.shape[-1]
     x = x.reshape(-1, hidden)
     residual = None if residual is None else residual.reshape(-1, hidden)
     n = x.shape[0]
-    total = x if residual is None else torch.empty((n, hidden), dtype=torch.promote_types(x.dtype, residual.dtype),
-                                                  device=x.device)
+    total = (
+        x
+        if residual is None
+        else torch.empty((n, hidden), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    )
     out = torch.empty((n, hidden), dtype=torch.promote_types(weight.dtype, total.dtype), device=x.device)
     if n:
         block = triton.next_power_of_2(hidden)
-        _rms_norm[(n,)](x, x if residual is None else residual, weight, out, total, x.stride(0),
-                        0 if residual is None else residual.stride(0), eps, N=hidden, BLOCK=block,
-                        HAS_RESIDUAL=residual is not None, num_warps=min(max(block // 512, 1), 8))
+        _rms_norm[(n,)](
+            x,
+            x if residual is None else residual,
+            weight,
+            out,
+            total,
+            x.stride(0),
+            0 if residual is None else residual.stride(0),
+            eps,
+            N=hidden,
+            BLOCK=block,
+            HAS_RESIDUAL=residual is not None,
+            num_warps=min(max(block // 512, 1), 8),
+        )
     return out.view(shape), total.view(shape)
 
 
@@ -77,8 +103,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary(x_ptr, cos_ptr, sin_ptr, x_stride, cos_stride, heads, HALF: tl.constexpr, HEADS_P2: tl.constexpr,
-            HALF_P2: tl.constexpr):
+def _rotary(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    x_stride,
+    cos_stride,
+    heads,
+    HALF: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HALF_P2: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     head = tl.arange(0, HEADS_P2)[:, None]
     dim = tl.arange(0, HALF_P2)[None, :]
@@ -100,5 +135,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, h
     n = x.shape[0]
     if n:
         half = head_dim // 2
-        _rotary[(n,)](x, cos, sin, x.stride(0), cos.stride(0), heads, HALF=half,
-                      HEADS_P2=triton.next_power_of_2(heads), HALF_P2=triton.next_power_of_2(half))
+        _rotary[(n,)](
+            x,
+            cos,
+            sin,
+            x.stride(0),
+            cos.stride(0),
+            heads,
+            HALF=half,
+            HEADS_P2=triton.next_power_of_2(heads),
+            HALF_P2=triton.next_power_of_2(half),
+        )

@@ -39,8 +39,10 @@ class LinearBase(nn.Module):
     @staticmethod
     def _copy(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         if param.shape != loaded.shape:
-            raise ValueError(f"shape mismatch for {name or 'parameter'}: checkpoint {tuple(loaded.shape)}, "
-                             f"model expects {tuple(param.shape)}")
+            raise ValueError(
+                f"shape mismatch for {name or 'parameter'}: checkpoint {tuple(loaded.shape)}, "
+                f"model expects {tuple(param.shape)}"
+            )
         param.data.copy_(loaded)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -50,8 +50,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(dtype)
 
 
-def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-               head_dim: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rotate_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused projection's output [q | k | v] (N, (heads + 2 kv heads) * head_dim) -> q, k rotated and v, as
     (N, heads, head_dim) tensors. `fused`: q and k rotated in place by one Triton kernel (CUDA)."""
     n = qkv.shape[0]

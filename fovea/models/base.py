@@ -20,6 +20,7 @@ from fovea.layers.basic import ParallelLMHead
 @dataclass(frozen=True)
 class ModelOptions:
     """Engine settings a model is built with (never set on its modules afterwards)."""
+
     fp32_softmax: bool = False  # language-model attention scores in fp32 on the uncached path
     fp32_softmax_vision: bool = False  # the same for the vision tower
     vision_kernel: bool = False  # the vision tower's attention on our Triton kernel (CUDA) instead of PyTorch's
@@ -28,8 +29,13 @@ class ModelOptions:
 
 class VisionLanguageModel(nn.Module):
     # checkpoint sub-module name -> (our fused module, which piece)
-    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
     visual: nn.Module
     model: nn.Module
 
@@ -47,11 +53,12 @@ class VisionLanguageModel(nn.Module):
         return self.split_by_item(self.visual(pixel_values, grids), grids)
 
     def split_by_item(self, merged: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        unit = self.config.vision.spatial_merge_size ** 2
+        unit = self.config.vision.spatial_merge_size**2
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
-    def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
-              mm_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None, mm_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token embeddings with `mm_embeds` rows written over the image/video placeholder positions, in order.
         `mm_mask` says which rows are placeholders when ids alone cannot (a generated placeholder id is text)."""
         x = self.model.embed_tokens(input_ids)
@@ -69,8 +76,14 @@ class VisionLanguageModel(nn.Module):
             x = x.masked_scatter(is_placeholder[:, None], mm_embeds.to(x.dtype))
         return x
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, mm_embeds: torch.Tensor | None = None,
-                mm_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta,
+        mm_embeds: torch.Tensor | None = None,
+        mm_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids: (N,), positions: (3, N) -> final hidden states (N, hidden)."""
         return self.model(self.embed(input_ids, mm_embeds, mm_mask), positions, meta)
 
@@ -96,5 +109,5 @@ class VisionLanguageModel(nn.Module):
         for i, part in enumerate(parts):
             if part in self.packed_modules:
                 fused, shard = self.packed_modules[part]
-                return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+                return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
         return name, None

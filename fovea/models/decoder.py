@@ -50,16 +50,17 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
         super().__init__()
         self.head_dim, self.fused = cfg.head_dim, options.fused_kernels
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.attn = Attention(cfg.head_dim, causal=True, layer_index=layer_index, fp32=options.fp32_softmax)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata | PagedAttentionMetadata):
-        q, k, v = rotate_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                             self.fused)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata | PagedAttentionMetadata
+    ):
+        q, k, v = rotate_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.fused)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(x.shape[0], -1))
 

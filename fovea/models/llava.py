@@ -38,8 +38,9 @@ class ClipEmbeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(images * patches, patch values) -> (images, 1 + patches, hidden)."""
-        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype)).view(-1, self.patches,
-                                                                                          self.class_embedding.numel())
+        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype)).view(
+            -1, self.patches, self.class_embedding.numel()
+        )
         cls = self.class_embedding.expand(x.shape[0], 1, -1)
         return torch.cat([cls, x], dim=1) + self.position_embedding.weight
 
@@ -98,7 +99,7 @@ class ClipVisionTower(nn.Module):
 
     def filler_grids(self, pad: int) -> list[tuple[int, int, int]]:
         side = self.cfg.image_size // self.cfg.patch_size
-        return [(1, side, side)] * (pad // side ** 2)
+        return [(1, side, side)] * (pad // side**2)
 
     def layout(self, grids: list[tuple[int, int, int]], tile_rows: int | None = None) -> dict:
         lengths = [1 + t * h * w for t, h, w in grids]  # each image attends over itself and its class token
@@ -134,10 +135,15 @@ class Model(VisionLanguageModel):
         """transformers 5 (`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
         `lm_head.*`), what its save_pretrained writes, and the earlier llava-hf layout (`vision_tower.*`,
         `multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`) onto ours."""
-        for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                         ("language_model.lm_head.", "lm_head."), ("model.vision_tower.", "visual."),
-                         ("vision_tower.", "visual."), ("model.multi_modal_projector.", "visual.projector."),
-                         ("multi_modal_projector.", "visual.projector.")):
+        for old, new in (
+            ("model.language_model.", "model."),
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("model.vision_tower.", "visual."),
+            ("vision_tower.", "visual."),
+            ("model.multi_modal_projector.", "visual.projector."),
+            ("multi_modal_projector.", "visual.projector."),
+        ):
             if name.startswith(old):
                 name = new + name.removeprefix(old)
                 break

@@ -83,8 +83,10 @@ def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
         if loaded.get(pname) not in _required_shards(owner):
             missing.append(pname)
     if missing or unexpected:
+
         def show(names: list[str]) -> str:
             return ", ".join(names[:12]) + (f" ... ({len(names)} in all)" if len(names) > 12 else "")
+
         parts = []
         if missing:
             parts.append(f"missing tensors (our parameter names): {show(missing)}")
@@ -93,9 +95,14 @@ def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
         raise CheckpointMismatchError(f"checkpoint {model_dir} does not fit its config: " + "; ".join(parts))
 
 
-def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               lm_tp: TPGroup = SINGLE, vision_tp: TPGroup = SINGLE,
-               options: ModelOptions = ModelOptions()) -> tuple[VisionLanguageModel, Path]:
+def load_model(
+    model: str | Path | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    lm_tp: TPGroup = SINGLE,
+    vision_tp: TPGroup = SINGLE,
+    options: ModelOptions = ModelOptions(),
+) -> tuple[VisionLanguageModel, Path]:
     """Builds the model its config.json names, split over the tensor-parallel groups (this rank's slices), and
     loads the weights; returns (model, model_dir)."""
     model_dir = resolve_model_dir(model)

@@ -18,13 +18,18 @@ import numpy as np
 @dataclass(frozen=True)
 class VisionSpan:
     """One image or video in the prompt, in order: its placeholder token and its patch grid (t, h, w)."""
+
     token_id: int
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None  # videos only
 
 
-def mrope_positions(token_ids: Sequence[int], spans: Sequence[VisionSpan], spatial_merge_size: int,
-                    tokens_per_second: float | None = 2.0) -> tuple[np.ndarray, int]:
+def mrope_positions(
+    token_ids: Sequence[int],
+    spans: Sequence[VisionSpan],
+    spatial_merge_size: int,
+    tokens_per_second: float | None = 2.0,
+) -> tuple[np.ndarray, int]:
     """Returns (positions of shape (3, len(token_ids)) int64, decode delta)."""
     ids = np.asarray(token_ids, dtype=np.int64)
     chunks: list[np.ndarray] = []
@@ -45,9 +50,11 @@ def mrope_positions(token_ids: Sequence[int], spans: Sequence[VisionSpan], spati
         t, h, w = span.grid_thw
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         count = t * gh * gw
-        if start + count > ids.size or not np.all(ids[start:start + count] == span.token_id):
-            raise ValueError(f"a vision item with grid {span.grid_thw} needs {count} consecutive placeholder "
-                             f"tokens (id {span.token_id}) at index {start}")
+        if start + count > ids.size or not np.all(ids[start : start + count] == span.token_id):
+            raise ValueError(
+                f"a vision item with grid {span.grid_thw} needs {count} consecutive placeholder "
+                f"tokens (id {span.token_id}) at index {start}"
+            )
         scaled = span.second_per_grid_t is not None and tokens_per_second is not None  # Qwen2-VL: unscaled
         interval = span.second_per_grid_t * tokens_per_second if scaled else 1.0
         # float32 then truncation, as the reference implementation does it

@@ -77,17 +77,21 @@ class PatchMerger(nn.Module):
 
     def __init__(self, cfg: VisionConfig, norm: type[nn.Module]):
         super().__init__()
-        self.group_dim = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.group_dim = cfg.hidden_size * cfg.spatial_merge_size**2
         self.ln_q = norm(cfg.hidden_size, eps=1e-6)
-        self.mlp = nn.Sequential(ColumnParallelLinear(self.group_dim, self.group_dim, bias=True), nn.GELU(),
-                                 RowParallelLinear(self.group_dim, cfg.out_hidden_size, bias=True))
+        self.mlp = nn.Sequential(
+            ColumnParallelLinear(self.group_dim, self.group_dim, bias=True),
+            nn.GELU(),
+            RowParallelLinear(self.group_dim, cfg.out_hidden_size, bias=True),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.group_dim))
 
 
-def vision_layout(grids: list[tuple[int, int, int]], merge: int, window: int, kernel: bool = False,
-                  tile_rows: int | None = None) -> dict[str, torch.Tensor]:
+def vision_layout(
+    grids: list[tuple[int, int, int]], merge: int, window: int, kernel: bool = False, tile_rows: int | None = None
+) -> dict[str, torch.Tensor]:
     """Index bookkeeping for a batch of images/videos given their patch grids (t, h, w).
 
     Patches arrive with each merge group (merge x merge patches) contiguous, groups in row-major order per frame.
@@ -121,8 +125,12 @@ def vision_layout(grids: list[tuple[int, int, int]], merge: int, window: int, ke
         from fovea.attention.triton_varlen import tile_table
 
         window_meta.tiles, frame_meta.tiles = tile_table(window_lens, tile_rows), tile_table(frame_lens, tile_rows)
-    return {"window_index": torch.cat(window_index), "rope_pos": torch.cat(rope_pos, dim=1),
-            "window_meta": window_meta, "frame_meta": frame_meta}
+    return {
+        "window_index": torch.cat(window_index),
+        "rope_pos": torch.cat(rope_pos, dim=1),
+        "window_meta": window_meta,
+        "frame_meta": frame_meta,
+    }
 
 
 class VisionTransformer(nn.Module):
@@ -150,7 +158,7 @@ class VisionTransformer(nn.Module):
 
     def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
         """The forward over a ready layout; with the layout's tensors in static buffers, it can be captured."""
-        unit = self.cfg.spatial_merge_size ** 2
+        unit = self.cfg.spatial_merge_size**2
         device = pixel_values.device
         index = layout["window_index"].to(device)
 
@@ -186,4 +194,3 @@ class Model(VisionLanguageModel):
         if name.startswith("model.language_model."):
             return "model." + name.removeprefix("model.language_model.")
         return name.removeprefix("model.") if name.startswith("model.visual.") else name
-

@@ -33,7 +33,7 @@ def _is_content(node: nodes.Node, names: set[str]) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def detect_content_format(template: str) -> str:
-    """"openai" when the template iterates over a message's content, else "string" (also for one that does not
+    """ "openai" when the template iterates over a message's content, else "string" (also for one that does not
     parse: rendering it will say what is wrong)."""
     try:
         tree = jinja2.Environment().parse(template)
@@ -47,7 +47,7 @@ def detect_content_format(template: str) -> str:
     for call in tree.find_all(nodes.Call):
         if isinstance(call.node, nodes.Name) and call.node.name in macros:
             params = macros[call.node.name]
-            names |= {params[i] for i, arg in enumerate(call.args[:len(params)]) if _is_content(arg, names)}
+            names |= {params[i] for i, arg in enumerate(call.args[: len(params)]) if _is_content(arg, names)}
     return "openai" if any(_is_content(loop.iter, names) for loop in tree.find_all(nodes.For)) else "string"
 
 

@@ -56,8 +56,16 @@ class Cancellation:
             callback()
 
 
-def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int = 3, deadline: float | None = None,
-              cancel: Cancellation | None = None, explain: bool = True, kind: str = "image") -> bytes:
+def fetch_url(
+    url: str,
+    check_url=None,
+    check_address=None,
+    max_redirects: int = 3,
+    deadline: float | None = None,
+    cancel: Cancellation | None = None,
+    explain: bool = True,
+    kind: str = "image",
+) -> bytes:
     """Downloads an image (or video), bounded in size and in total time: fetch_timeout(kind) for everything,
     redirects included, unless `deadline` (time.monotonic()) says otherwise. `check_url(url)`
     vets every URL including redirects; `check_address(ip)` vets the address actually connected to, so a host
@@ -94,8 +102,11 @@ def fetch_url(url: str, check_url=None, check_address=None, max_redirects: int =
         timer.start()
         cancel.on_cancel(shut_all)
         try:
-            connection.request("GET", (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else ""),
-                               headers={"User-Agent": "fovea", "Accept": f"{kind}/*"})
+            connection.request(
+                "GET",
+                (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else ""),
+                headers={"User-Agent": "fovea", "Accept": f"{kind}/*"},
+            )
             sock = connection.sock  # the response reads from it; the connection may drop its own reference
             response = connection.getresponse()
             location = response.getheader("Location")

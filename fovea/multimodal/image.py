@@ -35,6 +35,7 @@ IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 class PlannedImage:
     """An opened image (header read, pixels not decoded yet) and the size it will be resized to. `data`: the
     encoded bytes it was opened from (None for a PIL image), which a decoding worker process can take."""
+
     image: Image.Image
     config: ImageProcessorConfig
     height: int
@@ -52,6 +53,7 @@ class ProcessedImage:
     (frames, height, width, 3)), which the engine turns into patches on its device (multimodal/patchify.py), and
     its grid in patches. `content_hash` names the encoder's exact input (the pixels and the grid; a video's time
     step too), for the prefix and encoder caches."""
+
     pixels: np.ndarray
     grid_thw: tuple[int, int, int]
     content_hash: str
@@ -65,7 +67,7 @@ class ProcessedImage:
     @property
     def num_tokens(self) -> int:
         t, h, w = self.grid_thw
-        return t * h * w // self.merge_size ** 2
+        return t * h * w // self.merge_size**2
 
 
 def pixels_hash(pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> str:
@@ -94,8 +96,9 @@ def encoded_bytes(source, kind: str = "image") -> tuple[bytes, str]:
     errors."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source), f"{kind} bytes"
-    if isinstance(source, os.PathLike) or (isinstance(source, str) and "://" not in source
-                                            and not source.startswith("data:")):
+    if isinstance(source, os.PathLike) or (
+        isinstance(source, str) and "://" not in source and not source.startswith("data:")
+    ):
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"{kind} file not found: {path}")
@@ -121,13 +124,13 @@ def _open(fp, what: str) -> Image.Image:
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"{what}: image too large to decode safely ({exc})") from None
     except UnidentifiedImageError:  # its message would name the file object (`<_io.BytesIO object at 0x...>`)
-        raise ValueError(f"{what} is not a readable image in a supported format "
-                         f"({', '.join(IMAGE_FORMATS)})") from None
+        raise ValueError(f"{what} is not a readable image in a supported format ({', '.join(IMAGE_FORMATS)})") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ValueError(f"{what} is not a readable image ({exc})") from None
     if image.width * image.height > MAX_IMAGE_PIXELS:  # known from the header, before any decoding
-        raise ImageTooLarge(f"{what}: {image.width}x{image.height} is over the {MAX_IMAGE_PIXELS} pixels "
-                            "an image may have")
+        raise ImageTooLarge(
+            f"{what}: {image.width}x{image.height} is over the {MAX_IMAGE_PIXELS} pixels an image may have"
+        )
     image.fovea_source = what  # named in decode errors
     return image
 
@@ -170,7 +173,7 @@ class ImageProcessor:
         if cfg.crop_size:
             height, width = crop_resize(planned.image.height, planned.image.width, cfg.shortest_edge)
             top, left = (height - cfg.crop_size) // 2, (width - cfg.crop_size) // 2
-            pixels = resize(planned.image, width, height)[top:top + cfg.crop_size, left:left + cfg.crop_size]
+            pixels = resize(planned.image, width, height)[top : top + cfg.crop_size, left : left + cfg.crop_size]
             pixels = np.ascontiguousarray(pixels)
         else:
             pixels = resize(planned.image, planned.width, planned.height)

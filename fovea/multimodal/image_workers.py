@@ -29,6 +29,7 @@ class SharedPixels:
     """Resized (height, width, 3) uint8 pixels (a video's: (frames, height, width, 3)) in a shared-memory segment.
     Whoever ends up with the handle frees the segment: the engine by `take`, the front end by `release` when the
     request never got there."""
+
     name: str
     shape: tuple[int, ...]
 
@@ -87,8 +88,11 @@ def _decode_worker(conn) -> None:
         try:
             conn.send(_run(*job))
         except Exception as error:  # noqa: BLE001 - a bad file is its request's error
-            conn.send(ValueError(str(error)) if isinstance(error, ValueError) else
-                      ValueError(f"the {job[0]} could not be decoded: {type(error).__name__}: {error}"))
+            conn.send(
+                ValueError(str(error))
+                if isinstance(error, ValueError)
+                else ValueError(f"the {job[0]} could not be decoded: {type(error).__name__}: {error}")
+            )
 
 
 def _run(kind: str, *args):
@@ -146,8 +150,9 @@ class ImageWorkers:
         try:
             answer = self.pool.call((kind, *args), self.timeout_s)
         except (WorkerFailed, TimeoutError):
-            raise ValueError(f"the {what} could not be decoded (its decoder crashed or took longer than "
-                             f"{self.timeout_s:g} s)") from None
+            raise ValueError(
+                f"the {what} could not be decoded (its decoder crashed or took longer than {self.timeout_s:g} s)"
+            ) from None
         if isinstance(answer, Exception):
             raise answer
         return answer

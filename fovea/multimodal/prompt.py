@@ -35,8 +35,10 @@ SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def prompt_too_long(length: int, limit: int, at_least: bool = False) -> ValueError:
-    return ValueError(f"the prompt (length {'at least ' if at_least else ''}{length}) is longer than the maximum "
-                      f"model length of {limit}")
+    return ValueError(
+        f"the prompt (length {'at least ' if at_least else ''}{length}) is longer than the maximum "
+        f"model length of {limit}"
+    )
 
 
 def check_text(text: str) -> None:
@@ -45,15 +47,30 @@ def check_text(text: str) -> None:
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them
-RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
 
 
 @dataclass(frozen=True)
 class ChatOptions:
     """How chat messages become a prompt: the template (None: the model's own), whether the assistant's turn is
     opened at the end, the tools the template lists, and extra template variables (chat_template_kwargs)."""
+
     template: str | None = None
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
@@ -65,13 +82,19 @@ class ChatOptions:
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: they are request fields of their own")
         if self.content_format not in CONTENT_FORMATS:
-            raise ValueError(f"chat template content format must be one of {CONTENT_FORMATS}, got "
-                             f"{self.content_format!r}")
+            raise ValueError(
+                f"chat template content format must be one of {CONTENT_FORMATS}, got {self.content_format!r}"
+            )
 
     def render(self, tokenizer, messages: list[dict], template: str) -> str:
-        return tokenizer.apply_chat_template(messages, chat_template=template, tools=self.tools or None,
-                                             tokenize=False, add_generation_prompt=self.add_generation_prompt,
-                                             **(self.template_kwargs or {}))
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            tools=self.tools or None,
+            tokenize=False,
+            add_generation_prompt=self.add_generation_prompt,
+            **(self.template_kwargs or {}),
+        )
 
 
 @dataclass
@@ -145,8 +168,7 @@ def split_chat_media(messages: list[dict]) -> tuple[list[dict], ChatMedia]:
                 (media.images if MEDIA_PARTS[kind] == "image" else media.videos).append(source)
                 parts.append({"type": MEDIA_PARTS[kind]})
             else:
-                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url, video_url or "
-                                 "image_pil")
+                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url, video_url or image_pil")
         normalized.append({**message, "content": parts})
     return normalized, media
 
@@ -176,8 +198,15 @@ def text_length(messages: list[dict]) -> int:
 
 
 class PromptProcessor:
-    def __init__(self, model_dir: str | Path, config: ModelConfig, chat_template: str | None = None,
-                 mm_processor_kwargs: dict | None = None, decoder=None, tokenizer=None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: ModelConfig,
+        chat_template: str | None = None,
+        mm_processor_kwargs: dict | None = None,
+        decoder=None,
+        tokenizer=None,
+    ):
         """`decoder.process(planned)` decodes and resizes planned images and videos, `decoder.probe(data)` reads a
         video file's header (default: in this thread; the server passes worker processes, image_workers.py)."""
         self.config = config
@@ -237,16 +266,19 @@ class PromptProcessor:
             start = end
         return count
 
-    def render_chat(self, messages: list[dict], chat: ChatOptions | None = None,
-                    max_tokens: int | None = None) -> tuple[str, ChatMedia]:
+    def render_chat(
+        self, messages: list[dict], chat: ChatOptions | None = None, max_tokens: int | None = None
+    ) -> tuple[str, ChatMedia]:
         chat = chat or ChatOptions()
         template = chat.template or self.chat_template
         if not template:
             raise ValueError("the model has no chat template; pass one with chat_template=")
         if chat.tools and "tools" not in template and not self._warned_tools:
             self._warned_tools = True  # as in vLLM, the request goes on; the model just does not see the tools
-            logger.warning("the chat template does not list tools; pass one that does (--chat-template), e.g. "
-                           "fovea/models/qwen2_5_vl_chat_template.jinja")
+            logger.warning(
+                "the chat template does not list tools; pass one that does (--chat-template), e.g. "
+                "fovea/models/qwen2_5_vl_chat_template.jinja"
+            )
         normalized, media = self.normalize_chat(messages, max_tokens, chat, template)
         try:
             text = chat.render(self.tokenizer, normalized, template)
@@ -254,8 +286,13 @@ class PromptProcessor:
             raise ValueError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
         return text, media
 
-    def normalize_chat(self, messages: list[dict], max_tokens: int | None = None, chat: ChatOptions | None = None,
-                       template: str | None = None) -> tuple[list[dict], ChatMedia]:
+    def normalize_chat(
+        self,
+        messages: list[dict],
+        max_tokens: int | None = None,
+        chat: ChatOptions | None = None,
+        template: str | None = None,
+    ) -> tuple[list[dict], ChatMedia]:
         """split_chat_media, refusing (before any templating) text too long for `max_tokens` tokens; the content
         in the shape `template` expects (chat.content_format, or read off the template when "auto")."""
         chat = chat or ChatOptions()
@@ -274,8 +311,15 @@ class PromptProcessor:
         text, media = self.render_chat(messages)
         return self.process(text, media.images, mm_processor_kwargs, videos=media.videos)
 
-    def process(self, prompt: str | list[int], images: list = (), mm_processor_kwargs: dict | None = None,
-                max_tokens: int | None = None, videos: list = (), add_special_tokens: bool = False) -> ProcessedPrompt:
+    def process(
+        self,
+        prompt: str | list[int],
+        images: list = (),
+        mm_processor_kwargs: dict | None = None,
+        max_tokens: int | None = None,
+        videos: list = (),
+        add_special_tokens: bool = False,
+    ) -> ProcessedPrompt:
         """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
         writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
         videos' pixels are decoded."""
@@ -285,12 +329,15 @@ class PromptProcessor:
         planned = [self.image_processor.plan(image, mm_processor_kwargs) for image in images]
         source_pixels = sum(p.image.width * p.image.height for p in planned)
         if source_pixels > MAX_REQUEST_PIXELS:  # known from the headers: refused before any pixel is decoded
-            raise ImageTooLarge(f"the prompt's images have {source_pixels / 1e6:.1f} megapixels before resizing, more "
-                                f"than the {MAX_REQUEST_PIXELS / 1e6:.1f} one request may have "
-                                "(FOVEA_MAX_REQUEST_PIXELS)")
+            raise ImageTooLarge(
+                f"the prompt's images have {source_pixels / 1e6:.1f} megapixels before resizing, more "
+                f"than the {MAX_REQUEST_PIXELS / 1e6:.1f} one request may have "
+                "(FOVEA_MAX_REQUEST_PIXELS)"
+            )
         cfg, options = self.image_processor.config, self.video_options.with_kwargs(mm_processor_kwargs, capped=True)
-        planned_videos = [plan_video(video, options, self.decoder.probe, cfg.patch_size, cfg.merge_size)
-                          for video in videos]
+        planned_videos = [
+            plan_video(video, options, self.decoder.probe, cfg.patch_size, cfg.merge_size) for video in videos
+        ]
         length = len(ids) + sum(p.num_tokens - 1 for p in planned + planned_videos)
         if max_tokens is not None and length > max_tokens:
             raise prompt_too_long(length, max_tokens)
@@ -309,8 +356,9 @@ class PromptProcessor:
         result.text = prompt if isinstance(prompt, str) else None
         return result
 
-    def expand(self, ids: list[int], images: list[ProcessedImage],
-               videos: list[ProcessedImage] = ()) -> ProcessedPrompt:
+    def expand(
+        self, ids: list[int], images: list[ProcessedImage], videos: list[ProcessedImage] = ()
+    ) -> ProcessedPrompt:
         """Each placeholder token becomes its item's run of tokens; the items come back in prompt order."""
         items = {self.config.image_token_id: ("image", images)}
         if self.config.video_token_id is not None:
@@ -321,8 +369,9 @@ class PromptProcessor:
             count = sum(ids[i] == token for i in slots)
             if count != len(given):
                 placeholder = self.tokenizer.convert_ids_to_tokens(token)
-                raise ValueError(f"prompt has {count} {name} placeholders ({placeholder}) but {len(given)} {name}s "
-                                 "were given")
+                raise ValueError(
+                    f"prompt has {count} {name} placeholders ({placeholder}) but {len(given)} {name}s were given"
+                )
             queues[token] = iter(given)
         expanded: list[int] = []
         ordered: list[ProcessedImage] = []
@@ -339,6 +388,7 @@ class PromptProcessor:
         expanded += ids[prev:]
         if not self.config.mrope:
             return ProcessedPrompt(expanded, ordered, linear_positions(len(expanded)), 0)
-        positions, delta = mrope_positions(expanded, spans, self.config.vision.spatial_merge_size,
-                                           self.config.vision.tokens_per_second)
+        positions, delta = mrope_positions(
+            expanded, spans, self.config.vision.spatial_merge_size, self.config.vision.tokens_per_second
+        )
         return ProcessedPrompt(expanded, ordered, positions, delta)

@@ -36,13 +36,14 @@ def as_frames(video) -> tuple[list, float | None]:
         video, fps = video[0], video[1].get("fps")
     if isinstance(video, np.ndarray):
         if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
-            raise ValueError(f"a video array must be (frames, height, width, 3) uint8, got {video.dtype} "
-                             f"{video.shape}")
+            raise ValueError(f"a video array must be (frames, height, width, 3) uint8, got {video.dtype} {video.shape}")
         return list(video), fps
     if isinstance(video, (list, tuple)) and video and all(isinstance(f, (Image.Image, np.ndarray)) for f in video):
         return list(video), fps
-    raise ValueError("a video is a file (bytes, a path or a URL), a (frames, height, width, 3) uint8 array, a "
-                     "list of frames, or (frames, {'fps': ...})")
+    raise ValueError(
+        "a video is a file (bytes, a path or a URL), a (frames, height, width, 3) uint8 array, a "
+        "list of frames, or (frames, {'fps': ...})"
+    )
 
 
 def video_list(value) -> list:
@@ -63,6 +64,7 @@ def is_encoded(source) -> bool:
 class PlannedVideo:
     """A video whose kept frames and their size are known and whose pixels are not decoded yet: `frames` in
     memory (offline arrays) or `data`, an encoded file (decoded by a worker process when the server has them)."""
+
     indices: list[int]
     height: int
     width: int
@@ -75,11 +77,12 @@ class PlannedVideo:
     @property
     def num_tokens(self) -> int:
         t, h, w = self.grid
-        return t * h * w // self.merge_size ** 2
+        return t * h * w // self.merge_size**2
 
 
-def plan_video(source, options: VideoOptions, probe=video_decode.probe, patch_size: int = 14,
-               merge_size: int = 2) -> PlannedVideo:
+def plan_video(
+    source, options: VideoOptions, probe=video_decode.probe, patch_size: int = 14, merge_size: int = 2
+) -> PlannedVideo:
     """`probe(data) -> VideoInfo` reads a file's header (in a worker process on a server)."""
     frames = data = None
     if is_encoded(source):

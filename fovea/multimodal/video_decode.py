@@ -64,8 +64,9 @@ def check(info: VideoInfo) -> None:
     if info.fps <= 0:
         raise ValueError("the video does not say its frame rate")
     if info.height <= 0 or info.width <= 0 or info.height * info.width > MAX_FRAME_PIXELS:
-        raise ValueError(f"video frames of {info.width}x{info.height} are outside what is read (at most "
-                         f"{MAX_FRAME_PIXELS} pixels)")
+        raise ValueError(
+            f"video frames of {info.width}x{info.height} are outside what is read (at most {MAX_FRAME_PIXELS} pixels)"
+        )
 
 
 def decode(data: bytes, indices: list[int], resize=None) -> list[np.ndarray]:

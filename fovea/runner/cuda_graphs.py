@@ -32,8 +32,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_num_seqs: int, max_model_len: int,
-                 block_size: int, kv_caches: list[torch.Tensor], device: torch.device, capture: bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        capture: bool,
+    ):
         self.model, self.backend, self.block_size, self.kv_caches = model, backend, block_size, kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = max_model_len
@@ -55,9 +64,17 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = PagedAttentionMetadata(self.backend, self.slots[:size], self.query_start[:size + 1],
-                                      self.seq_lens[:size], self.block_tables[:size], 1, self.max_model_len,
-                                      self.block_size, self.kv_caches)
+        meta = PagedAttentionMetadata(
+            self.backend,
+            self.slots[:size],
+            self.query_start[: size + 1],
+            self.seq_lens[:size],
+            self.block_tables[:size],
+            1,
+            self.max_model_len,
+            self.block_size,
+            self.kv_caches,
+        )
         self.backend.prepare(meta)
         return self.model.text_forward(self.ids[:size], self.positions[:, :size], meta)
 
@@ -73,8 +90,13 @@ class DecodeGraphs:
                 self.outputs[size] = self._forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.sizes),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+        )
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
         """A decode step (one new token per sequence) of at most the largest bucket -> hidden states (n, hidden)."""
@@ -87,7 +109,7 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.seq_lens[n:size].fill_(1)
         # padding rows keep an earlier step's table: any block id there is a valid one to read one key from
-        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

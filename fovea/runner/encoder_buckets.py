@@ -21,10 +21,11 @@ logger = logging.getLogger("fovea")
 
 
 class EncoderBuckets:
-    def __init__(self, visual: torch.nn.Module, buckets: list[int], dtype: torch.dtype, device: torch.device,
-                 capture: bool):
+    def __init__(
+        self, visual: torch.nn.Module, buckets: list[int], dtype: torch.dtype, device: torch.device, capture: bool
+    ):
         self.visual, self.buckets, self.dtype, self.device, self.capture = visual, buckets, dtype, device, capture
-        self.unit = visual.cfg.spatial_merge_size ** 2
+        self.unit = visual.cfg.spatial_merge_size**2
         self.tile_rows = {}  # bucket -> rows of the kernel's tile tables (a fixed launch grid per bucket)
         if visual.use_kernel:
             from fovea.attention.triton_varlen import max_tiles
@@ -43,12 +44,15 @@ class EncoderBuckets:
         """Runs (and on a GPU captures) every bucket once, so no shape is compiled while serving."""
         for size in reversed(self.buckets):  # largest first, so the smaller graphs fit in its pool
             start = time.perf_counter()
-            self.encode(torch.zeros(0, self.visual.cfg.frame_patch_dim, dtype=self.dtype, device=self.device), [],
-                        size)
+            self.encode(torch.zeros(0, self.visual.cfg.frame_patch_dim, dtype=self.dtype, device=self.device), [], size)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            logger.info("vision encoder bucket %d patches: %s in %.2f s", size,
-                        "captured" if size in self.graphs else "warmed up", time.perf_counter() - start)
+            logger.info(
+                "vision encoder bucket %d patches: %s in %.2f s",
+                size,
+                "captured" if size in self.graphs else "warmed up",
+                time.perf_counter() - start,
+            )
 
     @torch.inference_mode()
     def encode(self, patches: torch.Tensor, grids: list[tuple[int, int, int]], size: int) -> torch.Tensor:
@@ -61,7 +65,7 @@ class EncoderBuckets:
         values = torch.zeros(size, patches.shape[1], dtype=self.dtype, device=self.device)
         values[:real] = patches
         if not (self.capture and self.visual.use_kernel):
-            return self.visual.run(values, layout)[:real // self.unit]
+            return self.visual.run(values, layout)[: real // self.unit]
         if size not in self.graphs:
             self._capture(size, values, layout)
         static_values, static_layout = self.inputs[size]
@@ -69,9 +73,10 @@ class EncoderBuckets:
         for key, value in layout.items():  # index tensors, and attention metadata whose tile table is the input
             target = static_layout[key]
             (target if isinstance(target, torch.Tensor) else target.tiles).copy_(
-                value if isinstance(value, torch.Tensor) else value.tiles)
+                value if isinstance(value, torch.Tensor) else value.tiles
+            )
         self.graphs[size].replay()
-        return self.outputs[size][:real // self.unit].clone()
+        return self.outputs[size][: real // self.unit].clone()
 
     def _capture(self, size: int, values: torch.Tensor, layout: dict) -> None:
         static = {key: value.to(self.device) for key, value in layout.items()}

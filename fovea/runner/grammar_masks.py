@@ -30,8 +30,9 @@ class GrammarMasks:
         self.rows = rows
         self.bitmask = lt.allocate_token_bitmask(len(rows), vocab_size)
         pool, starter = _fill_threads()
-        self._filled = starter.submit(lt.fill_next_token_bitmask_par, pool, list(zip(matchers, range(len(rows)))),
-                                      self.bitmask)
+        self._filled = starter.submit(
+            lt.fill_next_token_bitmask_par, pool, list(zip(matchers, range(len(rows)))), self.bitmask
+        )
 
     @classmethod
     def start(cls, grammars: list, vocab_size: int) -> GrammarMasks | None:

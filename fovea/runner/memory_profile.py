@@ -48,8 +48,7 @@ def encode_largest_images(model: torch.nn.Module, config: EngineConfig) -> list[
     patches = grid[0] * grid[1] * grid[2]
     copies = max(1, config.encoder_budget // (patches // vision.spatial_merge_size**2))
     grids = [grid] * copies
-    model.encode_images(torch.randn(patches * copies, vision.frame_patch_dim, device=device, dtype=config.dtype),
-                        grids)
+    model.encode_images(torch.randn(patches * copies, vision.frame_patch_dim, device=device, dtype=config.dtype), grids)
     return grids
 
 
@@ -60,7 +59,7 @@ def language_model_step(model: torch.nn.Module, config: EngineConfig) -> None:
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     positions = torch.arange(tokens, device=device).expand(3, tokens)
     hidden = model(ids, positions, AttentionMetadata.from_lengths([tokens], device))
-    rows = hidden[:min(config.max_num_seqs, tokens)]
+    rows = hidden[: min(config.max_num_seqs, tokens)]
     model.compute_logits(rows).float().softmax(-1)  # the sampler works on fp32 probabilities
 
 
@@ -69,9 +68,11 @@ def free_memory_at_start(config: EngineConfig) -> int:
     free, total = torch.cuda.mem_get_info(config.device)
     wanted = total * config.gpu_memory_utilization
     if free < wanted and not config.kv_cache_memory_bytes:
-        raise ValueError(f"only {free / GIB:.2f} GiB of the GPU's {total / GIB:.2f} GiB are free, less than "
-                         f"gpu_memory_utilization {config.gpu_memory_utilization} asks for ({wanted / GIB:.2f} GiB): "
-                         "lower gpu_memory_utilization, or free the memory other processes hold")
+        raise ValueError(
+            f"only {free / GIB:.2f} GiB of the GPU's {total / GIB:.2f} GiB are free, less than "
+            f"gpu_memory_utilization {config.gpu_memory_utilization} asks for ({wanted / GIB:.2f} GiB): "
+            "lower gpu_memory_utilization, or free the memory other processes hold"
+        )
     return free
 
 
@@ -98,7 +99,15 @@ def profile_kv_budget(model: torch.nn.Module, config: EngineConfig, free_at_star
     encoder_cache = config.encoder_cache_size * text.hidden_size * config.dtype.itemsize
     used = free_at_start - free
     budget = kv_cache_budget(total, config.gpu_memory_utilization, used, peak_extra, encoder_cache)
-    logger.info("memory profile: this engine uses %.2f GiB (weights %.2f GiB), step peak %.2f GiB, encoder cache "
-                "%.2f GiB, KV cache %.2f GiB of %.2f GiB x %.2f", used / GIB, resident / GIB, peak_extra / GIB,
-                encoder_cache / GIB, budget / GIB, total / GIB, config.gpu_memory_utilization)
+    logger.info(
+        "memory profile: this engine uses %.2f GiB (weights %.2f GiB), step peak %.2f GiB, encoder cache "
+        "%.2f GiB, KV cache %.2f GiB of %.2f GiB x %.2f",
+        used / GIB,
+        resident / GIB,
+        peak_extra / GIB,
+        encoder_cache / GIB,
+        budget / GIB,
+        total / GIB,
+        config.gpu_memory_utilization,
+    )
     return budget

@@ -52,25 +52,44 @@ class ModelRunner:
         self.parallel = parallel
         gpu_kernels = self.device.type == "cuda" and config.resolved_attention_backend == "triton"
         # fp32_softmax: the uncached path (start-up profile); the Triton kernels always are fp32
-        options = ModelOptions(config.fp32_softmax, config.fp32_softmax_vision, vision_kernel=gpu_kernels,
-                               fused_kernels=self.device.type == "cuda")
+        options = ModelOptions(
+            config.fp32_softmax,
+            config.fp32_softmax_vision,
+            vision_kernel=gpu_kernels,
+            fused_kernels=self.device.type == "cuda",
+        )
         self.free_at_start = free_memory_at_start(config) if self.device.type == "cuda" else 0
-        self.model, _ = load_model(config.model_dir, dtype=config.dtype, device=config.device,
-                                   lm_tp=parallel.lm if parallel else SINGLE,
-                                   vision_tp=parallel.vision if parallel else SINGLE, options=options)
+        self.model, _ = load_model(
+            config.model_dir,
+            dtype=config.dtype,
+            device=config.device,
+            lm_tp=parallel.lm if parallel else SINGLE,
+            vision_tp=parallel.vision if parallel else SINGLE,
+            options=options,
+        )
         self.image_config = config.model.image  # mean, std, patch and merge sizes
         first = self.model.model.layers[0].self_attn
         self.num_layers, self.num_kv_heads = config.model.text.num_layers, first.num_kv_heads  # this rank's heads
         backend = config.resolved_attention_backend
-        self.backend = make_backend(backend, first.num_heads // self.num_kv_heads, config.fp32_softmax,
-                                    config.device, needs=features_needed(self.model))
+        self.backend = make_backend(
+            backend,
+            first.num_heads // self.num_kv_heads,
+            config.fp32_softmax,
+            config.device,
+            needs=features_needed(self.model),
+        )
         # collectives inside CUDA graphs are not set up yet: with several ranks everything runs eagerly
-        capture = (self.device.type == "cuda" and BACKENDS[backend].cuda_graphs and not config.enforce_eager
-                   and not config.distributed)
+        capture = (
+            self.device.type == "cuda"
+            and BACKENDS[backend].cuda_graphs
+            and not config.enforce_eager
+            and not config.distributed
+        )
         self.encoder_buckets = None
         if config.mm_buckets:  # before the memory profile: captured graphs keep their memory
-            self.encoder_buckets = EncoderBuckets(self.model.visual, config.mm_buckets, config.dtype, self.device,
-                                                  capture=capture)
+            self.encoder_buckets = EncoderBuckets(
+                self.model.visual, config.mm_buckets, config.dtype, self.device, capture=capture
+            )
             if not config.skip_warmup:
                 self.encoder_buckets.warm_up()
         self.sampler = Sampler(config.seed)
@@ -82,12 +101,21 @@ class ModelRunner:
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would still be NaN
         self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(self.num_layers)]
         self.kv_cache_bytes = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
-        self.logits_buffer = torch.empty(config.max_num_seqs, config.model.text.vocab_size, dtype=config.dtype,
-                                         device=self.device)
+        self.logits_buffer = torch.empty(
+            config.max_num_seqs, config.model.text.vocab_size, dtype=config.dtype, device=self.device
+        )
         self.graphs: DecodeGraphs | None = None
         if capture:
-            self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.max_model_len,
-                                       config.block_size, self.kv_caches, self.device, capture=True)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                config.max_num_seqs,
+                config.max_model_len,
+                config.block_size,
+                self.kv_caches,
+                self.device,
+                capture=True,
+            )
 
     def _count_kv_blocks(self) -> int:
         cfg, text = self.config, self.config.model.text
@@ -102,9 +130,11 @@ class ModelRunner:
             budget = min(CPU_KV_CACHE_BYTES, block_bytes * cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size))
         blocks = int(budget // block_bytes)
         if blocks < 1:
-            raise ValueError("no memory left for the KV cache after the weights and the heaviest step; lower "
-                             "max_num_batched_tokens, max_pixels (mm_processor_kwargs) or limit_mm_per_prompt, raise "
-                             "gpu_memory_utilization (or kv_cache_memory_bytes), or use more GPUs")
+            raise ValueError(
+                "no memory left for the KV cache after the weights and the heaviest step; lower "
+                "max_num_batched_tokens, max_pixels (mm_processor_kwargs) or limit_mm_per_prompt, raise "
+                "gpu_memory_utilization (or kv_cache_memory_bytes), or use more GPUs"
+            )
         return blocks
 
     @torch.inference_mode()
@@ -124,7 +154,7 @@ class ModelRunner:
         parts: list[list[tuple]] = [[] for _ in plan.prompt_logprobs]
         for span, offset, rows in self.span_logits(hidden, step.logprob_spans):
             _, targets, k = plan.prompt_logprobs[span]
-            ids = torch.tensor(targets[offset:offset + len(rows)], device=self.device)
+            ids = torch.tensor(targets[offset : offset + len(rows)], device=self.device)
             parts[span].append(top_logprobs(rows.float().log_softmax(-1), ids, k))
         for (index, _, _), blocks in zip(plan.prompt_logprobs, parts):  # the blocks joined field by field
             out.prompt_logprobs[index] = tuple(None if field[0] is None else torch.cat(field) for field in zip(*blocks))
@@ -136,7 +166,11 @@ class ModelRunner:
         rows = max(1, PROMPT_LOGPROB_BLOCK // self.config.model.text.vocab_size)
         for span, (first, count) in enumerate(spans):
             for offset in range(0, count, rows):
-                yield span, offset, self.model.compute_logits(hidden[first + offset:first + min(count, offset + rows)])
+                yield (
+                    span,
+                    offset,
+                    self.model.compute_logits(hidden[first + offset : first + min(count, offset + rows)]),
+                )
 
     def run_worker_step(self, step: StepInput) -> None:
         """Ranks above 0: the step rank 0 sent, with the image embeddings it broadcasts after it."""
@@ -157,9 +191,17 @@ class ModelRunner:
                 cache[:, dst].copy_(cache[:, src])
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         ids, positions = to(step.token_ids), to(step.positions)
-        meta = PagedAttentionMetadata(self.backend, to(step.slots), to(step.query_starts), to(step.seq_lens),
-                                      to(step.block_tables), step.max_query_len, step.max_seq_len,
-                                      self.config.block_size, self.kv_caches)
+        meta = PagedAttentionMetadata(
+            self.backend,
+            to(step.slots),
+            to(step.query_starts),
+            to(step.seq_lens),
+            to(step.block_tables),
+            step.max_query_len,
+            step.max_seq_len,
+            self.config.block_size,
+            self.kv_caches,
+        )
         num_seqs = len(step.seq_lens)
         if self.graphs and meta.max_query_len == 1 and mm_embeds is None and self.graphs.bucket(num_seqs):
             hidden = self.graphs.run(ids, positions, meta)
@@ -174,8 +216,9 @@ class ModelRunner:
             # one buffer for every step's logits: a fresh (256 x 150k) tensor a step costs page faults and a
             # munmap on the CPU (~50 ms at batch 256); the buffer is only read before the next step writes it
             count = len(step.logits_rows)
-            logits = self.model.compute_logits(rows, out=self.logits_buffer[:count]
-                                               if count <= len(self.logits_buffer) else None)
+            logits = self.model.compute_logits(
+                rows, out=self.logits_buffer[:count] if count <= len(self.logits_buffer) else None
+            )
         return logits, hidden
 
     def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
@@ -200,8 +243,9 @@ class ModelRunner:
         if not items:
             return []
         frames = 2 if any(item.pixels.ndim == 4 for item in items) else 1
-        patches = torch.cat([patchify(torch.from_numpy(item.pixels).to(self.device), self.image_config, frames)
-                             for item in items]).to(self.config.dtype)
+        patches = torch.cat(
+            [patchify(torch.from_numpy(item.pixels).to(self.device), self.image_config, frames) for item in items]
+        ).to(self.config.dtype)
         grids = [item.grid_thw for item in items]
         # buckets are captured for one-frame patches: a batch with a video runs eagerly
         bucket = frames == 1 and self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])

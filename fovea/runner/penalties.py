@@ -46,7 +46,7 @@ class SeenTokens:
             if 0 <= token < self.vocab:
                 self.generated[self.num_generated] = token
                 self.num_generated += 1
-            return self.generated[:self.num_generated]
+            return self.generated[: self.num_generated]
         new = row.token_ids[start:]
         if new:
             ids = np.asarray(new, dtype=np.int64)
@@ -54,9 +54,9 @@ class SeenTokens:
             end = self.num_generated + ids.size
             if end > self.generated.size:
                 self.generated = np.resize(self.generated, max(2 * self.generated.size, end))
-            self.generated[self.num_generated:end] = ids
+            self.generated[self.num_generated : end] = ids
             self.num_generated, self.num_read = end, self.num_read + len(new)
-        return self.generated[:self.num_generated]
+        return self.generated[: self.num_generated]
 
 
 def _nothing() -> None:
@@ -78,13 +78,15 @@ def column(rows: list[SampleRow], getter, dtype, device) -> torch.Tensor:
     return to_device([getter(r.params) for r in rows], dtype, device)
 
 
-def _seen_keys(rows: list[int], prompts: list[torch.Tensor], outputs: list[np.ndarray], vocab: int,
-               device) -> tuple[torch.Tensor, torch.Tensor]:
+def _seen_keys(
+    rows: list[int], prompts: list[torch.Tensor], outputs: list[np.ndarray], vocab: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(row * vocab + token) keys of the rows' prompt-or-generated tokens, and of their generated ones (repeats
     kept); `rows`: the rows' indices in the batch."""
     counts = [p.numel() for p in prompts]
-    prompt_rows = torch.repeat_interleave(to_device(rows, torch.long, device), to_device(counts, torch.long, device),
-                                          output_size=sum(counts))
+    prompt_rows = torch.repeat_interleave(
+        to_device(rows, torch.long, device), to_device(counts, torch.long, device), output_size=sum(counts)
+    )
     prompt_keys = torch.cat(prompts) + prompt_rows * vocab
     row_of_output = np.repeat(np.asarray(rows, dtype=np.int64), [len(o) for o in outputs])
     generated = to_device(np.concatenate(outputs) + row_of_output * vocab, torch.long, device)
@@ -97,10 +99,16 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], seen: 
     `seen`: the caller's SeenTokens by row key, kept across steps; without it they are built for this call."""
     vocab = logits.shape[1]
     device = logits.device
-    bias = [(i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
-            if 0 <= t < vocab]
-    banned = [i * vocab + t for i, r in enumerate(rows) if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
-              for t in r.stop_ids if 0 <= t < vocab]
+    bias = [
+        (i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if 0 <= t < vocab
+    ]
+    banned = [
+        i * vocab + t
+        for i, r in enumerate(rows)
+        if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
+        for t in r.stop_ids
+        if 0 <= t < vocab
+    ]
     rows_penalized = [i for i, r in enumerate(rows) if penalized(r.params)]
     if not (bias or banned or rows_penalized):
         return _nothing
@@ -127,8 +135,7 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], seen: 
         flat[touched] = saved  # a key listed twice was saved twice with the same value
 
     if bias:
-        flat.index_put_((bias_keys,), to_device([b for _, b in bias], logits.dtype, device),
-                        accumulate=True)
+        flat.index_put_((bias_keys,), to_device([b for _, b in bias], logits.dtype, device), accumulate=True)
     if banned:
         flat[banned_keys] = float("-inf")
     if seen_keys is not None:

@@ -28,6 +28,7 @@ MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary 
 @dataclass
 class SampleRow:
     """One token to draw: the parameters, the sequence's tokens so far (not copied), its RNG."""
+
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
@@ -38,11 +39,11 @@ class SampleRow:
 
     @property
     def prompt_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -112,8 +113,9 @@ def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: lis
     top_p = column(rows, lambda p: p.top_p, logits.dtype, device)
     settled = has_top_k | (probs.sum(-1) >= top_p)
     drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
-    values = _apply_min_p(values.masked_fill(drop, float("-inf")), column(rows, lambda p: p.min_p, logits.dtype,
-                                                                           device))
+    values = _apply_min_p(
+        values.masked_fill(drop, float("-inf")), column(rows, lambda p: p.min_p, logits.dtype, device)
+    )
     return values, ids, settled
 
 
@@ -141,13 +143,17 @@ class Sampler:
         temperature = column(rows, lambda p: p.temperature, logits.dtype, device)
         tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         top_k = [min(r.params.top_k or vocab, vocab) for r in rows]
-        narrowed = [i for i, (k, r) in enumerate(zip(top_k, rows))
-                    if k < vocab and k <= MAX_CANDIDATE_TOP_K or r.params.top_p < 1 and k == vocab]
+        narrowed = [
+            i
+            for i, (k, r) in enumerate(zip(top_k, rows))
+            if k < vocab and k <= MAX_CANDIDATE_TOP_K or r.params.top_p < 1 and k == vocab
+        ]
         rest = [i for i in range(len(rows)) if i not in set(narrowed)]
         if narrowed:
             index = torch.tensor(narrowed, device=device)
-            values, ids, settled = filter_candidates(_take(logits, narrowed, index), temperature[index],
-                                                     [rows[i] for i in narrowed])
+            values, ids, settled = filter_candidates(
+                _take(logits, narrowed, index), temperature[index], [rows[i] for i in narrowed]
+            )
             keep = [j for j, ok in enumerate(settled.tolist()) if ok]
             rest += [narrowed[j] for j, ok in enumerate(settled.tolist()) if not ok]
             if keep:

@@ -54,12 +54,14 @@ def block_table_array(tables: list[list[int]]) -> np.ndarray:
     lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     array = np.zeros((len(tables), int(lengths.max())), dtype=np.int32)
     array[np.arange(array.shape[1])[None, :] < lengths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
+        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum())
+    )
     return array
 
 
-def build_step(batch: ScheduledBatch, encoded: Callable[[str], torch.Tensor],
-               block_size: int) -> tuple[StepInput, torch.Tensor | None, SamplePlan]:
+def build_step(
+    batch: ScheduledBatch, encoded: Callable[[str], torch.Tensor], block_size: int
+) -> tuple[StepInput, torch.Tensor | None, SamplePlan]:
     total = batch.num_tokens
     ids: list[int] = []
     positions = np.empty((3, total), dtype=np.int64)
@@ -79,33 +81,42 @@ def build_step(batch: ScheduledBatch, encoded: Callable[[str], torch.Tensor],
             decode_slots.append(seq.block_table[start // block_size] * block_size + start % block_size)
         else:
             prompt_end = min(end, seq.num_prompt_tokens)
-            positions[:, offset:offset + max(prompt_end - start, 0)] = request.positions[:, start:prompt_end]
+            positions[:, offset : offset + max(prompt_end - start, 0)] = request.positions[:, start:prompt_end]
             generated = np.arange(max(start, seq.num_prompt_tokens), end)
-            positions[:, offset + n - generated.size:offset + n] = generated + request.mrope_delta
+            positions[:, offset + n - generated.size : offset + n] = generated + request.mrope_delta
             token_index = np.arange(start, end)
-            slots[offset:offset + n] = (np.asarray(seq.block_table)[token_index // block_size] * block_size
-                                        + token_index % block_size)
+            slots[offset : offset + n] = (
+                np.asarray(seq.block_table)[token_index // block_size] * block_size + token_index % block_size
+            )
             for item in request.mm_items:
                 lo, hi = max(start, item.span.start), min(end, item.end)
                 if lo < hi:
                     rows = encoded(item.content_hash)
-                    mm_embeds.append(rows[lo - item.span.start:hi - item.span.start])
-                    mm_mask[offset + lo - start:offset + hi - start] = True
+                    mm_embeds.append(rows[lo - item.span.start : hi - item.span.start])
+                    mm_mask[offset + lo - start : offset + hi - start] = True
             if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 # rows start..end-1 predict tokens start+1..end, those inside the prompt are wanted
                 count = min(end, seq.num_prompt_tokens - 1) - start
                 logprob_spans.append((offset, count))
-                plan.prompt_logprobs.append((index, seq.token_ids[start + 1:start + 1 + count],
-                                             seq.params.prompt_logprobs))
+                plan.prompt_logprobs.append(
+                    (index, seq.token_ids[start + 1 : start + 1 + count], seq.params.prompt_logprobs)
+                )
         if end == seq.num_tokens:
             for fork in range(1 + seq.pending_forks):
                 logits_rows.append(offset + n - 1)
                 plan.owners.append((index, fork))
                 sample = seq.index + fork
-                plan.rows.append(SampleRow(seq.params, seq.token_ids, seq.num_prompt_tokens,
-                                           request.generators[sample], request.stop_ids,
-                                           request.grammars[sample] if request.grammars else None,
-                                           (seq.seq_id, fork)))
+                plan.rows.append(
+                    SampleRow(
+                        seq.params,
+                        seq.token_ids,
+                        seq.num_prompt_tokens,
+                        request.generators[sample],
+                        request.stop_ids,
+                        request.grammars[sample] if request.grammars else None,
+                        (seq.seq_id, fork),
+                    )
+                )
         offset += n
     if decode_rows:
         positions[:, decode_rows] = decode_positions
@@ -113,10 +124,21 @@ def build_step(batch: ScheduledBatch, encoded: Callable[[str], torch.Tensor],
     q_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
     query_starts = np.zeros(len(batch) + 1, dtype=np.int32)
     np.cumsum(q_lens, out=query_starts[1:])
-    seq_lens = np.fromiter((s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)),
-                           dtype=np.int32, count=len(batch))
+    seq_lens = np.fromiter(
+        (s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)), dtype=np.int32, count=len(batch)
+    )
     embeds = torch.cat(mm_embeds) if mm_embeds else None
-    step = StepInput(np.asarray(ids, dtype=np.int64), positions, slots, query_starts, seq_lens,
-                     block_table_array([seq.block_table for seq in batch.seqs]), mm_mask,
-                     0 if embeds is None else embeds.shape[0], logits_rows, logprob_spans, batch.block_copies)
+    step = StepInput(
+        np.asarray(ids, dtype=np.int64),
+        positions,
+        slots,
+        query_starts,
+        seq_lens,
+        block_table_array([seq.block_table for seq in batch.seqs]),
+        mm_mask,
+        0 if embeds is None else embeds.shape[0],
+        logits_rows,
+        logprob_spans,
+        batch.block_copies,
+    )
     return step, embeds, plan

@@ -61,8 +61,9 @@ def run_worker(args: WorkerArgs) -> None:
 
     torch.set_num_threads(args.num_threads)
     config = worker_config(args.config, args.local_rank)
-    parallel = join_groups(args.rank, config.tensor_parallel_size, args.address, args.port, config.device,
-                           config.mm_encoder_tp_mode)
+    parallel = join_groups(
+        args.rank, config.tensor_parallel_size, args.address, args.port, config.device, config.mm_encoder_tp_mode
+    )
     runner = ModelRunner(config, parallel)
     threading.Thread(target=_encode_loop, args=(runner, parallel), name="fovea-tp-encoder", daemon=True).start()
     while (step := parallel.send(None, parallel.lm_control)) is not None:
@@ -93,8 +94,10 @@ class TPWorkers:
         global _current
         if _current is not None and not _current._closing:
             # torch.distributed has one default group per process: an engine left open gives way to this one
-            logger.warning("stopping the tensor-parallel ranks of an earlier engine in this process (close it, "
-                           "or use `with LLM(...)`): only one can hold the process group")
+            logger.warning(
+                "stopping the tensor-parallel ranks of an earlier engine in this process (close it, "
+                "or use `with LLM(...)`): only one can hold the process group"
+            )
             _current.close()
         _current = self
         self._on_failure = on_failure
@@ -102,8 +105,9 @@ class TPWorkers:
         self._closing = False
         address, port = self._launch(config)
         try:
-            self.parallel = join_groups(0, config.tensor_parallel_size, address, port, config.device,
-                                        config.mm_encoder_tp_mode, self.check)
+            self.parallel = join_groups(
+                0, config.tensor_parallel_size, address, port, config.device, config.mm_encoder_tp_mode, self.check
+            )
         except BaseException:
             self.close()
             raise

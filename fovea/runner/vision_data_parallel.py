@@ -26,9 +26,10 @@ def share_out(patches: list[int], ranks: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def encode_data_parallel(items: list[MMItem], encode: Callable[[list[MMItem]], list[torch.Tensor]],
-                         group: TPGroup, config: EngineConfig) -> list[torch.Tensor]:
-    unit = config.model.vision.spatial_merge_size ** 2
+def encode_data_parallel(
+    items: list[MMItem], encode: Callable[[list[MMItem]], list[torch.Tensor]], group: TPGroup, config: EngineConfig
+) -> list[torch.Tensor]:
+    unit = config.model.vision.spatial_merge_size**2
     rows = [t * h * w // unit for t, h, w in (item.grid_thw for item in items)]
     shares = share_out(rows, group.size)
     mine = encode([items[i] for i in shares[group.rank]])
@@ -37,13 +38,13 @@ def encode_data_parallel(items: list[MMItem], encode: Callable[[list[MMItem]], l
     padded = torch.zeros(max(rows_per_rank), width, dtype=config.dtype, device=config.device)
     if mine:
         local = torch.cat(mine)
-        padded[:local.shape[0]] = local
+        padded[: local.shape[0]] = local
     gathered = [torch.empty_like(padded) for _ in range(group.size)]
     torch.distributed.all_gather(gathered, padded, group=group.group)
     embeddings: list[torch.Tensor | None] = [None] * len(items)
     for share, rank_rows in zip(shares, gathered):
         offset = 0
         for index in share:
-            embeddings[index] = rank_rows[offset:offset + rows[index]]
+            embeddings[index] = rank_rows[offset : offset + rows[index]]
             offset += rows[index]
     return embeddings

@@ -41,24 +41,34 @@ class ServerOptions:
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses calls
 
 
-
-
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="fovea", version=__version__)
     names = options.served_model_names or [str(engine.config.model_dir)]
     config = engine.config
     defaults = sampling_defaults(config.model_dir, config.generation_config)
-    logger.info("sampling defaults for fields a request leaves out: %s", json.dumps(defaults) if defaults else
-                "none" + (" (--generation-config vllm)" if config.generation_config == "vllm" else ""))
+    logger.info(
+        "sampling defaults for fields a request leaves out: %s",
+        json.dumps(defaults)
+        if defaults
+        else "none" + (" (--generation-config vllm)" if config.generation_config == "vllm" else ""),
+    )
     if defaults and config.generation_config == "auto":
-        logger.info("(from the checkpoint's generation_config.json, as vLLM does; --generation-config vllm turns "
-                    "them off)")
+        logger.info(
+            "(from the checkpoint's generation_config.json, as vLLM does; --generation-config vllm turns them off)"
+        )
     # the front end checks that requests' grammars compile: its compiler (seconds: it reads the whole vocabulary)
     # is made now, beside start-up, not by the first structured request
     threading.Thread(target=lambda: engine.inputs.grammars, name="grammar-compiler", daemon=True).start()
-    metrics = ServerMetrics(names[0], config.max_model_len, {
-        "block_size": config.block_size, "cache_dtype": "auto", "enable_prefix_caching": config.enable_prefix_caching,
-        "gpu_memory_utilization": config.gpu_memory_utilization})
+    metrics = ServerMetrics(
+        names[0],
+        config.max_model_len,
+        {
+            "block_size": config.block_size,
+            "cache_dtype": "auto",
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+        },
+    )
     metrics.update(engine.stats)
     engine.on_stats = metrics.update
     sandbox = None
@@ -67,8 +77,16 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
 
         sandbox = TemplateSandbox(str(config.model_dir), config.max_model_len * engine.inputs.prompts.max_token_chars)
     app.state.template_sandbox = sandbox  # closed by whoever runs the app
-    app.state.served = Served(engine, options, names, defaults, metrics, sandbox,
-                              tag_tokens=START in engine.tokenizer.get_added_vocab(), started=int(time.time()))
+    app.state.served = Served(
+        engine,
+        options,
+        names,
+        defaults,
+        metrics,
+        sandbox,
+        tag_tokens=START in engine.tokenizer.get_added_vocab(),
+        started=int(time.time()),
+    )
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, max_objects=options.max_body_objects)
     app.add_middleware(APIKeyCheck, api_key=options.api_key)  # added last: runs first

@@ -13,43 +13,68 @@ from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwa
 
 
 def add_serve_parser(sub) -> None:
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded demo model)",
-                           formatter_class=DefaultsShown)
-    serve.add_argument("model", nargs="?", default=None,
-                       help="model directory or hub id (downloaded unless HF_HUB_OFFLINE is set)")
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (default: the embedded demo model)", formatter_class=DefaultsShown
+    )
+    serve.add_argument(
+        "model", nargs="?", default=None, help="model directory or hub id (downloaded unless HF_HUB_OFFLINE is set)"
+    )
     serve.add_argument("--model", dest="model_flag", default=None, help="the model, as vLLM's older flag")
     net = serve.add_argument_group("server")
-    net.add_argument("--host", default="127.0.0.1",
-                     help="address to listen on: this machine only unless --host 0.0.0.0 (vLLM listens on every "
-                          "address)")
+    net.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: this machine only unless --host 0.0.0.0 (vLLM listens on every address)",
+    )
     net.add_argument("--port", type=int, default=8000, help="port to listen on")
     net.add_argument("--served-model-name", nargs="+", default=None, help="names clients may use (several allowed)")
-    net.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1 routes (else the VLLM_API_KEY variable's)")
+    net.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (else the VLLM_API_KEY variable's)",
+    )
     net.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
-    net.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
-                     help="message content as a string or as a list of parts; auto: read off the template")
-    net.add_argument("--trust-request-chat-template", action="store_true",
-                     help="accept chat_template in requests (rendered in sandboxed worker processes)")
-    net.add_argument("--uvicorn-log-level", default="info",
-                     choices=["critical", "error", "warning", "info", "debug", "trace"], help="the HTTP server's log")
+    net.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="message content as a string or as a list of parts; auto: read off the template",
+    )
+    net.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept chat_template in requests (rendered in sandboxed worker processes)",
+    )
+    net.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="the HTTP server's log",
+    )
     net.add_argument("--disable-log-requests", action="store_true", help="no access log")
     net.add_argument("--enable-log-requests", action="store_true", help="log each request's id, length, parameters")
     net.add_argument("--response-role", default="assistant", help="role of the chat completion's message")
-    net.add_argument("--enable-auto-tool-choice", action="store_true",
-                     help='tool_choice "auto": calls found in the answer (needs --tool-call-parser)')
+    net.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": calls found in the answer (needs --tool-call-parser)',
+    )
     net.add_argument("--tool-call-parser", default=None, help="how calls are written: hermes (Qwen2.5's format)")
     net.add_argument("--root-path", default="", help="path prefix when behind a proxy that strips it")
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
     net.add_argument("--ssl-certfile", default=None, help="the certificate for --ssl-keyfile")
     net.add_argument("--max-request-body-mb", type=int, default=64, help="larger bodies get 413 (fovea only)")
-    net.add_argument("--max-engine-restarts", type=int, default=3,
-                     help="engine processes restarted after dying within 10 minutes before the server exits "
-                          "non-zero (fovea only)")
+    net.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=3,
+        help="engine processes restarted after dying within 10 minutes before the server exits non-zero (fovea only)",
+    )
     media = serve.add_argument_group("media policy")
     media.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are allowed below it")
-    media.add_argument("--allowed-media-domains", nargs="+", default=None,
-                       help="the only hosts http(s) images may come from")
+    media.add_argument(
+        "--allowed-media-domains", nargs="+", default=None, help="the only hosts http(s) images may come from"
+    )
     add_engine_flags(serve)
     add_vllm_only_flags(serve)
     serve.set_defaults(func=run_serve)
@@ -60,8 +85,7 @@ class DefaultsShown(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         switch_off = action.nargs == 0 and action.default in (None, False)  # a switch: off unless given
-        if not action.option_strings or "(default" in action.help or action.default is argparse.SUPPRESS \
-                or switch_off:
+        if not action.option_strings or "(default" in action.help or action.default is argparse.SUPPRESS or switch_off:
             return action.help
         return action.help + (" (default: none)" if action.default is None else " (default: %(default)s)")
 
@@ -96,8 +120,10 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         sys.exit("fovea serve: --enable-auto-tool-choice requires --tool-call-parser")
     if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
-        sys.exit(f"fovea serve: tool call parser {args.tool_call_parser!r} is not implemented; available: "
-                 f"{', '.join(PARSERS)}")
+        sys.exit(
+            f"fovea serve: tool call parser {args.tool_call_parser!r} is not implemented; available: "
+            f"{', '.join(PARSERS)}"
+        )
     template = args.chat_template
     if template and Path(template).is_file():
         template = Path(template).read_text()
@@ -109,18 +135,35 @@ def run_serve(args: argparse.Namespace) -> None:
     except (ValueError, FileNotFoundError) as error:
         sys.exit(f"fovea serve: {error}")
     try:
-        policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-                             [d.lower() for d in args.allowed_media_domains or []])
+        policy = MediaPolicy(
+            Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+            [d.lower() for d in args.allowed_media_domains or []],
+        )
         api_key = args.api_key or os.environ.get("VLLM_API_KEY")  # vLLM's variable
-        options = ServerOptions(args.served_model_name or [args.model or "fovea-demo"], api_key, template,
-                                args.chat_template_content_format, policy, args.max_request_body_mb << 20,
-                                trust_request_chat_template=args.trust_request_chat_template,
-                                response_role=args.response_role, log_requests=args.enable_log_requests,
-                                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+        options = ServerOptions(
+            args.served_model_name or [args.model or "fovea-demo"],
+            api_key,
+            template,
+            args.chat_template_content_format,
+            policy,
+            args.max_request_body_mb << 20,
+            trust_request_chat_template=args.trust_request_chat_template,
+            response_role=args.response_role,
+            log_requests=args.enable_log_requests,
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        )
         app = build_app(engine, options)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level, root_path=args.root_path,
-                                               ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                                               access_log=not args.disable_log_requests, timeout_graceful_shutdown=30))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level=args.uvicorn_log_level,
+                root_path=args.root_path,
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+                access_log=not args.disable_log_requests,
+                timeout_graceful_shutdown=30,
+            )
+        )
         # an engine that cannot be brought back: stop serving and exit non-zero rather than answer 503 forever
         engine.on_fatal = lambda: setattr(server, "should_exit", True)
         # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the handler found at

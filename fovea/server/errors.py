@@ -30,9 +30,13 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
 
 
 # exception type -> (status, OpenAI error type); the message is the exception's text
-STATUS = {InvalidBody: (400, "BadRequestError"), ValueError: (400, "BadRequestError"),
-          ImageTooLarge: (413, "RequestEntityTooLargeError"), EngineDeadError: (503, "ServiceUnavailableError"),
-          RequestFailed: (500, "InternalServerError")}
+STATUS = {
+    InvalidBody: (400, "BadRequestError"),
+    ValueError: (400, "BadRequestError"),
+    ImageTooLarge: (413, "RequestEntityTooLargeError"),
+    EngineDeadError: (503, "ServiceUnavailableError"),
+    RequestFailed: (500, "InternalServerError"),
+}
 
 
 async def _on_api_error(_, exc: APIError):

@@ -16,8 +16,13 @@ class BodyTooLarge(Exception):
 
 async def send_error(send, status: int, message: str, kind: str) -> None:
     body = json.dumps(error_body(message, kind, status)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -33,8 +38,12 @@ class APIKeyCheck:
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected and scope["type"] == "http" and scope["path"].startswith(PROTECTED_PATHS) \
-                and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected):
+        if (
+            self.expected
+            and scope["type"] == "http"
+            and scope["path"].startswith(PROTECTED_PATHS)
+            and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected)
+        ):
             return await send_error(send, 401, "invalid or missing API key", "AuthenticationError")
         return await self.app(scope, receive, send)
 
@@ -74,8 +83,10 @@ class BodyLimit:
                 if received > self.max_bytes:
                     over = f"the request body is larger than {self.max_bytes} bytes"
                 elif objects > self.max_objects:
-                    over = (f"the request body holds more than {self.max_objects} JSON objects and arrays "
-                            "(FOVEA_MAX_BODY_OBJECTS; '{' and '[' inside strings count too)")
+                    over = (
+                        f"the request body holds more than {self.max_objects} JSON objects and arrays "
+                        "(FOVEA_MAX_BODY_OBJECTS; '{' and '[' inside strings count too)"
+                    )
                 if over:
                     raise BodyTooLarge()
             return message

@@ -33,11 +33,15 @@ IPV6_GLOBAL_UNICAST = ipaddress.ip_network("2000::/3")
 # inside 2000::/3 but not a host on the internet: IETF protocol assignments (Teredo among them), documentation
 IPV6_NOT_HOSTS = [ipaddress.ip_network(n) for n in ("2001::/23", "2001:db8::/32", "3fff::/20")]
 # IPv6 forms that carry an IPv4 address in their last 32 bits (6to4 carries it in bits 16-48: ip.sixtofour)
-IPV4_CARRIERS = [ipaddress.ip_network(n) for n in (
-    "::ffff:0:0/96",  # IPv4-mapped
-    "::ffff:0:0:0/96",  # SIIT (RFC 6052's IPv4-translated)
-    "::/96",  # IPv4-compatible (deprecated), :: and ::1 included
-    "64:ff9b::/96")]  # well-known NAT64 (the local-use 64:ff9b:1::/48 is a site's own: outside 2000::/3, refused)
+IPV4_CARRIERS = [
+    ipaddress.ip_network(n)
+    for n in (
+        "::ffff:0:0/96",  # IPv4-mapped
+        "::ffff:0:0:0/96",  # SIIT (RFC 6052's IPv4-translated)
+        "::/96",  # IPv4-compatible (deprecated), :: and ::1 included
+        "64:ff9b::/96",
+    )
+]  # well-known NAT64 (the local-use 64:ff9b:1::/48 is a site's own: outside 2000::/3, refused)
 
 
 @dataclass
@@ -77,17 +81,30 @@ async def fetch_media(messages: list[dict], policy: MediaPolicy, limits: dict[st
         return messages
     cancel, now = Cancellation(), time.monotonic()
     loop = asyncio.get_running_loop()
-    jobs = [loop.run_in_executor(DOWNLOADS, _get, url, policy, now + fetch_timeout(kind), cancel, kind)
-            for _, url, kind in remote]
+    jobs = [
+        loop.run_in_executor(DOWNLOADS, _get, url, policy, now + fetch_timeout(kind), cancel, kind)
+        for _, url, kind in remote
+    ]
     try:
         contents = await asyncio.gather(*jobs)
     finally:
         cancel.cancel()  # a failure, or the client left: whatever still runs stops now
         await asyncio.gather(*jobs, return_exceptions=True)
     replaced = {id(part): (kind, data) for (part, _, kind), data in zip(remote, contents)}
-    return [{**message, "content": [{"type": replaced[id(part)][0], replaced[id(part)][0]: replaced[id(part)][1]}
-                                    if id(part) in replaced else part for part in message["content"]]}
-            if isinstance(message.get("content"), list) else message for message in messages]
+    return [
+        {
+            **message,
+            "content": [
+                {"type": replaced[id(part)][0], replaced[id(part)][0]: replaced[id(part)][1]}
+                if id(part) in replaced
+                else part
+                for part in message["content"]
+            ],
+        }
+        if isinstance(message.get("content"), list)
+        else message
+        for message in messages
+    ]
 
 
 def _get(url: str, policy: MediaPolicy, deadline: float, cancel: Cancellation, kind: str) -> bytes:
@@ -96,9 +113,15 @@ def _get(url: str, policy: MediaPolicy, deadline: float, cancel: Cancellation, k
     if url.startswith("file://"):
         return read_local_file(file_url_path(url), policy.allowed_local_media_path, kind)
     try:
-        return fetch_url(url, functools.partial(check_url, policy=policy, kind=kind),
-                         None if explicitly_allowed(url, policy) else check_address, deadline=deadline,
-                         cancel=cancel, explain=False, kind=kind)
+        return fetch_url(
+            url,
+            functools.partial(check_url, policy=policy, kind=kind),
+            None if explicitly_allowed(url, policy) else check_address,
+            deadline=deadline,
+            cancel=cancel,
+            explain=False,
+            kind=kind,
+        )
     except ValueError as error:
         logger.info("%s fetch failed: %s (%s)", kind, url, error.__cause__ or error)
         raise
@@ -145,5 +168,6 @@ def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 
 def check_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
     if not is_public(ip):
-        raise ValueError("image URL leads to a non-public address; refused (name the host in "
-                         "--allowed-media-domains to allow it)")
+        raise ValueError(
+            "image URL leads to a non-public address; refused (name the host in --allowed-media-domains to allow it)"
+        )

@@ -13,12 +13,74 @@ from prometheus_client.metrics_core import Metric
 from fovea.core.stats import EngineStats
 
 # the buckets vLLM uses, so dashboards built for it read the same
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0]  # also the request phases' (queue, prefill, decode, inference)
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]  # also the request phases' (queue, prefill, decode, inference)
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
@@ -31,6 +93,7 @@ def one_two_five_buckets(limit: int) -> list[int]:
                 return buckets
             buckets.append(mantissa * scale)
         scale *= 10
+
 
 # running totals in EngineStats -> the counter each one feeds
 TOTALS = {
@@ -52,8 +115,9 @@ class _BothPrefixes:
         for family in self.source.collect():
             yield family
             twin = Metric(family.name.replace("fovea:", "vllm:", 1), family.documentation, family.type, family.unit)
-            twin.samples = [sample._replace(name=sample.name.replace("fovea:", "vllm:", 1))
-                            for sample in family.samples]
+            twin.samples = [
+                sample._replace(name=sample.name.replace("fovea:", "vllm:", 1)) for sample in family.samples
+            ]
             yield twin
 
 
@@ -70,53 +134,81 @@ class ServerMetrics:
             metric = kind(name, documentation, ["model_name", *labels], registry=own, **kwargs)
             return metric if labels else metric.labels(**label)
 
-        self.finished = make(Counter, "fovea:request_success", "Finished requests by finish reason",
-                             ["finished_reason"])
+        self.finished = make(
+            Counter, "fovea:request_success", "Finished requests by finish reason", ["finished_reason"]
+        )
         self.finished_by_reason = lambda reason: self.finished.labels(finished_reason=reason, **label)
         self.prompt_tokens = make(Counter, "fovea:prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = make(Counter, "fovea:generation_tokens", "Tokens generated for finished requests")
-        self.ttft = make(Histogram, "fovea:time_to_first_token_seconds", "From arrival to the first token",
-                         buckets=TTFT_BUCKETS)
-        self.inter_token = make(Histogram, "fovea:inter_token_latency_seconds", "Between a sequence's tokens",
-                                buckets=ITL_BUCKETS)
-        self.end_to_end = make(Histogram, "fovea:e2e_request_latency_seconds", "From arrival to finish",
-                               buckets=E2E_BUCKETS)
+        self.ttft = make(
+            Histogram, "fovea:time_to_first_token_seconds", "From arrival to the first token", buckets=TTFT_BUCKETS
+        )
+        self.inter_token = make(
+            Histogram, "fovea:inter_token_latency_seconds", "Between a sequence's tokens", buckets=ITL_BUCKETS
+        )
+        self.end_to_end = make(
+            Histogram, "fovea:e2e_request_latency_seconds", "From arrival to finish", buckets=E2E_BUCKETS
+        )
         # vLLM's name for the inter-token latency (its Grafana dashboard plots it): the same observations
-        self.time_per_output_token = make(Histogram, "fovea:time_per_output_token_seconds",
-                                          "Between a sequence's tokens", buckets=ITL_BUCKETS)
+        self.time_per_output_token = make(
+            Histogram, "fovea:time_per_output_token_seconds", "Between a sequence's tokens", buckets=ITL_BUCKETS
+        )
         token_buckets = one_two_five_buckets(max_model_len)
-        self.request_prompt_tokens = make(Histogram, "fovea:request_prompt_tokens", "Prompt tokens per request",
-                                          buckets=token_buckets)
-        self.request_generation_tokens = make(Histogram, "fovea:request_generation_tokens",
-                                              "Generated tokens per request", buckets=token_buckets)
-        self.request_max_tokens = make(Histogram, "fovea:request_max_num_generation_tokens",
-                                       "max_tokens asked for per request", buckets=token_buckets)
-        self.phases = {phase: make(Histogram, f"fovea:request_{phase}_time_seconds", doc, buckets=E2E_BUCKETS)
-                       for phase, doc in (("queue", "From arrival to first scheduled"),
-                                          ("prefill", "From first scheduled to the first token"),
-                                          ("decode", "From the first token to the last"),
-                                          ("inference", "From first scheduled to the last token"))}
-        self.iteration_tokens = make(Histogram, "fovea:iteration_tokens_total", "Tokens per engine step",
-                                     buckets=ITERATION_TOKEN_BUCKETS)
+        self.request_prompt_tokens = make(
+            Histogram, "fovea:request_prompt_tokens", "Prompt tokens per request", buckets=token_buckets
+        )
+        self.request_generation_tokens = make(
+            Histogram, "fovea:request_generation_tokens", "Generated tokens per request", buckets=token_buckets
+        )
+        self.request_max_tokens = make(
+            Histogram,
+            "fovea:request_max_num_generation_tokens",
+            "max_tokens asked for per request",
+            buckets=token_buckets,
+        )
+        self.phases = {
+            phase: make(Histogram, f"fovea:request_{phase}_time_seconds", doc, buckets=E2E_BUCKETS)
+            for phase, doc in (
+                ("queue", "From arrival to first scheduled"),
+                ("prefill", "From first scheduled to the first token"),
+                ("decode", "From the first token to the last"),
+                ("inference", "From first scheduled to the last token"),
+            )
+        }
+        self.iteration_tokens = make(
+            Histogram, "fovea:iteration_tokens_total", "Tokens per engine step", buckets=ITERATION_TOKEN_BUCKETS
+        )
         self.cache_config = {key: str(value) for key, value in (cache_config or {}).items()}
-        self.cache_info = Gauge("fovea:cache_config_info", "The KV cache's settings (labels; value 1)",
-                                [*self.cache_config, "num_gpu_blocks"], registry=own)
+        self.cache_info = Gauge(
+            "fovea:cache_config_info",
+            "The KV cache's settings (labels; value 1)",
+            [*self.cache_config, "num_gpu_blocks"],
+            registry=own,
+        )
         self.running = make(Gauge, "fovea:num_requests_running", "Requests in the running batch")
         self.waiting = make(Gauge, "fovea:num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = make(Gauge, "fovea:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
-        self.gpu_cache_usage = make(Gauge, "fovea:gpu_cache_usage_perc",
-                                    "Fraction of KV blocks in use (0-1; vLLM's older name, which dashboards plot)")
+        self.gpu_cache_usage = make(
+            Gauge,
+            "fovea:gpu_cache_usage_perc",
+            "Fraction of KV blocks in use (0-1; vLLM's older name, which dashboards plot)",
+        )
         self.kv_used_blocks = make(Gauge, "fovea:kv_cache_used_blocks", "KV blocks held by sequences")
         self.kv_total_blocks = make(Gauge, "fovea:kv_cache_total_blocks", "KV blocks in the cache")
-        self.encoder_references = make(Gauge, "fovea:encoder_cache_references",
-                                       "Image embeddings held in the encoder cache for running sequences")
+        self.encoder_references = make(
+            Gauge, "fovea:encoder_cache_references", "Image embeddings held in the encoder cache for running sequences"
+        )
         self.totals = {key: make(Counter, name, doc) for key, (name, doc) in TOTALS.items()}
         # data-parallel servers: the same figures per replica, labelled replica="0", "1", ...
-        self.per_replica = {key: make(Gauge, f"fovea:replica_{key}", doc, ["replica"]) for key, doc in (
-            ("num_requests_running", "Requests in the replica's running batch"),
-            ("num_requests_waiting", "Requests waiting in the replica"),
-            ("kv_cache_usage_perc", "Fraction of the replica's KV blocks in use (0-1)"),
-            ("requests_added", "Requests sent to the replica since it started"))}
+        self.per_replica = {
+            key: make(Gauge, f"fovea:replica_{key}", doc, ["replica"])
+            for key, doc in (
+                ("num_requests_running", "Requests in the replica's running batch"),
+                ("num_requests_waiting", "Requests waiting in the replica"),
+                ("kv_cache_usage_perc", "Fraction of the replica's KV blocks in use (0-1)"),
+                ("requests_added", "Requests sent to the replica since it started"),
+            )
+        }
         self.last = EngineStats()
         for reason in ("stop", "length", "abort", "error"):
             self.finished_by_reason(reason)  # present at zero before the first request
@@ -147,11 +239,13 @@ class ServerMetrics:
         for value in events.inter_token:
             self.inter_token.observe(value)
             self.time_per_output_token.observe(value)
-        for histogram, values in ((self.request_prompt_tokens, events.request_prompt_tokens),
-                                  (self.request_generation_tokens, events.request_generation_tokens),
-                                  (self.request_max_tokens, events.request_max_tokens),
-                                  (self.iteration_tokens, events.iteration_tokens),
-                                  *((self.phases[phase], events.phases[phase]) for phase in self.phases)):
+        for histogram, values in (
+            (self.request_prompt_tokens, events.request_prompt_tokens),
+            (self.request_generation_tokens, events.request_generation_tokens),
+            (self.request_max_tokens, events.request_max_tokens),
+            (self.iteration_tokens, events.iteration_tokens),
+            *((self.phases[phase], events.phases[phase]) for phase in self.phases),
+        ):
             for value in values:
                 histogram.observe(value)
         for value in events.end_to_end:

@@ -48,8 +48,11 @@ class Usage:
         self.cached_tokens += output.num_cached_tokens
 
     def as_dict(self) -> dict:
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
         if self.cached_tokens:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
@@ -91,8 +94,14 @@ def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_response(output: RequestOutput, model: str, request_id: str, top_logprobs: int,
-                  role: str = "assistant", tool_use: ToolUse | None = None) -> dict:
+def chat_response(
+    output: RequestOutput,
+    model: str,
+    request_id: str,
+    top_logprobs: int,
+    role: str = "assistant",
+    tool_use: ToolUse | None = None,
+) -> dict:
     usage = Usage()
     usage.add_prompt(output)
     choices = []
@@ -100,10 +109,23 @@ def chat_response(output: RequestOutput, model: str, request_id: str, top_logpro
         usage.completion_tokens += len(c.token_ids)
         message = tool_use.message(c.text, role) if tool_use else {"role": role, "content": c.text}
         finish = tool_use.finish_reason("tool_calls" in message, c.finish_reason) if tool_use else c.finish_reason
-        choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, top_logprobs),
-                        "finish_reason": finish, "stop_reason": c.stop_reason})
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage.as_dict()}
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(c, top_logprobs),
+                "finish_reason": finish,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage.as_dict(),
+    }
 
 
 def choice_deltas(c: CompletionOutput, tool_calls: ToolCallStream | None) -> tuple[list[dict], str | None]:
@@ -114,15 +136,28 @@ def choice_deltas(c: CompletionOutput, tool_calls: ToolCallStream | None) -> tup
     return deltas, tool_calls.tool_use.finish_reason(tool_calls.called, c.finish_reason)
 
 
-async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], model: str, request_id: str,
-                      n: int, top_logprobs: int, include_usage: bool, role: str = "assistant",
-                      tool_use: ToolUse | None = None) -> AsyncIterator[str]:
+async def chat_stream(
+    first: RequestOutput,
+    rest: AsyncIterator[RequestOutput],
+    model: str,
+    request_id: str,
+    n: int,
+    top_logprobs: int,
+    include_usage: bool,
+    role: str = "assistant",
+    tool_use: ToolUse | None = None,
+) -> AsyncIterator[str]:
     created = int(time.time())
     tool_calls = {i: ToolCallStream(tool_use) for i in range(n)} if tool_use and tool_use.choice != "none" else {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choices}
+        body = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
         if usage is not None:
             body["usage"] = usage
         return sse(body)
@@ -131,8 +166,12 @@ async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], 
     usage.add_prompt(first)
     finished: set[int] = set()
     try:
-        yield chunk([{"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(n)])
+        yield chunk(
+            [
+                {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(n)
+            ]
+        )
         output = first
         while True:
             for c in output.outputs:
@@ -145,10 +184,17 @@ async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], 
                         deltas = [{}]
                     for k, delta in enumerate(deltas):  # logprobs with the first, finish_reason with the last
                         last = k == len(deltas) - 1
-                        yield chunk([{"index": c.index, "delta": delta,
-                                      "logprobs": chat_logprobs(c, top_logprobs) if k == 0 else None,
-                                      "finish_reason": finish if last else None,
-                                      "stop_reason": c.stop_reason if last else None}])
+                        yield chunk(
+                            [
+                                {
+                                    "index": c.index,
+                                    "delta": delta,
+                                    "logprobs": chat_logprobs(c, top_logprobs) if k == 0 else None,
+                                    "finish_reason": finish if last else None,
+                                    "stop_reason": c.stop_reason if last else None,
+                                }
+                            ]
+                        )
                 if c.finish_reason:
                     finished.add(c.index)
             if output.finished:
@@ -163,8 +209,9 @@ async def chat_stream(first: RequestOutput, rest: AsyncIterator[RequestOutput], 
     yield sse("[DONE]")
 
 
-def completion_choice(output: RequestOutput, c: CompletionOutput, index: int, echo_text: str | None,
-                      logprobs: int | None) -> dict:
+def completion_choice(
+    output: RequestOutput, c: CompletionOutput, index: int, echo_text: str | None, logprobs: int | None
+) -> dict:
     text = (echo_text or "") + c.text
     lp = None
     if logprobs is not None and c.logprobs is not None:
@@ -173,8 +220,13 @@ def completion_choice(output: RequestOutput, c: CompletionOutput, index: int, ec
             lp = completion_logprobs(ids, list(output.prompt_logprobs) + list(c.logprobs), logprobs, 0)
         else:
             lp = completion_logprobs(c.token_ids, c.logprobs, logprobs, len(echo_text or ""))
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason}
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": lp,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -219,8 +271,9 @@ async def final_outputs(first, merged, num_prompts: int) -> list[RequestOutput]:
         index, output = await anext(merged)
 
 
-def completion_response(finals: list[RequestOutput], model: str, request_id: str, n: int, echo_prompts: bool,
-                        logprobs: int | None) -> dict:
+def completion_response(
+    finals: list[RequestOutput], model: str, request_id: str, n: int, echo_prompts: bool, logprobs: int | None
+) -> dict:
     """The prompts' final outputs as one text_completion; choice i*n+j is prompt i's sample j."""
     usage = Usage()
     choices = []
@@ -230,18 +283,33 @@ def completion_response(finals: list[RequestOutput], model: str, request_id: str
         for c in output.outputs:
             usage.completion_tokens += len(c.token_ids)
             choices.append(completion_choice(output, c, i * n + c.index, echo, logprobs))
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage.as_dict()}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage.as_dict(),
+    }
 
 
-async def completion_stream(first, merged, model: str, request_id: str, n: int, logprobs: int | None,
-                            include_usage: bool) -> AsyncIterator[str]:
+async def completion_stream(
+    first, merged, model: str, request_id: str, n: int, logprobs: int | None, include_usage: bool
+) -> AsyncIterator[str]:
     usage = Usage()
     created = int(time.time())
 
     def chunk(choices: list[dict], **extra) -> str:
-        return sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices, **extra})
+        return sse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
+        )
 
     try:
         item = first

@@ -28,9 +28,11 @@ class RequestLimits:
 
     def check(self, fields: SamplingFields) -> None:
         stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop or []
-        for name, count, limit in (("stop", len(stop), self.max_stop_strings),
-                                   ("stop_token_ids", len(fields.stop_token_ids or ()), self.max_stop_token_ids),
-                                   ("logit_bias", len(fields.logit_bias or {}), self.max_logit_bias)):
+        for name, count, limit in (
+            ("stop", len(stop), self.max_stop_strings),
+            ("stop_token_ids", len(fields.stop_token_ids or ()), self.max_stop_token_ids),
+            ("logit_bias", len(fields.logit_bias or {}), self.max_logit_bias),
+        ):
             if count > limit:
                 raise ValueError(f"{name} has {count} entries; at most {limit} are allowed")
         if any(len(s) > self.max_stop_string_chars for s in stop):
@@ -45,19 +47,44 @@ class StreamOptions(BaseModel):
 # nothing (what clients send by default): any other value is a 400 naming the field, since ignoring it would
 # answer something other than what was asked. Fields outside both protocols are logged and ignored, as in vLLM.
 NOT_IMPLEMENTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False), "audio": (None,), "modalities": (None, ["text"]),
-    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
-    "priority": (None, 0), "chat_template_kwargs": (None, {}), "documents": (None, []),
-    "continue_final_message": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False), "prompt_embeds": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "priority": (None, 0),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None, []),
+    "continue_final_message": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "prompt_embeds": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
     "echo": (None, False),
     "add_special_tokens": (None, False),  # chat (completions has its own echo)
 }
 # no effect on the answer, or asking nothing of a model that does not reason or search (vLLM accepts them too)
-IGNORED = {"store", "metadata", "service_tier", "request_id", "cache_salt", "reasoning_effort", "include_reasoning",
-           "web_search_options", "prediction", "verbosity"}
+IGNORED = {
+    "store",
+    "metadata",
+    "service_tier",
+    "request_id",
+    "cache_salt",
+    "reasoning_effort",
+    "include_reasoning",
+    "web_search_options",
+    "prediction",
+    "verbosity",
+}
 
 
 class SamplingFields(BaseModel):
@@ -122,41 +149,61 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
         if self.structured_outputs:
             forms["structured_outputs"] = self.structured_outputs
-        guided = {name: getattr(self, f"guided_{name}") for name in ("json", "regex", "choice", "grammar")
-                  if getattr(self, f"guided_{name}") is not None}
+        guided = {
+            name: getattr(self, f"guided_{name}")
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, f"guided_{name}") is not None
+        }
         if guided:
             forms["guided_" + "/".join(guided)] = guided
         if len(forms) > 1:
             raise ValueError(f"give one way of constraining the output, not {' and '.join(forms)}")
         if not forms:
             return None
-        (where, fields), = forms.items()
+        ((where, fields),) = forms.items()
         unknown = set(fields) - {"json", "regex", "choice", "grammar", "json_object"}
         if unknown:
-            raise ValueError(f"{where}: {sorted(unknown)} not supported; supported: json, regex, choice, grammar, "
-                             "json_object")
+            raise ValueError(
+                f"{where}: {sorted(unknown)} not supported; supported: json, regex, choice, grammar, json_object"
+            )
         return StructuredOutputsParams(**fields)
 
-    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self, defaults: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """`defaults`: the generation_config fields; an omitted max_tokens means up to max_model_len."""
-        fields = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
-                                                         "repetition_penalty") if getattr(self, name) is not None}
+        fields = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if getattr(self, name) is not None
+        }
         try:  # values are clamped to OpenAI's range [-100, 100], as vLLM does
             bias = {int(token): min(100.0, max(-100.0, value)) for token, value in (self.logit_bias or {}).items()}
         except ValueError:
             raise ValueError("logit_bias keys must be token ids") from None
         base = {name: value for name, value in defaults.items() if name != "max_tokens"}
-        return SamplingParams(**{**base, **fields}, **{
-            "n": self.n, "stop": self.stop, "seed": self.seed, "logit_bias": bias or None, "logprobs": logprobs,
-            "max_tokens": max_tokens if max_tokens is not None else defaults.get("max_tokens"),
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
-            "skip_special_tokens": self.skip_special_tokens, "prompt_logprobs": prompt_logprobs,
-            "spaces_between_special_tokens": self.spaces_between_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "structured_outputs": self.structured(),
-            "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY})
+        return SamplingParams(
+            **{**base, **fields},
+            **{
+                "n": self.n,
+                "stop": self.stop,
+                "seed": self.seed,
+                "logit_bias": bias or None,
+                "logprobs": logprobs,
+                "max_tokens": max_tokens if max_tokens is not None else defaults.get("max_tokens"),
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "min_tokens": self.min_tokens,
+                "ignore_eos": self.ignore_eos,
+                "stop_token_ids": self.stop_token_ids,
+                "skip_special_tokens": self.skip_special_tokens,
+                "prompt_logprobs": prompt_logprobs,
+                "spaces_between_special_tokens": self.spaces_between_special_tokens,
+                "include_stop_str_in_output": self.include_stop_str_in_output,
+                "structured_outputs": self.structured(),
+                "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            },
+        )
 
 
 class FunctionDefinition(BaseModel):
@@ -217,8 +264,12 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported")
-        return self.sampling_params(defaults, self.max_tokens, self.logprobs,
-                                    prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None)
+        return self.sampling_params(
+            defaults,
+            self.max_tokens,
+            self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+        )
 
     def prompts(self, max_prompts: int) -> list[str | list[int]]:
         prompt = self.prompt
@@ -279,4 +330,3 @@ def error_body(message: str, kind: str = "BadRequestError", code: int = 400, par
     """OpenAI's error shape. Object reprs from library messages are cut: they tell a client nothing and show
     the server's memory layout."""
     return {"error": {"message": OBJECT_REPR.sub("<object>", message), "type": kind, "param": param, "code": code}}
-

@@ -49,6 +49,7 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client i
 @dataclass
 class Served:
     """What every route needs, settled at start-up."""
+
     engine: AsyncLLM
     options: ServerOptions
     names: list[str]  # served model names; the first is the default
@@ -73,8 +74,10 @@ class Served:
         params = body.to_sampling_params(self.defaults)
         if tool_use is not None and tool_use.forced:
             if params.structured_outputs is not None:
-                raise ValueError(f"tool_choice {tool_use.choice!r} constrains the output already; drop "
-                                 "response_format / structured_outputs")
+                raise ValueError(
+                    f"tool_choice {tool_use.choice!r} constrains the output already; drop "
+                    "response_format / structured_outputs"
+                )
             params = params.clone(structured_outputs=tool_use.structured_outputs())
         self.engine.inputs.check_params(params, grammar=False)  # the grammar compiles once, as it is prepared
         return params
@@ -84,8 +87,9 @@ class Served:
         (run in the pool: a body of thousands of tools takes tens of milliseconds)."""
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
         tools = tool_list(body.tools)
-        tool_use = ToolUse.from_request(tools, choice, body.parallel_tool_calls, self.options.tool_call_parser,
-                                        self.tag_tokens)
+        tool_use = ToolUse.from_request(
+            tools, choice, body.parallel_tool_calls, self.options.tool_call_parser, self.tag_tokens
+        )
         return tools, tool_use, self.checked_params(body, tool_use)
 
     def render_in_sandbox(self, messages: list[dict], chat: ChatOptions):
@@ -138,10 +142,20 @@ async def version():
 
 async def models(request: Request):
     served: Served = request.app.state.served
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": served.started, "owned_by": "fovea",
-         "root": str(served.engine.config.model_dir), "max_model_len": served.max_len}
-        for name in served.names]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": served.started,
+                "owned_by": "fovea",
+                "root": str(served.engine.config.model_dir),
+                "max_model_len": served.max_len,
+            }
+            for name in served.names
+        ],
+    }
 
 
 async def chat_completions(request: Request):
@@ -151,22 +165,39 @@ async def chat_completions(request: Request):
     model = served.model_name(body.model)
     tools, tool_use, params = await engine.run_in_pool(served.chat_params, body)
     if body.chat_template is not None and served.sandbox is None:
-        raise APIError(400, "chat_template in a request needs the server to run with --trust-request-chat-template",
-                       param="chat_template")
-    chat = ChatOptions(body.chat_template or options.chat_template, body.add_generation_prompt, tools,
-                       body.chat_template_kwargs, options.chat_template_content_format)
+        raise APIError(
+            400,
+            "chat_template in a request needs the server to run with --trust-request-chat-template",
+            param="chat_template",
+        )
+    chat = ChatOptions(
+        body.chat_template or options.chat_template,
+        body.add_generation_prompt,
+        tools,
+        body.chat_template_kwargs,
+        options.chat_template_content_format,
+    )
     request_id = serving.new_id("chatcmpl")
 
     async def start():
         messages = await fetch_media(body.messages, options.media, engine.config.limit_mm_per_prompt)
         if body.chat_template is None:
-            stream = engine.generate(messages=messages, sampling_params=params, request_id=request_id,
-                                     mm_processor_kwargs=body.mm_processor_kwargs, chat=chat)
+            stream = engine.generate(
+                messages=messages,
+                sampling_params=params,
+                request_id=request_id,
+                mm_processor_kwargs=body.mm_processor_kwargs,
+                chat=chat,
+            )
         else:  # a thread of its own, not the pool: it waits up to 2 s for a sandbox process
             text, media = await asyncio.to_thread(served.render_in_sandbox, messages, chat)
             data = {"image": media.images, "video": media.videos}
-            stream = engine.generate(prompt={"prompt": text, "multi_modal_data": data}, sampling_params=params,
-                                     request_id=request_id, mm_processor_kwargs=body.mm_processor_kwargs)
+            stream = engine.generate(
+                prompt={"prompt": text, "multi_modal_data": data},
+                sampling_params=params,
+                request_id=request_id,
+                mm_processor_kwargs=body.mm_processor_kwargs,
+            )
         return stream, await anext(stream)  # bad input fails here, before any 200
 
     stream, first = await unless_disconnected(request, start())
@@ -174,8 +205,10 @@ async def chat_completions(request: Request):
     top, role = body.top_logprobs or 0, options.response_role
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(serving.chat_stream(first, stream, model, request_id, body.n, top, include_usage,
-                                                     role, tool_use), media_type="text/event-stream")
+        return StreamingResponse(
+            serving.chat_stream(first, stream, model, request_id, body.n, top, include_usage, role, tool_use),
+            media_type="text/event-stream",
+        )
     await stream.aclose()
     return await served.json_off_loop(serving.chat_response, first, model, request_id, top, role, tool_use)
 
@@ -198,14 +231,17 @@ async def completions(request: Request):
     served.log_request(request_id, prompt_tokens, params)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs,
-                                                           include_usage), media_type="text/event-stream")
+        return StreamingResponse(
+            serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs, include_usage),
+            media_type="text/event-stream",
+        )
     try:
         finals = await unless_disconnected(request, serving.final_outputs(first, merged, len(prompts)))
     finally:
         await merged.aclose()
-    return await served.json_off_loop(serving.completion_response, finals, model, request_id, body.n, body.echo,
-                                      body.logprobs)
+    return await served.json_off_loop(
+        serving.completion_response, finals, model, request_id, body.n, body.echo, body.logprobs
+    )
 
 
 async def tokenize(request: Request):
@@ -218,14 +254,20 @@ async def tokenize(request: Request):
     async def count():
         if body.messages is not None:
             messages = await fetch_media(body.messages, options.media, engine.config.limit_mm_per_prompt)
-            chat = ChatOptions(options.chat_template, body.add_generation_prompt, tool_list(body.tools),
-                               body.chat_template_kwargs, options.chat_template_content_format)
+            chat = ChatOptions(
+                options.chat_template,
+                body.add_generation_prompt,
+                tool_list(body.tools),
+                body.chat_template_kwargs,
+                options.chat_template_content_format,
+            )
             processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None, chat)
             return processed.token_ids
         # the special tokens the installed tokenizer itself puts around a plain prompt (Llama's BOS; none for
         # Qwen), as a completion's prompt gets them
-        return await engine.run_in_pool(engine.inputs.prompts.encode, body.prompt, served.max_len,
-                                        body.add_special_tokens)
+        return await engine.run_in_pool(
+            engine.inputs.prompts.encode, body.prompt, served.max_len, body.add_special_tokens
+        )
 
     tokens = await unless_disconnected(request, count())
     return {"tokens": tokens, "count": len(tokens), "max_model_len": served.max_len}
@@ -242,7 +284,13 @@ async def detokenize(request: Request):
     return {"prompt": await served.engine.run_in_pool(served.engine.tokenizer.decode, body.tokens)}
 
 
-ROUTES = [("/metrics", "GET", prometheus_metrics), ("/health", "GET", health), ("/version", "GET", version),
-          ("/v1/models", "GET", models), ("/v1/chat/completions", "POST", chat_completions),
-          ("/v1/completions", "POST", completions), ("/tokenize", "POST", tokenize),
-          ("/detokenize", "POST", detokenize)]
+ROUTES = [
+    ("/metrics", "GET", prometheus_metrics),
+    ("/health", "GET", health),
+    ("/version", "GET", version),
+    ("/v1/models", "GET", models),
+    ("/v1/chat/completions", "POST", chat_completions),
+    ("/v1/completions", "POST", completions),
+    ("/tokenize", "POST", tokenize),
+    ("/detokenize", "POST", detokenize),
+]

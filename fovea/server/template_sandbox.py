@@ -31,8 +31,11 @@ def _render_worker(conn, model_dir: str, memory_bytes: int, max_chars: int) -> N
             return
         try:
             text = chat.render(tokenizer, messages, chat.template)
-            reply = (True, text) if len(text) <= max_chars else (
-                False, f"the chat template wrote {len(text)} characters, more than the {max_chars} allowed")
+            reply = (
+                (True, text)
+                if len(text) <= max_chars
+                else (False, f"the chat template wrote {len(text)} characters, more than the {max_chars} allowed")
+            )
         except MemoryError:
             reply = (False, "the chat template used more memory than allowed")
         except Exception as error:  # noqa: BLE001 - the template's own failure, reported to its request
@@ -41,8 +44,9 @@ def _render_worker(conn, model_dir: str, memory_bytes: int, max_chars: int) -> N
 
 
 class TemplateSandbox:
-    def __init__(self, model_dir: str, max_chars: int, workers: int = 2, timeout_s: float = 2.0,
-                 memory_bytes: int = 512 << 20):
+    def __init__(
+        self, model_dir: str, max_chars: int, workers: int = 2, timeout_s: float = 2.0, memory_bytes: int = 512 << 20
+    ):
         self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
         self.pool = WorkerPool(_render_worker, (model_dir, memory_bytes, max_chars), workers, "chat template")
 
@@ -53,8 +57,9 @@ class TemplateSandbox:
         except TimeoutError:
             raise ValueError("all chat template workers are busy; retry shortly") from None
         except WorkerFailed:
-            raise ValueError(f"the chat template did not finish within {self.timeout_s:g} s and "
-                             f"{self.memory_bytes >> 20} MiB") from None
+            raise ValueError(
+                f"the chat template did not finish within {self.timeout_s:g} s and {self.memory_bytes >> 20} MiB"
+            ) from None
         if not ok:
             raise ValueError(result)
         return result

@@ -52,27 +52,32 @@ def parse_block(block: str) -> tuple[str, str] | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     match = NAME_FIRST.match(block)
-    if match and json_value_end(block[match.end():]):
-        return call["name"], block[match.end():][:json_value_end(block[match.end():])]
+    if match and json_value_end(block[match.end() :]):
+        return call["name"], block[match.end() :][: json_value_end(block[match.end() :])]
     return call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)
 
 
 def tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 @dataclass
 class ToolUse:
     """A chat request's tools and tool_choice ("none", "auto", "required" or a function name)."""
+
     tools: list[dict]
     choice: str
     parallel: bool = True  # parallel_tool_calls: false allows one call
     tag_tokens: bool = True  # <tool_call> is one token of the vocabulary (as in Qwen2's)
 
     @classmethod
-    def from_request(cls, tools: list[dict] | None, choice, parallel: bool | None, parser: str | None,
-                     tag_tokens: bool) -> ToolUse | None:
+    def from_request(
+        cls, tools: list[dict] | None, choice, parallel: bool | None, parser: str | None, tag_tokens: bool
+    ) -> ToolUse | None:
         if not tools:
             if choice not in (None, "none"):
                 raise ValueError("tool_choice needs tools")
@@ -84,8 +89,9 @@ class ToolUse:
             if choice not in [tool["function"]["name"] for tool in tools]:
                 raise ValueError(f"tool_choice names function {choice!r}, which is not among the tools")
         if choice == "auto" and parser is None:
-            raise ValueError('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
-                             "--tool-call-parser")
+            raise ValueError(
+                '"auto" tool choice requires the server to run with --enable-auto-tool-choice and --tool-call-parser'
+            )
         return cls(tools, choice, parallel is not False, tag_tokens)
 
     @property
@@ -100,10 +106,16 @@ class ToolUse:
         allowed = [t["function"] for t in self.tools if self.choice in ("required", t["function"]["name"])]
         rules = []
         for i, function in enumerate(allowed):
-            schema = {"x-guidance": JSON_FORMAT, "type": "object", "additionalProperties": False,
-                      "properties": {"name": {"const": function["name"]},
-                                     "arguments": function.get("parameters") or {"type": "object"}},
-                      "required": ["name", "arguments"]}
+            schema = {
+                "x-guidance": JSON_FORMAT,
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"const": function["name"]},
+                    "arguments": function.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+            }
             rules.append(f'call_{i}: {start} "\\n" %json {json.dumps(schema)} "\\n" {end}')
         one_or_more = "call" if self.choice != "required" or not self.parallel else 'call ("\\n" call)*'
         calls = " | ".join(f"call_{i}" for i in range(len(allowed)))
@@ -121,7 +133,7 @@ class ToolUse:
             calls.pop()
         if not calls or None in calls:
             return text, []
-        return text[:first] or None, calls[:None if self.parallel else 1]
+        return text[:first] or None, calls[: None if self.parallel else 1]
 
     def message(self, text: str, role: str) -> dict:
         content, calls = self.parse(text)
@@ -157,7 +169,7 @@ class ToolCallStream:
         first = self.text.find(START)
         content_end = first if first >= 0 else len(self.text) - (0 if final else self._partial_tag())
         if content_end > self.content_sent:
-            deltas.append({"content": self.text[self.content_sent:content_end]})
+            deltas.append({"content": self.text[self.content_sent : content_end]})
             self.content_sent = content_end
         if first < 0:
             return deltas
@@ -186,12 +198,12 @@ class ToolCallStream:
                 return []
             sent[0] = json.loads(match.group(1)) if match else call[0]
             deltas.append({"index": index, **tool_call(sent[0], "")})
-        if match and body[match.end():match.end() + 1] in ("{", "["):  # as far as written, never past their end
-            arguments = body[match.end():]
-            arguments = arguments[:json_value_end(arguments) or len(arguments)]
+        if match and body[match.end() : match.end() + 1] in ("{", "["):  # as far as written, never past their end
+            arguments = body[match.end() :]
+            arguments = arguments[: json_value_end(arguments) or len(arguments)]
         else:  # not streamable as written: all at once when the block closes
             arguments = call[1] if call else ""
         if len(arguments) > len(sent[1]):
-            deltas.append({"index": index, "function": {"arguments": arguments[len(sent[1]):]}})
+            deltas.append({"index": index, "function": {"arguments": arguments[len(sent[1]) :]}})
             sent[1] = arguments
         return deltas

