@@ -30,7 +30,7 @@ from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 
 BLOCK = 16
-ATTENTION_KERNELS = {"_decode", "_combine", "_attention"}  # fovea/attention/triton_paged.py
+ATTENTION_KERNELS = {"_decode", "_combine", "_attention"}  # fovea/attention/triton_paged_kernels.py
 
 
 def make_step(config: ModelConfig, batch: int, context: int, device, dtype, backend):

@@ -109,7 +109,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from fovea.testing.tiny import TINY_SHAPES, write_tiny_checkpoint
+    from fovea.testing.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny_configs import TINY_SHAPES
 
     model_dir = Path(args.model)
     if args.model in TINY_SHAPES:

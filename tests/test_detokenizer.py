@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from fovea.engine.outputs import IncrementalDetokenizer, find_stop_string
 
 TEXT = "Grüße 🌊🐟 日本語のテキスト — ok<|im_end|><|im_start|> done ✓"
 

@@ -114,7 +114,8 @@ def test_seven_b_shaped_random_checkpoint_config(tmp_path):
     import json
 
     from fovea.config.model import ModelConfig
-    from fovea.testing.tiny import tiny_config, weight_shapes
+    from fovea.testing.tiny import weight_shapes
+    from fovea.testing.tiny_configs import tiny_config
 
     flat = tiny_config("qwen2.5-vl-7b", "bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(flat))
@@ -131,7 +132,7 @@ def test_workload_floors_for_the_seven_b_shapes(tmp_path):
 
     from fovea.bench.floors import Hardware, decode_step_bytes, workload_floor
     from fovea.config.model import ModelConfig
-    from fovea.testing.tiny import tiny_config
+    from fovea.testing.tiny_configs import tiny_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen2.5-vl-7b", "bfloat16")))
     config = ModelConfig.from_dir(tmp_path)

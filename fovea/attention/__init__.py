@@ -2,7 +2,7 @@
 through the engine's backend, which the runner picks by name from `BACKENDS`:
 
 - `torch`: the pure-PyTorch reference (backend.py): every feature, any device; the ground truth in tests;
-- `triton`: our kernels (triton_paged.py), the default on CUDA.
+- `triton`: our kernels (triton_paged.py, triton_paged_kernels.py), the default on CUDA.
 
 Each backend declares what it can do. A feature a model's layers need but the chosen backend lacks fails at
 start-up, naming both, rather than computing something else:

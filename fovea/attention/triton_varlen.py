@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fovea.attention.triton_paged import INTERPRETED
+from fovea.attention.triton_paged_kernels import INTERPRETED
 
 BLOCK_M = 64  # queries per program: one 8x8-patch window of Qwen2.5-VL
 

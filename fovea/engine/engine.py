@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -19,12 +18,12 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.batch import ScheduledBatch
-from fovea.core.request import CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus
+from fovea.core.request import Request, RequestOutput, Sequence, SequenceStatus
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.block_manager import BlockManager
-from fovea.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.outputs import IncrementalDetokenizer, LogprobEntries, append_token, request_output
 from fovea.engine.scheduler import Scheduler
 from fovea.engine.structured_outputs import COMPILE_TIMEOUT_S, Grammars
 from fovea.multimodal.prompt import load_tokenizer
@@ -80,8 +79,7 @@ class LLMEngine:
         self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
-        # logprob entries name their tokens; the same few thousand ids come back step after step
-        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
+        self._logprob_entry = LogprobEntries(self.tokenizer)
 
     def _check_kv_capacity(self, capacity: int) -> None:
         """Fail now, not while serving, when one sequence of the asked max_model_len cannot fit the cache."""
@@ -187,7 +185,7 @@ class LLMEngine:
                     self.scheduler.finish(seq)  # its KV blocks are free from now on
             request.metrics.finished_time = time.time()
             self._record_finish(request)
-            self.finished_outputs.append(self._output(request, final=True))
+            self.finished_outputs.append(request_output(request, final=True))
 
     def close(self) -> None:
         """Stops the image encoder's thread and the tensor-parallel workers."""
@@ -252,7 +250,7 @@ class LLMEngine:
                 self.requests.pop(request.request_id, None)
                 self._record_finish(request)
             if request.finished or kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._output(request, final=request.finished))
+                outputs.append(request_output(request, final=request.finished))
         return outputs
 
     def _requests_in(self, batch: ScheduledBatch) -> set[Request]:
@@ -330,7 +328,9 @@ class LLMEngine:
                 if seq.logprobs is not None:
                     k = seq.params.logprobs
                     entry = self._logprob_entry(token, logprob, ranks[row], top_ids[row][:k], top_values[row][:k])
-            self._append_token(seq, token, entry, logprob)
+            finished = append_token(seq, token, entry, logprob, self.config.max_model_len)
+            if finished:
+                self._finish(seq, *finished)
             touched.add(seq.request)
         return touched
 
@@ -368,84 +368,8 @@ class LLMEngine:
             self.num_requests_added,
         )
 
-    def _append_token(self, seq: Sequence, token: int, entry: dict | None, logprob: float) -> None:
-        params = seq.params
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if seq.logprobs is not None:
-            seq.logprobs.append(entry)
-        new_chars = 0
-        if seq.detokenizer is not None:
-            piece = seq.detokenizer.decode(token)
-            seq.text += piece
-            new_chars = len(piece)
-        num_tokens = len(seq.token_ids)
-        may_stop = num_tokens - seq.num_prompt_tokens >= params.min_tokens
-        if may_stop and token in seq.request.eos_token_ids:
-            self._finish(seq, "stop", None)
-        elif may_stop and token in seq.request.stop_token_set:
-            self._finish(seq, "stop", token)
-        elif may_stop and params.stop_strings and new_chars:
-            found = find_stop_string(seq.text, new_chars, params.stop_strings)
-            if found:
-                stop, index = found
-                seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
-                self._finish(seq, "stop", stop)
-        if seq.status != SequenceStatus.FINISHED and (
-            (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens)
-            or num_tokens >= self.config.max_model_len
-        ):
-            self._finish(seq, "length", None)
-
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
         if seq.request.finished:
             seq.request.metrics.finished_time = time.time()
-
-    # -------------------------------------------------------------------------------------------- outputs
-
-    def _logprob_entry(
-        self, token: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]
-    ) -> dict[int, Logprob]:
-        """{token: Logprob} for the chosen token and the best ones (ranked 1, 2, ...)."""
-        entry = {token: Logprob(logprob, rank, self._token_text(token))}
-        for place, (tid, value) in enumerate(zip(top_ids, top_values), start=1):
-            entry.setdefault(tid, Logprob(value, place, self._token_text(tid)))
-        return entry
-
-    def _output(self, request: Request, final: bool) -> RequestOutput:
-        delta = request.params.output_kind == RequestOutputKind.DELTA
-        holdback = 0 if final else request.params.stop_holdback  # a stop string may still be forming
-        completions = []
-        for seq in request.sequences:
-            done = seq.status == SequenceStatus.FINISHED
-            text_end = len(seq.text) if done else max(len(seq.text) - holdback, 0)
-            token_start = seq.sent_tokens if delta else 0
-            text_start = min(seq.sent_text, text_end) if delta else 0
-            completions.append(
-                CompletionOutput(
-                    seq.index,
-                    seq.text[text_start:text_end],
-                    seq.token_ids[seq.num_prompt_tokens + token_start :],
-                    seq.cumulative_logprob if seq.logprobs is not None else None,
-                    seq.logprobs[token_start:] if seq.logprobs is not None else None,
-                    seq.finish_reason,
-                    seq.stop_reason,
-                )
-            )
-            seq.sent_tokens, seq.sent_text = len(seq.token_ids) - seq.num_prompt_tokens, text_end
-        completions.sort(key=lambda c: c.index)  # forks finish in any order
-        if delta and request.prompt_sent and not final:  # streaming: the prompt travels with the first and last
-            return RequestOutput(request.request_id, None, [], None, completions, final, request.num_cached_tokens)
-        request.prompt_sent = True
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            request.prompt_logprobs,
-            completions,
-            final,
-            request.num_cached_tokens,
-            request.metrics,
-        )

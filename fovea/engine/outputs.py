@@ -1,0 +1,156 @@
+"""From a sampled token to what the caller sees: its text (detokenized as tokens arrive), the stop checks, logprob
+entries, and the `RequestOutput` of a request.
+
+The tokenizers library's DecodeStream does the incremental part: it holds back a token whose bytes end inside
+a multi-byte UTF-8 character until the character is complete, so no stream ever shows a broken character.
+Stop strings are searched in the text as it grows, including matches that span several tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tokenizers.decoders import DecodeStream
+
+from fovea.core.request import CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus
+from fovea.core.sampling_params import RequestOutputKind
+
+PRIME_TOKENS = 4  # prompt tokens fed first, so the first generated token decodes in context (leading spaces)
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
+        self.backend = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # Without spaces between special tokens, two consecutive added tokens are joined with their raw text
+        # (some decoders prefix a space to each).
+        self.added = (
+            None
+            if spaces_between_special_tokens or skip_special_tokens
+            else {token_id: token.content for token_id, token in tokenizer.added_tokens_decoder.items()}
+        )
+        self.last_was_added = False
+        for token_id in prompt_ids[-PRIME_TOKENS:]:
+            self._step(token_id)
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self.stream.step(self.backend, token_id) or ""
+        except Exception:  # an id outside the vocabulary (random weights can produce one): no text
+            return ""
+
+    def decode(self, token_id: int) -> str:
+        """The text this token completes ("" while a character is still partial)."""
+        piece = self._step(token_id)
+        if self.added is not None:
+            raw = self.added.get(token_id)
+            if raw is not None and self.last_was_added:
+                piece = raw
+            self.last_was_added = raw is not None
+        return piece
+
+
+def find_stop_string(text: str, new_chars: int, stop_strings: list[str]) -> tuple[str, int] | None:
+    """The stop string that ends earliest in `text` among those that end inside its last `new_chars`
+    characters, and where it starts; None if none."""
+    best = None
+    for stop in stop_strings:
+        # a match must end in the new text, so it starts at most len(stop) - 1 characters before it
+        begin = max(0, len(text) - new_chars - len(stop) + 1)
+        index = text.find(stop, begin)
+        if index != -1 and (best is None or index + len(stop) < best[1] + len(best[0])):
+            best = (stop, index)
+    return best
+
+
+def append_token(seq: Sequence, token: int, entry: dict | None, logprob: float, max_model_len: int):
+    """Records a sampled token on its sequence (ids, logprobs, text); returns why the sequence finishes with it,
+    (finish_reason, stop_reason), or None. A stop string found is cut from the text (kept with
+    include_stop_str_in_output)."""
+    params = seq.params
+    seq.token_ids.append(token)
+    seq.cumulative_logprob += logprob
+    if seq.logprobs is not None:
+        seq.logprobs.append(entry)
+    new_chars = 0
+    if seq.detokenizer is not None:
+        piece = seq.detokenizer.decode(token)
+        seq.text += piece
+        new_chars = len(piece)
+    generated = len(seq.token_ids) - seq.num_prompt_tokens
+    if generated >= params.min_tokens:
+        if token in seq.request.eos_token_ids:
+            return "stop", None
+        if token in seq.request.stop_token_set:
+            return "stop", token
+        found = (
+            find_stop_string(seq.text, new_chars, params.stop_strings) if params.stop_strings and new_chars else None
+        )
+        if found:
+            stop, index = found
+            seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
+            return "stop", stop
+    if (params.max_tokens is not None and generated >= params.max_tokens) or len(seq.token_ids) >= max_model_len:
+        return "length", None
+    return None
+
+
+class LogprobEntries:
+    """{token: Logprob} entries, with the tokens' texts: the same few thousand ids come back step after step."""
+
+    def __init__(self, tokenizer):
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+
+    def __call__(
+        self, token: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]
+    ) -> dict[int, Logprob]:
+        """The chosen token and the best ones (ranked 1, 2, ...)."""
+        entry = {token: Logprob(logprob, rank, self.token_text(token))}
+        for place, (tid, value) in enumerate(zip(top_ids, top_values), start=1):
+            entry.setdefault(tid, Logprob(value, place, self.token_text(tid)))
+        return entry
+
+
+def request_output(request: Request, final: bool) -> RequestOutput:
+    """What the caller gets now: everything so far (CUMULATIVE, FINAL_ONLY) or what is new since the last
+    output (DELTA). Text that may still turn into a stop string is held back until it cannot."""
+    delta = request.params.output_kind == RequestOutputKind.DELTA
+    holdback = 0 if final else request.params.stop_holdback  # a stop string may still be forming
+    completions = []
+    for seq in request.sequences:
+        done = seq.status == SequenceStatus.FINISHED
+        text_end = len(seq.text) if done else max(len(seq.text) - holdback, 0)
+        token_start = seq.sent_tokens if delta else 0
+        text_start = min(seq.sent_text, text_end) if delta else 0
+        completions.append(
+            CompletionOutput(
+                seq.index,
+                seq.text[text_start:text_end],
+                seq.token_ids[seq.num_prompt_tokens + token_start :],
+                seq.cumulative_logprob if seq.logprobs is not None else None,
+                seq.logprobs[token_start:] if seq.logprobs is not None else None,
+                seq.finish_reason,
+                seq.stop_reason,
+            )
+        )
+        seq.sent_tokens, seq.sent_text = len(seq.token_ids) - seq.num_prompt_tokens, text_end
+    completions.sort(key=lambda c: c.index)  # forks finish in any order
+    if delta and request.prompt_sent and not final:  # streaming: the prompt travels with the first and last
+        return RequestOutput(request.request_id, None, [], None, completions, final, request.num_cached_tokens)
+    request.prompt_sent = True
+    return RequestOutput(
+        request.request_id,
+        request.prompt,
+        request.prompt_token_ids,
+        request.prompt_logprobs,
+        completions,
+        final,
+        request.num_cached_tokens,
+        request.metrics,
+    )
