@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fovea.core.request import Request, RequestOutput
+from fovea.core.request import RequestInput, RequestOutput
 from fovea.core.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class AddRequest:
-    request: Request  # fully prepared: token ids, positions, resized pixels
+    request: RequestInput  # fully prepared: token ids, positions, resized pixels
 
 
 @dataclass

@@ -1,16 +1,18 @@
-"""What the engine tracks per request, and what it hands back.
+"""What the front end hands the engine per request, what the engine tracks for it, and what it hands back.
 
-A `Request` is what the user asked for: a prompt (token ids, M-RoPE positions, images) and sampling parameters.
-Each of its `n` samples is a `Sequence`, the unit the scheduler batches: it owns a KV block table and a count of
-tokens whose KV is computed. With n > 1 the request runs as one sequence until its prompt is prefilled; then it
-forks into n sequences sharing the prompt's blocks.
+A `RequestInput` is what the user asked for, prepared by the front end: a prompt (token ids, M-RoPE positions,
+images) and sampling parameters; it crosses to the engine process as it is. The engine makes a `Request` of it,
+its own record: one `Sequence` per sample, the unit the scheduler batches (it owns a KV block table and a count of
+tokens whose KV is computed), the samples' RNGs and grammars, metrics and what was already sent. With n > 1 the
+request runs as one sequence until its prompt is prefilled; then it forks into n sequences sharing the prompt's
+blocks.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -70,55 +72,26 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Request:
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        positions: np.ndarray | None = None,
-        mrope_delta: int = 0,
-        mm_items: list[MMItem] = (),
-        prompt: str | None = None,
-        arrival_time: float | None = None,
-        eos_token_ids: tuple[int, ...] = (),
-        arrival_index: int = 0,
-        fair_rank: int = 0,
-    ):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        if positions is None:  # text only: positions count up on all three axes
-            positions = np.broadcast_to(np.arange(len(prompt_token_ids)), (3, len(prompt_token_ids)))
-        self.positions = positions
-        self.mrope_delta = mrope_delta
-        self.mm_items = list(mm_items)
-        self.mm_spans = [item.span for item in self.mm_items]
-        self.arrival_index = arrival_index  # FCFS order, also after preemption
-        # the i-th prompt of one API request waits behind the first prompts of later requests: a request with
-        # thousands of prompts cannot hold everyone else behind it (0 for single-prompt requests)
-        self.fair_rank = fair_rank
-        self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
-        self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
-        self.stop_token_set = frozenset(params.stop_token_ids)
-        self.generators: list[torch.Generator | None] = []  # made by the engine, on its device
-        self.grammars: list = []  # structured outputs: an llguidance matcher per sample, made by the engine
-        self.metrics = RequestMetrics(arrival_time or time.time())
-        self.sequences: list[Sequence] = []
-        self.num_cached_tokens = 0
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
-        self.aborted = False
-        self.prompt_sent = False  # a DELTA output carried the prompt already
-        self.num_finished_sequences = 0  # kept by the scheduler
-        self.release_unsent = None  # front end: frees shared pixels if the request is dropped before it is sent
+@dataclass
+class RequestInput:
+    """A prepared request, as the front end sends it to the engine. The engine changes nothing in it but its
+    pixels: shared-memory handles become arrays on arrival (take_shared_pixels)."""
 
-    @property
-    def finished(self) -> bool:
-        # every sample finished (an aborted request never forks the samples it has not reached yet)
-        return self.num_finished_sequences == (len(self.sequences) if self.aborted else self.params.n)
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    positions: np.ndarray | None = None  # (3, prompt length) M-RoPE positions; None: text only, counting up
+    mrope_delta: int = 0  # what generated tokens add to their index to get their position
+    mm_items: list[MMItem] = field(default_factory=list)
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_index: int = 0  # FCFS order, also after preemption
+    # the i-th prompt of one API request waits behind the first prompts of later requests: a request with
+    # thousands of prompts cannot hold everyone else behind it (0 for single-prompt requests)
+    fair_rank: int = 0
+    # front end only: frees shared pixels if the request is dropped before it is sent
+    release_unsent: object = field(default=None, repr=False, compare=False)
 
     def take_shared_pixels(self) -> None:
         """Copies pixels out of the decoding workers' shared memory and frees it: the engine does so on arrival;
@@ -130,6 +103,42 @@ class Request:
                     taken[item.pixels.name] = item.pixels.take()
                 whole = taken[item.pixels.name]
                 item.pixels = whole[item.frames[0] : item.frames[1]] if item.frames else whole
+
+
+class Request:
+    """The engine's record of one request: its input (what the steps read of it copied out) and its state."""
+
+    def __init__(self, input: RequestInput):
+        self.input = input
+        self.request_id, self.params = input.request_id, input.params
+        self.prompt_token_ids, self.mrope_delta, self.mm_items = (
+            input.prompt_token_ids,
+            input.mrope_delta,
+            input.mm_items,
+        )
+        length = len(input.prompt_token_ids)
+        self.positions = np.broadcast_to(np.arange(length), (3, length)) if input.positions is None else input.positions
+        self.mm_spans = [item.span for item in self.mm_items]
+        params = self.params
+        self.eos_token_ids = () if params.ignore_eos else tuple(input.eos_token_ids)
+        self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
+        self.stop_token_set = frozenset(params.stop_token_ids)
+        self.generators: list[torch.Generator | None] = []  # one per sample, on the engine's device
+        self.grammars: list = []  # structured outputs: an llguidance matcher per sample
+        self.metrics = RequestMetrics(input.arrival_time)
+        self.sequences: list[Sequence] = []
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.aborted = False
+        self.prompt_sent = False  # a DELTA output carried the prompt already
+        self.num_finished_sequences = 0  # kept by the scheduler
+
+    @property
+    def finished(self) -> bool:
+        # every sample finished (an aborted request never forks the samples it has not reached yet)
+        return self.num_finished_sequences == (len(self.sequences) if self.aborted else self.params.n)
 
 
 class Sequence:
@@ -145,7 +154,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
-        self.order = (request.fair_rank, request.arrival_index, index)
+        self.order = (request.input.fair_rank, request.input.arrival_index, index)
         self.pending_forks = request.params.n - 1 if index == 0 else 0  # samples to split off after the prefill
         self.queried_images: set[str] = set()  # images this sequence looked up in the encoder cache
         self.cumulative_logprob = 0.0

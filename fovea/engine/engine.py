@@ -18,7 +18,7 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.batch import ScheduledBatch
-from fovea.core.request import Request, RequestOutput, Sequence, SequenceStatus
+from fovea.core.request import Request, RequestInput, RequestOutput, Sequence, SequenceStatus
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.block_manager import BlockManager
@@ -110,8 +110,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------- requests
 
-    def add_request(self, request: Request) -> None:
-        request.take_shared_pixels()  # first: pixels in shared memory are freed whatever happens next
+    def add_request(self, input: RequestInput) -> None:
+        input.take_shared_pixels()  # first: pixels in shared memory are freed whatever happens next
+        request = Request(input)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         if request.params.n > self.config.max_num_seqs:

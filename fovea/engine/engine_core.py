@@ -4,7 +4,7 @@ It shares no interpreter (and no GIL) with the HTTP front end, so nothing the fr
 body, decoding a 3000x2000 JPEG, writing SSE chunks) can delay a step. Two one-way pipes connect them, carrying the
 messages of fovea/core/messages.py.
 
-A Request arrives fully prepared (token ids, positions, resized pixel arrays): the engine only copies it in.
+A RequestInput arrives fully prepared (token ids, positions, resized pixel arrays): the engine only copies it in.
 Between steps it takes every command waiting; with no work it blocks until one comes. A request the engine
 cannot take is rejected alone; a step that raises fails the requests it ran (RequestsFailed) and the engine goes on.
 Only after several failed steps in a row (a broken device, say) does the process give up (Dead); the front

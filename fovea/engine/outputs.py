@@ -146,7 +146,7 @@ def request_output(request: Request, final: bool) -> RequestOutput:
     request.prompt_sent = True
     return RequestOutput(
         request.request_id,
-        request.prompt,
+        request.input.prompt,
         request.prompt_token_ids,
         request.prompt_logprobs,
         completions,

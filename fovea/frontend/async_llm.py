@@ -3,7 +3,7 @@ abort requests from this one.
 
 `generate()` prepares the request here, in a small pool of worker threads (chat template, tokenization, image
 decoding and resizing; one job per API request, so a request with many prompts takes one thread, not all), then
-ships the ready Request to the engine process and yields its outputs as they come back. Leaving the iteration
+ships the ready RequestInput to the engine process and yields its outputs as they come back. Leaving the iteration
 early (a client disconnects) aborts the request, which frees its KV blocks.
 
 Failures stay as small as they can: a request the engine refuses raises ValueError in its own stream; a step
@@ -33,7 +33,7 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected, RequestsFailed, StepOutputs
-from fovea.core.request import Request, RequestOutput
+from fovea.core.request import RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
 from fovea.frontend.engine_process import EngineProcess
@@ -158,7 +158,7 @@ class AsyncLLM:
 
     async def prepare_many(
         self, prompts: list, sampling_params: SamplingParams, request_id: str, mm_processor_kwargs: dict | None = None
-    ) -> list[Request]:
+    ) -> list[RequestInput]:
         """Requests `{request_id}-{i}` for several prompts, prepared in one pool job; prompt i waits behind the
         first prompts of requests that arrive later (fair_rank)."""
         self._check_alive()
@@ -176,7 +176,7 @@ class AsyncLLM:
 
     def _make_request(
         self, request_id, prompt, messages, params, mm_processor_kwargs, chat, arrival, fair_rank=0
-    ) -> Request:
+    ) -> RequestInput:
         processed = (
             self.inputs.process_chat(messages, mm_processor_kwargs, chat)
             if messages is not None
@@ -184,7 +184,7 @@ class AsyncLLM:
         )
         return self.inputs.make_request(request_id, processed, params or self.default_params, arrival, fair_rank)
 
-    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
         """Sends a prepared request to the engine and yields its outputs; leaving early aborts it."""
         request_id = request.request_id
         if request_id in self._streams:

@@ -1,4 +1,4 @@
-"""Turns what a user submits (text, token ids, vLLM-style dicts with images, chat messages) into a `Request`.
+"""Turns what a user submits (text, token ids, vLLM-style dicts with images, chat messages) into a `RequestInput`.
 
 Runs outside the engine loop (the server calls it in a worker thread): decoding and resizing images is the
 slow part of a request's admission and must not hold up token generation. Every check that can reject a
@@ -13,7 +13,7 @@ import time
 import weakref
 
 from fovea.config.engine import EngineConfig
-from fovea.core.request import MMItem, MMSpan, Request
+from fovea.core.request import MMItem, MMSpan, RequestInput
 from fovea.core.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler, Grammars
 from fovea.multimodal.image import ProcessedImage
@@ -120,7 +120,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         fair_rank: int = 0,
-    ) -> Request:
+    ) -> RequestInput:
         try:
             return self._make_request(request_id, processed, params, arrival_time, fair_rank)
         except BaseException:
@@ -134,7 +134,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None,
         fair_rank: int,
-    ) -> Request:
+    ) -> RequestInput:
         ids = processed.token_ids
         if not ids:
             raise ValueError("the prompt is empty")
@@ -161,7 +161,7 @@ class InputProcessor:
                     )
             items += parts
             start += image.num_tokens
-        request = Request(
+        request = RequestInput(
             request_id,
             ids,
             params,
