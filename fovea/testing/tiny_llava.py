@@ -28,35 +28,17 @@ from fovea.testing.tiny import random_weights, save_weights
 # name -> text (hidden, intermediate, layers, heads, kv heads, vocab) and vision (hidden, intermediate, layers, heads)
 BPE_TOKENS = 600  # learned vocabulary, specials included; <image> and <pad> follow
 IMAGE_TOKEN, PAD_TOKEN = BPE_TOKENS, BPE_TOKENS + 1
+# fmt: off
 LLAVA_SHAPES = {
     # the vocabulary exactly the tokenizer's: padded rows (llava-hf has 32064 for 32002 tokens) are ids no
     # tokenizer can decode, which random weights would pick
-    "tiny-llava": dict(
-        hidden=64,
-        inter=128,
-        layers=2,
-        heads=4,
-        kv=2,
-        vocab=BPE_TOKENS + 2,
-        v_hidden=32,
-        v_inter=64,
-        v_layers=3,
-        v_heads=2,
-    ),
+    "tiny-llava": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, vocab=BPE_TOKENS + 2, v_hidden=32,
+                       v_inter=64, v_layers=3, v_heads=2),
     # llava-hf/llava-1.5-7b-hf's shapes (Vicuna-7B + CLIP ViT-L/14-336), random weights
-    "llava-1.5-7b": dict(
-        hidden=4096,
-        inter=11008,
-        layers=32,
-        heads=32,
-        kv=32,
-        vocab=32064,
-        v_hidden=1024,
-        v_inter=4096,
-        v_layers=24,
-        v_heads=16,
-    ),
+    "llava-1.5-7b": dict(hidden=4096, inter=11008, layers=32, heads=32, kv=32, vocab=32064, v_hidden=1024,
+                         v_inter=4096, v_layers=24, v_heads=16),
 }
+# fmt: on
 WORDS = (
     "the a an and or but of to in on at by with from for is are was were be this that these those what which "
     "who how why where when image picture photo painting colour colours red green blue yellow white black grey "
