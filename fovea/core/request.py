@@ -2,10 +2,10 @@
 
 A `RequestInput` is what the user asked for, prepared by the front end: a prompt (token ids, M-RoPE positions,
 images) and sampling parameters; it crosses to the engine process as it is. The engine makes a `Request` of it,
-its own record: one `Sequence` per sample, the unit the scheduler batches (it owns a KV block table and a count of
-tokens whose KV is computed), the samples' RNGs and grammars, metrics and what was already sent. With n > 1 the
-request runs as one sequence until its prompt is prefilled; then it forks into n sequences sharing the prompt's
-blocks.
+its own record: one `Sequence` per sample (it owns a KV block table and a count of tokens whose KV is computed),
+the samples' RNGs and grammars, metrics and what was already sent. Sequences are what the scheduler batches into
+a `ScheduledBatch`, one step. With n > 1 the request runs as one sequence until its prompt is prefilled; then it
+forks into n sequences sharing the prompt's blocks.
 """
 
 from __future__ import annotations
@@ -182,6 +182,23 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass
+class ScheduledBatch:
+    """One engine step as the scheduler decides it and the model runner runs it."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # of each sequence, this step
+    encode: list[MMItem] = field(default_factory=list)  # images to hand to the encoder (ImageEncoder)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, forks' partial blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
 
 
 @dataclass

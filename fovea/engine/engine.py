@@ -17,8 +17,7 @@ from collections.abc import Callable
 import torch
 
 from fovea.config.engine import EngineConfig
-from fovea.core.batch import ScheduledBatch
-from fovea.core.request import Request, RequestInput, RequestOutput, Sequence, SequenceStatus
+from fovea.core.request import Request, RequestInput, RequestOutput, ScheduledBatch, Sequence, SequenceStatus
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.block_manager import BlockManager

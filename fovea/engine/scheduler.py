@@ -15,8 +15,7 @@ from __future__ import annotations
 import bisect
 
 from fovea.config.engine import EngineConfig
-from fovea.core.batch import ScheduledBatch
-from fovea.core.request import Sequence, SequenceStatus
+from fovea.core.request import ScheduledBatch, Sequence, SequenceStatus
 from fovea.engine.block_manager import BlockManager, extend_block_hashes
 from fovea.engine.encoder_cache import EncoderCache
 

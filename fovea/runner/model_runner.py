@@ -17,8 +17,7 @@ import torch
 from fovea.attention import BACKENDS, features_needed, make_backend
 from fovea.attention.backend import PagedAttentionMetadata
 from fovea.config.engine import EngineConfig
-from fovea.core.batch import ScheduledBatch
-from fovea.core.request import MMItem
+from fovea.core.request import MMItem, ScheduledBatch
 from fovea.distributed import SINGLE, ParallelGroups
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fovea.core.batch import ScheduledBatch
+from fovea.core.request import ScheduledBatch
 from fovea.runner.sampler import SampleRow
 
 
