@@ -114,10 +114,7 @@ class LLMEngine:
         request = Request(input)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        if request.params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"n={request.params.n} is more than max_num_seqs={self.config.max_num_seqs} sequences can run at once"
-            )
+        # the front end checked the parameters (InputProcessor.check_params); the KV cache's size is known here only
         blocks = self.blocks.blocks_needed(len(request.prompt_token_ids) + 1) + request.params.n - 1
         if blocks > self.blocks.num_blocks:
             raise ValueError(
