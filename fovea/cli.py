@@ -21,8 +21,13 @@ def _demo(args: argparse.Namespace) -> None:
 def _tiny(args: argparse.Namespace) -> None:
     from fovea.testing.tiny import write_tiny_checkpoint
     from fovea.testing.tiny_llava import LLAVA_SHAPES, write_llava_checkpoint
+    from fovea.testing.tiny_qwen3_vl import QWEN3_VL_SHAPES, write_qwen3_vl_checkpoint
 
-    write = write_llava_checkpoint if args.config in LLAVA_SHAPES else write_tiny_checkpoint
+    writers = {
+        **dict.fromkeys(LLAVA_SHAPES, write_llava_checkpoint),
+        **dict.fromkeys(QWEN3_VL_SHAPES, write_qwen3_vl_checkpoint),
+    }
+    write = writers.get(args.config, write_tiny_checkpoint)
     out = write(
         args.out_dir,
         args.config,
@@ -89,13 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
 
     tiny = sub.add_parser(
-        "tiny", help="write a random-weight checkpoint in the HF layout (Qwen2.5-VL, Qwen2-VL, LLaVA-1.5)"
+        "tiny", help="write a random-weight checkpoint in the HF layout (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, LLaVA-1.5)"
     )
     tiny.add_argument("out_dir")
     tiny.add_argument(
         "--config",
         default="tiny-3b",
-        choices=["tiny-3b", "tiny-7b", "qwen2.5-vl-7b", "tiny-qwen2-vl", "qwen2-vl-7b", "tiny-llava", "llava-1.5-7b"],
+        choices=[
+            "tiny-3b",
+            "tiny-7b",
+            "qwen2.5-vl-7b",
+            "tiny-qwen2-vl",
+            "qwen2-vl-7b",
+            "tiny-qwen3-vl",
+            "tiny-llava",
+            "llava-1.5-7b",
+        ],  # fmt: skip
         help="the 7b ones: the published 7B shapes (14-16 GB in bf16; use --device cuda)",
     )
     tiny.add_argument("--device", default="cpu", help="where the random weights are drawn")

@@ -1,4 +1,4 @@
-"""LLaVA-1.5 and Qwen2-VL against transformers on tiny fp32 checkpoints: preprocessing, logits, and greedy tokens
+"""LLaVA-1.5, Qwen2-VL and Qwen3-VL against transformers on tiny fp32 checkpoints: preprocessing, logits, and greedy tokens
 through the whole engine (chunked prefill, prefix caching, preemption) with text, one image and two images."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fovea.models.mrope_positions import decode_positions
 from fovea.multimodal.patchify import patchify
 from fovea.multimodal.prompt import PromptProcessor
 
-FAMILIES = ["llava", "qwen2-vl"]
+FAMILIES = ["llava", "qwen2-vl", "qwen3-vl"]
 MAX_TOKENS = 10
 
 
@@ -26,11 +26,13 @@ MAX_TOKENS = 10
 def family_dirs(tmp_path_factory):
     from fovea.testing.tiny import write_tiny_checkpoint
     from fovea.testing.tiny_llava import write_llava_checkpoint
+    from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
 
     root = tmp_path_factory.mktemp("families")
     return {
         "llava": write_llava_checkpoint(root / "llava", seed=3),
         "qwen2-vl": write_tiny_checkpoint(root / "qwen2-vl", "tiny-qwen2-vl", seed=4),
+        "qwen3-vl": write_qwen3_vl_checkpoint(root / "qwen3-vl", seed=5),
     }
 
 
@@ -38,12 +40,12 @@ _HF: dict = {}
 
 
 def hf_model(model_dir):
-    from transformers import GenerationConfig, LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, GenerationConfig
 
     if str(model_dir) not in _HF:
-        arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
-        cls = LlavaForConditionalGeneration if arch.startswith("Llava") else Qwen2VLForConditionalGeneration
-        model = cls.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+        model = AutoModelForImageTextToText.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         model.generation_config = GenerationConfig(do_sample=False)  # plain greedy, no stop token
         _HF[str(model_dir)] = model
     return _HF[str(model_dir)]

@@ -10,6 +10,8 @@ is a parser here and its module under fovea/models/ (registry.py there names it)
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fovea.config.image import ImageProcessorConfig
@@ -46,7 +48,9 @@ def text_keys(raw: dict) -> dict:
     return {**raw, **(raw.get("text_config") or {})}
 
 
-def parse_text(raw: dict, mrope: bool, attention_bias: bool, defaults: dict | None = None) -> TextConfig:
+def parse_text(
+    raw: dict, mrope: bool, attention_bias: bool, defaults: dict | None = None, qk_norm: bool = False
+) -> TextConfig:
     """A decoder's settings from its (text_keys) dict; `defaults` for keys the checkpoint leaves out."""
     raw = {**(defaults or {}), **{k: v for k, v in raw.items() if v is not None}}
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -75,6 +79,8 @@ def parse_text(raw: dict, mrope: bool, attention_bias: bool, defaults: dict | No
         mrope_section=tuple(section),
         max_position_embeddings=raw.get("max_position_embeddings", 128000),
         attention_bias=attention_bias,
+        qk_norm=qk_norm,
+        mrope_interleaved=bool(mrope and rope.get("mrope_interleaved", False)),
     )
 
 
@@ -162,6 +168,41 @@ def parse_qwen2_vl(raw: dict, preprocessor: dict) -> ModelConfig:
             hidden_act=vision.get("hidden_act", "quick_gelu"),
         ),
     )
+
+
+def parse_qwen3_vl(raw: dict, preprocessor: dict) -> ModelConfig:
+    """Qwen3-VL (dense): a Qwen3 decoder (q/k norms, interleaved M-RoPE) and a ViT with learned positions, no
+    windows, and DeepStack features from a few of its blocks. Videos are refused until their path (timestamps
+    between frames) lands."""
+    keys = text_keys(raw)
+    text = parse_text(keys, mrope=True, attention_bias=bool(keys.get("attention_bias", False)), qk_norm=True)
+    vision = raw.get("vision_config") or {}
+    depth, patch, merge = vision.get("depth", 27), vision.get("patch_size", 16), vision.get("spatial_merge_size", 2)
+    config = qwen_model_config(
+        raw,
+        preprocessor,
+        text,
+        VisionConfig(
+            depth=depth,
+            hidden_size=vision.get("hidden_size", 1152),
+            intermediate_size=vision.get("intermediate_size", 4304),
+            num_heads=vision.get("num_heads", 16),
+            in_channels=vision.get("in_channels", 3),
+            patch_size=patch,
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
+            spatial_merge_size=merge,
+            window_size=patch * merge,
+            fullatt_block_indexes=tuple(range(depth)),  # every block attends over whole frames
+            out_hidden_size=vision.get("out_hidden_size", text.hidden_size),
+            tokens_per_second=None,
+            rope_theta=(vision.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+            patch_bias=True,
+            num_position_embeddings=vision.get("num_position_embeddings", 2304),
+            deepstack_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+        ),
+    )
+    return dataclasses.replace(config, video_token_id=None)
 
 
 # ------------------------------------------------------------------------------------------------------ LLaVA
@@ -253,6 +294,7 @@ def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
 
 PARSERS = {
     "Qwen2_5_VLForConditionalGeneration": parse_qwen2_5_vl,
+    "Qwen3VLForConditionalGeneration": parse_qwen3_vl,
     "Qwen2VLForConditionalGeneration": parse_qwen2_vl,
     "LlavaForConditionalGeneration": parse_llava,
 }

@@ -43,7 +43,9 @@ class TextConfig:
     rope_theta: float
     mrope_section: tuple[int, int, int]  # 1-D RoPE: (head_dim / 2, 0, 0)
     max_position_embeddings: int
-    attention_bias: bool = True  # biases on q/k/v (Qwen2); Llama has none
+    attention_bias: bool = True  # biases on q/k/v (Qwen2); Llama and Qwen3 have none
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before rotary
+    mrope_interleaved: bool = False  # Qwen3-VL: the frequencies cycle t, h, w instead of running in three chunks
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,15 @@ class VisionConfig:
     hidden_act: str = "silu"
     norm_eps: float = 1e-6
     image_size: int = 0  # a fixed input side (CLIP); 0: any size (Qwen's dynamic resolution)
+    patch_bias: bool = False  # the patch embedding's conv has a bias (Qwen3-VL)
+    num_position_embeddings: int = 0  # learned positions, a square table resampled to each grid (Qwen3-VL); 0: none
+    deepstack_indexes: tuple[int, ...] = ()  # blocks whose output also feeds the first decoder layers (Qwen3-VL)
+
+    @property
+    def output_width(self) -> int:
+        """Values per image token the tower hands over: its embedding, then one DeepStack feature per entry of
+        deepstack_indexes (what the encoder cache stores)."""
+        return self.out_hidden_size * (1 + len(self.deepstack_indexes))
 
     @property
     def patch_dim(self) -> int:

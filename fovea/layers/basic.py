@@ -104,7 +104,12 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
-ACTIVATIONS = {"quick_gelu": QuickGELU, "gelu": nn.GELU, "silu": nn.SiLU}
+ACTIVATIONS = {
+    "quick_gelu": QuickGELU,
+    "gelu": nn.GELU,
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "silu": nn.SiLU,
+}
 
 
 def activation(name: str) -> nn.Module:

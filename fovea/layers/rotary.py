@@ -2,7 +2,8 @@
 
 Qwen2.5-VL uses two flavours of the same idea:
 - M-RoPE in the language model: 3 axes (t, h, w); the head_dim/2 frequencies are split by `mrope_section`
-  into consecutive chunks, chunk i rotating with axis i's position.
+  into consecutive chunks, chunk i rotating with axis i's position. Qwen3-VL interleaves them instead:
+  frequency i reads h when i % 3 == 1 and i < 3 * section[1], w when i % 3 == 2 and i < 3 * section[2], else t.
 - 2-D rotary in the vision tower: 2 axes (h, w); head_dim/4 frequencies for h, the same head_dim/4 for w.
 Both rotate with the "rotate half" convention: dims [0, D/2) pair with [D/2, D).
 """
@@ -27,9 +28,17 @@ class AxisRotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def mrope(head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> AxisRotaryEmbedding:
+def mrope(
+    head_dim: int, theta: float, mrope_section: tuple[int, int, int], interleaved: bool = False
+) -> AxisRotaryEmbedding:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    axes = [axis for axis, n in enumerate(mrope_section) for _ in range(n)]
+    if interleaved:
+        axes = [
+            next((axis for axis in (1, 2) if i % 3 == axis and i < 3 * mrope_section[axis]), 0)
+            for i in range(head_dim // 2)
+        ]
+    else:
+        axes = [axis for axis, n in enumerate(mrope_section) for _ in range(n)]
     return AxisRotaryEmbedding(inv_freq, axes)
 
 

@@ -62,12 +62,7 @@ class VisionLanguageModel(nn.Module):
         """Token embeddings with `mm_embeds` rows written over the image/video placeholder positions, in order.
         `mm_mask` says which rows are placeholders when ids alone cannot (a generated placeholder id is text)."""
         x = self.model.embed_tokens(input_ids)
-        if mm_mask is not None:
-            is_placeholder = mm_mask
-        else:
-            is_placeholder = input_ids == self.config.image_token_id
-            if self.config.video_token_id is not None:
-                is_placeholder |= input_ids == self.config.video_token_id
+        is_placeholder = self.placeholder_mask(input_ids, mm_mask)
         count = int(is_placeholder.sum())
         given = 0 if mm_embeds is None else mm_embeds.shape[0]
         if count != given:
@@ -75,6 +70,14 @@ class VisionLanguageModel(nn.Module):
         if count:
             x = x.masked_scatter(is_placeholder[:, None], mm_embeds.to(x.dtype))
         return x
+
+    def placeholder_mask(self, input_ids: torch.Tensor, mm_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mm_mask is not None:
+            return mm_mask
+        is_placeholder = input_ids == self.config.image_token_id
+        if self.config.video_token_id is not None:
+            is_placeholder |= input_ids == self.config.video_token_id
+        return is_placeholder
 
     def forward(
         self,

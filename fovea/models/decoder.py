@@ -1,5 +1,6 @@
-"""The decoder-only language model every family here ends in: Qwen2 and Llama are the same network
-(pre-norm RMSNorm, grouped-query attention with rotary positions, SwiGLU MLP) apart from biases on q/k/v.
+"""The decoder-only language model every family here ends in: Qwen2, Qwen3 and Llama are the same network
+(pre-norm RMSNorm, grouped-query attention with rotary positions, SwiGLU MLP) apart from biases on q/k/v (Qwen2)
+and an RMSNorm over each head of q and k before rotary (Qwen3).
 
 It runs on a flattened varlen batch: all sequences' tokens in one dimension, `positions` of shape (3, num_tokens)
 and the step's attention metadata. Three position axes serve both rules: M-RoPE reads t/h/w from them by
@@ -56,11 +57,21 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.attn = Attention(cfg.head_dim, causal=True, layer_index=layer_index, fp32=options.fp32_softmax)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata | PagedAttentionMetadata
     ):
-        q, k, v = rotate_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.fused)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:  # per head, before rotary; written back so that the rotary kernel finds them in place
+            n, q_size, kv_size = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, q_size)
+            qkv = torch.cat((q, self.k_norm(k.reshape(-1, self.head_dim)).view(n, kv_size), v), dim=-1)
+        q, k, v = rotate_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.fused)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -91,13 +102,23 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: TextConfig, options: ModelOptions):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, options) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.fused_kernels)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`deepstack` (Qwen3-VL): (a mask of the image-token rows, (K, rows, hidden) features) added to those rows
+        of the first K layers' outputs."""
         cos, sin = self.rotary.cos_sin(positions)
         x, residual = inputs_embeds, None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, meta)
+            if deepstack is not None and i < deepstack[1].shape[0]:
+                x[deepstack[0]] += deepstack[1][i].to(x.dtype)  # x is this layer's fresh MLP output
         return self.norm(x, residual)[0]

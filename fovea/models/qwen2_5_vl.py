@@ -30,7 +30,7 @@ class VisionPatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.channels, self.frames = cfg.in_channels, cfg.temporal_patch_size
-        self.proj = LinearBase(cfg.patch_dim, cfg.hidden_size, bias=False)
+        self.proj = LinearBase(cfg.patch_dim, cfg.hidden_size, bias=cfg.patch_bias)
         self.proj.weight.weight_loader = self._load_conv
 
     def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -42,7 +42,7 @@ class VisionPatchEmbed(nn.Module):
             out_dim = weight.shape[0]
             weight = weight.float().view(out_dim, self.channels, self.frames, -1).sum(2).view(out_dim, -1)
             weight = weight.to(self.proj.weight.dtype)
-        return F.linear(pixel_values.to(weight.dtype), weight)
+        return F.linear(pixel_values.to(weight.dtype), weight, self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -134,7 +134,7 @@ def vision_layout(
 
 
 class VisionTransformer(nn.Module):
-    block, norm = VisionBlock, RMSNorm  # what Qwen2-VL's tower (qwen2_vl.py) replaces
+    block, norm, merger_type = VisionBlock, RMSNorm, PatchMerger  # what Qwen2-VL's and Qwen3-VL's towers replace
 
     def __init__(self, cfg: VisionConfig, options: ModelOptions):
         super().__init__()
@@ -143,7 +143,7 @@ class VisionTransformer(nn.Module):
         self.patch_embed = VisionPatchEmbed(cfg)
         self.rotary = vision_rope(cfg.hidden_size // cfg.num_heads, cfg.rope_theta)
         self.blocks = nn.ModuleList(self.block(cfg, options.fp32_softmax_vision) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg, self.norm)
+        self.merger = self.merger_type(cfg, self.norm)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: (num_patches, patch_dim) of all items -> (num_patches / merge^2, out_hidden_size)."""

@@ -14,6 +14,7 @@ from types import ModuleType
 FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": "fovea.models.qwen2_5_vl",
     "Qwen2VLForConditionalGeneration": "fovea.models.qwen2_vl",
+    "Qwen3VLForConditionalGeneration": "fovea.models.qwen3_vl",
     "LlavaForConditionalGeneration": "fovea.models.llava",
 }
 

@@ -95,8 +95,7 @@ def profile_kv_budget(model: torch.nn.Module, config: EngineConfig, free_at_star
         peak_extra += torch.cuda.max_memory_allocated(device) - resident
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    text = config.model.text
-    encoder_cache = config.encoder_cache_size * text.hidden_size * config.dtype.itemsize
+    encoder_cache = config.encoder_cache_size * config.model.vision.output_width * config.dtype.itemsize
     used = free_at_start - free
     budget = kv_cache_budget(total, config.gpu_memory_utilization, used, peak_extra, encoder_cache)
     logger.info(

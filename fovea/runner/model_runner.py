@@ -175,7 +175,7 @@ class ModelRunner:
         """Ranks above 0: the step rank 0 sent, with the image embeddings it broadcasts after it."""
         mm_embeds = None
         if step.num_mm_rows:
-            shape = (step.num_mm_rows, self.config.model.text.hidden_size)
+            shape = (step.num_mm_rows, self.config.model.vision.output_width)
             mm_embeds = self.parallel.broadcast(torch.empty(shape, dtype=self.config.dtype, device=self.device))
         with torch.inference_mode():
             _, hidden = self.run_step(step, mm_embeds)

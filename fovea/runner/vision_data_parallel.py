@@ -34,7 +34,7 @@ def encode_data_parallel(
     shares = share_out(rows, group.size)
     mine = encode([items[i] for i in shares[group.rank]])
     rows_per_rank = [sum(rows[i] for i in share) for share in shares]
-    width = config.model.vision.out_hidden_size
+    width = config.model.vision.output_width
     padded = torch.zeros(max(rows_per_rank), width, dtype=config.dtype, device=config.device)
     if mine:
         local = torch.cat(mine)

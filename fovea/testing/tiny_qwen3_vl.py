@@ -1,0 +1,84 @@
+"""Tiny random-weight Qwen3-VL checkpoints, written by transformers' own Qwen3VLForConditionalGeneration
+(`save_pretrained`): config.json and model.safetensors exactly as transformers writes them today, with the Qwen2
+vocabulary and special tokens of tiny.py and a Qwen2-VL-style preprocessor_config.json (16-pixel patches, mean and
+std 0.5, as the released ones).
+
+Not yet here: the released Qwen3-VL chat template (the tokenizer carries tiny.py's Qwen2.5-VL one, which the
+parity tests apply on both sides), the published shapes, the MoE variant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fovea.testing.tiny import write_tokenizer_files
+
+# fmt: off
+QWEN3_VL_SHAPES = {
+    # head_dim 16: mrope_section sums to 8; interleaved, frequencies 1, 4 read h and 2, 5 read w
+    "tiny-qwen3-vl": (
+        dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+             rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
+                              "mrope_interleaved": True}),
+        # an 8 x 8 position table, resampled to every grid; DeepStack from the first and the last block
+        dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, temporal_patch_size=2,
+             spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0, 2],
+             hidden_act="gelu_pytorch_tanh"),
+    ),
+}
+# fmt: on
+
+
+def preprocessor_config(min_pixels: int = 32 * 32 * 4, max_pixels: int = 32 * 32 * 256) -> dict:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_resize": True,
+        "do_convert_rgb": True,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    }
+
+
+def write_qwen3_vl_checkpoint(
+    out_dir: str | Path,
+    name: str = "tiny-qwen3-vl",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    layout: str = "published",
+    shards: int = 1,
+    device: str = "cpu",
+) -> Path:
+    """Every weight random (norms around 1, so that a norm read wrongly shows in the logits). The published
+    layout is transformers 5's (`model.language_model.*`, `model.visual.*`): `layout` may name either."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    if layout not in ("published", "transformers5"):
+        raise ValueError(f"layout must be 'published' or 'transformers5', got {layout!r}")
+    if shards != 1 or device != "cpu":
+        raise ValueError("Qwen3-VL's tiny checkpoints are written whole, on the CPU (--shards 1 --device cpu)")
+    text, vision = QWEN3_VL_SHAPES[name]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            noise = torch.randn_like(param)
+            param.copy_(1 + 0.2 * noise if "norm" in param_name else 0.08 * noise)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    write_tokenizer_files(out)
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2))
+    return out

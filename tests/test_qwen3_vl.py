@@ -1,0 +1,93 @@
+"""Qwen3-VL (dense) pieces against transformers on a tiny checkpoint that transformers itself wrote
+(fovea/testing/tiny_qwen3_vl.py): the config as fovea reads it, interleaved M-RoPE and the image patches. Logits
+and the engine's greedy tokens (learned positions resampled to each grid, DeepStack, q/k norms) are checked with
+the other families in test_families.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernel case runs under the interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+from conftest import hf_inputs, random_image
+
+from fovea.config.model import ModelConfig
+from fovea.layers.rotary import mrope
+from fovea.multimodal.patchify import patchify
+from fovea.multimodal.prompt import PromptProcessor
+from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return write_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-vl"), seed=7)
+
+
+def test_config_as_fovea_reads_it(qwen3_dir):
+    config = ModelConfig.from_dir(qwen3_dir)
+    assert config.architecture == "Qwen3VLForConditionalGeneration"
+    assert config.text.qk_norm and config.text.mrope_interleaved and not config.text.attention_bias
+    assert config.text.mrope_section == (2, 3, 3) and config.text.rope_theta == 5000000.0
+    assert config.vision.deepstack_indexes == (0, 2) and config.vision.output_width == 3 * 64
+    assert config.vision.patch_bias and config.vision.num_position_embeddings == 64
+    assert config.image.patch_size == 16 and config.image.image_mean == (0.5, 0.5, 0.5)
+    assert config.video_token_id is None  # videos are refused until their path (timestamps between frames) lands
+
+
+def test_interleaved_mrope_matches_transformers(qwen3_dir):
+    """Each frequency reads the axis transformers' rotary embedding gives it: positions differing per axis."""
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    text = Qwen3VLConfig.from_pretrained(str(qwen3_dir)).text_config
+    positions = torch.stack([torch.arange(10), 100 + torch.arange(10) * 3, 1000 + torch.arange(10) * 7])
+    ref_cos, ref_sin = Qwen3VLTextRotaryEmbedding(text)(torch.zeros(1, dtype=torch.float32), positions[:, None])
+    cos, sin = mrope(16, 5000000.0, (2, 3, 3), interleaved=True).cos_sin(positions)
+    assert torch.allclose(cos, ref_cos[0], atol=1e-6) and torch.allclose(sin, ref_sin[0], atol=1e-6)
+    plain_cos, _ = mrope(16, 5000000.0, (2, 3, 3)).cos_sin(positions)
+    assert not torch.allclose(plain_cos, ref_cos[0], atol=1e-3)  # the chunked rule differs: the test can fail
+
+
+@pytest.mark.parametrize("size", [(500, 375), (200, 333), (97, 1000)])
+def test_pixels_equal_transformers(qwen3_dir, size):
+    """16-pixel patches, mean and std 0.5: our patches are transformers' first frame (a still image is sent once
+    and meets the conv's two temporal halves summed)."""
+    config = ModelConfig.from_dir(qwen3_dir)
+    image = random_image(*size, seed=sum(size))
+    processed = PromptProcessor(qwen3_dir, config).image_processor(image)
+    ours = patchify(torch.from_numpy(processed.pixels), config.image)
+    reference = hf_inputs(qwen3_dir, [{"role": "user", "content": [{"type": "image"}]}], [image])
+    assert list(reference["image_grid_thw"][0]) == list(processed.grid_thw)
+    first_frame = reference["pixel_values"].view(-1, 3, 2, 16 * 16)[:, :, 0]
+    assert torch.allclose(ours.view(-1, 3, 16 * 16), first_frame, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "triton"])
+def test_padded_bucket_gives_the_unpadded_embeddings(qwen3_dir, kernel):
+    """Fillers in an encoder bucket get learned positions of their own grid and their own attention segment: the
+    real images' embeddings and DeepStack features do not change."""
+    from fovea.models.base import ModelOptions
+    from fovea.models.loader import load_model
+    from fovea.runner.encoder_buckets import EncoderBuckets
+
+    device = torch.device("cuda" if kernel and torch.cuda.is_available() else "cpu")
+    model, _ = load_model(qwen3_dir, dtype="float32", device=device, options=ModelOptions(vision_kernel=kernel))
+    processor = PromptProcessor(qwen3_dir, model.config).image_processor
+    images = [processor(random_image(w, h, seed=i)) for i, (w, h) in enumerate([(96, 64), (128, 96), (64, 64)])]
+    pixels = torch.cat([patchify(torch.from_numpy(im.pixels), model.config.image) for im in images]).to(device)
+    grids = [im.grid_thw for im in images]
+    expected = model.visual(pixels, grids)
+    assert expected.shape == (pixels.shape[0] // 4, 3 * 64)
+    buckets = EncoderBuckets(model.visual, [256], torch.float32, device, capture=False)
+    torch.testing.assert_close(buckets.encode(pixels, grids, 256), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_videos_are_refused_by_name(qwen3_dir):
+    """Qwen3-VL's videos put timestamps between frames (not yet here): refused before anything is decoded."""
+    prompts = PromptProcessor(qwen3_dir, ModelConfig.from_dir(qwen3_dir))
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    with pytest.raises(ValueError, match="Qwen3VLForConditionalGeneration takes no videos"):
+        prompts.process_chat([{"role": "user", "content": [video, {"type": "text", "text": "What happens?"}]}])
