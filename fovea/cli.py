@@ -107,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
             "tiny-qwen2-vl",
             "qwen2-vl-7b",
             "tiny-qwen3-vl",
+            "tiny-qwen3-vl-moe",
             "tiny-llava",
             "llava-1.5-7b",
-        ],  # fmt: skip
+        ],
         help="the 7b ones: the published 7B shapes (14-16 GB in bf16; use --device cuda)",
     )
     tiny.add_argument("--device", default="cpu", help="where the random weights are drawn")

@@ -1,4 +1,4 @@
-"""LLaVA-1.5, Qwen2-VL and Qwen3-VL against transformers on tiny fp32 checkpoints: preprocessing, logits, and greedy tokens
+"""LLaVA-1.5, Qwen2-VL and Qwen3-VL (dense and MoE) against transformers on tiny fp32 checkpoints: preprocessing, logits, and greedy tokens
 through the whole engine (chunked prefill, prefix caching, preemption) with text, one image and two images."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fovea.models.mrope_positions import decode_positions
 from fovea.multimodal.patchify import patchify
 from fovea.multimodal.prompt import PromptProcessor
 
-FAMILIES = ["llava", "qwen2-vl", "qwen3-vl"]
+FAMILIES = ["llava", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe"]
 MAX_TOKENS = 10
 
 
@@ -33,6 +33,7 @@ def family_dirs(tmp_path_factory):
         "llava": write_llava_checkpoint(root / "llava", seed=3),
         "qwen2-vl": write_tiny_checkpoint(root / "qwen2-vl", "tiny-qwen2-vl", seed=4),
         "qwen3-vl": write_qwen3_vl_checkpoint(root / "qwen3-vl", seed=5),
+        "qwen3-vl-moe": write_qwen3_vl_checkpoint(root / "qwen3-vl-moe", "tiny-qwen3-vl-moe", seed=6),
     }
 
 

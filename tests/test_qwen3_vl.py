@@ -5,6 +5,7 @@ the other families in test_families.py."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -91,3 +92,32 @@ def test_videos_are_refused_by_name(qwen3_dir):
     video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
     with pytest.raises(ValueError, match="Qwen3VLForConditionalGeneration takes no videos"):
         prompts.process_chat([{"role": "user", "content": [video, {"type": "text", "text": "What happens?"}]}])
+
+
+def test_moe_config_and_the_released_expert_layout(tmp_path):
+    """Experts in every layer but mlp_only_layers; the released checkpoints (transformers 4) store the experts'
+    matrices transposed against what transformers 5 writes: both load to the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    from fovea.models.loader import load_model
+
+    saved = write_qwen3_vl_checkpoint(tmp_path / "t5", "tiny-qwen3-vl-moe", seed=3)
+    moe = ModelConfig.from_dir(saved).text.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.sparse_layers) == (6, 2, 24, (0, 2))
+    assert not moe.hub_layout
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for file in saved.iterdir():
+        if file.name == "model.safetensors":
+            weights = load_file(file)
+            save_file({k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in weights.items()},
+                      hub / file.name, metadata={"format": "pt"})  # fmt: skip
+        elif file.name == "config.json":
+            config = json.loads(file.read_text())
+            (hub / file.name).write_text(json.dumps({**config, "transformers_version": "4.57.0.dev0"}))
+        else:
+            (hub / file.name).write_bytes(file.read_bytes())
+    assert ModelConfig.from_dir(hub).text.moe.hub_layout
+    ours, theirs = load_model(saved, dtype="float32")[0], load_model(hub, dtype="float32")[0]
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+    assert ours.model.layers[0].mlp.experts.gate_up_proj.shape == (6, 48, 64)

@@ -111,6 +111,19 @@ def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
     )
 
 
+def test_qwen3_vl_moe_same_tokens_with_replicated_experts(tmp_path_factory):
+    """Qwen3-VL-MoE at TP=2: attention, the dense layer and the vision tower split over the ranks, every expert
+    on every rank (layers/moe.py), DeepStack features broadcast with the embeddings."""
+    from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
+
+    model_dir = write_qwen3_vl_checkpoint(tmp_path_factory.mktemp("moe"), "tiny-qwen3-vl-moe", seed=2)
+    device = "cpu" if torch.cuda.device_count() < 2 else "cuda"
+    expected, base_stats = run(model_dir, device=device)
+    got, stats = run(model_dir, device=device, tensor_parallel_size=2)
+    assert stats["ranks"] == 2 and stats["preemptions"] == base_stats["preemptions"] > 0
+    assert_same(expected, got)
+
+
 def test_ray_backend_same_tokens(tiny_dirs):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from fovea.config.image import ImageProcessorConfig
-from fovea.config.model import ModelConfig, TextConfig, VisionConfig, resolve_dtype
+from fovea.config.model import ModelConfig, MoEConfig, TextConfig, VisionConfig, resolve_dtype
 
 # config.json files without `architectures` are named by their model_type
 MODEL_TYPES = {
@@ -205,6 +205,25 @@ def parse_qwen3_vl(raw: dict, preprocessor: dict) -> ModelConfig:
     return dataclasses.replace(config, video_token_id=None)
 
 
+def parse_qwen3_vl_moe(raw: dict, preprocessor: dict) -> ModelConfig:
+    """Qwen3-VL-MoE: Qwen3-VL with experts in place of the MLP of every `decoder_sparse_step`-th layer that
+    `mlp_only_layers` does not name."""
+    config = parse_qwen3_vl(raw, preprocessor)
+    keys = text_keys(raw)
+    experts = keys.get("num_experts") or keys.get("num_local_experts") or 0  # transformers 5 writes the latter
+    step, dense = keys.get("decoder_sparse_step", 1), set(keys.get("mlp_only_layers") or ())
+    layers = config.text.num_layers
+    moe = MoEConfig(
+        num_experts=experts,
+        top_k=keys.get("num_experts_per_tok", 8),
+        intermediate_size=keys["moe_intermediate_size"],
+        sparse_layers=tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0),
+        norm_topk_prob=keys.get("norm_topk_prob", True),
+        hub_layout=int(str(raw.get("transformers_version", "5")).split(".")[0]) < 5,
+    )
+    return dataclasses.replace(config, text=dataclasses.replace(config.text, moe=moe))
+
+
 # ------------------------------------------------------------------------------------------------------ LLaVA
 
 LLAMA_DEFAULTS = dict(
@@ -295,6 +314,7 @@ def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
 PARSERS = {
     "Qwen2_5_VLForConditionalGeneration": parse_qwen2_5_vl,
     "Qwen3VLForConditionalGeneration": parse_qwen3_vl,
+    "Qwen3VLMoeForConditionalGeneration": parse_qwen3_vl_moe,
     "Qwen2VLForConditionalGeneration": parse_qwen2_vl,
     "LlavaForConditionalGeneration": parse_llava,
 }

@@ -31,6 +31,20 @@ _DTYPES = {
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (Qwen3-VL-MoE): each token's top_k experts out of num_experts, SwiGLU each."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    sparse_layers: tuple[int, ...]  # the decoder layers whose MLP is the experts (the others are dense)
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
+    # the released checkpoints (transformers 4) store gate_up (E, hidden, 2 x inter) and down (E, inter, hidden);
+    # transformers 5 writes both transposed
+    hub_layout: bool = False
+
+
+@dataclass(frozen=True)
 class TextConfig:
     vocab_size: int
     hidden_size: int
@@ -46,6 +60,7 @@ class TextConfig:
     attention_bias: bool = True  # biases on q/k/v (Qwen2); Llama and Qwen3 have none
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before rotary
     mrope_interleaved: bool = False  # Qwen3-VL: the frequencies cycle t, h, w instead of running in three chunks
+    moe: MoEConfig | None = None  # experts in place of some layers' MLP
 
 
 @dataclass(frozen=True)

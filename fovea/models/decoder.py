@@ -1,6 +1,7 @@
 """The decoder-only language model every family here ends in: Qwen2, Qwen3 and Llama are the same network
 (pre-norm RMSNorm, grouped-query attention with rotary positions, SwiGLU MLP) apart from biases on q/k/v (Qwen2)
-and an RMSNorm over each head of q and k before rotary (Qwen3).
+and an RMSNorm over each head of q and k before rotary (Qwen3); Qwen3-MoE layers have experts for an MLP
+(layers/moe.py).
 
 It runs on a flattened varlen batch: all sequences' tokens in one dimension, `positions` of shape (3, num_tokens)
 and the step's attention metadata. Three position axes serve both rules: M-RoPE reads t/h/w from them by
@@ -17,6 +18,7 @@ from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import TextConfig
 from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding, activation
 from fovea.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fovea.layers.moe import SparseMoE
 from fovea.layers.rotary import mrope, rotate_qkv
 from fovea.models.base import ModelOptions
 
@@ -86,7 +88,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.self_attn = DecoderAttention(cfg, layer_index, options)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, fused=fused)
+        if cfg.moe is not None and layer_index in cfg.moe.sparse_layers:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, fused=fused)
 
     def forward(self, x, residual, cos, sin, meta):
         """residual None: x is the embeddings (the first layer)."""

@@ -15,6 +15,7 @@ FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": "fovea.models.qwen2_5_vl",
     "Qwen2VLForConditionalGeneration": "fovea.models.qwen2_vl",
     "Qwen3VLForConditionalGeneration": "fovea.models.qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "fovea.models.qwen3_vl",  # the same module: its decoder builds experts
     "LlavaForConditionalGeneration": "fovea.models.llava",
 }
 

@@ -4,7 +4,7 @@ vocabulary and special tokens of tiny.py and a Qwen2-VL-style preprocessor_confi
 std 0.5, as the released ones).
 
 Not yet here: the released Qwen3-VL chat template (the tokenizer carries tiny.py's Qwen2.5-VL one, which the
-parity tests apply on both sides), the published shapes, the MoE variant.
+parity tests apply on both sides), the published shapes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ QWEN3_VL_SHAPES = {
              hidden_act="gelu_pytorch_tanh"),
     ),
 }
+# the MoE variant: 6 experts of width 24, 2 per token; layer 1 keeps a dense MLP (mlp_only_layers)
+QWEN3_VL_SHAPES["tiny-qwen3-vl-moe"] = (
+    {**QWEN3_VL_SHAPES["tiny-qwen3-vl"][0], "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+     "decoder_sparse_step": 1, "mlp_only_layers": [1]},
+    QWEN3_VL_SHAPES["tiny-qwen3-vl"][1],
+)
 # fmt: on
 
 
@@ -62,7 +68,12 @@ def write_qwen3_vl_checkpoint(
 ) -> Path:
     """Every weight random (norms around 1, so that a norm read wrongly shows in the logits). The published
     layout is transformers 5's (`model.language_model.*`, `model.visual.*`): `layout` may name either."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     if layout not in ("published", "transformers5"):
         raise ValueError(f"layout must be 'published' or 'transformers5', got {layout!r}")
@@ -71,9 +82,12 @@ def write_qwen3_vl_checkpoint(
     text, vision = QWEN3_VL_SHAPES[name]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    moe = "num_experts" in text
+    config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
+        text_config=text, vision_config=vision, tie_word_embeddings=False
+    )
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    model = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration)(config).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             noise = torch.randn_like(param)

@@ -1,0 +1,62 @@
+"""A mixture-of-experts MLP (Qwen3-VL-MoE): a router picks each token's top-k experts, each expert is a SwiGLU MLP,
+and the token's output is their outputs weighted by the router's probabilities.
+
+This is the plain PyTorch reference: a loop over the experts that some token chose, in expert order (as
+transformers runs it, so fp32 results agree closely). Grouped kernels for the GPU come later. Under tensor
+parallelism every rank holds all experts and runs them on the whole (replicated) input, so no reduction follows:
+simple and correct, at the cost of each rank's memory holding every expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fovea.config.model import MoEConfig
+from fovea.layers.linear import LinearBase
+
+
+class Experts(nn.Module):
+    """All experts' weights as two stacked tensors: gate|up (E, 2 x inter, hidden) and down (E, hidden, inter)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.hub_layout = cfg.hub_layout
+        shapes = {"gate_up_proj": (cfg.num_experts, 2 * cfg.intermediate_size, hidden),
+                  "down_proj": (cfg.num_experts, hidden, cfg.intermediate_size)}  # fmt: skip
+        for name, shape in shapes.items():
+            param = nn.Parameter(torch.empty(shape), requires_grad=False)
+            param.weight_loader = self._load
+            self.register_parameter(name, param)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Either orientation: a non-square matrix's shape says which it is; a square one is read as the
+        checkpoint's transformers version wrote it (`hub_layout`)."""
+        flip = loaded.shape != param.shape if loaded.shape[1] != loaded.shape[2] else self.hub_layout
+        LinearBase._copy(param, loaded.transpose(1, 2) if flip else loaded)
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: (N, hidden); chosen, weights: (N, top_k) expert ids and their weights."""
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
+        self.gate = LinearBase(hidden, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(hidden, cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float).topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, chosen, weights.to(logits.dtype))
