@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fovea.core.request import CompletionOutput, Logprob, RequestOutput
 from fovea.frontend.async_llm import EngineDeadError
 from fovea.server.protocol import error_body
+from fovea.server.reasoning import Reasoning
 from fovea.server.tool_calls import ToolCallStream, ToolUse
 
 
@@ -101,13 +102,19 @@ def chat_response(
     top_logprobs: int,
     role: str = "assistant",
     tool_use: ToolUse | None = None,
+    reasoning_parser: str | None = None,
 ) -> dict:
     usage = Usage()
     usage.add_prompt(output)
     choices = []
     for c in output.outputs:
         usage.completion_tokens += len(c.token_ids)
-        message = tool_use.message(c.text, role) if tool_use else {"role": role, "content": c.text}
+        reasoning, text = (
+            Reasoning(reasoning_parser, output.prompt).split(c.text) if reasoning_parser else (None, c.text)
+        )
+        message = tool_use.message(text or "", role) if tool_use else {"role": role, "content": text}
+        if reasoning_parser:
+            message.update(reasoning=reasoning, reasoning_content=reasoning)
         finish = tool_use.finish_reason("tool_calls" in message, c.finish_reason) if tool_use else c.finish_reason
         choices.append(
             {
@@ -128,11 +135,15 @@ def chat_response(
     }
 
 
-def choice_deltas(c: CompletionOutput, tool_calls: ToolCallStream | None) -> tuple[list[dict], str | None]:
+def choice_deltas(
+    c: CompletionOutput, tool_calls: ToolCallStream | None, reasoning: Reasoning | None
+) -> tuple[list[dict], str | None]:
     """The deltas one choice's new output makes, and its finish_reason (once it has one)."""
+    thought, text = reasoning.feed(c.text, bool(c.finish_reason)) if reasoning else ("", c.text)
+    deltas = [{"reasoning": thought, "reasoning_content": thought}] if thought else []
     if tool_calls is None:
-        return [{"content": c.text} if c.text else {}], c.finish_reason
-    deltas = tool_calls.feed(c.text, bool(c.finish_reason))
+        return deltas + ([{"content": text}] if text else []), c.finish_reason
+    deltas += tool_calls.feed(text, bool(c.finish_reason))
     return deltas, tool_calls.tool_use.finish_reason(tool_calls.called, c.finish_reason)
 
 
@@ -146,9 +157,11 @@ async def chat_stream(
     include_usage: bool,
     role: str = "assistant",
     tool_use: ToolUse | None = None,
+    reasoning_parser: str | None = None,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     tool_calls = {i: ToolCallStream(tool_use) for i in range(n)} if tool_use and tool_use.choice != "none" else {}
+    reasoning = {i: Reasoning(reasoning_parser, first.prompt) for i in range(n)} if reasoning_parser else {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {
@@ -179,7 +192,7 @@ async def chat_stream(
                     continue
                 usage.completion_tokens += len(c.token_ids)
                 if c.text or c.token_ids or c.finish_reason:
-                    deltas, finish = choice_deltas(c, tool_calls.get(c.index))
+                    deltas, finish = choice_deltas(c, tool_calls.get(c.index), reasoning.get(c.index))
                     if not deltas and (finish or c.logprobs):  # held back text: only what else it carries
                         deltas = [{}]
                     for k, delta in enumerate(deltas):  # logprobs with the first, finish_reason with the last

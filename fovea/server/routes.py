@@ -206,11 +206,15 @@ async def chat_completions(request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            serving.chat_stream(first, stream, model, request_id, body.n, top, include_usage, role, tool_use),
+            serving.chat_stream(
+                first, stream, model, request_id, body.n, top, include_usage, role, tool_use, options.reasoning_parser
+            ),
             media_type="text/event-stream",
         )
     await stream.aclose()
-    return await served.json_off_loop(serving.chat_response, first, model, request_id, top, role, tool_use)
+    return await served.json_off_loop(
+        serving.chat_response, first, model, request_id, top, role, tool_use, options.reasoning_parser
+    )
 
 
 async def completions(request: Request):

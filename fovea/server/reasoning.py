@@ -1,0 +1,56 @@
+"""`--reasoning-parser qwen3`: a thinking model's `<think>...</think>` part goes to the message's reasoning field, the
+rest to `content` (tool calls are looked for in the rest only).
+
+The reasoning is open from the first generated token when the rendered prompt ends with `<think>` (a thinking
+template opens it for the model); otherwise only when the output itself starts with `<think>` (older templates
+leave the tag to the model). So an Instruct model's answer, or one asked with `chat_template_kwargs:
+{"enable_thinking": false}` (the template then closes an empty think block in the prompt), is all content. A
+reasoning part that never closes (max_tokens reached) is all reasoning. The text is sent as both `reasoning` (vLLM's
+current name) and `reasoning_content` (its name before, which clients still read).
+"""
+
+from __future__ import annotations
+
+TAGS = {"qwen3": ("<think>", "</think>")}  # parser name -> (start, end)
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """How many characters at the end of `text` may begin `tag` (held back until they do not)."""
+    return next((n for n in range(len(tag) - 1, 0, -1) if text.endswith(tag[:n])), 0)
+
+
+class Reasoning:
+    """One choice's text split as it arrives (`feed`) or whole (`split`), for one parser and prompt."""
+
+    def __init__(self, parser: str, prompt: str | None):
+        self.start, self.end = TAGS[parser]
+        self.opened = (prompt or "").rstrip().endswith(self.start)  # by the template: reasoning comes first
+        self.state = "undecided"  # until the output's first characters show whether it starts with the tag
+        self.pending = ""  # text not yet sent: a tag may be forming in it
+
+    def feed(self, piece: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) that `piece` completes; `final` flushes what was held back."""
+        self.pending += piece
+        reasoning = content = ""
+        if self.state == "undecided":
+            head = self.pending.lstrip()
+            if head.startswith(self.start):
+                self.state, self.pending = "reasoning", head[len(self.start) :]
+            elif final or not self.start.startswith(head):  # a model that writes the tag itself, or no tag
+                self.state = "reasoning" if self.opened else "content"
+        if self.state == "reasoning":
+            end = self.pending.find(self.end)
+            if end >= 0:
+                reasoning, self.pending = self.pending[:end], self.pending[end + len(self.end) :]
+                self.state = "content"
+            else:
+                cut = len(self.pending) - (0 if final else partial_suffix(self.pending, self.end))
+                reasoning, self.pending = self.pending[:cut], self.pending[cut:]
+        if self.state == "content":
+            content, self.pending = self.pending, ""
+        return reasoning, content
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """The whole text's (reasoning, content); None where a part is empty."""
+        reasoning, content = self.feed(text, final=True)
+        return reasoning or None, content or None

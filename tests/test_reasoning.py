@@ -1,0 +1,117 @@
+"""`--reasoning-parser qwen3`: the <think> part of an answer in the message's `reasoning` / `reasoning_content`, the
+rest in `content`, whole and streamed; tool calls found after the reasoning; `enable_thinking: false` reaches the
+template and leaves everything content. The random model never thinks on its own, so grammars write the answers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from serving import running_server
+
+from fovea.server.reasoning import Reasoning
+
+# a thinking template: the generation prompt opens <think> (an empty, closed block when thinking is off)
+TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{{ message.content if message.content is string else message.content | map(attribute='text') | join('') }}"
+    "<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}\n<think>\n\n</think>\n\n{% else %}\n<think>\n{% endif %}"
+    "{%- endif %}"
+)
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "prompt, text, expected",
+    [
+        ("assistant\n<think>\n", "Two and two.</think>\n\nFour.", ("Two and two.", "\n\nFour.")),
+        ("assistant\n<think>\n", "<think>tag again</think>x", ("tag again", "x")),  # older models write it too
+        ("assistant\n<think>\n", "cut off at max_tokens </thi", ("cut off at max_tokens </thi", None)),
+        ("assistant\n", "<think>own tag</think>Four.", ("own tag", "Four.")),
+        ("assistant\n", "Four. <think> is text here", (None, "Four. <think> is text here")),
+        ("assistant\n<think>\n\n</think>\n\n", "Four.", (None, "Four.")),  # enable_thinking false
+    ],
+)
+def test_split_whole_and_in_any_pieces(prompt, text, expected):
+    assert Reasoning("qwen3", prompt).split(text) == expected
+    for size in range(1, len(text) + 1):  # however the text arrives, the pieces add up to the same split
+        parser, thought, content = Reasoning("qwen3", prompt), "", ""
+        for i in range(0, len(text), size):
+            a, b = parser.feed(text[i : i + size], i + size >= len(text))
+            thought, content = thought + a, content + b
+        assert (thought or None, content or None) == expected, size
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "thinking.jinja"
+    template.write_text(TEMPLATE)
+    flags = ["--max-model-len", "1024", "--mm-processor-workers", "0", "--served-model-name", "tiny"]
+    flags += ["--chat-template", str(template), "--reasoning-parser", "qwen3"]
+    with running_server(tiny_dirs["tiny-3b"], *flags, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as (
+        base,
+        _,
+    ):
+        yield base
+
+
+PIECES: list[int] = []  # reasoning deltas per stream, to see that reasoning does stream
+
+
+def chat(base: str, stream: bool, **body) -> tuple[str | None, str | None, list, str]:
+    """(reasoning, content, tool calls, finish_reason) of the first choice, as the raw JSON says them."""
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 60, "temperature": 0, **body}
+    if not stream:
+        reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
+        message = reply["choices"][0]["message"]
+        assert message["reasoning"] == message["reasoning_content"]
+        return (
+            message["reasoning"],
+            message["content"],
+            message.get("tool_calls") or [],
+            reply["choices"][0]["finish_reason"],
+        )
+    thought, content, calls, finish = "", "", [], None
+    PIECES.append(0)
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                delta = choice["delta"]
+                assert delta.get("reasoning") == delta.get("reasoning_content")
+                thought += delta.get("reasoning") or ""
+                PIECES[-1] += bool(delta.get("reasoning"))
+                content += delta.get("content") or ""
+                calls += delta.get("tool_calls") or []
+                finish = choice["finish_reason"] or finish
+    return thought or None, content or None, calls, finish
+
+
+def test_reasoning_then_answer_whole_and_streamed(server):
+    grammar = {"guided_regex": "Two and two make four\\.</think>\\n\\nFour\\."}
+    for stream in (False, True):
+        assert chat(server, stream, **grammar)[:2] == ("Two and two make four.", "\n\nFour."), stream
+    assert PIECES[-1] > 3  # token by token, not in one piece at the end
+
+
+def test_thinking_off_and_unclosed_reasoning(server):
+    off = chat(server, False, chat_template_kwargs={"enable_thinking": False}, guided_regex="Four\\.")
+    assert off[:2] == (None, "Four.")
+    for stream in (False, True):  # the random model never closes its reasoning: all of it is reasoning
+        thought, content, _, finish = chat(server, stream, max_tokens=8, temperature=1.0, seed=3)
+        assert thought and content is None and finish == "length"
+
+
+def test_tool_call_found_after_the_reasoning(server):
+    grammar = 'start: "I should look it up." "</think>" "\\n\\n" <tool_call> "\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\"}}\\n" </tool_call>'
+    for stream in (False, True):
+        thought, content, calls, finish = chat(
+            server, stream, tools=[WEATHER], tool_choice="auto", guided_grammar=grammar
+        )
+        assert thought == "I should look it up." and finish == "tool_calls", (stream, content)
+        assert calls and calls[0]["function"]["name"] == "get_weather"
