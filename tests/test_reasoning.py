@@ -1,12 +1,14 @@
 """`--reasoning-parser qwen3`: the <think> part of an answer in the message's `reasoning` / `reasoning_content`, the
-rest in `content`, whole and streamed; tool calls found after the reasoning; `enable_thinking: false` reaches the
-template and leaves everything content. The random model never thinks on its own, so grammars write the answers."""
+rest in `content`, whole and streamed; structured outputs begin after the reasoning; tool calls are found after it;
+`enable_thinking: false` reaches the template and leaves everything content. The random model (tiny Qwen3-VL, whose
+vocabulary has <think> and </think>) never thinks on its own, so grammars and logit_bias write the answers."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import jsonschema
 import pytest
 from serving import running_server
 
@@ -22,7 +24,11 @@ TEMPLATE = (
     "{%- endif %}"
 )
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+OFF = {"enable_thinking": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+THINK_END_ID = 151668  # "</think>" in Qwen3's vocabulary
+ANSWER = {"type": "object", "required": ["answer"], "additionalProperties": False,
+          "properties": {"answer": {"enum": [3, 4, 5]}}}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -47,15 +53,15 @@ def test_split_whole_and_in_any_pieces(prompt, text, expected):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dirs, tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "thinking.jinja"
+def server(tmp_path_factory):
+    from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
+
+    model_dir = write_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-vl"), seed=11)
+    template = model_dir / "thinking.jinja"
     template.write_text(TEMPLATE)
     flags = ["--max-model-len", "1024", "--mm-processor-workers", "0", "--served-model-name", "tiny"]
     flags += ["--chat-template", str(template), "--reasoning-parser", "qwen3"]
-    with running_server(tiny_dirs["tiny-3b"], *flags, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as (
-        base,
-        _,
-    ):
+    with running_server(model_dir, *flags, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as (base, _):
         yield base
 
 
@@ -93,25 +99,44 @@ def chat(base: str, stream: bool, **body) -> tuple[str | None, str | None, list,
 
 
 def test_reasoning_then_answer_whole_and_streamed(server):
-    grammar = {"guided_regex": "Two and two make four\\.</think>\\n\\nFour\\."}
+    """A model that writes its own <think> (after a prompt that closed one): split whole and token by token."""
+    # <think> and </think> are added tokens: a grammar names them as tokens (llguidance's <...> syntax)
+    grammar = {
+        "guided_grammar": 'start: <think> "Two and two make four." </think> "\\n\\nFour."',
+        "chat_template_kwargs": OFF,
+    }
     for stream in (False, True):
         assert chat(server, stream, **grammar)[:2] == ("Two and two make four.", "\n\nFour."), stream
     assert PIECES[-1] > 3  # token by token, not in one piece at the end
 
 
+def test_structured_output_begins_after_the_reasoning(server):
+    """The prompt opens <think>: the schema does not constrain the reasoning (here closed at once by logit_bias,
+    which the schema would never allow), then the answer follows it."""
+    for stream in (False, True):
+        thought, content, _, finish = chat(
+            server, stream, logit_bias={str(THINK_END_ID): 100}, response_format={
+                "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+        )  # fmt: skip
+        assert thought is None and finish == "stop", (stream, content)
+        jsonschema.validate(json.loads(content), ANSWER)
+
+
 def test_thinking_off_and_unclosed_reasoning(server):
-    off = chat(server, False, chat_template_kwargs={"enable_thinking": False}, guided_regex="Four\\.")
-    assert off[:2] == (None, "Four.")
+    assert chat(server, False, chat_template_kwargs=OFF, guided_regex="Four\\.")[:2] == (None, "Four.")
     for stream in (False, True):  # the random model never closes its reasoning: all of it is reasoning
         thought, content, _, finish = chat(server, stream, max_tokens=8, temperature=1.0, seed=3)
         assert thought and content is None and finish == "length"
 
 
 def test_tool_call_found_after_the_reasoning(server):
-    grammar = 'start: "I should look it up." "</think>" "\\n\\n" <tool_call> "\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\"}}\\n" </tool_call>'
+    grammar = (
+        'start: <think> "I should look it up." </think> "\\n\\n" <tool_call> '
+        '"\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\"}}\\n" </tool_call>'
+    )
     for stream in (False, True):
         thought, content, calls, finish = chat(
-            server, stream, tools=[WEATHER], tool_choice="auto", guided_grammar=grammar
+            server, stream, tools=[WEATHER], tool_choice="auto", guided_grammar=grammar, chat_template_kwargs=OFF
         )
         assert thought == "I should look it up." and finish == "tool_calls", (stream, content)
         assert calls and calls[0]["function"]["name"] == "get_weather"

@@ -52,6 +52,7 @@ class EngineConfig:
     distributed_executor_backend: str | None = default("distributed_executor_backend")
     generation_config: str = default("generation_config")
     max_logprobs: int = default("max_logprobs")
+    reasoning_parser: str | None = default("reasoning_parser")
 
     @property
     def distributed(self) -> bool:

@@ -27,6 +27,9 @@ def json_arg(text: str) -> dict:
     return value
 
 
+REASONING_TAGS = {"qwen3": ("<think>", "</think>")}  # --reasoning-parser: (start, end) of the reasoning part
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str  # the EngineConfig field, LLM keyword and (dashed) flag
@@ -82,6 +85,14 @@ FLAGS = (
         "auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; or a directory holding one",
     ),
     Flag("max_logprobs", 20, "most logprobs a request may ask for"),
+    Flag(
+        "reasoning_parser",
+        None,
+        "a thinking model's <think>...</think> part: the chat message's reasoning, and structured outputs and "
+        "forced tool calls start after it (qwen3)",
+        type=str,
+        choices=tuple(REASONING_TAGS),
+    ),
     Flag(
         "attention_backend",
         "auto",

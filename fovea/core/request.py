@@ -90,6 +90,7 @@ class RequestInput:
     # the i-th prompt of one API request waits behind the first prompts of later requests: a request with
     # thousands of prompts cannot hold everyone else behind it (0 for single-prompt requests)
     fair_rank: int = 0
+    grammar_after: str | None = None  # structured outputs start once this text is in the output (reasoning's end)
     # front end only: frees shared pixels if the request is dropped before it is sent
     release_unsent: object = field(default=None, repr=False, compare=False)
 
@@ -164,6 +165,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = None  # set by the engine
+        self.grammar_waiting = request.input.grammar_after is not None  # its structured output has not begun
         self.sent_tokens = 0  # how much a DELTA output has already handed out
         self.sent_text = 0
 

@@ -13,6 +13,7 @@ import time
 import weakref
 
 from fovea.config.engine import EngineConfig
+from fovea.config.flags import REASONING_TAGS
 from fovea.core.request import MMItem, MMSpan, RequestInput
 from fovea.core.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler, Grammars
@@ -173,6 +174,7 @@ class InputProcessor:
             eos_token_ids=self.config.model.eos_token_ids,
             arrival_index=next(self._arrivals),
             fair_rank=fair_rank,
+            grammar_after=self._reasoning_end(processed.text, params),
         )
         shared = list(
             {
@@ -184,6 +186,14 @@ class InputProcessor:
         if shared:  # freed if this request is dropped unsent (client gone, another prompt failed, ...)
             request.release_unsent = weakref.finalize(request, release_shared, shared)
         return request
+
+    def _reasoning_end(self, prompt: str | None, params: SamplingParams) -> str | None:
+        """With --reasoning-parser, a prompt that opens the reasoning (a thinking template's `<think>`) lets the
+        model think freely: its grammar starts once the reasoning's end tag is in the output (as vLLM)."""
+        if self.config.reasoning_parser is None or params.structured_outputs is None or not params.detokenize:
+            return None
+        start, end = REASONING_TAGS[self.config.reasoning_parser]
+        return end if (prompt or "").rstrip().endswith(start) else None
 
     def _video_parts(self, video: ProcessedImage, start: int) -> list[MMItem]:
         """A video as runs of whole temporal patches of at most one step's encoder budget each (at least one

@@ -113,7 +113,7 @@ def build_step(
                         seq.num_prompt_tokens,
                         request.generators[sample],
                         request.stop_ids,
-                        request.grammars[sample] if request.grammars else None,
+                        request.grammars[sample] if request.grammars and not seq.grammar_waiting else None,
                         (seq.seq_id, fork),
                     )
                 )

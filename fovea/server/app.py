@@ -39,7 +39,6 @@ class ServerOptions:
     response_role: str = "assistant"  # the role of a chat completion's message
     log_requests: bool = False  # a log line per request: id, prompt tokens, sampling parameters
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses calls
-    reasoning_parser: str | None = None  # --reasoning-parser: <think> parts go to the message's reasoning field
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs
-from fovea.server.reasoning import TAGS as REASONING_TAGS
 
 
 def add_serve_parser(sub) -> None:
@@ -61,12 +60,6 @@ def add_serve_parser(sub) -> None:
         help='tool_choice "auto": calls found in the answer (needs --tool-call-parser)',
     )
     net.add_argument("--tool-call-parser", default=None, help="how calls are written: hermes (Qwen2.5's format)")
-    net.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=sorted(REASONING_TAGS),
-        help="a thinking model's <think>...</think> part as the message's reasoning (qwen3: Qwen3's format)",
-    )
     net.add_argument("--root-path", default="", help="path prefix when behind a proxy that strips it")
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
     net.add_argument("--ssl-certfile", default=None, help="the certificate for --ssl-keyfile")
@@ -158,7 +151,6 @@ def run_serve(args: argparse.Namespace) -> None:
             response_role=args.response_role,
             log_requests=args.enable_log_requests,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-            reasoning_parser=args.reasoning_parser,
         )
         app = build_app(engine, options)
         server = uvicorn.Server(

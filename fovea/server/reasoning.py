@@ -1,5 +1,6 @@
 """`--reasoning-parser qwen3`: a thinking model's `<think>...</think>` part goes to the message's reasoning field, the
-rest to `content` (tool calls are looked for in the rest only).
+rest to `content` (tool calls are looked for in the rest only; structured outputs start after it, see
+InputProcessor.make_request).
 
 The reasoning is open from the first generated token when the rendered prompt ends with `<think>` (a thinking
 template opens it for the model); otherwise only when the output itself starts with `<think>` (older templates
@@ -11,7 +12,7 @@ current name) and `reasoning_content` (its name before, which clients still read
 
 from __future__ import annotations
 
-TAGS = {"qwen3": ("<think>", "</think>")}  # parser name -> (start, end)
+from fovea.config.flags import REASONING_TAGS
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -23,7 +24,7 @@ class Reasoning:
     """One choice's text split as it arrives (`feed`) or whole (`split`), for one parser and prompt."""
 
     def __init__(self, parser: str, prompt: str | None):
-        self.start, self.end = TAGS[parser]
+        self.start, self.end = REASONING_TAGS[parser]
         self.opened = (prompt or "").rstrip().endswith(self.start)  # by the template: reasoning comes first
         self.state = "undecided"  # until the output's first characters show whether it starts with the tag
         self.pending = ""  # text not yet sent: a tag may be forming in it

@@ -207,13 +207,22 @@ async def chat_completions(request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             serving.chat_stream(
-                first, stream, model, request_id, body.n, top, include_usage, role, tool_use, options.reasoning_parser
+                first,
+                stream,
+                model,
+                request_id,
+                body.n,
+                top,
+                include_usage,
+                role,
+                tool_use,
+                engine.config.reasoning_parser,
             ),
             media_type="text/event-stream",
         )
     await stream.aclose()
     return await served.json_off_loop(
-        serving.chat_response, first, model, request_id, top, role, tool_use, options.reasoning_parser
+        serving.chat_response, first, model, request_id, top, role, tool_use, engine.config.reasoning_parser
     )
 
 

@@ -166,9 +166,12 @@ def qwen2_vocabulary_file() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files" / "tokenizer.json"
 
 
-def write_tokenizer_files(out_dir: Path) -> None:
+def write_tokenizer_files(out_dir: Path, qwen3: bool = False) -> None:
+    """Qwen2.5's added tokens, or with `qwen3` also Qwen3's (<tool_response>, </tool_response>, <think>, </think>:
+    plain text tokens, not special)."""
     tok = json.loads(qwen2_vocabulary_file().read_text(encoding="utf-8"))
-    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= LAST_QWEN25_ADDED_TOKEN]
+    if not qwen3:
+        tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= LAST_QWEN25_ADDED_TOKEN]
     for name, token_id in SPECIAL_TOKENS.items():
         assert any(t["id"] == token_id and t["content"] == name for t in tok["added_tokens"]), name
     (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")

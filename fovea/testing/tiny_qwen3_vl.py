@@ -1,6 +1,6 @@
 """Tiny random-weight Qwen3-VL checkpoints, written by transformers' own Qwen3VLForConditionalGeneration
-(`save_pretrained`): config.json and model.safetensors exactly as transformers writes them today, with the Qwen2
-vocabulary and special tokens of tiny.py and a Qwen2-VL-style preprocessor_config.json (16-pixel patches, mean and
+(`save_pretrained`): config.json and model.safetensors exactly as transformers writes them today, with Qwen3's
+vocabulary (tiny.py's, with <think> and </think>) and a Qwen2-VL-style preprocessor_config.json (16-pixel patches, mean and
 std 0.5, as the released ones).
 
 Not yet here: the released Qwen3-VL chat template (the tokenizer carries tiny.py's Qwen2.5-VL one, which the
@@ -93,6 +93,6 @@ def write_qwen3_vl_checkpoint(
             noise = torch.randn_like(param)
             param.copy_(1 + 0.2 * noise if "norm" in param_name else 0.08 * noise)
     model.to(getattr(torch, dtype)).save_pretrained(out)
-    write_tokenizer_files(out)
+    write_tokenizer_files(out, qwen3=True)
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2))
     return out
