@@ -108,10 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
             "qwen2-vl-7b",
             "tiny-qwen3-vl",
             "tiny-qwen3-vl-moe",
+            "qwen3-vl-8b",
+            "qwen3-vl-32b",
+            "qwen3-vl-30b-a3b",
             "tiny-llava",
             "llava-1.5-7b",
         ],
-        help="the 7b ones: the published 7B shapes (14-16 GB in bf16; use --device cuda)",
+        help="the 7b/8b/30b/32b ones: the published shapes (16-67 GB in bf16; use --device cuda)",
     )
     tiny.add_argument("--device", default="cpu", help="where the random weights are drawn")
     tiny.add_argument("--layout", default="published", choices=["published", "transformers5"])

@@ -257,6 +257,28 @@ def test_builtin_qwen_entries_fit_their_gpus():
         assert entry.llm_kwargs()["mm_processor_kwargs"]["max_pixels"] == 1280 * 28 * 28
 
 
+def test_builtin_qwen3_entries_fit_their_gpus():
+    """Dense sizes by the same rule as Qwen2.5-VL, from the released shapes' exact parameter counts; the MoE on one
+    GPU whatever its size, as tensor parallelism replicates its experts."""
+    from fovea.config.model import ModelConfig
+    from fovea.eval.registry import MODELS
+    from fovea.plan import count_parameters
+    from fovea.testing.tiny_qwen3_vl import hf_config
+
+    for name, path in (("8b", "8B"), ("32b", "32B"), ("30b-a3b", "30B-A3B")):
+        config = ModelConfig.from_dict(hf_config(f"qwen3-vl-{name}").to_dict())  # model_type only, as from_dict
+        weights_gb = 2 * count_parameters(config) / 1e9
+        moe = config.text.moe is not None
+        fewest = 1 if moe else next(tp for tp in (1, 2, 4, 8) if weights_gb / tp <= 0.6 * 80)
+        entry = MODELS[f"qwen3-vl-{name}"]
+        assert entry.tensor_parallel_size == fewest and weights_gb < 80, (name, weights_gb)
+        assert entry.path == f"Qwen/Qwen3-VL-{path}-Instruct"
+        assert entry.llm_kwargs()["mm_processor_kwargs"]["max_pixels"] == 1280 * 32 * 32
+        assert config.architecture == (
+            "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+        )
+
+
 def test_in_process_run_writes_predictions_results_and_report(tiny_dirs, tmp_path):
     from fovea.eval.backends import InProcessBackend
     from fovea.eval.registry import ModelEntry

@@ -21,6 +21,8 @@ from fovea.config.model import ModelConfig, MoEConfig, TextConfig, VisionConfig,
 MODEL_TYPES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
 }
 

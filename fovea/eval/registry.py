@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 QWEN_MAX_PIXELS = 1280 * 28 * 28  # the Qwen2.5-VL model card's suggested cap: at most 1280 visual tokens per image
+QWEN3_MAX_PIXELS = 1280 * 32 * 32  # the same 1280 tokens for Qwen3-VL, whose tokens are 32 x 32 pixels
 
 
 @dataclass
@@ -131,3 +132,13 @@ MODELS["qwen2-vl-7b"] = ModelEntry(
     max_pixels=QWEN_MAX_PIXELS,
     engine_kwargs={"max_model_len": 8192},
 )
+# Qwen3-VL by the same rule (bf16 weights: 8B 17.5 GB, 32B 66.7 GB). The 30B-A3B MoE (62 GB) stays on one GPU:
+# its experts are replicated on every tensor-parallel rank (fovea/layers/moe.py), so more ranks would not shrink them.
+for _size, _tp in (("8B", 1), ("32B", 2), ("30B-A3B", 1)):
+    MODELS[f"qwen3-vl-{_size.lower()}"] = ModelEntry(
+        name=f"qwen3-vl-{_size.lower()}",
+        path=f"Qwen/Qwen3-VL-{_size}-Instruct",
+        tensor_parallel_size=_tp,
+        max_pixels=QWEN3_MAX_PIXELS,
+        engine_kwargs={"max_model_len": 8192},
+    )

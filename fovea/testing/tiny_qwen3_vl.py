@@ -4,7 +4,7 @@ vocabulary (tiny.py's, with <think> and </think>) and a Qwen2-VL-style preproces
 std 0.5, as the released ones).
 
 Not yet here: the released Qwen3-VL chat template (the tokenizer carries tiny.py's Qwen2.5-VL one, which the
-parity tests apply on both sides), the published shapes.
+parity tests apply on both sides).
 """
 
 from __future__ import annotations
@@ -36,7 +36,39 @@ QWEN3_VL_SHAPES["tiny-qwen3-vl-moe"] = (
      "decoder_sparse_step": 1, "mlp_only_layers": [1]},
     QWEN3_VL_SHAPES["tiny-qwen3-vl"][1],
 )
+# The released shapes (random weights), for GPU measurements where no download is possible: Qwen3-VL-8B and -32B
+# (Qwen3-8B / -32B decoders), Qwen3-VL-30B-A3B (Qwen3-30B-A3B's: 128 experts, 8 per token); SigLIP2-so400m towers.
+SO400M = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, temporal_patch_size=2,
+              spatial_merge_size=2, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+              hidden_act="gelu_pytorch_tanh")
+ROPE = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
+QWEN3_VL_SHAPES["qwen3-vl-8b"] = (
+    dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+         num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rope_parameters=ROPE),
+    {**SO400M, "out_hidden_size": 4096},
+)
+QWEN3_VL_SHAPES["qwen3-vl-32b"] = (
+    dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+         num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rope_parameters=ROPE),
+    {**SO400M, "out_hidden_size": 5120},
+)
+QWEN3_VL_SHAPES["qwen3-vl-30b-a3b"] = (
+    dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+         num_key_value_heads=4, head_dim=128, max_position_embeddings=262144, rope_parameters=ROPE, num_experts=128,
+         num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[]),
+    {**SO400M, "out_hidden_size": 2048},
+)
 # fmt: on
+
+
+def hf_config(name: str):
+    """transformers' config object of a shape (Qwen3VLMoeConfig when it has experts)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    text, vision = QWEN3_VL_SHAPES[name]
+    return (Qwen3VLMoeConfig if "num_experts" in text else Qwen3VLConfig)(
+        text_config=text, vision_config=vision, tie_word_embeddings=False
+    )
 
 
 def preprocessor_config(min_pixels: int = 32 * 32 * 4, max_pixels: int = 32 * 32 * 256) -> dict:
@@ -68,31 +100,23 @@ def write_qwen3_vl_checkpoint(
 ) -> Path:
     """Every weight random (norms around 1, so that a norm read wrongly shows in the logits). The published
     layout is transformers 5's (`model.language_model.*`, `model.visual.*`): `layout` may name either."""
-    from transformers import (
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLMoeConfig,
-        Qwen3VLMoeForConditionalGeneration,
-    )
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
     if layout not in ("published", "transformers5"):
         raise ValueError(f"layout must be 'published' or 'transformers5', got {layout!r}")
-    if shards != 1 or device != "cpu":
-        raise ValueError("Qwen3-VL's tiny checkpoints are written whole, on the CPU (--shards 1 --device cpu)")
-    text, vision = QWEN3_VL_SHAPES[name]
+    if shards != 1:
+        raise ValueError("Qwen3-VL's checkpoints are written by save_pretrained, whole (--shards 1)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    moe = "num_experts" in text
-    config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
-        text_config=text, vision_config=vision, tie_word_embeddings=False
-    )
+    moe = "num_experts" in QWEN3_VL_SHAPES[name][0]
     torch.manual_seed(seed)
-    model = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration)(config).eval()
+    with torch.device(device):  # the released shapes: draw on the GPU (--device cuda), tens of GB in fp32
+        model = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration)(hf_config(name))
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             noise = torch.randn_like(param)
             param.copy_(1 + 0.2 * noise if "norm" in param_name else 0.08 * noise)
-    model.to(getattr(torch, dtype)).save_pretrained(out)
+    model.eval().to(getattr(torch, dtype)).save_pretrained(out)
     write_tokenizer_files(out, qwen3=True)
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2))
     return out
