@@ -110,35 +110,29 @@ def find_model(name_or_path: str) -> ModelEntry:
     return MODELS.get(name_or_path) or ModelEntry(name=Path(name_or_path).name or name_or_path, path=name_or_path)
 
 
+def _qwen(name: str, hub: str, tensor_parallel_size: int, max_pixels: int) -> None:
+    """A Qwen-VL Instruct checkpoint: greedy, its images capped at 1280 tokens, 8192 positions."""
+    MODELS[name] = ModelEntry(
+        name=name,
+        path=f"Qwen/{hub}-Instruct",
+        tensor_parallel_size=tensor_parallel_size,
+        max_pixels=max_pixels,
+        engine_kwargs={"max_model_len": 8192},
+    )
+
+
 # Built-in entries. Tensor-parallel size: the fewest GPUs (a power of two) that keep each 80 GB GPU's share of the
 # bf16 weights under 60% of it, leaving the rest to the KV cache and activations: 3B (7.5 GB) and 7B (16.6 GB) on
 # one, 32B (67 GB) on two, 72B (147 GB) on four.
 for _size, _tp in (("3B", 1), ("7B", 1), ("32B", 2), ("72B", 4)):
-    MODELS[f"qwen2.5-vl-{_size.lower()}"] = ModelEntry(
-        name=f"qwen2.5-vl-{_size.lower()}",
-        path=f"Qwen/Qwen2.5-VL-{_size}-Instruct",
-        tensor_parallel_size=_tp,
-        max_pixels=QWEN_MAX_PIXELS,
-        engine_kwargs={"max_model_len": 8192},
-    )
+    _qwen(f"qwen2.5-vl-{_size.lower()}", f"Qwen2.5-VL-{_size}", _tp, QWEN_MAX_PIXELS)
 # The other families, one GPU each (bf16 weights: LLaVA-1.5-7B 14 GB, Qwen2-VL-7B 16.6 GB); LLaVA-1.5's images are
 # always 576 tokens (no max_pixels), its language model reaches 4096 positions
 MODELS["llava-1.5-7b"] = ModelEntry(
     name="llava-1.5-7b", path="llava-hf/llava-1.5-7b-hf", engine_kwargs={"max_model_len": 4096}
 )
-MODELS["qwen2-vl-7b"] = ModelEntry(
-    name="qwen2-vl-7b",
-    path="Qwen/Qwen2-VL-7B-Instruct",
-    max_pixels=QWEN_MAX_PIXELS,
-    engine_kwargs={"max_model_len": 8192},
-)
+_qwen("qwen2-vl-7b", "Qwen2-VL-7B", 1, QWEN_MAX_PIXELS)
 # Qwen3-VL by the same rule (bf16 weights: 8B 17.5 GB, 32B 66.7 GB). The 30B-A3B MoE (62 GB) stays on one GPU:
 # its experts are replicated on every tensor-parallel rank (fovea/layers/moe.py), so more ranks would not shrink them.
 for _size, _tp in (("8B", 1), ("32B", 2), ("30B-A3B", 1)):
-    MODELS[f"qwen3-vl-{_size.lower()}"] = ModelEntry(
-        name=f"qwen3-vl-{_size.lower()}",
-        path=f"Qwen/Qwen3-VL-{_size}-Instruct",
-        tensor_parallel_size=_tp,
-        max_pixels=QWEN3_MAX_PIXELS,
-        engine_kwargs={"max_model_len": 8192},
-    )
+    _qwen(f"qwen3-vl-{_size.lower()}", f"Qwen3-VL-{_size}", _tp, QWEN3_MAX_PIXELS)
