@@ -17,7 +17,9 @@ from fovea.server.reasoning import Reasoning
 # a thinking template: the generation prompt opens <think> (an empty, closed block when thinking is off)
 TEMPLATE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
-    "{{ message.content if message.content is string else message.content | map(attribute='text') | join('') }}"
+    "{%- if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}"
+    "{%- if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
+    "{%- endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if enable_thinking is defined and not enable_thinking %}\n<think>\n\n</think>\n\n{% else %}\n<think>\n{% endif %}"
@@ -140,3 +142,26 @@ def test_tool_call_found_after_the_reasoning(server):
         )
         assert thought == "I should look it up." and finish == "tool_calls", (stream, content)
         assert calls and calls[0]["function"]["name"] == "get_weather"
+
+
+def test_qwen3_vl_chat_with_an_image_over_http(server):
+    """Qwen3-VL serves images like the other families: 16-pixel patches (32-pixel tokens) counted in the usage."""
+    import base64
+    import io
+
+    from conftest import random_image
+
+    buffer = io.BytesIO()
+    random_image(320, 256, seed=4).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    with_image = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    text_only = httpx.post(
+        server + "/v1/chat/completions",
+        json={**body, "messages": [{"role": "user", "content": content[1:]}]},
+        timeout=60,
+    ).json()
+    image_tokens = with_image["usage"]["prompt_tokens"] - text_only["usage"]["prompt_tokens"]
+    assert image_tokens == (320 // 32) * (256 // 32) + 2  # the tokens of a 320 x 256 image, and vision start / end
+    assert with_image["choices"][0]["finish_reason"] == "length"
