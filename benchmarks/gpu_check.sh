@@ -13,11 +13,12 @@
 #   bash benchmarks/gpu_check.sh kernels OUT   # attention kernels side by side (ours, FlashInfer where it installs,
 #                                              # PyTorch SDPA) against measured bandwidth and matmul rate; 7B-shape
 #                                              # fp32/bf16 greedy parity against transformers (gpu_parity.py)
+#   bash benchmarks/gpu_check.sh qwen3   OUT   # Qwen3-VL-8B shapes: fp32/bf16 greedy parity against transformers
 # Add --quick to any of them for a dry run on the CPU with the tiny model. Packages the GPU machine lacks travel as
 # wheels in .whl/ (benchmarks/README.md says which and how to fetch them); they are installed here first.
 set -uo pipefail
-stage=${1:?usage: gpu_check.sh tests|serve|host|kernels OUT [--quick]}
-out=${2:?usage: gpu_check.sh tests|serve|host|kernels OUT [--quick]}
+stage=${1:?usage: gpu_check.sh tests|serve|host|kernels|qwen3 OUT [--quick]}
+out=${2:?usage: gpu_check.sh tests|serve|host|kernels|qwen3 OUT [--quick]}
 quick=${3:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -86,6 +87,13 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     [[ -n ${PARITY_DONE:-} ]] && cp "$PARITY_DONE"/parity-*.json "$out"/
     step parity 200 $py benchmarks/gpu_parity.py --model $model --out "$out" --prompts 17,250,1000,2500,80 $quick
     tail -n 9 "$out/parity.log"; grep "^|" "$out/kernels.log" ;;
+  qwen3)  # random weights with Qwen3-VL-8B's shapes, drawn on the GPU (bf16 on disk); the tiny shapes for --quick
+    q3=/tmp/fovea-q3-8b; config=(--config qwen3-vl-8b --dtype bfloat16 --device cuda)
+    [[ $quick == --quick ]] && { q3=/tmp/fovea-quick-q3; config=(--config tiny-qwen3-vl); }
+    [[ -d $q3 ]] || step build_qwen3 300 $py -m fovea.cli tiny $q3 "${config[@]}"
+    mkdir -p "$out/qwen3"
+    step parity_qwen3 280 $py benchmarks/gpu_parity.py --model $q3 --out "$out/qwen3" --prompts 17,250,1000,2500 $quick
+    tail -n 9 "$out/parity_qwen3.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
 cat "$out/steps.txt"
