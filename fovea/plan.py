@@ -37,6 +37,7 @@ class MemoryPlan:
     kv_tokens: int
     max_model_len: int
     dtype: str  # the dtype the engine would serve in on a GPU
+    expert_bytes: int = 0  # of weights_bytes: MoE experts and routers, whole on every rank (layers/moe.py)
 
     @property
     def max_concurrency(self) -> float:
@@ -47,6 +48,14 @@ def count_parameters(config: ModelConfig) -> int:
     with torch.device("meta"):
         model = family(config.architecture).Model(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def expert_parameters(config: ModelConfig) -> int:
+    """The MoE layers' experts and routers: what tensor parallelism does not split (0 for a dense model)."""
+    moe, hidden = config.text.moe, config.text.hidden_size
+    if moe is None:
+        return 0
+    return len(moe.sparse_layers) * moe.num_experts * (3 * hidden * moe.intermediate_size + hidden)
 
 
 def plan_memory(
@@ -64,11 +73,13 @@ def plan_memory(
     text, vision = config.text, config.vision
     served = serving_dtype(config.torch_dtype, dtype, "cuda")
     size = served.itemsize
-    weights = count_parameters(config) * size // tensor_parallel_size
+    experts = expert_parameters(config) * size
+    weights = (count_parameters(config) * size - experts) // tensor_parallel_size + experts
     # KV heads split over the ranks, or replicated (one per rank) when there are fewer heads than ranks
     kv_heads = max(1, text.num_kv_heads // tensor_parallel_size)
     kv_per_token = text.num_layers * kv_heads * text.head_dim * 2 * size
-    lm = max_num_batched_tokens * (3 * text.intermediate_size + 4 * text.hidden_size) * size // tensor_parallel_size
+    mlp = max(text.intermediate_size, text.moe.top_k * text.moe.intermediate_size if text.moe else 0)
+    lm = max_num_batched_tokens * (3 * mlp + 4 * text.hidden_size) * size // tensor_parallel_size
     lm += max_num_seqs * text.vocab_size * 4 * 2
     processor = config.image.with_overrides({"max_pixels": max_pixels} if max_pixels else None)
     factor = processor.patch_size * processor.merge_size
@@ -76,7 +87,7 @@ def plan_memory(
     def vision_activations(tokens: int) -> int:
         patches = tokens * processor.merge_size**2
         activations = patches * (3 * vision.intermediate_size + 4 * vision.hidden_size) * size
-        return activations + patches * vision.frame_patch_dim * 4 + tokens * vision.out_hidden_size * size
+        return activations + patches * vision.frame_patch_dim * 4 + tokens * vision.output_width * size
 
     images = []
     for width, height in IMAGE_SIZES + [(largest_side(processor.max_pixels, factor),) * 2]:
@@ -115,6 +126,7 @@ def plan_memory(
         max(0, int(budget // kv_per_token)),
         max_model_len,
         str(served).removeprefix("torch."),
+        experts,
     )
 
 
@@ -134,6 +146,10 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
     lines = [
         title,
         f"{'weights':<34}{plan.weights_bytes / GIB:>10.2f} GiB",
+    ]
+    if plan.expert_bytes:
+        lines.append(f"{'  of which MoE experts (every GPU)':<34}{plan.expert_bytes / GIB:>10.2f} GiB")
+    lines += [
         f"{'KV cache per token':<34}{plan.kv_bytes_per_token / 1024:>10.1f} KiB",
         f"{'LM step activations (estimate)':<34}{plan.lm_activation_bytes / GIB:>10.2f} GiB",
         "",

@@ -147,3 +147,22 @@ def test_workload_floors_for_the_seven_b_shapes(tmp_path):
     assert seed["tpot_floor_ms"] == pytest.approx(1000 * (weights + 16 * 8500 * kv_per_token) / 3.0e12, rel=0.01)
     images = workload_floor(config, hw, 1296, 128, 500, image_patches=4784)
     assert images["prefill_s"] > workload_floor(config, hw, 1296, 128, 500)["prefill_s"] + 3  # 500 ViT passes
+
+
+def test_moe_experts_are_whole_on_every_rank(tmp_path):
+    """Tensor parallelism splits the attention and the dense layers, not the experts (fovea/layers/moe.py)."""
+    from fovea.config.model import ModelConfig
+    from fovea.models.registry import family
+    from fovea.plan import expert_parameters, format_plan
+    from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
+
+    model_dir = write_qwen3_vl_checkpoint(tmp_path / "moe", "tiny-qwen3-vl-moe")
+    config = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = family(config.architecture).Model(config)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name or ".mlp.gate." in name)
+    assert expert_parameters(config) == experts > 0
+    one, two = (plan_memory(model_dir, 80, dtype="float32", tensor_parallel_size=tp) for tp in (1, 2))
+    assert one.weights_bytes == count_parameters(config) * 4 and one.expert_bytes == two.expert_bytes == experts * 4
+    assert two.weights_bytes == (one.weights_bytes - experts * 4) // 2 + experts * 4
+    assert "of which MoE experts (every GPU)" in format_plan(two, "tiny-qwen3-vl-moe")
