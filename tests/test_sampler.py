@@ -266,3 +266,20 @@ def test_penalty_tokens_kept_across_steps_equal_ones_rebuilt_each_step():
         assert set(sampler.seen) == {(i, 0) for i in live if i != 2}  # the unpenalized row keeps nothing
         for i, token in zip(live, sampled):
             tokens[i].append(token)
+
+
+@pytest.mark.parametrize("vocab", [96, 100, 130])
+def test_cpu_bitmask_matches_llguidance(vocab):
+    """The eager CPU masking (no torch.compile at start-up) gives exactly llguidance's compiled kernel's logits,
+    for a vocabulary that fills its last mask word, one that does not, and one wider than the mask."""
+    import llguidance.torch as lt
+
+    from fovea.runner.grammar_masks import apply_bitmask
+
+    gen = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(3, vocab, generator=gen)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_bitmask(ours, bitmask)
+    lt.apply_token_bitmask_inplace(theirs, bitmask)
+    assert torch.equal(ours, theirs) and torch.isinf(ours).any() and torch.isfinite(ours).any()

@@ -42,18 +42,33 @@ class GrammarMasks:
 
     def apply(self, logits) -> None:
         """Sets to -inf, in place, every token that a constrained row's grammar does not allow next."""
-        import llguidance.torch as lt
         import torch
 
         self._filled.result()
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         if self.rows == list(range(logits.shape[0])):  # every row constrained: no gather and scatter
-            lt.apply_token_bitmask_inplace(logits, bitmask)
+            apply_bitmask(logits, bitmask)
             return
         index = torch.tensor(self.rows, device=logits.device)
         masked = logits[index]
-        lt.apply_token_bitmask_inplace(masked, bitmask)
+        apply_bitmask(masked, bitmask)
         logits[index] = masked
+
+
+def apply_bitmask(logits, bitmask) -> None:
+    """-inf where a row's bit is 0 (bit j of word i: token 32 i + j). On a GPU, llguidance's kernel; on the CPU
+    the same arithmetic eagerly: llguidance's is torch.compile'd, seconds of every process's start-up there
+    (the server warms it up before answering) for what the eager ops do in a millisecond a row."""
+    import torch
+
+    if logits.device.type != "cpu":
+        import llguidance.torch as lt
+
+        lt.apply_token_bitmask_inplace(logits, bitmask)
+        return
+    bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(bitmask.shape[0], -1)
+    allowed = torch.nn.functional.pad(bits, (0, max(0, logits.shape[1] - bits.shape[1])))[:, : logits.shape[1]]
+    logits.masked_fill_(allowed == 0, float("-inf"))  # past the mask's words: not allowed, as llguidance's
 
 
 def warm_up_masks(compiler, vocab_size: int, device) -> None:
