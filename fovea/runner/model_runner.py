@@ -9,6 +9,7 @@ runs its own part; the layers' collectives join the ranks; rank 0 alone samples.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from fovea.runner.grammar_masks import GrammarMasks
 from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget
 from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
 from fovea.runner.step_input import StepInput, build_step
+
+logger = logging.getLogger("fovea")
 
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU backend sizes its cache by a fixed space too (VLLM_CPU_KVCACHE_SPACE)
 # prompt log-probabilities are scored this many logits at a time: a whole 8k-token chunk would be a 5 GB fp32
@@ -104,7 +107,10 @@ class ModelRunner:
             config.max_num_seqs, config.model.text.vocab_size, dtype=config.dtype, device=self.device
         )
         self.graphs: DecodeGraphs | None = None
-        if capture:
+        if capture and config.model.text.moe is not None:  # the reference experts loop over the experts that
+            # the step's tokens chose, a host sync a graph cannot record: decode steps run eagerly
+            logger.info("decode CUDA graphs off: the MoE layers run eagerly (fovea/layers/moe.py)")
+        elif capture:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.backend,
