@@ -83,9 +83,10 @@ def append_token(seq: Sequence, token: int, entry: dict | None, logprob: float, 
         piece = seq.detokenizer.decode(token)
         seq.text += piece
         new_chars = len(piece)
-        tag = seq.request.input.grammar_after
-        if seq.grammar_waiting and seq.text.find(tag, max(0, len(seq.text) - new_chars - len(tag) + 1)) >= 0:
-            seq.grammar_waiting = False  # the reasoning ended: the grammar constrains from the next token
+        if seq.grammar_waiting:  # the reasoning's end tag, looked for where this token's text could complete it
+            tag = seq.request.input.grammar_after
+            if seq.text.find(tag, max(0, len(seq.text) - new_chars - len(tag) + 1)) >= 0:
+                seq.grammar_waiting = False  # the grammar constrains from the next token
     generated = len(seq.token_ids) - seq.num_prompt_tokens
     if generated >= params.min_tokens:
         if token in seq.request.eos_token_ids:

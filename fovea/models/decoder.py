@@ -69,10 +69,9 @@ class DecoderAttention(nn.Module):
     ):
         qkv = self.qkv_proj(x)
         if self.qk_norm:  # per head, before rotary; written back so that the rotary kernel finds them in place
-            n, q_size, kv_size = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, q_size)
-            qkv = torch.cat((q, self.k_norm(k.reshape(-1, self.head_dim)).view(n, kv_size), v), dim=-1)
+            q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
+            for part, norm in ((qkv[:, :q_end], self.q_norm), (qkv[:, q_end:k_end], self.k_norm)):
+                part.copy_(norm(part.reshape(-1, self.head_dim)).view_as(part))
         q, k, v = rotate_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.fused)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -103,7 +103,7 @@ class Model(qwen2_5_vl.Model):
     def forward(self, input_ids, positions, meta, mm_embeds=None, mm_mask=None) -> torch.Tensor:
         """mm_embeds rows: [embedding | DeepStack features] of each image token (VisionTransformer.run)."""
         if mm_embeds is None:
-            return self.model(self.embed(input_ids), positions, meta)
+            return super().forward(input_ids, positions, meta, mm_embeds, mm_mask)
         width = self.config.text.hidden_size
         mask = self.placeholder_mask(input_ids, mm_mask)
         features = mm_embeds[:, width:].reshape(-1, self.num_deepstack, width).transpose(0, 1)
