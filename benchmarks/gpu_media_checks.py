@@ -1,4 +1,4 @@
-"""Two checks that need the GPU machine's packages or its device, written as one JSON and a short table.
+"""Checks that need the GPU machine's packages or its device, written as one JSON and a short table.
 
     python benchmarks/gpu_media_checks.py --out DIR [--quick]
 
@@ -6,6 +6,7 @@ video:       our video patches against transformers' own Qwen2VLVideoProcessor (
              the GPU machine has), given the same already-sampled frames: once from the source frames (the two
              resizers: our PIL bicubic on uint8, its torchvision bicubic on tensors) and once from our resized frames
              with its resizing off (must agree to float rounding: the patch layout and normalisation).
+qwen3-video: the same for Qwen3-VL's Qwen3VLVideoProcessor (frames sampled by the source rate, the released size).
 llava-tower: the LLaVA-1.5-7B CLIP tower (ViT-L/14-336, 23 layers) with random bf16 weights on CUDA: our Triton
              varlen attention against PyTorch's SDPA path and an fp32 copy, 4 images, plus the time of each.
 """
@@ -68,6 +69,42 @@ def check_video(quick: bool) -> dict:
     return results
 
 
+def check_qwen3_video(quick: bool) -> dict:
+    """Qwen3-VL's rule: frames sampled by the source rate, one area bound for all frames; the same comparison."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from fovea.config.image import ImageProcessorConfig
+    from fovea.config.video import TimestampedVideoOptions
+    from fovea.multimodal.patchify import patchify
+    from fovea.multimodal.video import plan_video, process_video
+    from fovea.testing.tiny_qwen3_vl import VIDEO_PREPROCESSOR, preprocessor_config
+
+    settings = {k: v for k, v in VIDEO_PREPROCESSOR.items() if k not in ("video_processor_type", "processor_class")}
+    processor = Qwen3VLVideoProcessor(**settings)
+    options = TimestampedVideoOptions.from_preprocessor(VIDEO_PREPROCESSOR)
+    config = ImageProcessorConfig.dynamic(preprocessor_config())
+    results = {}
+    for total, fps, height, width in [(9, 4.0, 90, 160)] if quick else [(30, 10.0, 360, 640), (75, 25.0, 720, 1280)]:
+        clip = smooth_clip(total, height, width, seed=total)
+        ours = process_video(plan_video((clip, {"fps": fps}), options, patch_size=16))
+        our_patches = patchify(torch.from_numpy(ours.pixels), config)
+        metadata = [VideoMetadata(total_num_frames=total, fps=fps)]
+        theirs = processor(
+            videos=[torch.from_numpy(clip).permute(0, 3, 1, 2)],
+            video_metadata=metadata,
+            cap_pixels_per_frame=False,
+            return_tensors="pt",
+        )
+        grid = tuple(theirs["video_grid_thw"][0].tolist())
+        row = {"grid_ours": list(ours.grid_thw), "grid_transformers": list(grid)}
+        if grid == tuple(ours.grid_thw):
+            diff = (our_patches - theirs["pixel_values_videos"]).abs()
+            row.update(resized_max_abs=float(diff.max()), resized_mean_abs=float(diff.mean()))
+        results[f"{total}x{height}x{width}@{fps:g}"] = row
+    return results
+
+
 def check_llava_tower(quick: bool) -> dict:
     from fovea.config.families import parse_llava
     from fovea.models.base import ModelOptions
@@ -115,7 +152,7 @@ def check_llava_tower(quick: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--checks", default="video,llava-tower")
+    parser.add_argument("--checks", default="video,qwen3-video,llava-tower")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
@@ -123,7 +160,8 @@ def main() -> None:
     results = {}
     for check in args.checks.split(","):
         try:
-            results[check] = (check_video if check == "video" else check_llava_tower)(args.quick)
+            checks = {"video": check_video, "qwen3-video": check_qwen3_video, "llava-tower": check_llava_tower}
+            results[check] = checks[check](args.quick)
         except Exception as exc:  # noqa: BLE001 - one failed check still leaves the other's figures
             results[check] = {"error": f"{type(exc).__name__}: {exc}"}
     (out / "media_checks.json").write_text(json.dumps(results, indent=2))

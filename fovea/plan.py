@@ -19,7 +19,6 @@ import torch
 from fovea.config.flags import default
 from fovea.config.image import largest_side
 from fovea.config.model import ModelConfig, serving_dtype
-from fovea.config.video import VideoOptions, frame_indices, frame_max_pixels, frame_size
 from fovea.models.registry import family
 
 IMAGE_SIZES = [(448, 448), (1280, 720), (1920, 1080), (3840, 2160)]  # width x height, as a user would send them
@@ -94,24 +93,24 @@ def plan_memory(
         h, w = processor.input_size(height, width)
         tokens = (h // factor) * (w // factor)
         images.append((width, height, tokens, vision_activations(tokens)))
-    options = VideoOptions().with_kwargs({"max_pixels": max_pixels} if max_pixels else None)
+    options = config.video.with_kwargs({"max_pixels": max_pixels} if max_pixels else None)
     clips = (
         [
-            (f"{seconds} s {width}x{height}", frame_indices(seconds * 30, 30, options), (height, width))
+            (f"{seconds} s {width}x{height}", options.frame_indices(seconds * 30, 30), (height, width))
             for seconds, width, height in VIDEO_CLIPS
         ]
         if config.video_token_id is not None
         else []
     )
     most = options.max_frames // 2 * 2  # the largest video: max_frames kept, frames as large as that allows
-    side = largest_side(frame_max_pixels(options, most), factor)
+    side = largest_side(options.largest_frame_pixels(factor, most), factor)
     if clips:
         clips.append((f"largest ({most} frames)", range(most), (side, side)))
     videos = []
     for what, kept, (height, width) in clips:
-        h, w = frame_size(height, width, len(kept), options, factor)
+        h, w = options.frame_size(height, width, len(kept), factor)
         per_patch = (h // factor) * (w // factor)
-        tokens = len(kept) // 2 * per_patch
+        tokens = -(-len(kept) // 2) * per_patch  # an odd count is padded to whole temporal patches
         step = min(tokens, max(per_patch, max_num_batched_tokens // per_patch * per_patch))
         videos.append((what, len(kept), tokens, vision_activations(step)))
     peak = max(lm, max(a for *_, a in images + videos))

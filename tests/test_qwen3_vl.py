@@ -1,7 +1,7 @@
 """Qwen3-VL (dense) pieces against transformers on a tiny checkpoint that transformers itself wrote
 (fovea/testing/tiny_qwen3_vl.py): the config as fovea reads it, interleaved M-RoPE and the image patches. Logits
 and the engine's greedy tokens (learned positions resampled to each grid, DeepStack, q/k norms) are checked with
-the other families in test_families.py."""
+the other families in test_families.py; videos in test_qwen3_vl_video.py."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def test_config_as_fovea_reads_it(qwen3_dir):
     assert config.vision.deepstack_indexes == (0, 2) and config.vision.output_width == 3 * 64
     assert config.vision.patch_bias and config.vision.num_position_embeddings == 64
     assert config.image.patch_size == 16 and config.image.image_mean == (0.5, 0.5, 0.5)
-    assert config.video_token_id is None  # videos are refused until their path (timestamps between frames) lands
+    assert config.video_token_id == 151656 and config.video.timestamps  # video_preprocessor_config.json's rule
+    assert (config.video.shortest_edge, config.video.longest_edge) == (4096, 25165824)
 
 
 def test_interleaved_mrope_matches_transformers(qwen3_dir):
@@ -84,14 +85,6 @@ def test_padded_bucket_gives_the_unpadded_embeddings(qwen3_dir, kernel):
     assert expected.shape == (pixels.shape[0] // 4, 3 * 64)
     buckets = EncoderBuckets(model.visual, [256], torch.float32, device, capture=False)
     torch.testing.assert_close(buckets.encode(pixels, grids, 256), expected, rtol=1e-4, atol=1e-5)
-
-
-def test_videos_are_refused_by_name(qwen3_dir):
-    """Qwen3-VL's videos put timestamps between frames (not yet here): refused before anything is decoded."""
-    prompts = PromptProcessor(qwen3_dir, ModelConfig.from_dir(qwen3_dir))
-    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
-    with pytest.raises(ValueError, match="Qwen3VLForConditionalGeneration takes no videos"):
-        prompts.process_chat([{"role": "user", "content": [video, {"type": "text", "text": "What happens?"}]}])
 
 
 def test_moe_config_and_the_released_expert_layout(tmp_path):

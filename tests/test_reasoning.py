@@ -18,7 +18,8 @@ from fovea.server.reasoning import Reasoning
 TEMPLATE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
     "{%- if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}"
-    "{%- if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
+    "{%- if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
     "{%- endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
@@ -144,12 +145,14 @@ def test_tool_call_found_after_the_reasoning(server):
         assert calls and calls[0]["function"]["name"] == "get_weather"
 
 
-def test_qwen3_vl_chat_with_an_image_over_http(server):
-    """Qwen3-VL serves images like the other families: 16-pixel patches (32-pixel tokens) counted in the usage."""
+def test_qwen3_vl_chat_with_an_image_and_a_video_over_http(server):
+    """Qwen3-VL serves images like the other families: 16-pixel patches (32-pixel tokens) counted in the usage;
+    and videos, their temporal patches between timestamps."""
     import base64
     import io
 
-    from conftest import random_image
+    import numpy as np
+    from conftest import random_image, video_file
 
     buffer = io.BytesIO()
     random_image(320, 256, seed=4).save(buffer, format="PNG")
@@ -165,3 +168,13 @@ def test_qwen3_vl_chat_with_an_image_over_http(server):
     image_tokens = with_image["usage"]["prompt_tokens"] - text_only["usage"]["prompt_tokens"]
     assert image_tokens == (320 // 32) * (256 // 32) + 2  # the tokens of a 320 x 256 image, and vision start / end
     assert with_image["choices"][0]["finish_reason"] == "length"
+
+    # a video file: 8 frames at 4 fps, 4 kept (0, 2 | 5, 7), two temporal patches of 96 x 64 pixels, each after its
+    # time as text (`<0.2 seconds>` and `<1.5 seconds>`: 6 tokens each)
+    clip = np.stack([np.asarray(random_image(96, 64, seed=20 + i)) for i in range(8)])
+    video = "data:video/x-matroska;base64," + base64.b64encode(video_file(clip, 4)).decode()
+    body["messages"][0]["content"] = [{"type": "video_url", "video_url": {"url": video}}, content[1]]
+    with_video = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    video_tokens = with_video["usage"]["prompt_tokens"] - text_only["usage"]["prompt_tokens"]
+    assert video_tokens == 2 * (6 + 1 + (96 // 32) * (64 // 32) + 1), with_video
+    assert with_video["choices"][0]["finish_reason"] == "length"

@@ -12,7 +12,6 @@ import torch
 
 from fovea.config.flags import default
 from fovea.config.model import ModelConfig, resolve_model_dir, serving_dtype
-from fovea.config.video import VideoOptions, frame_max_pixels
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
 
@@ -79,7 +78,8 @@ class EngineConfig:
         image = self.model.image.with_overrides(self.mm_processor_kwargs)
         if self.model.video_token_id is None:
             return image.max_pixels
-        return max(image.max_pixels, frame_max_pixels(VideoOptions().with_kwargs(self.mm_processor_kwargs)))
+        video = self.model.video.with_kwargs(self.mm_processor_kwargs)
+        return max(image.max_pixels, video.largest_frame_pixels(image.patch_size * image.merge_size))
 
     @classmethod
     def from_args(cls, model: str | Path | None = None, **args) -> EngineConfig:

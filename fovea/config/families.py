@@ -16,6 +16,7 @@ import torch
 
 from fovea.config.image import ImageProcessorConfig
 from fovea.config.model import ModelConfig, MoEConfig, TextConfig, VisionConfig, resolve_dtype
+from fovea.config.video import TimestampedVideoOptions
 
 # config.json files without `architectures` are named by their model_type
 MODEL_TYPES = {
@@ -174,8 +175,7 @@ def parse_qwen2_vl(raw: dict, preprocessor: dict) -> ModelConfig:
 
 def parse_qwen3_vl(raw: dict, preprocessor: dict) -> ModelConfig:
     """Qwen3-VL (dense): a Qwen3 decoder (q/k norms, interleaved M-RoPE) and a ViT with learned positions, no
-    windows, and DeepStack features from a few of its blocks. Videos are refused until their path (timestamps
-    between frames) lands."""
+    windows, and DeepStack features from a few of its blocks; videos with their frames' times as text."""
     keys = text_keys(raw)
     text = parse_text(keys, mrope=True, attention_bias=bool(keys.get("attention_bias", False)), qk_norm=True)
     vision = raw.get("vision_config") or {}
@@ -204,7 +204,8 @@ def parse_qwen3_vl(raw: dict, preprocessor: dict) -> ModelConfig:
             deepstack_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
         ),
     )
-    return dataclasses.replace(config, video_token_id=None)
+    video = TimestampedVideoOptions.from_preprocessor(preprocessor.get("video_preprocessor") or {})
+    return dataclasses.replace(config, video=video)
 
 
 def parse_qwen3_vl_moe(raw: dict, preprocessor: dict) -> ModelConfig:

@@ -11,13 +11,20 @@ from dataclasses import dataclass, replace
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
-VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels"}  # mm_processor_kwargs (multimodal/video.py)
+# mm_processor_kwargs for videos (config/video.py; the last two are Qwen3-VL's)
+VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels", "cap_pixels_per_frame", "max_video_tokens"}
 
 
 def smart_resize(
-    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
+    frames: int = 1,
 ) -> tuple[int, int]:
-    """Closest size with both sides multiples of `factor` and an area within [min_pixels, max_pixels]."""
+    """Closest size with both sides multiples of `factor` and an area within [min_pixels, max_pixels]. With
+    `frames` (Qwen3-VL's videos) the bounds hold for all frames together, counted in whole temporal patches."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
@@ -27,12 +34,13 @@ def smart_resize(
         )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
+    kept = 1 if frames == 1 else round(frames / 2) * 2  # the published rule: round half to even, then beta by frames
+    if kept * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif kept * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fovea.config.image import ImageProcessorConfig
+from fovea.config.video import TimestampedVideoOptions, VideoOptions
 
 logger = logging.getLogger("fovea")
 
@@ -121,22 +122,28 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     image: ImageProcessorConfig = ImageProcessorConfig()  # the checkpoint's preprocessing, as its family reads it
     mrope: bool = True  # position rule: M-RoPE (t, h, w) for vision tokens, or 1-D for every token
+    video: VideoOptions | TimestampedVideoOptions = VideoOptions()  # the family's video rule, where it takes videos
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
-        preprocessor = Path(model_dir) / "preprocessor_config.json"
-        return cls.from_dict(
-            json.loads(path.read_text()), json.loads(preprocessor.read_text()) if preprocessor.is_file() else {}
-        )
+        preprocessor = read_json(Path(model_dir) / "preprocessor_config.json")
+        video = read_json(Path(model_dir) / "video_preprocessor_config.json")
+        if video:  # newer checkpoints keep the video processor's settings apart (Qwen3-VL)
+            preprocessor["video_preprocessor"] = video
+        return cls.from_dict(json.loads(path.read_text()), preprocessor)
 
     @classmethod
     def from_dict(cls, raw: dict, preprocessor: dict | None = None) -> ModelConfig:
         from fovea.config.families import parse_model_config  # its parsers build these dataclasses
 
         return parse_model_config(raw, preprocessor or {})
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:

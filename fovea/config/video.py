@@ -1,6 +1,14 @@
-"""Which frames of a video are kept and the size they are resized to, from Qwen's options (qwen-vl-utils, which
-the model was trained with; the steps are in fovea/multimodal/video.py). Settings and arithmetic only, so that the
-engine's config and `fovea plan` size memory for the largest video without decoding one.
+"""Which frames of a video are kept and the size they are resized to. Settings and arithmetic only, so that the
+engine's config and `fovea plan` size memory for the largest video without decoding one; the steps are in
+fovea/multimodal/video.py. Two rules, one interface (`frame_indices`, `frame_size`, `largest_frame_pixels`):
+- `VideoOptions`, Qwen2-VL's and Qwen2.5-VL's (qwen-vl-utils, which those models were trained with): an even
+  count of frames, each frame's area bounded on its own (and by a total that shrinks frames of long videos);
+- `TimestampedVideoOptions`, Qwen3-VL's (transformers' Qwen3VLVideoProcessor with the released
+  video_preprocessor_config.json): n = int(total / video_fps * fps) frames clamped to [min_frames, max_frames]
+  and to total (an odd count is padded with its last frame), and one area bound for all frames together
+  (`size`: shortest_edge 4096, longest_edge 25165824 pixels) on 32-pixel multiples; optionally
+  (`cap_pixels_per_frame`, off in transformers today) each frame at most max_video_tokens tokens or its even
+  share of the total. The frames' times go into the prompt as text before each temporal patch.
 """
 
 from __future__ import annotations
@@ -43,6 +51,84 @@ class VideoOptions:
             }
             kwargs = {k: min(v, bounds[k]) if k in bounds else v for k, v in kwargs.items()}
         return replace(self, **kwargs)
+
+    timestamps = False  # the frames' times are in the M-RoPE positions (a stretched t index), not in the text
+
+    def frame_indices(self, total: int, video_fps: float) -> list[int]:
+        return frame_indices(total, video_fps, self)
+
+    def frame_size(self, height: int, width: int, frames: int, factor: int = 28) -> tuple[int, int]:
+        return frame_size(height, width, frames, self, factor)
+
+    def largest_frame_pixels(self, factor: int = 28, frames: int = FRAME_FACTOR) -> float:
+        """The most pixels one frame may get when `frames` are kept (the fewest, two, get the most)."""
+        return frame_max_pixels(self, frames)
+
+
+@dataclass(frozen=True)
+class TimestampedVideoOptions:
+    """Qwen3-VL's names and defaults (transformers' Qwen3VLVideoProcessor, the released size); per request through
+    mm_processor_kwargs. `min_pixels` / `max_pixels` there are the images' settings, not these."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    shortest_edge: int = 4096  # the fewest pixels of all kept frames together
+    longest_edge: int = 25165824  # the most pixels of all kept frames together
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768  # with cap_pixels_per_frame: the most tokens of one frame
+
+    timestamps = True
+
+    @classmethod
+    def from_preprocessor(cls, config: dict) -> TimestampedVideoOptions:
+        """From a checkpoint's video_preprocessor_config.json (defaults where it is silent)."""
+        size = config.get("size") or {}
+        names = {"fps", "min_frames", "max_frames", "cap_pixels_per_frame", "max_video_tokens"}
+        given = {k: v for k, v in config.items() if k in names and v is not None}
+        given |= {k: size[k] for k in ("shortest_edge", "longest_edge") if k in size}
+        return cls().with_kwargs(given)
+
+    def with_kwargs(self, kwargs: dict | None, capped: bool = False) -> TimestampedVideoOptions:
+        """As VideoOptions.with_kwargs; `capped` also keeps the total area at this config's."""
+        kwargs = {k: v for k, v in (kwargs or {}).items() if k in self.__dataclass_fields__}
+        for key, value in kwargs.items():
+            if key == "cap_pixels_per_frame":
+                if not isinstance(value, bool):
+                    raise ValueError(
+                        f"mm_processor_kwargs['cap_pixels_per_frame'] must be true or false, got {value!r}"
+                    )
+            elif not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive finite number, got {value!r}")
+        if capped:
+            for key in ("min_frames", "max_frames", "shortest_edge", "longest_edge", "max_video_tokens"):
+                if key in kwargs:
+                    kwargs[key] = min(kwargs[key], getattr(self, "max_frames" if key == "min_frames" else key))
+        return replace(self, **kwargs)
+
+    def frame_indices(self, total: int, video_fps: float) -> list[int]:
+        if total < FRAME_FACTOR:
+            raise ValueError(f"a video needs at least {FRAME_FACTOR} frames, this one has {total}")
+        count = min(max(int(total / video_fps * self.fps), self.min_frames), self.max_frames, total)
+        count = max(FRAME_FACTOR, int(count))
+        return np.linspace(0, total - 1, count).round().astype(np.int64).tolist()
+
+    def _frames_max_pixels(self, frames: int, factor: int) -> float:
+        if not self.cap_pixels_per_frame:
+            return self.longest_edge
+        per_frame = min(self.max_video_tokens * factor * factor, self.longest_edge // frames)
+        return max(per_frame, int(self.shortest_edge * 1.05)) * frames
+
+    def frame_size(self, height: int, width: int, frames: int, factor: int = 32) -> tuple[int, int]:
+        if min(height, width) < factor:  # a side under one patch group is scaled up first
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        limit = self._frames_max_pixels(frames, factor)
+        return smart_resize(height, width, factor, self.shortest_edge, limit, frames=frames)
+
+    def largest_frame_pixels(self, factor: int = 32, frames: int = FRAME_FACTOR) -> float:
+        """The most pixels one frame may get when `frames` are kept, sharing the total."""
+        return self._frames_max_pixels(frames, factor) / frames
 
 
 def frame_indices(total: int, video_fps: float, options: VideoOptions) -> list[int]:

@@ -149,7 +149,7 @@ class InputProcessor:
         for image in processed.images:
             start = ids.index(model.video_token_id if image.is_video else model.image_token_id, start)
             parts = (
-                self._video_parts(image, start)
+                self._video_parts(image, start, ids)
                 if image.is_video
                 else [MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw), image.pixels)]
             )
@@ -161,7 +161,7 @@ class InputProcessor:
                         "encoder_cache_size"
                     )
             items += parts
-            start += image.num_tokens
+            start = parts[-1].end
         request = RequestInput(
             request_id,
             ids,
@@ -195,23 +195,34 @@ class InputProcessor:
         start, end = REASONING_TAGS[self.config.reasoning_parser]
         return end if (prompt or "").rstrip().endswith(start) else None
 
-    def _video_parts(self, video: ProcessedImage, start: int) -> list[MMItem]:
+    def _video_parts(self, video: ProcessedImage, start: int, ids: list[int]) -> list[MMItem]:
         """A video as runs of whole temporal patches of at most one step's encoder budget each (at least one
         patch): the vision tower attends within a temporal patch only (its cu_seqlens and windows are per
         patch), so the parts' embeddings are the whole video's, and a long video's encoder work spreads over
         steps instead of stalling one."""
         t, h, w = video.grid_thw
         per_patch = h * w // video.merge_size**2
+        if video.timestamps is not None:  # Qwen3-VL: text between the patches, so each patch is an item
+            parts = []
+            for first in range(t):
+                start = ids.index(self.config.model.video_token_id, start) if first else start
+                parts.append(self._video_part(video, start, first, 1, per_patch))
+                start += per_patch
+            return parts
         step = max(1, self.config.encoder_budget // per_patch)
         if step >= t:
             return [MMItem(MMSpan(start, video.num_tokens, video.content_hash), (t, h, w), video.pixels)]
-        parts = []
-        for first in range(0, t, step):
-            count = min(step, t - first)
-            frames = (first * 2, (first + count) * 2)  # two frames per temporal patch
-            span = MMSpan(start + first * per_patch, count * per_patch, f"{video.content_hash}-p{first}")
-            if isinstance(video.pixels, SharedPixels):  # sliced when the engine takes the segment
-                parts.append(MMItem(span, (count, h, w), video.pixels, frames))
-            else:
-                parts.append(MMItem(span, (count, h, w), video.pixels[frames[0] : frames[1]]))
-        return parts
+        return [
+            self._video_part(video, start + first * per_patch, first, min(step, t - first), per_patch)
+            for first in range(0, t, step)
+        ]
+
+    @staticmethod
+    def _video_part(video: ProcessedImage, start: int, first: int, count: int, per_patch: int) -> MMItem:
+        """Temporal patches first .. first + count - 1 of a video, their tokens from `start` on."""
+        _, h, w = video.grid_thw
+        frames = (first * 2, (first + count) * 2)  # two frames per temporal patch
+        span = MMSpan(start, count * per_patch, f"{video.content_hash}-p{first}")
+        if isinstance(video.pixels, SharedPixels):  # sliced when the engine takes the segment
+            return MMItem(span, (count, h, w), video.pixels, frames)
+        return MMItem(span, (count, h, w), video.pixels[frames[0] : frames[1]])

@@ -1,4 +1,4 @@
-"""Which shape of message content a chat template expects, and messages turned into that shape.
+"""Chat messages split into text and media, and the shape of message content a chat template expects.
 
 OpenAI's messages carry content as a list of parts (text, image, video). Templates written for that shape
 ("openai": Qwen's, transformers' LLaVA template) loop over `message['content']`; older ones ("string": vLLM's
@@ -13,6 +13,8 @@ placeholder text, e.g. LLaVA's `<image>` or Qwen's `<|vision_start|><|image_pad|
 from __future__ import annotations
 
 import functools
+import json
+from dataclasses import dataclass, field
 
 import jinja2
 from jinja2 import nodes
@@ -62,3 +64,76 @@ def as_string_content(messages: list[dict], placeholders: dict[str, str]) -> lis
             content = "\n".join(media + texts)
         converted.append({**message, "content": content})
     return converted
+
+
+@dataclass
+class ChatMedia:
+    images: list = field(default_factory=list)
+    videos: list = field(default_factory=list)
+
+
+MEDIA_PARTS = {"image_url": "image", "image_pil": "image", "image": "image", "video_url": "video", "video": "video"}
+
+
+def split_chat_media(messages: list[dict]) -> tuple[list[dict], ChatMedia]:
+    """Replaces image and video content parts by {"type": "image"} / {"type": "video"} (what the template
+    expects) and collects their sources.
+
+    Accepted parts: text; image_url / video_url ({"url": ...} or a plain string); image_pil (a PIL image); image
+    and video (anything multi_modal_data takes).
+    """
+    media, normalized = ChatMedia(), []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError("each chat message needs a 'role' that is a string")
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [template_tool_call(call) for call in message["tool_calls"]]}
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            normalized.append({**message, "content": content or ""})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text", ""), str):
+                    raise ValueError("a text content part's 'text' must be a string")
+                parts.append({"type": "text", "text": part.get("text", "")})
+            elif kind in MEDIA_PARTS:
+                source = part.get(kind)
+                if kind.endswith("_url") and isinstance(source, dict):
+                    source = source.get("url")
+                if source is None:
+                    raise ValueError(f"content part of type {kind!r} has no {kind!r} field")
+                (media.images if MEDIA_PARTS[kind] == "image" else media.videos).append(source)
+                parts.append({"type": MEDIA_PARTS[kind]})
+            else:
+                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url, video_url or image_pil")
+        normalized.append({**message, "content": parts})
+    return normalized, media
+
+
+def template_tool_call(call) -> dict:
+    """An assistant's earlier call with its arguments as an object: templates write them with tojson (vLLM
+    passes them so too), and OpenAI clients send them as JSON text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError("each of an assistant message's tool_calls needs a function with a name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"the arguments of tool call {function['name']!r} are not JSON") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def text_length(messages: list[dict]) -> int:
+    """Characters of text in (normalized) chat messages."""
+    total = 0
+    for message in messages:
+        content = message["content"]
+        total += len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
+    return total

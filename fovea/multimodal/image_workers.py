@@ -138,7 +138,9 @@ class ImageWorkers:
             return LocalDecoder.process(planned)
         if isinstance(planned, PlannedVideo):
             shared, content_hash = self._call("video", planned)
-            return ProcessedImage(shared, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t)
+            return ProcessedImage(
+                shared, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t, planned.timestamps
+            )
         shared, content_hash = self._call("image", planned.data, planned.config, planned.height, planned.width)
         return ProcessedImage(shared, planned_grid(planned), content_hash, planned.config.merge_size)
 

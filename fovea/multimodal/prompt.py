@@ -2,7 +2,9 @@
 
 chat messages (OpenAI content parts) -> the checkpoint's chat template -> token ids -> each image's single
 placeholder (Qwen's `<|image_pad|>`, a video's `<|video_pad|>`; LLaVA's `<image>`) expanded to its item's tokens
--> positions by the model's rule (M-RoPE t/h/w, or 1-D).
+-> positions by the model's rule (M-RoPE t/h/w, or 1-D). Qwen3-VL's videos carry their time as text: a video's
+`<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch, `<t seconds>` and the patch inside its
+own vision start and end tokens.
 
 Given a token limit (max_model_len), too-long prompts are refused as cheaply as possible: by their character
 count before templating or tokenizing (no token is longer than the vocabulary's longest string), by counting
@@ -21,9 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from fovea.config.model import ModelConfig
-from fovea.config.video import VideoOptions
 from fovea.models.mrope_positions import VisionSpan, linear_positions, mrope_positions
-from fovea.multimodal.chat_format import CONTENT_FORMATS, as_string_content, detect_content_format
+from fovea.multimodal.chat_format import (
+    CONTENT_FORMATS,
+    ChatMedia,
+    as_string_content,
+    detect_content_format,
+    split_chat_media,
+    text_length,
+)
 from fovea.multimodal.fetch import ImageTooLarge
 from fovea.multimodal.image import MAX_REQUEST_PIXELS, ImageProcessor, ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, release_images
@@ -124,79 +132,6 @@ def find_chat_template(model_dir: str | Path, tokenizer) -> str | None:
     return None
 
 
-@dataclass
-class ChatMedia:
-    images: list = field(default_factory=list)
-    videos: list = field(default_factory=list)
-
-
-MEDIA_PARTS = {"image_url": "image", "image_pil": "image", "image": "image", "video_url": "video", "video": "video"}
-
-
-def split_chat_media(messages: list[dict]) -> tuple[list[dict], ChatMedia]:
-    """Replaces image and video content parts by {"type": "image"} / {"type": "video"} (what the template
-    expects) and collects their sources.
-
-    Accepted parts: text; image_url / video_url ({"url": ...} or a plain string); image_pil (a PIL image); image
-    and video (anything multi_modal_data takes).
-    """
-    media, normalized = ChatMedia(), []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ValueError("each chat message needs a 'role' that is a string")
-        if message.get("tool_calls"):
-            message = {**message, "tool_calls": [template_tool_call(call) for call in message["tool_calls"]]}
-        content = message.get("content")
-        if content is None or isinstance(content, str):
-            normalized.append({**message, "content": content or ""})
-            continue
-        if not isinstance(content, list):
-            raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                if not isinstance(part.get("text", ""), str):
-                    raise ValueError("a text content part's 'text' must be a string")
-                parts.append({"type": "text", "text": part.get("text", "")})
-            elif kind in MEDIA_PARTS:
-                source = part.get(kind)
-                if kind.endswith("_url") and isinstance(source, dict):
-                    source = source.get("url")
-                if source is None:
-                    raise ValueError(f"content part of type {kind!r} has no {kind!r} field")
-                (media.images if MEDIA_PARTS[kind] == "image" else media.videos).append(source)
-                parts.append({"type": MEDIA_PARTS[kind]})
-            else:
-                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url, video_url or image_pil")
-        normalized.append({**message, "content": parts})
-    return normalized, media
-
-
-def template_tool_call(call) -> dict:
-    """An assistant's earlier call with its arguments as an object: templates write them with tojson (vLLM
-    passes them so too), and OpenAI clients send them as JSON text."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValueError("each of an assistant message's tool_calls needs a function with a name")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise ValueError(f"the arguments of tool call {function['name']!r} are not JSON") from None
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
-def text_length(messages: list[dict]) -> int:
-    """Characters of text in (normalized) chat messages."""
-    total = 0
-    for message in messages:
-        content = message["content"]
-        total += len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
-    return total
-
-
 class PromptProcessor:
     def __init__(
         self,
@@ -214,7 +149,7 @@ class PromptProcessor:
         self.chat_template = chat_template or find_chat_template(model_dir, self.tokenizer)
         image_cfg = config.image.with_overrides(mm_processor_kwargs)
         self.image_processor = ImageProcessor(image_cfg)
-        self.video_options = VideoOptions().with_kwargs(mm_processor_kwargs)
+        self.video_options = config.video.with_kwargs(mm_processor_kwargs)
         self.decoder = decoder or LocalDecoder()
         self.placeholders = {"image": self._placeholder(config.image_token_id)}  # for "string" chat templates
         if config.video_token_id is not None:
@@ -222,6 +157,7 @@ class PromptProcessor:
         # an upper bound on the characters of one token (byte-level strings are at least as long as their text)
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         self._warned_tools = False
+        self._timestamp_ids: dict[str, list[int]] = {}
 
     def _placeholder(self, token_id: int) -> str:
         """What a template writes for one image or video: the placeholder token, inside the vision start and end
@@ -377,14 +313,23 @@ class PromptProcessor:
         ordered: list[ProcessedImage] = []
         spans: list[VisionSpan] = []
         prev = 0
+        start, end = self.config.vision_start_token_id, self.config.vision_end_token_id
         for slot in slots:
             token = ids[slot]
             item = next(queues[token])
             ordered.append(item)
-            spans.append(VisionSpan(token, item.grid_thw, item.second_per_grid_t))
-            expanded += ids[prev:slot]
-            expanded += [token] * item.num_tokens
-            prev = slot + 1
+            if item.timestamps is None:
+                spans.append(VisionSpan(token, item.grid_thw, item.second_per_grid_t))
+                expanded += ids[prev:slot]
+                expanded += [token] * item.num_tokens
+                prev = slot + 1
+                continue
+            # the template's whole <|vision_start|><|video_pad|><|vision_end|> becomes the video's patches (the
+            # released processor's rule; a bare <|video_pad|> too)
+            whole = prev < slot and ids[slot - 1] == start and ids[slot + 1 : slot + 2] == [end]
+            expanded += ids[prev : slot - 1 if whole else slot]
+            expanded += self._timestamped_patches(item, spans)
+            prev = slot + 2 if whole else slot + 1
         expanded += ids[prev:]
         if not self.config.mrope:
             return ProcessedPrompt(expanded, ordered, linear_positions(len(expanded)), 0)
@@ -392,3 +337,21 @@ class PromptProcessor:
             expanded, spans, self.config.vision.spatial_merge_size, self.config.vision.tokens_per_second
         )
         return ProcessedPrompt(expanded, ordered, positions, delta)
+
+    def _timestamped_patches(self, video: ProcessedImage, spans: list[VisionSpan]) -> list[int]:
+        """Qwen3-VL: each temporal patch as `<t seconds><|vision_start|>` + its tokens + `<|vision_end|>`, t with
+        one decimal; every patch its own vision item for the positions (a grid one patch deep)."""
+        _, h, w = video.grid_thw
+        per_patch = h * w // video.merge_size**2
+        token = self.config.video_token_id
+        ids: list[int] = []
+        for seconds in video.timestamps:
+            text = f"<{seconds:.1f} seconds>"
+            if text not in self._timestamp_ids:
+                if len(self._timestamp_ids) > 65536:  # a bound on what many long videos' times keep
+                    self._timestamp_ids.clear()
+                self._timestamp_ids[text] = self.tokenizer.encode(text, add_special_tokens=False)
+            ids += self._timestamp_ids[text]
+            ids += [self.config.vision_start_token_id, *[token] * per_patch, self.config.vision_end_token_id]
+            spans.append(VisionSpan(token, (1, h, w)))
+        return ids

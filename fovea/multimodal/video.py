@@ -1,4 +1,8 @@
-"""Videos for Qwen2.5-VL: which frames are kept, the size they are resized to, and their time step.
+"""Videos for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: which frames are kept, the size they are resized to, and their time.
+
+Qwen3-VL's rule (config/video.py, TimestampedVideoOptions) keeps frames and sizes them its own way, and its
+frames' time is text: each temporal patch gets the mean of its two frames' times (index / source fps), written
+`<1.5 seconds>` before it in the prompt (prompt.py). The rest of this note is Qwen2.5-VL's.
 
 Qwen's published video path (qwen-vl-utils, which the model was trained with), step by step:
 - frames kept: n = total / video_fps * fps, clamped to [min_frames rounded up to even, min(max_frames, total)
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from fovea.config.video import FRAME_FACTOR, VideoOptions, frame_indices, frame_size
+from fovea.config.video import FRAME_FACTOR, TimestampedVideoOptions, VideoOptions
 from fovea.multimodal import video_decode
 from fovea.multimodal.image import ProcessedImage, encoded_bytes, pixels_hash
 from fovea.multimodal.video_decode import VideoInfo
@@ -73,6 +77,7 @@ class PlannedVideo:
     merge_size: int
     frames: list | None = None
     data: bytes | None = None
+    timestamps: tuple[float, ...] | None = None  # Qwen3-VL: each temporal patch's time in seconds, as text
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +86,11 @@ class PlannedVideo:
 
 
 def plan_video(
-    source, options: VideoOptions, probe=video_decode.probe, patch_size: int = 14, merge_size: int = 2
+    source,
+    options: VideoOptions | TimestampedVideoOptions,
+    probe=video_decode.probe,
+    patch_size: int = 14,
+    merge_size: int = 2,
 ) -> PlannedVideo:
     """`probe(data) -> VideoInfo` reads a file's header (in a worker process on a server)."""
     frames = data = None
@@ -96,15 +105,22 @@ def plan_video(
     if frames is not None and fps is None and len(frames) <= options.max_frames:
         # frames given without a rate are already sampled at fps: all are kept, and an odd count gets its last frame
         # repeated to whole temporal patches, as transformers' video processor does (and vLLM, which hands it them)
-        indices = list(range(len(frames)))
-        indices += indices[-1:] * (-len(indices) % FRAME_FACTOR)
+        indices, video_fps = list(range(len(frames))), options.fps
         second_per_grid_t = FRAME_FACTOR / options.fps
     else:
-        indices = frame_indices(info.frames, info.fps, options)
+        indices, video_fps = options.frame_indices(info.frames, info.fps), info.fps
         second_per_grid_t = FRAME_FACTOR / (len(indices) / info.frames * info.fps)
-    height, width = frame_size(info.height, info.width, len(indices), options, patch_size * merge_size)
+    sampled = len(indices)  # Qwen3-VL sizes frames by the count before padding
+    indices += indices[-1:] * (-len(indices) % FRAME_FACTOR)
+    height, width = options.frame_size(
+        info.height, info.width, sampled if options.timestamps else len(indices), patch_size * merge_size
+    )
     grid = (len(indices) // FRAME_FACTOR, height // patch_size, width // patch_size)
-    return PlannedVideo(indices, height, width, grid, second_per_grid_t, merge_size, frames, data)
+    timestamps = None
+    if options.timestamps:  # each temporal patch: the mean time of its first and last frame
+        times = [index / video_fps for index in indices]
+        timestamps = tuple((times[i] + times[i + 1]) / 2 for i in range(0, len(times), FRAME_FACTOR))
+    return PlannedVideo(indices, height, width, grid, second_per_grid_t, merge_size, frames, data, timestamps)
 
 
 def process_video(planned: PlannedVideo) -> ProcessedImage:
@@ -121,4 +137,6 @@ def process_video(planned: PlannedVideo) -> ProcessedImage:
         pixels = np.stack([resized(planned.frames[index]) for index in planned.indices])
     # the time step is part of what the tokens mean (their positions): two fps of the same frames never share cache
     content_hash = pixels_hash(pixels, planned.grid) + f"-t{planned.second_per_grid_t!r}"
-    return ProcessedImage(pixels, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t)
+    return ProcessedImage(
+        pixels, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t, planned.timestamps
+    )

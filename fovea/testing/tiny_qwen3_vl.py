@@ -1,7 +1,7 @@
 """Tiny random-weight Qwen3-VL checkpoints, written by transformers' own Qwen3VLForConditionalGeneration
 (`save_pretrained`): config.json and model.safetensors exactly as transformers writes them today, with Qwen3's
-vocabulary (tiny.py's, with <think> and </think>) and a Qwen2-VL-style preprocessor_config.json (16-pixel patches, mean and
-std 0.5, as the released ones).
+vocabulary (tiny.py's, with <think> and </think>), a Qwen2-VL-style preprocessor_config.json (16-pixel patches, mean and
+std 0.5, as the released ones) and the released video_preprocessor_config.json.
 
 Not yet here: the released Qwen3-VL chat template (the tokenizer carries tiny.py's Qwen2.5-VL one, which the
 parity tests apply on both sides).
@@ -71,6 +71,23 @@ def hf_config(name: str):
     )
 
 
+# the released models' video_preprocessor_config.json: one area bound for all of a video's frames together
+VIDEO_PREPROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+    "do_sample_frames": True,
+}
+
+
 def preprocessor_config(min_pixels: int = 32 * 32 * 4, max_pixels: int = 32 * 32 * 256) -> dict:
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -119,4 +136,5 @@ def write_qwen3_vl_checkpoint(
     model.eval().to(getattr(torch, dtype)).save_pretrained(out)
     write_tokenizer_files(out, qwen3=True)
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR, indent=2))
     return out
