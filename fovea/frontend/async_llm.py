@@ -36,10 +36,11 @@ from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected,
 from fovea.core.request import RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
+from fovea.engine.structured_outputs import Grammars
 from fovea.frontend.engine_process import EngineProcess
 from fovea.frontend.input_processor import InputProcessor
 from fovea.multimodal.image_workers import ImageWorkers, default_workers
-from fovea.multimodal.prompt import ChatOptions
+from fovea.multimodal.prompt import ChatOptions, load_tokenizer
 
 logger = logging.getLogger("fovea")
 RESTART_WINDOW_S = 600.0
@@ -54,6 +55,14 @@ def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
     if config.data_parallel_size == 1:
         return config
     return dataclasses.replace(config, device=torch.device("cuda", replica * config.tensor_parallel_size))
+
+
+def load_front_end(config: EngineConfig) -> tuple[object, Grammars]:
+    """The tokenizer, and the grammar engine with its compiler made."""
+    tokenizer = load_tokenizer(config.model_dir)
+    grammars = Grammars(tokenizer, config.model.text.vocab_size, config.model.eos_token_ids, config.device)
+    grammars.compiler  # noqa: B018 - made now, not by the first structured request
+    return tokenizer, grammars
 
 
 class EngineDeadError(RuntimeError):
@@ -88,6 +97,12 @@ class AsyncLLM:
         self._stopped = False
         self._replica_stats = [EngineStats() for _ in range(config.data_parallel_size)]
         self._in_flight = [0] * config.data_parallel_size  # requests per replica
+        # the front end's own start (tokenizer, decoding processes, and the grammar compiler that checks requests'
+        # structured outputs, which reads the whole vocabulary) runs while the engine process starts, which leaves
+        # this process waiting: seconds of every server start
+        loaded = self._prepare_pool.submit(load_front_end, config)
+        workers = default_workers() if config.mm_processor_workers is None else config.mm_processor_workers
+        self.image_workers = ImageWorkers(workers) if workers else None  # else: decoded in the preparation pool
         # everything the engine's messages touch exists before it starts: they may come at once
         self._engines: list[EngineProcess] = []
         try:
@@ -96,13 +111,14 @@ class AsyncLLM:
         except BaseException:
             for engine in self._engines:
                 engine.stop()
+            if self.image_workers is not None:
+                self.image_workers.close()
             raise
         # runs before multiprocessing's own exit handler ends the engine process, which would look like a death
         atexit.register(self.shutdown)
-        self.config = self._engines[0].config
-        workers = default_workers() if config.mm_processor_workers is None else config.mm_processor_workers
-        self.image_workers = ImageWorkers(workers) if workers else None  # else: decoded in the preparation pool
-        self.inputs = InputProcessor(self.config, self.image_workers)
+        self.config = self._engines[0].config  # max_model_len may have shrunk to the KV cache
+        tokenizer, grammars = loaded.result()
+        self.inputs = InputProcessor(self.config, self.image_workers, tokenizer, grammars)
         self.tokenizer = self.inputs.tokenizer
         self.default_params = default_sampling_params(self.config.model_dir, self.config.generation_config)
 

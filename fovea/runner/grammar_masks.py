@@ -25,13 +25,17 @@ class GrammarMasks:
     forward pass; the sampler waits for them only once it has the logits, then applies them on the device."""
 
     def __init__(self, rows: list[int], matchers: list, vocab_size: int):
-        import llguidance.torch as lt
+        # llguidance's numpy helpers fill a torch tensor's memory: its torch module would import torch.compile's
+        # machinery (seconds of every process's start-up) for a kernel that only a GPU uses
+        import llguidance.numpy as ln
+        import torch
 
         self.rows = rows
-        self.bitmask = lt.allocate_token_bitmask(len(rows), vocab_size)
+        words = (vocab_size + 31) // 32
+        self.bitmask = torch.full((len(rows), words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         pool, starter = _fill_threads()
         self._filled = starter.submit(
-            lt.fill_next_token_bitmask_par, pool, list(zip(matchers, range(len(rows)))), self.bitmask
+            ln.fill_next_token_bitmask_par, pool, list(zip(matchers, range(len(rows)))), self.bitmask.numpy()
         )
 
     @classmethod
@@ -57,8 +61,8 @@ class GrammarMasks:
 
 def apply_bitmask(logits, bitmask) -> None:
     """-inf where a row's bit is 0 (bit j of word i: token 32 i + j). On a GPU, llguidance's kernel; on the CPU
-    the same arithmetic eagerly: llguidance's is torch.compile'd, seconds of every process's start-up there
-    (the server warms it up before answering) for what the eager ops do in a millisecond a row."""
+    the same arithmetic eagerly: llguidance's is torch.compile'd, seconds of every process's start-up there for
+    what the eager ops do in a millisecond a row."""
     import torch
 
     if logits.device.type != "cpu":

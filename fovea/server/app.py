@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -56,9 +55,6 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         logger.info(
             "(from the checkpoint's generation_config.json, as vLLM does; --generation-config vllm turns them off)"
         )
-    # the front end checks that requests' grammars compile: its compiler (seconds: it reads the whole vocabulary)
-    # is made now, beside start-up, not by the first structured request
-    threading.Thread(target=lambda: engine.inputs.grammars, name="grammar-compiler", daemon=True).start()
     metrics = ServerMetrics(
         names[0],
         config.max_model_len,
