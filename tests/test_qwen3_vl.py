@@ -114,3 +114,60 @@ def test_moe_config_and_the_released_expert_layout(tmp_path):
     ours, theirs = load_model(saved, dtype="float32")[0], load_model(hub, dtype="float32")[0]
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
     assert ours.model.layers[0].mlp.experts.gate_up_proj.shape == (6, 48, 64)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+TOOLS_TURN = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "
+    'signatures within <tools></tools> XML tags:\n<tools>\n{"type": "function", "function": {"name": "get_weather", '
+    '"parameters": {"type": "object"}}}\n</tools>\n\nFor each function call, return a json object with function name '
+    'and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+)
+
+
+@pytest.mark.parametrize(
+    "messages, kwargs, expected",
+    [
+        (  # no default system turn (Qwen2.5-VL's template adds one)
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
+            {},
+            "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n"
+            "<|im_start|>assistant\n",
+        ),
+        (  # the system text first in the tools turn; a call after the answer's text; results in one user turn
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": "Checking.",
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                    ],
+                },
+                {"role": "tool", "content": "21 C"},
+                {"role": "tool", "content": [{"type": "text", "text": "map: "}, {"type": "image"}]},
+            ],
+            {"tools": [WEATHER]},
+            "<|im_start|>system\nBe brief.\n\n" + TOOLS_TURN + "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+            '<|im_start|>assistant\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\nmap: "
+            "<|vision_start|><|image_pad|><|vision_end|>\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Same?"}]}],
+            {"add_vision_id": True, "add_generation_prompt": False},
+            "<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>Video 1: <|vision_start|>"
+            "<|video_pad|><|vision_end|>Same?<|im_end|>\n",
+        ),
+    ],
+)
+def test_the_tiny_checkpoint_carries_qwen3_vls_chat_format(qwen3_dir, messages, kwargs, expected):
+    """The tokenizer's template renders the released Qwen3-VL-8B-Instruct template's text (the expected strings
+    are that template's renderings of these conversations)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    kwargs = {"add_generation_prompt": True, **kwargs}
+    assert tokenizer.apply_chat_template(messages, tokenize=False, **kwargs) == expected

@@ -167,15 +167,16 @@ def qwen2_vocabulary_file() -> Path:
 
 
 def write_tokenizer_files(out_dir: Path, qwen3: bool = False) -> None:
-    """Qwen2.5's added tokens, or with `qwen3` also Qwen3's (<tool_response>, </tool_response>, <think>, </think>:
-    plain text tokens, not special)."""
+    """Qwen2.5's added tokens and Qwen2.5-VL's chat template, or with `qwen3` also Qwen3's added tokens
+    (<tool_response>, </tool_response>, <think>, </think>: plain text tokens, not special) and Qwen3-VL's template."""
     tok = json.loads(qwen2_vocabulary_file().read_text(encoding="utf-8"))
     if not qwen3:
         tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= LAST_QWEN25_ADDED_TOKEN]
     for name, token_id in SPECIAL_TOKENS.items():
         assert any(t["id"] == token_id and t["content"] == name for t in tok["added_tokens"]), name
     (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
-    template = (resources.files("fovea.models") / "qwen2_5_vl_chat_template.jinja").read_text()
+    template_file = "qwen3_vl_chat_template.jinja" if qwen3 else "qwen2_5_vl_chat_template.jinja"
+    template = (resources.files("fovea.models") / template_file).read_text()
     decoder = {
         str(t["id"]): {
             "content": t["content"],

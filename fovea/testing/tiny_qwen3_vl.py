@@ -1,10 +1,8 @@
 """Tiny random-weight Qwen3-VL checkpoints, written by transformers' own Qwen3VLForConditionalGeneration
 (`save_pretrained`): config.json and model.safetensors exactly as transformers writes them today, with Qwen3's
 vocabulary (tiny.py's, with <think> and </think>), a Qwen2-VL-style preprocessor_config.json (16-pixel patches, mean and
-std 0.5, as the released ones) and the released video_preprocessor_config.json.
-
-Not yet here: the released Qwen3-VL chat template (the tokenizer carries tiny.py's Qwen2.5-VL one, which the
-parity tests apply on both sides).
+std 0.5, as the released ones), the released video_preprocessor_config.json, and Qwen3-VL's chat template (the
+Instruct models' format: fovea/models/qwen3_vl_chat_template.jinja).
 """
 
 from __future__ import annotations
