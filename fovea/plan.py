@@ -1,7 +1,9 @@
 """`fovea plan MODEL --gpu-memory GiB`: what fits on a GPU, worked out from config.json alone (no GPU, no weights).
 
-Weights: the model's exact parameter count (it is built on the meta device) times the dtype's size. KV cache per
-token: layers x KV heads x head_dim x 2 (K and V) x the dtype's size. Activations are estimates for eager PyTorch:
+Weights: the model's exact parameters (it is built on the meta device, quantized layers as the checkpoint's
+quantization_config says), each at its stored size: quantized weights and their integer packing as stored, the
+rest (scales included) at the dtype's size. KV cache per token: layers x KV heads x head_dim x 2 (K and V) x the
+cache's value size (the dtype's, or 1 byte with --kv-cache-dtype fp8; both capacities are shown). Activations are estimates for eager PyTorch:
 the widest moment of a layer is its MLP (gate, up and their product: 3 x intermediate per token, plus a few
 hidden-size rows), for the language model over one step's max_num_batched_tokens and for the vision tower over the
 patches of the largest image the limits allow (4 patches per image token) and over one step's part of a video
@@ -37,16 +39,33 @@ class MemoryPlan:
     max_model_len: int
     dtype: str  # the dtype the engine would serve in on a GPU
     expert_bytes: int = 0  # of weights_bytes: MoE experts and routers, whole on every rank (layers/moe.py)
+    quantization: str | None = None  # the checkpoint's quantized weights (method, format)
+    kv_tokens_by_dtype: dict[str, int] | None = None  # the KV capacity in the model's dtype and in fp8
 
     @property
     def max_concurrency(self) -> float:
         return self.kv_tokens / self.max_model_len
 
 
+def meta_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model as the engine builds it (quantized layers included), on the meta device: shapes, no memory."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return family(config.architecture).Model(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def count_parameters(config: ModelConfig) -> int:
-    with torch.device("meta"):
-        model = family(config.architecture).Model(config)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in meta_model(config).parameters())
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every weight as the engine holds it in `dtype`: quantized weights, packed integers and float32
+    scales as stored, the rest in `dtype`."""
+    return sum(p.numel() * p.element_size() for p in meta_model(config, dtype).parameters())
 
 
 def expert_parameters(config: ModelConfig) -> int:
@@ -66,6 +85,7 @@ def plan_memory(
     max_num_seqs: int = default("max_num_seqs"),
     gpu_memory_utilization: float = default("gpu_memory_utilization"),
     tensor_parallel_size: int = default("tensor_parallel_size"),
+    kv_cache_dtype: str = default("kv_cache_dtype"),
     max_pixels: int | None = None,
 ) -> MemoryPlan:
     config = ModelConfig.from_dir(model_dir)
@@ -73,10 +93,12 @@ def plan_memory(
     served = serving_dtype(config.torch_dtype, dtype, "cuda")
     size = served.itemsize
     experts = expert_parameters(config) * size
-    weights = (count_parameters(config) * size - experts) // tensor_parallel_size + experts
+    weights = (weight_bytes(config, served) - experts) // tensor_parallel_size + experts
     # KV heads split over the ranks, or replicated (one per rank) when there are fewer heads than ranks
     kv_heads = max(1, text.num_kv_heads // tensor_parallel_size)
-    kv_per_token = text.num_layers * kv_heads * text.head_dim * 2 * size
+    kv_values = text.num_layers * kv_heads * text.head_dim * 2  # per token
+    kv_value_bytes = {str(served).removeprefix("torch."): size, "fp8": 1}
+    kv_per_token = kv_values * (size if kv_cache_dtype == "auto" else 1)
     mlp = max(text.intermediate_size, text.moe.top_k * text.moe.intermediate_size if text.moe else 0)
     lm = max_num_batched_tokens * (3 * mlp + 4 * text.hidden_size) * size // tensor_parallel_size
     lm += max_num_seqs * text.vocab_size * 4 * 2
@@ -114,18 +136,21 @@ def plan_memory(
         step = min(tokens, max(per_patch, max_num_batched_tokens // per_patch * per_patch))
         videos.append((what, len(kept), tokens, vision_activations(step)))
     peak = max(lm, max(a for *_, a in images + videos))
-    budget = gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak
+    budget = max(0, gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak)
     max_model_len = max_model_len or text.max_position_embeddings
+    quant = text.quant
     return MemoryPlan(
         weights,
         kv_per_token,
         lm,
         images,
         videos,
-        max(0, int(budget // kv_per_token)),
+        int(budget // kv_per_token),
         max_model_len,
         str(served).removeprefix("torch."),
         experts,
+        None if quant is None else f"{quant.method} ({quant.source})",
+        {name: int(budget // (kv_values * value)) for name, value in kv_value_bytes.items()},
     )
 
 
@@ -146,6 +171,8 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
         title,
         f"{'weights':<34}{plan.weights_bytes / GIB:>10.2f} GiB",
     ]
+    if plan.quantization:
+        lines.append(f"{'  quantized':<34}{plan.quantization:>14}")
     if plan.expert_bytes:
         lines.append(f"{'  of which MoE experts (every GPU)':<34}{plan.expert_bytes / GIB:>10.2f} GiB")
     lines += [
@@ -166,6 +193,11 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
         "",
         f"KV cache: {plan.kv_tokens} tokens, max concurrency {plan.max_concurrency:.2f}x for max_model_len "
         f"{plan.max_model_len}",
+    ]
+    lines += [
+        f"  KV cache in {name}{' (--kv-cache-dtype fp8)' if name == 'fp8' else ''}: {tokens} tokens, "
+        f"{tokens / plan.max_model_len:.2f}x"
+        for name, tokens in (plan.kv_tokens_by_dtype or {}).items()
     ]
     if plan.kv_tokens < plan.max_model_len:
         lines.append(

@@ -88,3 +88,30 @@ def test_a_model_with_sliding_window_layers_needs_a_backend_that_has_them():
     assert features_needed(plain) == () and features_needed(windowed) == ("sliding_window",)
     with pytest.raises(ValueError, match="needs sliding_window attention"):
         make_backend("triton", 2, False, torch.device("cpu"), needs=features_needed(windowed))
+
+
+def test_fp8_kv_cache_is_attention_over_fp8_rounded_keys_and_values():
+    """A float8 cache holds value / scale in e4m3 and reads back stored x scale: attention over it equals the
+    reference over keys and values rounded that way, the cached prefixes and the step's new tokens alike; and the
+    rounding is there to see (the exact cache gives other outputs)."""
+    fp8 = torch.float8_e4m3fn
+    q, k, v, cache, make_meta = ragged_batch(MIXED, 4, 2, 16, 16, torch.float32)
+    k_scale, v_scale = torch.tensor(0.5), torch.tensor(2.0)
+
+    def rounded(x, scale):
+        return (x / scale).to(fp8).float() * scale
+
+    backend = TorchAttention()
+    meta = make_meta(backend)
+    backend.prepare(meta)
+    stored = torch.stack([(cache[0] / k_scale).to(fp8), (cache[1] / v_scale).to(fp8)])
+    got = backend.forward(q, k, v, stored, meta, scale=0.25, kv_scales=(k_scale, v_scale))
+    assert stored.dtype == fp8
+    reference = torch.stack([rounded(cache[0], k_scale), rounded(cache[1], v_scale)])
+    expected = backend.forward(q, rounded(k, k_scale), rounded(v, v_scale), reference, meta, scale=0.25)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stored.float() * torch.tensor([0.5, 2.0]).view(2, 1, 1, 1, 1), reference)
+    exact = backend.forward(q, k, v, cache.clone(), meta, scale=0.25)
+    assert (got - exact).abs().max().item() > 1e-3
+    with pytest.raises(ValueError, match=r"fp8_kv_cache attention, which the triton backend does not have"):
+        make_backend("triton", 2, False, torch.device("cpu"), needs=("fp8_kv_cache",))

@@ -166,3 +166,48 @@ def test_moe_experts_are_whole_on_every_rank(tmp_path):
     assert one.weights_bytes == count_parameters(config) * 4 and one.expert_bytes == two.expert_bytes == experts * 4
     assert two.weights_bytes == (one.weights_bytes - experts * 4) // 2 + experts * 4
     assert "of which MoE experts (every GPU)" in format_plan(two, "tiny-qwen3-vl-moe")
+
+
+def quantized_bytes(size: str, fmt: str) -> int:
+    """The published shape's weights in a quantized format, counted from the facts: every decoder projection
+    quantized (q|k|v, o, gate|up, down), its scales float32 (per 128 x 128 block, or per output row), AWQ's int4
+    values and zeros packed and its scales per 128 inputs in bf16; all else (embeddings, head, norms, q/k/v
+    biases, the vision tower) bf16."""
+    hidden, layers, heads, kv_heads, intermediate, *_ = QWEN_SHAPES[size]
+    projections = [(128 * (heads + 2 * kv_heads), hidden), (hidden, 128 * heads), (2 * intermediate, hidden)]
+    projections += [(hidden, intermediate)]  # (outputs, inputs) of each
+    quantized = layers * sum(rows * cols for rows, cols in projections)
+    per_layer = {
+        "fp8-block": sum(-(-rows // 128) * -(-cols // 128) * 4 for rows, cols in projections),
+        "int8-channel": sum(rows * 4 for rows, _ in projections),
+        "awq": sum(cols // 128 * (rows * 2 + rows // 8 * 4) for rows, cols in projections),  # scales, zeros
+    }[fmt]
+    stored = quantized // 2 if fmt == "awq" else quantized
+    return (published_param_count(size) - quantized) * 2 + stored + layers * per_layer
+
+
+@pytest.mark.parametrize("size", ["32b", "72b"])
+def test_quantized_formats_plan_their_bytes_and_the_fewest_gpus(tiny_dirs, tmp_path, size):
+    """`fovea plan MODEL --gpu-memory 80` of the 32B and 72B in each format fovea loads, and bf16 vs fp8 KV."""
+    import json
+
+    from fovea.plan import smallest_fitting_size
+    from fovea.testing.quantize import quantization_config
+
+    fewest = {}
+    for fmt in (None, "fp8-block", "int8-channel", "awq"):
+        model_dir = published_shape_dir(tmp_path / f"{size}-{fmt}", tiny_dirs["tiny-3b"], size)
+        if fmt is not None:
+            config = json.loads((model_dir / "config.json").read_text())
+            config["quantization_config"] = quantization_config(fmt, (128, 128), 128)
+            (model_dir / "config.json").write_text(json.dumps(config))
+        plan = plan_memory(model_dir, 80, max_model_len=32768)
+        expected = published_param_count(size) * 2 if fmt is None else quantized_bytes(size, fmt)
+        assert plan.weights_bytes == expected, fmt
+        bf16, fp8 = plan.kv_tokens_by_dtype["bfloat16"], plan.kv_tokens_by_dtype["fp8"]
+        assert plan.kv_tokens == bf16 and fp8 in (2 * bf16, 2 * bf16 + 1)  # one byte a value instead of two
+        fewest[fmt] = smallest_fitting_size(model_dir, 80, max_model_len=32768)
+    # 32B: 62 GiB of bf16 weights leave too little for a 32k sequence on one card; 33 GiB in fp8 or int8, 19 in
+    # AWQ do not. 72B: 137 GiB -> 4 GPUs; 71 GiB -> 2; AWQ's 40 GiB fit one.
+    assert fewest == ({None: 2, "fp8-block": 1, "int8-channel": 1, "awq": 1} if size == "32b" else
+                      {None: 4, "fp8-block": 2, "int8-channel": 2, "awq": 1})  # fmt: skip

@@ -62,8 +62,8 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
     assert config.max_model_len == 1024
     for args, words in [
         (dict(pipeline_parallel_size=2), "pipeline parallelism is not implemented"),
-        (dict(kv_cache_dtype="fp8"), "quantized KV is not implemented"),
-        (dict(quantization="awq"), "quantized checkpoints are not supported"),
+        (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2 is not"),
+        (dict(quantization="awq"), "the checkpoint is not quantized"),
         (dict(load_format="pt"), "only safetensors"),
         (dict(tokenizer=str(tiny_dirs["tiny-7b"])), "a tokenizer other than the model's own"),
         (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or"),

@@ -9,7 +9,8 @@ start-up, naming both, rather than computing something else:
 - `sliding_window`: a layer sees only its last W keys (`forward(..., window=W)`);
 - `bidirectional_spans`: tokens inside a span (a prompt's image) also see the later tokens of that span, as
   Gemma 3's image tokens do (`PagedAttentionMetadata.bidirectional_spans`);
-- `cuda_graphs`: its decode step can be captured in a CUDA graph.
+- `cuda_graphs`: its decode step can be captured in a CUDA graph;
+- `fp8_kv_cache`: it keeps keys and values in float8 e4m3, each layer's k and v scaled (--kv-cache-dtype fp8).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class BackendSpec:
     sliding_window: bool
     bidirectional_spans: bool
     cuda_graphs: bool
+    fp8_kv_cache: bool
 
 
 def _triton(heads_per_kv_head: int, fp32_softmax: bool, device: torch.device) -> AttentionBackend:
@@ -42,8 +44,11 @@ BACKENDS = {  # the reference sizes its tensors from each batch, so it cannot be
         sliding_window=True,
         bidirectional_spans=True,
         cuda_graphs=False,
+        fp8_kv_cache=True,
     ),
-    "triton": BackendSpec(_triton, sliding_window=False, bidirectional_spans=False, cuda_graphs=True),
+    "triton": BackendSpec(
+        _triton, sliding_window=False, bidirectional_spans=False, cuda_graphs=True, fp8_kv_cache=False
+    ),
 }
 
 
@@ -66,6 +71,7 @@ def make_backend(
     if missing:
         raise ValueError(
             f"the model needs {', '.join(missing)} attention, which the {name} backend does not "
-            f"have; backends that do: {[n for n, s in BACKENDS.items() if all(getattr(s, f) for f in needs)]}"
+            f"have; backends that do: {[n for n, s in BACKENDS.items() if all(getattr(s, f) for f in needs)]} "
+            "(--attention-backend)"
         )
     return spec.build(heads_per_kv_head, fp32_softmax, device)

@@ -57,17 +57,28 @@ class AttentionBackend:
         meta: PagedAttentionMetadata,
         scale: float,
         window: int | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """q: (N, Hq, D), k/v: (N, Hkv, D) for the N new tokens. Stores k/v, returns (N, Hq, D). `window`: a
-        sliding-window layer's W (a query sees itself and the W - 1 keys before it); None: all keys."""
+        sliding-window layer's W (a query sees itself and the W - 1 keys before it); None: all keys.
+        `kv_scales`: the layer's k and v scales, for a float8 cache (stored = value / scale)."""
         raise NotImplementedError
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+FP8_MAX = 448.0  # float8_e4m3fn's largest value: a key or value beyond scale x 448 is clipped there
+
+
+def write_kv(k, v, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales=None) -> None:
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        return
+    raw = flat.view(torch.uint8)  # PyTorch copies float8 by index only as bytes
+    for i, (new, kv_scale) in enumerate(zip((k, v), kv_scales)):
+        stored = (new.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        raw[i].index_copy_(0, slot_mapping, stored.view(torch.uint8))
 
 
 class TorchAttention(AttentionBackend):
@@ -132,16 +143,19 @@ class TorchAttention(AttentionBackend):
             allowed |= (queries >= first) & (queries < end) & (keys >= first) & (keys < end)
         return allowed
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=None):
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None):
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
         _, num_blocks, block_size, heads, dim = kv_cache.shape
         flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
         dtype = torch.float32 if self.fp32_softmax else q.dtype
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn
 
         def attend(queries, slots, mask=None, causal=False):  # queries (B, Lq, Hq, D), slots (B, Lk)
             keys, values = flat[0][slots].to(dtype), flat[1][slots].to(dtype)
+            if fp8:
+                keys, values = keys * kv_scales[0].to(dtype), values * kv_scales[1].to(dtype)
             result = F.scaled_dot_product_attention(
                 queries.to(dtype).transpose(1, 2),
                 keys.transpose(1, 2),

@@ -101,14 +101,18 @@ class Attention(nn.Module):
         super().__init__()
         self.scale, self.causal, self.layer_index, self.fp32 = head_dim**-0.5, causal, layer_index, fp32
         self.sliding_window = sliding_window  # paged path only: the backend must have the feature (see __init__)
+        if layer_index is not None:  # a float8 KV cache's scales: the checkpoint's where it has them, else 1.0
+            self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+            self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | PagedAttentionMetadata
     ) -> torch.Tensor:
         """q: (N, Hq, D), k/v: (N, Hkv, D) -> (N, Hq, D)."""
         if isinstance(meta, PagedAttentionMetadata):
+            cache = meta.kv_caches[self.layer_index]
             return meta.backend.forward(
-                q, k, v, meta.kv_caches[self.layer_index], meta, self.scale, window=self.sliding_window
+                q, k, v, cache, meta, self.scale, self.sliding_window, (self.k_scale, self.v_scale)
             )
         if meta.tiles is not None:
             from fovea.attention.triton_varlen import varlen_attention_triton

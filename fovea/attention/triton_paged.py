@@ -61,7 +61,8 @@ class TritonAttention(AttentionBackend):
             block_q = _block_q(meta, self.group_p2, self.prefill_rows)
             meta.plan[("tiles", block_q)] = _tiles(meta, block_q)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=None):  # no windows or spans: the registry says so
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None):
+        # no windows, spans or float8 cache here: the registry says so
         if q.stride(2) != 1:
             q = q.contiguous()
         num_tokens, q_heads, head_dim = q.shape

@@ -12,6 +12,7 @@ import torch
 
 from fovea.config.flags import default
 from fovea.config.model import ModelConfig, resolve_model_dir, serving_dtype
+from fovea.config.quant import check_flag
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
 
@@ -51,6 +52,8 @@ class EngineConfig:
     distributed_executor_backend: str | None = default("distributed_executor_backend")
     generation_config: str = default("generation_config")
     max_logprobs: int = default("max_logprobs")
+    quantization: str | None = default("quantization")
+    kv_cache_dtype: str = default("kv_cache_dtype")
     reasoning_parser: str | None = default("reasoning_parser")
 
     @property
@@ -64,6 +67,11 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.device.type == "cuda" else "torch"
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache holds: the model's dtype, or float8 e4m3 (--kv-cache-dtype fp8)."""
+        return self.dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     @property
     def encoder_budget(self) -> int:
@@ -132,6 +140,11 @@ class EngineConfig:
         )
         if config.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
+        if config.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported: auto, or fp8 (e4m3; fp8_e5m2 is not)"
+            )
+        check_flag(config.quantization, model.text.quant)
         if config.generation_config not in ("auto", "vllm") and not Path(config.generation_config).is_dir():
             raise ValueError(f"generation_config must be auto, vllm or a directory, got {config.generation_config!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_budget", "max_logprobs"):

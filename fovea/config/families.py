@@ -16,6 +16,7 @@ import torch
 
 from fovea.config.image import ImageProcessorConfig
 from fovea.config.model import ModelConfig, MoEConfig, TextConfig, VisionConfig, resolve_dtype
+from fovea.config.quant import parse_quant_config
 from fovea.config.video import TimestampedVideoOptions
 
 # config.json files without `architectures` are named by their model_type
@@ -40,7 +41,13 @@ def architecture_of(raw: dict) -> str:
 
 
 def parse_model_config(raw: dict, preprocessor: dict) -> ModelConfig:
-    return PARSERS[architecture_of(raw)](raw, preprocessor)
+    config = PARSERS[architecture_of(raw)](raw, preprocessor)
+    quant = parse_quant_config(raw.get("quantization_config") or text_keys(raw).get("quantization_config"))
+    if quant is None:
+        return config
+    if config.text.moe is not None:
+        raise ValueError(f"{quant.source} quantized MoE experts are not supported yet (dense models only)")
+    return dataclasses.replace(config, text=dataclasses.replace(config.text, quant=quant))
 
 
 # ------------------------------------------------------------------------------------------- shared helpers

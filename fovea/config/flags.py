@@ -84,6 +84,20 @@ FLAGS = (
         "auto",
         "auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; or a directory holding one",
     ),
+    Flag(
+        "quantization",
+        None,
+        "the checkpoint's quantized weights: fp8, compressed-tensors or awq, read from its config.json "
+        "(quantization_config); given, it must name the checkpoint's own",
+        type=str,
+        short="-q",
+    ),
+    Flag(
+        "kv_cache_dtype",
+        "auto",
+        "KV cache values: auto (the model's dtype) or fp8 (e4m3, scaled by the checkpoint's k/v scales, else 1.0)",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    ),
     Flag("max_logprobs", 20, "most logprobs a request may ask for"),
     Flag(
         "reasoning_parser",
@@ -157,6 +171,7 @@ PLAN_FLAGS = (
     "max_num_batched_tokens",
     "gpu_memory_utilization",
     "tensor_parallel_size",
+    "kv_cache_dtype",
 )
 EVAL_FLAGS = ("dtype", "max_model_len", "max_num_seqs")  # laid over a registry entry's engine settings
 
@@ -198,9 +213,7 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM flags kept for launch lines (see fovea/config/vllm_args.py)")
     only = "only this value; others fail naming what is missing"
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=only)
-    group.add_argument("--kv-cache-dtype", default="auto", help=only)
     group.add_argument("--load-format", default="auto", help="auto or safetensors")
-    group.add_argument("--quantization", "-q", default=None, help="none yet: any value fails naming what is missing")
     group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
     group.add_argument("--mm-processor-cache-gb", type=float, default=None, help="0 only (no such cache yet)")
     group.add_argument(

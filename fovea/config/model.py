@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fovea.config.image import ImageProcessorConfig
+from fovea.config.quant import QuantConfig
 from fovea.config.video import TimestampedVideoOptions, VideoOptions
 
 logger = logging.getLogger("fovea")
@@ -62,6 +63,7 @@ class TextConfig:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before rotary
     mrope_interleaved: bool = False  # Qwen3-VL: the frequencies cycle t, h, w instead of running in three chunks
     moe: MoEConfig | None = None  # experts in place of some layers' MLP
+    quant: QuantConfig | None = None  # the checkpoint's quantized linear layers (config/quant.py)
 
 
 @dataclass(frozen=True)

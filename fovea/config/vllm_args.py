@@ -29,9 +29,7 @@ NO_EFFECT = {
 # value(s) at which the argument changes nothing; any other value asks for something fovea does not do
 ONLY_AT = {
     "pipeline_parallel_size": ((1, None), "pipeline parallelism is not implemented; use --tensor-parallel-size"),
-    "kv_cache_dtype": (("auto", None), "the KV cache is kept in the model's dtype; quantized KV is not implemented"),
     "load_format": (("auto", "safetensors", None), "only safetensors checkpoints load"),
-    "quantization": ((None,), "quantized checkpoints are not supported yet"),
     "cpu_offload_gb": ((0, None), "offloading weights to the CPU is not implemented"),
     "tokenizer_mode": (("auto", "hf", None), "only the checkpoint's Hugging Face tokenizer is supported"),
     "worker_cls": (("auto", None), "custom worker classes are not supported"),

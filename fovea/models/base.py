@@ -16,6 +16,14 @@ from torch import nn
 from fovea.config.model import ModelConfig
 from fovea.layers.basic import ParallelLMHead
 
+# per-layer KV-cache scales as checkpoints name them (after self_attn.): fp8 checkpoints, compressed-tensors
+KV_SCALES = {
+    "k_scale": "k_scale",
+    "v_scale": "v_scale",
+    "k_proj.output_scale": "k_scale",
+    "v_proj.output_scale": "v_scale",
+}
+
 
 @dataclass(frozen=True)
 class ModelOptions:
@@ -108,6 +116,9 @@ class VisionLanguageModel(nn.Module):
         name = self.rename(name)
         if name is None or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None  # some tied checkpoints still store the head; the embedding is the source
+        for stored, ours in KV_SCALES.items():  # a float8 KV cache's scales belong to the layer's Attention
+            if name.endswith(".self_attn." + stored):
+                return name.removesuffix(stored) + "attn." + ours, None
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in self.packed_modules:

@@ -16,6 +16,7 @@ from torch import nn
 from fovea.attention.backend import PagedAttentionMetadata
 from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import TextConfig
+from fovea.config.quant import layer_quant
 from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding, activation
 from fovea.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fovea.layers.moe import SparseMoE
@@ -24,13 +25,14 @@ from fovea.models.base import ModelOptions
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP (Qwen2.5-VL's vision blocks use it with biases, the language models without)."""
+    """SwiGLU MLP (Qwen2.5-VL's vision blocks use it with biases, the language models without). `quant`: what
+    the gate|up and the down projections are built with (a decoder layer's, as the checkpoint quantized them)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, fused: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, fused: bool = False, quant=(None, None)):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias, quant=quant[0])
         self.act = SiluAndMul(fused)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, quant=quant[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -53,11 +55,22 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
         super().__init__()
         self.head_dim, self.fused = cfg.head_dim, options.fused_kernels
+        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            bias=cfg.attention_bias,
+            quant=layer_quant(cfg.quant, layer_index, qkv),
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim,
+            cfg.hidden_size,
+            bias=False,
+            quant=layer_quant(cfg.quant, layer_index, ("self_attn.o_proj",)),
+        )
         self.attn = Attention(cfg.head_dim, causal=True, layer_index=layer_index, fp32=options.fp32_softmax)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -90,7 +103,11 @@ class DecoderLayer(nn.Module):
         if cfg.moe is not None and layer_index in cfg.moe.sparse_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, fused=fused)
+            quant = (
+                layer_quant(cfg.quant, layer_index, ("mlp.gate_proj", "mlp.up_proj")),
+                layer_quant(cfg.quant, layer_index, ("mlp.down_proj",)),
+            )
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, fused=fused, quant=quant)
 
     def forward(self, x, residual, cos, sin, meta):
         """residual None: x is the embeddings (the first layer)."""

@@ -19,6 +19,10 @@ from fovea.models.registry import family
 logger = logging.getLogger("fovea")
 
 
+# what quantized layers store beside (or instead of) a weight (fovea/layers/quantized.py)
+QUANTIZED_SUFFIXES = {"weight_scale", "weight_scale_inv", "input_scale", "qweight", "qzeros", "scales"}
+
+
 class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not fit the model its config describes."""
 
@@ -55,6 +59,9 @@ def _required_shards(module) -> list[set]:
 
 def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
     params = dict(model.named_parameters())
+    # buffers a checkpoint may set: a float8 KV cache's per-layer scales (1.0 where it has none)
+    optional = {name: b for name, b in model.named_buffers() if name.endswith((".k_scale", ".v_scale"))}
+    params.update(optional)
     loaded: dict[str, set] = {}
     unexpected = []
     for name, tensor in iter_checkpoint(model_dir):
@@ -69,6 +76,8 @@ def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
         loader = getattr(param, "weight_loader", None)
         try:
             if loader is None:
+                if param.numel() == tensor.numel() == 1:
+                    tensor = tensor.reshape(param.shape)  # a scale stored as () or (1,)
                 if param.shape != tensor.shape:
                     raise ValueError(f"checkpoint {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
                 param.data.copy_(tensor)
@@ -80,7 +89,7 @@ def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
     missing = []
     for pname in params:
         owner = model.get_submodule(pname.rpartition(".")[0])
-        if loaded.get(pname) not in _required_shards(owner):
+        if loaded.get(pname) not in _required_shards(owner) and pname not in optional:
             missing.append(pname)
     if missing or unexpected:
 
@@ -92,6 +101,11 @@ def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
             parts.append(f"missing tensors (our parameter names): {show(missing)}")
         if unexpected:
             parts.append(f"unexpected tensors: {show(unexpected)}")
+            if any(name.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES for name in unexpected):
+                parts.append(
+                    "quantized tensors of a module fovea keeps in the model's dtype (the vision tower, the "
+                    "embeddings and the LM head, as every published quantized checkpoint has them)"
+                )
         raise CheckpointMismatchError(f"checkpoint {model_dir} does not fit its config: " + "; ".join(parts))
 
 

@@ -78,7 +78,7 @@ class ModelRunner:
             first.num_heads // self.num_kv_heads,
             config.fp32_softmax,
             config.device,
-            needs=features_needed(self.model),
+            needs=features_needed(self.model) + (("fp8_kv_cache",) if config.kv_cache_dtype != "auto" else ()),
         )
         # collectives inside CUDA graphs are not set up yet: with several ranks everything runs eagerly
         capture = (
@@ -101,7 +101,7 @@ class ModelRunner:
         text = config.model.text
         shape = (2, self.num_blocks, config.block_size, self.num_kv_heads, text.head_dim)
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would still be NaN
-        self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=config.kv_dtype, device=self.device) for _ in range(self.num_layers)]
         self.kv_cache_bytes = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
         self.logits_buffer = torch.empty(
             config.max_num_seqs, config.model.text.vocab_size, dtype=config.dtype, device=self.device
@@ -124,7 +124,7 @@ class ModelRunner:
 
     def _count_kv_blocks(self) -> int:
         cfg, text = self.config, self.config.model.text
-        block_bytes = 2 * self.num_layers * cfg.block_size * self.num_kv_heads * text.head_dim * cfg.dtype.itemsize
+        block_bytes = 2 * self.num_layers * cfg.block_size * self.num_kv_heads * text.head_dim * cfg.kv_dtype.itemsize
         if cfg.num_gpu_blocks_override:
             return cfg.num_gpu_blocks_override
         if cfg.kv_cache_memory_bytes:
