@@ -296,7 +296,11 @@ def demo_model_dir() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
         write_tiny_checkpoint(tmp, "tiny-3b", seed=0, max_position_embeddings=DEMO_MAX_MODEL_LEN)
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)  # atomic, so a concurrent or interrupted build never leaves half a model
+        if target.exists() and not (target / "README.md").is_file():
+            shutil.rmtree(target, ignore_errors=True)  # left by an interrupted build of an older version
+        try:
+            tmp.rename(target)  # atomic, so a concurrent or interrupted build never leaves half a model
+        except OSError:  # another process (a second test worker, say) finished first: its copy is the same
+            shutil.rmtree(tmp, ignore_errors=True)
     print("fovea: using the embedded demo model: random weights, its text is gibberish", file=sys.stderr)
     return target
