@@ -115,6 +115,31 @@ def test_decode_splits_the_context_and_combines_exactly(dtype, tol, programs):
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(
+    "specs, programs", [(MIXED, 8), ([(300, 1), (15, 1), (129, 1)], 12)], ids=["mixed", "decode-splits"]
+)
+def test_fp8_kv_cache_matches_the_reference(specs, programs):
+    """A float8 e4m3 cache (--kv-cache-dtype fp8) with per-layer k and v scales: the same bytes stored and the same
+    attention as the PyTorch reference, prompt chunks and split decodes alike."""
+    fp8 = torch.float8_e4m3fn
+    q, k, v, cache, meta = ragged_batch(specs, 14, 2, 32, 16, torch.float32, seed=3)
+    scales = (torch.tensor(0.5, device=DEVICE), torch.tensor(1.5, device=DEVICE))
+    stored = torch.stack([(cache[0] / scales[0]).to(fp8), (cache[1] / scales[1]).to(fp8)])
+
+    def attend(backend):
+        written = stored.clone()
+        m = meta(backend)
+        backend.prepare(m)
+        return backend.forward(q, k, v, written, m, scale=32**-0.5, kv_scales=scales), written
+
+    expected, expected_cache = attend(TorchAttention())
+    got, got_cache = attend(TritonAttention(group=7, decode_block_n=16, decode_programs=programs))
+    assert got_cache.dtype == fp8 and torch.equal(got_cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    exact, _ = run(TorchAttention(), q, k, v, cache, meta)
+    assert (got - exact).abs().max().item() > 1e-3  # the cache's rounding is there to see
+
+
 def test_padding_slots_are_not_written():
     q, k, v, cache, meta = ragged_batch([(0, 3)], 2, 1, 16, 16, torch.float32)
     m = meta(TritonAttention())

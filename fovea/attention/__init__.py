@@ -47,7 +47,7 @@ BACKENDS = {  # the reference sizes its tensors from each batch, so it cannot be
         fp8_kv_cache=True,
     ),
     "triton": BackendSpec(
-        _triton, sliding_window=False, bidirectional_spans=False, cuda_graphs=True, fp8_kv_cache=False
+        _triton, sliding_window=False, bidirectional_spans=False, cuda_graphs=True, fp8_kv_cache=True
     ),
 }
 

@@ -77,8 +77,12 @@ def write_kv(k, v, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales
         return
     raw = flat.view(torch.uint8)  # PyTorch copies float8 by index only as bytes
     for i, (new, kv_scale) in enumerate(zip((k, v), kv_scales)):
-        stored = (new.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        raw[i].index_copy_(0, slot_mapping, stored.view(torch.uint8))
+        raw[i].index_copy_(0, slot_mapping, to_fp8(new, kv_scale).view(torch.uint8))
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What a float8 KV cache stores of keys or values: x / scale in e4m3, clipped to its range."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 class TorchAttention(AttentionBackend):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from fovea.attention.backend import AttentionBackend
+from fovea.attention.backend import AttentionBackend, to_fp8
 from fovea.attention.triton_paged_kernels import INTERPRETED, _attention, _combine, _decode, _store_kv
 
 
@@ -62,11 +62,15 @@ class TritonAttention(AttentionBackend):
             meta.plan[("tiles", block_q)] = _tiles(meta, block_q)
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None):
-        # no windows, spans or float8 cache here: the registry says so
+        # no windows or spans here: the registry says so
         if q.stride(2) != 1:
             q = q.contiguous()
         num_tokens, q_heads, head_dim = q.shape
         kv_heads = k.shape[1]
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        if fp8:  # stored as the reference stores them; the kernels copy the bytes
+            k, v = to_fp8(k, kv_scales[0]), to_fp8(v, kv_scales[1])
+        scales = kv_scales if fp8 else (kv_cache, kv_cache)  # unread unless FP8_KV
         k, v = k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)
         row = kv_heads * head_dim
         _store_kv[(num_tokens,)](
@@ -85,7 +89,7 @@ class TritonAttention(AttentionBackend):
         cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 = no-op for bf16
         if meta.max_query_len == 1:
-            self._decode(q, kv_cache, out, meta, scale, kv_heads, cache_strides, precision)
+            self._decode(q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision)
             return out
         group = q_heads // kv_heads
         group_p2 = triton.next_power_of_2(group)
@@ -104,6 +108,7 @@ class TritonAttention(AttentionBackend):
             meta.seq_lens,
             meta.block_tables,
             scale,
+            *scales,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -119,11 +124,12 @@ class TritonAttention(AttentionBackend):
             BLOCK_SIZE=meta.block_size,
             PRECISION=precision,
             UPCAST=INTERPRETED,
+            FP8_KV=fp8,
             **self.prefill_launch,
         )
         return out
 
-    def _decode(self, q, kv_cache, out, meta, scale, kv_heads, cache_strides, precision) -> None:
+    def _decode(self, q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision) -> None:
         num_seqs, q_heads, head_dim = q.shape
         group, head_dim_p2 = q_heads // kv_heads, triton.next_power_of_2(head_dim)
         if self.decode_programs is None:
@@ -144,6 +150,7 @@ class TritonAttention(AttentionBackend):
             meta.seq_lens,
             meta.block_tables,
             scale,
+            *scales,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -159,6 +166,7 @@ class TritonAttention(AttentionBackend):
             SPLITS=splits,
             PRECISION=precision,
             UPCAST=INTERPRETED,
+            FP8_KV=kv_cache.dtype == torch.float8_e4m3fn,
             **self.decode_launch,
         )
         if splits > 1:

@@ -88,6 +88,8 @@ def _attention(
     seq_lens_ptr,
     block_tables_ptr,
     scale,
+    k_scale_ptr,
+    v_scale_ptr,
     q_stride_token,
     q_stride_head,
     out_stride_token,
@@ -106,6 +108,7 @@ def _attention(
     BLOCK_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -130,6 +133,8 @@ def _attention(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    if FP8_KV:
+        scale = scale * tl.load(k_scale_ptr)
 
     best = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
@@ -152,6 +157,8 @@ def _attention(
             BLOCK_SIZE,
             UPCAST,
         )
+        if FP8_KV:  # stored value / scale in e4m3: the scales come in below, on the scores and the output
+            k, v = k.to(q.dtype), v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -163,6 +170,8 @@ def _attention(
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         best = new_best
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    if FP8_KV:
+        out = out * tl.load(v_scale_ptr)
     tl.store(
         out_ptr + token[:, None] * out_stride_token + head[:, None] * out_stride_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -180,6 +189,8 @@ def _decode(
     seq_lens_ptr,
     block_tables_ptr,
     scale,
+    k_scale_ptr,
+    v_scale_ptr,
     q_stride_token,
     q_stride_head,
     out_stride_token,
@@ -198,6 +209,7 @@ def _decode(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -217,6 +229,8 @@ def _decode(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    if FP8_KV:
+        scale = scale * tl.load(k_scale_ptr)
     best = tl.full([ROWS], float("-inf"), tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_P2], tl.float32)
@@ -237,6 +251,8 @@ def _decode(
             BLOCK_SIZE,
             UPCAST,
         )
+        if FP8_KV:  # stored value / scale in e4m3: the scales come in below, on the scores and the output
+            k, v = k.to(q.dtype), v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))  # every tile holds at least one key: finite
@@ -245,6 +261,8 @@ def _decode(
         total = total * rescale + tl.sum(weights, 1)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         best = new_best
+    if FP8_KV:  # the values' scale on the sum of weighted values (partials too: the combine is linear in them)
+        acc = acc * tl.load(v_scale_ptr)
     if SPLITS == 1:
         out = acc / total[:, None]
         tl.store(
