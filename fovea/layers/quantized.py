@@ -50,9 +50,11 @@ class Unquantized:
 
 class ScaledInt8OrFp8(Unquantized):
     """int8 or float8_e4m3fn weights (output, input) with float32 scales per block, output row or tensor; with
-    `activations`, each token's activations are quantized too (w8a8), as the format's own tooling
+    `activations` (w8a8), each token's activations are quantized too, as the format's own tooling
     (compressed-tensors) computes them: scale = the token's largest |x| over half the type's range (127.5 for
-    int8, 448 for fp8), values clamped, then rounded (int8) or cast (fp8)."""
+    int8, 448 for fp8), values clamped, then rounded (int8) or cast (fp8). w8a8 layers with a scale per row
+    multiply the quantized values themselves (torch._int_mm, torch._scaled_mm: int32 or fp32 sums, then both
+    scales), on the CPU as on a GPU; block scales take the reference."""
 
     def __init__(self, quant: QuantConfig):
         self.dtype = torch.float8_e4m3fn if quant.method == "fp8" else torch.int8
@@ -60,9 +62,19 @@ class ScaledInt8OrFp8(Unquantized):
         self.activations = quant.activations
 
     def apply(self, layer, x, bias):
-        if self.activations is not None:
-            x = quantize_per_token(x, self.activations)
-        return super().apply(layer, x, bias)
+        if self.activations is None:
+            return super().apply(layer, x, bias)
+        values, scale = quantize_per_token(x.reshape(-1, x.shape[-1]), self.activations)
+        if self.block is not None or not quantized_matmul_fits(values, layer.weight):
+            return F.linear((values.to(torch.float32) * scale).to(x.dtype), self.weight(layer, x.dtype), bias)
+        weight_scale = getattr(layer, self.scale_name).view(1, -1)
+        if self.dtype == torch.int8:
+            out = torch._int_mm(values, layer.weight.t()).to(torch.float32) * scale * weight_scale
+        else:
+            out_dtype = torch.bfloat16 if x.is_cuda else torch.float32  # CUDA's row-wise scaling writes bf16 only
+            out = torch._scaled_mm(values, layer.weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return out + bias if bias is not None else out
 
     def parameters(self, in_features, out_features):
         weight = tagged(torch.empty(out_features, in_features, dtype=self.dtype), 0, 1)
@@ -109,19 +121,28 @@ class AWQ(Unquantized):
         return ((values - zeros) * scales).t().to(dtype)
 
 
-def quantize_per_token(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """x as int8 or fp8 values times a per-token scale, back in x's dtype (what the w8a8 matmul sees)."""
+def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scale): each row of x as int8 or float8 e4m3 values and its float32 scale (rows, 1)."""
     if kind == "int8":
-        low, high = -128.0, 127.0
+        low, high, dtype = -128.0, 127.0, torch.int8
     else:
-        high = torch.finfo(torch.float8_e4m3fn).max
+        dtype = torch.float8_e4m3fn
+        high = torch.finfo(dtype).max
         low = -high
-    values = x.float()
-    scale = values.abs().amax(dim=-1, keepdim=True) / ((high - low) / 2)
+    rows = x.float()
+    scale = rows.abs().amax(dim=-1, keepdim=True) / ((high - low) / 2)
     scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
-    scaled = (values / scale).clamp(low, high)
-    scaled = scaled.round() if kind == "int8" else scaled.to(torch.float8_e4m3fn).float()
-    return (scaled * scale).to(x.dtype)
+    scaled = (rows / scale).clamp(low, high)
+    return (scaled.round() if kind == "int8" else scaled).to(dtype), scale
+
+
+def quantized_matmul_fits(values: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether PyTorch multiplies these int8 / fp8 matrices on their device: anything on the CPU; on CUDA, inner
+    and output sizes in 16s, and for int8 more than 16 rows (smaller steps take the reference)."""
+    if not values.is_cuda:
+        return True
+    rows, inner, outputs = values.shape[0], values.shape[1], weight.shape[0]
+    return inner % 16 == 0 and outputs % 16 == 0 and (values.dtype != torch.int8 or rows > 16)
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
