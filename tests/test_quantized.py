@@ -97,6 +97,22 @@ def test_logits_equal_transformers(tiny_dirs, checkpoints, fmt):
     assert 0 < (original - dequantized).abs().max().item() < 0.1 * original.abs().max().item()
 
 
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor", "awq"])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_the_gpu_matmul_dequantizes_as_the_reference(checkpoints, fmt, rows):
+    """quantized_kernels.py's matmul (what weight-only layers run on a GPU; here under Triton's interpreter) gives
+    the reference's x @ w.T for fused q|k|v (block and per-piece scales) and the down projection (AWQ groups)."""
+    from fovea.layers.quantized_kernels import dequant_matmul
+
+    layer = our_model(checkpoints[fmt][0])[0].model.layers[1]
+    gen = torch.Generator().manual_seed(rows)
+    for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        inner = linear.scheme.weight(linear, torch.float32).shape[1]
+        x = torch.randn(rows, inner, generator=gen)
+        expected = x @ linear.scheme.weight(linear, torch.float32).t()
+        torch.testing.assert_close(dequant_matmul(x, linear, linear.scheme), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "awq"])
 def test_tensor_parallel_splits_scales_and_packed_weights(checkpoints, fmt):
     """The engine (chunked prefill, prefix cache, preemption) gives the dequantized model's tokens and

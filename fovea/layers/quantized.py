@@ -10,8 +10,9 @@ that fused q|k|v or gate|up keep each piece's own).
 
 Every scheme's reference is "dequantize, then a matmul in the activations' dtype" (w8a8 schemes quantize each
 token's activations first): exact for the weights, and what transformers runs for these checkpoints on a CPU.
-GPU kernels (fp8 GEMMs with block scales, int8 GEMMs, AWQ) come under the GPU issue; until then CUDA runs the
-reference too.
+On a GPU, weight-only layers run quantized_kernels.py's matmul (tiles dequantized in registers) and w8a8 ones
+PyTorch's int8 / fp8 matmuls; both are checked on the CPU (Triton's interpreter, PyTorch's CPU kernels), their
+speed is for the GPU issue to measure.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ScaledInt8OrFp8(Unquantized):
 
     def apply(self, layer, x, bias):
         if self.activations is None:
-            return super().apply(layer, x, bias)
+            return weight_only(self, layer, x, bias)
         values, scale = quantize_per_token(x.reshape(-1, x.shape[-1]), self.activations)
         if self.block is not None or not quantized_matmul_fits(values, layer.weight):
             return F.linear((values.to(torch.float32) * scale).to(x.dtype), self.weight(layer, x.dtype), bias)
@@ -114,11 +115,25 @@ class AWQ(Unquantized):
             "scales": tagged(torch.empty(groups, out_features), 1, 0, units=(1, self.group)),
         }
 
+    def apply(self, layer, x, bias):
+        return weight_only(self, layer, x, bias)
+
     def weight(self, layer, dtype):
         values = unpack_awq(layer.qweight).to(torch.float32)  # (input, output)
         zeros = unpack_awq(layer.qzeros).to(torch.float32).repeat_interleave(self.group, 0)
         scales = layer.scales.to(torch.float32).repeat_interleave(self.group, 0)
         return ((values - zeros) * scales).t().to(dtype)
+
+
+def weight_only(scheme: Unquantized, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A layer whose activations stay as they are: on a GPU, our matmul that dequantizes tile by tile
+    (quantized_kernels.py); elsewhere the reference."""
+    if not x.is_cuda:
+        return F.linear(x, scheme.weight(layer, x.dtype), bias)
+    from fovea.layers.quantized_kernels import dequant_matmul  # imports triton
+
+    out = dequant_matmul(x, layer, scheme)
+    return out + bias if bias is not None else out
 
 
 def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
