@@ -126,9 +126,10 @@ def test_tensor_parallel_splits_scales_and_packed_weights(checkpoints, fmt):
     from test_tensor_parallel import assert_same, run
 
     quantized_dir, reference_dir = checkpoints[fmt]
-    expected, _ = run(reference_dir)
-    assert_same(expected, run(quantized_dir)[0])
-    got, stats = run(quantized_dir, tensor_parallel_size=2)
+    device = "cpu" if torch.cuda.device_count() < 2 else "cuda"  # ranks on the CPU (gloo) without two GPUs
+    expected, _ = run(reference_dir, device=device)
+    assert_same(expected, run(quantized_dir, device=device)[0])
+    got, stats = run(quantized_dir, device=device, tensor_parallel_size=2)
     assert stats["ranks"] == 2
     assert_same(expected, got)
 
@@ -215,8 +216,8 @@ def prompt_logprobs(model_dir, **engine_args) -> tuple[list[list[float]], object
 def test_fp8_kv_cache_holds_a_quarter_of_the_bytes_and_bounded_logprob_drift(tiny_dirs):
     """--kv-cache-dtype fp8 on the fp32 tiny model: one byte per value instead of four, and prompt log-probabilities
     within 0.1 of the full-precision cache's (measured: at most 0.028, mean 0.0066 over 231 tokens)."""
-    exact, exact_runner = prompt_logprobs(tiny_dirs["tiny-3b"])
-    rounded, fp8_runner = prompt_logprobs(tiny_dirs["tiny-3b"], kv_cache_dtype="fp8")
+    exact, exact_runner = prompt_logprobs(tiny_dirs["tiny-3b"], dtype="float32")
+    rounded, fp8_runner = prompt_logprobs(tiny_dirs["tiny-3b"], dtype="float32", kv_cache_dtype="fp8")
     assert fp8_runner.kv_caches[0].dtype == torch.float8_e4m3fn
     assert fp8_runner.kv_cache_bytes * 4 == exact_runner.kv_cache_bytes
     drift = torch.cat([torch.tensor(a) - torch.tensor(b) for a, b in zip(exact, rounded, strict=True)]).abs()
