@@ -118,6 +118,26 @@ def test_the_gpu_matmul_dequantizes_as_the_reference(checkpoints, fmt, rows):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-3 if device == "cuda" else 1e-4)  # tf32 dots
 
 
+@pytest.mark.parametrize("fmt", ["int8-channel", "fp8-channel"])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_w8a8_matmuls_equal_the_fake_quantized_reference(checkpoints, fmt, rows):
+    """torch._int_mm / torch._scaled_mm on the device (CUDA on a GPU machine: bf16 out for fp8, the reference for
+    int8 steps of 16 rows or fewer) against dequantized values multiplied in fp32 on the CPU."""
+    import copy
+
+    from fovea.layers.quantized import quantize_per_token
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    linear = our_model(checkpoints[fmt][0])[0].model.layers[0].mlp.down_proj
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    values, scale = quantize_per_token(x, linear.scheme.activations)
+    expected = (values.float() * scale) @ linear.scheme.weight(linear, torch.float32).t()
+    on_device = copy.deepcopy(linear).to(device)
+    got = on_device(x.to(device)).cpu()
+    tolerance = 1e-5 if device == "cpu" else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "awq"])
 def test_tensor_parallel_splits_scales_and_packed_weights(checkpoints, fmt):
     """The engine (chunked prefill, prefix cache, preemption) gives the dequantized model's tokens and
