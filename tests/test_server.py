@@ -93,6 +93,22 @@ def test_chat_with_images_equals_offline_greedy(client, llm, media_dir):
         assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)  # image tokens counted
 
 
+def test_a_repeated_image_is_a_processor_cache_hit(client, server):
+    """--mm-processor-cache-gb (default 4): the same bytes again are not decoded again, and answer the same."""
+    from serving import metric
+
+    url = data_url_of(jpeg_bytes(random_image(180, 140, 61)))
+    before = (metric(server, "fovea:mm_cache_queries_total"), metric(server, "fovea:mm_cache_hits_total"))
+    replies = [
+        client.chat.completions.create(model="tiny", messages=image_message(url), temperature=0, max_tokens=6)
+        for _ in range(2)
+    ]
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    after = (metric(server, "fovea:mm_cache_queries_total"), metric(server, "fovea:mm_cache_hits_total"))
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 1)
+    assert metric(server, "vllm:mm_cache_hits_total") == after[1]
+
+
 def test_multi_image_multi_turn_chat_equals_offline_greedy(client, llm, media_dir):
     other = data_url_of(jpeg_bytes(random_image(200, 260, 51)))
     boat = data_url(media_dir / "boat.jpg")

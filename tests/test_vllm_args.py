@@ -67,7 +67,6 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         (dict(load_format="pt"), "only safetensors"),
         (dict(tokenizer=str(tiny_dirs["tiny-7b"])), "a tokenizer other than the model's own"),
         (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or"),
-        (dict(mm_processor_cache_gb=4), "multimodal processor cache is not implemented"),
     ]:
         with pytest.raises(ValueError, match=words):
             EngineConfig.from_args(str(model), **args)

@@ -33,6 +33,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: default("limit_mm_per_prompt"))
     mm_processor_kwargs: dict | None = default("mm_processor_kwargs")
     mm_processor_workers: int | None = default("mm_processor_workers")
+    mm_processor_cache_gb: float = default("mm_processor_cache_gb")
     seed: int = default("seed")
     enforce_eager: bool = default("enforce_eager")
     max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it
@@ -147,6 +148,8 @@ class EngineConfig:
         check_flag(config.quantization, model.text.quant)
         if config.generation_config not in ("auto", "vllm") and not Path(config.generation_config).is_dir():
             raise ValueError(f"generation_config must be auto, vllm or a directory, got {config.generation_config!r}")
+        if config.mm_processor_cache_gb < 0:
+            raise ValueError(f"mm_processor_cache_gb must be 0 (off) or more, got {config.mm_processor_cache_gb}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_budget", "max_logprobs"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")

@@ -129,6 +129,14 @@ FLAGS = (
     ),
     Flag("mm_processor_kwargs", None, 'e.g. {"min_pixels": 3136, "max_pixels": 1003520}', "images", json_arg),
     Flag(
+        "mm_processor_cache_gb",
+        4.0,
+        "GiB of decoded, resized images and videos the front end keeps by their bytes and size: the same one again "
+        "skips decoding (0: off)",
+        "images",
+        float,
+    ),
+    Flag(
         "mm_processor_workers",
         None,
         "processes that decode and resize images (default: one per core, at most 8; 0: in the front end's threads)",
@@ -215,7 +223,12 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=only)
     group.add_argument("--load-format", default="auto", help="auto or safetensors")
     group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
-    group.add_argument("--mm-processor-cache-gb", type=float, default=None, help="0 only (no such cache yet)")
+    group.add_argument(
+        "--disable-mm-preprocessor-cache",
+        action="store_true",
+        default=None,
+        help="vLLM's older switch: the same as --mm-processor-cache-gb 0",
+    )
     group.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
@@ -227,7 +240,6 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         "--disable-log-stats",
         "--disable-frontend-multiprocessing",
         "--disable-custom-all-reduce",
-        "--disable-mm-preprocessor-cache",
     ):
         group.add_argument(
             flag,

@@ -17,7 +17,6 @@ NO_EFFECT = {
     "trust_remote_code": "fovea runs its own model code",
     "disable_log_stats": "stats cost nothing measurable here",
     "disable_custom_all_reduce": "fovea has no custom all-reduce",
-    "disable_mm_preprocessor_cache": "fovea has no preprocessor cache",
     "max_seq_len_to_capture": "decode CUDA graphs are captured by batch size",
     "compilation_config": "fovea does not use torch.compile",
     "swap_space": "preempted requests are recomputed, not swapped",
@@ -33,20 +32,24 @@ ONLY_AT = {
     "cpu_offload_gb": ((0, None), "offloading weights to the CPU is not implemented"),
     "tokenizer_mode": (("auto", "hf", None), "only the checkpoint's Hugging Face tokenizer is supported"),
     "worker_cls": (("auto", None), "custom worker classes are not supported"),
-    "mm_processor_cache_gb": (
-        (0, None),
-        "the multimodal processor cache is not implemented yet; only 0 (off) is accepted",
-    ),
 }
 
-VLLM_ONLY_ARGS = set(NO_EFFECT) | set(ONLY_AT)
+# vLLM's older spellings of a setting fovea has: (the setting, its value when the old switch is on)
+SWITCHES = {"disable_mm_preprocessor_cache": ("mm_processor_cache_gb", 0)}
+
+VLLM_ONLY_ARGS = set(NO_EFFECT) | set(ONLY_AT) | set(SWITCHES)
 
 
 def take_vllm_args(args: dict) -> dict:
-    """`args` without the arguments above; those that change nothing are logged, the others raise ValueError."""
+    """`args` without the arguments above; those that change nothing are logged, the others raise ValueError,
+    and older switches (SWITCHES) become the setting they stand for."""
     for name, value in args.items():
         if name in ONLY_AT and value not in ONLY_AT[name][0]:
             raise ValueError(f"{name}={value!r}: {ONLY_AT[name][1]}")
+    args = dict(args)
+    for name, (setting, value) in SWITCHES.items():
+        if args.pop(name, None):
+            args[setting] = value
     noted = [name for name in args if name in NO_EFFECT and args[name] is not None]
     for name in noted:
         logger.info("accepted and ignored %s=%r: %s", name, args[name], NO_EFFECT[name])

@@ -18,7 +18,8 @@ from fovea.core.request import MMItem, MMSpan, RequestInput
 from fovea.core.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler, Grammars
 from fovea.multimodal.image import ProcessedImage
-from fovea.multimodal.image_workers import SharedPixels, release_images, release_shared
+from fovea.multimodal.image_workers import LocalDecoder, SharedPixels, release_images, release_shared
+from fovea.multimodal.processor_cache import ProcessorCache
 from fovea.multimodal.prompt import ChatOptions, ProcessedPrompt, PromptProcessor, prompt_too_long
 from fovea.multimodal.video import video_list
 
@@ -29,6 +30,11 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, decoder=None, tokenizer=None, grammars: Grammars | None = None):
         """`tokenizer`, `grammars`: an engine's in the same process (offline `LLM`), else loaded here."""
         self.config = config
+        self.processor_cache = None
+        if config.mm_processor_cache_gb > 0:
+            decoder = self.processor_cache = ProcessorCache(
+                decoder or LocalDecoder(), int(config.mm_processor_cache_gb * 2**30)
+            )
         self.prompts = PromptProcessor(
             config.model_dir,
             config.model,

@@ -47,6 +47,10 @@ class SharedPixels:
         return cls(segment.name, tuple(pixels.shape))
 
     def take(self) -> np.ndarray:
+        return self.peek(free=True)
+
+    def peek(self, free: bool = False) -> np.ndarray:
+        """A copy of the pixels; the segment stays for whoever takes it, unless `free`."""
         segment = shared_memory.SharedMemory(name=self.name)
         try:
             view = np.ndarray(self.shape, np.uint8, buffer=segment.buf)
@@ -54,7 +58,8 @@ class SharedPixels:
             del view
         finally:
             segment.close()
-            segment.unlink()
+            if free:
+                segment.unlink()
         return pixels
 
     def release(self) -> None:

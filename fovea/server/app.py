@@ -66,6 +66,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         },
     )
     metrics.update(engine.stats)
+    if engine.inputs.processor_cache is not None:
+        metrics.watch_processor_cache(engine.inputs.processor_cache)
     engine.on_stats = metrics.update
     sandbox = None
     if options.trust_request_chat_template:

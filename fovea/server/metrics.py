@@ -8,7 +8,7 @@ snapshot, totals advance by what changed since the previous one, latency events 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from fovea.core.stats import EngineStats
 
@@ -121,10 +121,24 @@ class _BothPrefixes:
             yield twin
 
 
+class _ProcessorCacheCounters:
+    def __init__(self, cache, model_name: str):
+        self.cache, self.model_name = cache, model_name
+
+    def collect(self):
+        for name, documentation, value in (
+            ("fovea:mm_cache_queries", "Images and videos looked up in the processor cache", self.cache.queries),
+            ("fovea:mm_cache_hits", "Images and videos found decoded in the processor cache", self.cache.hits),
+        ):
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int = 1 << 20, cache_config: dict | None = None):
         """`cache_config`: labels of the cache_config_info series (block_size, gpu_memory_utilization, ...)."""
-        own = CollectorRegistry()
+        own = self._own = CollectorRegistry()
         self.registry = CollectorRegistry()  # what /metrics shows: `own`, under both prefixes
         self.registry.register(_BothPrefixes(own))
         self.model_name = model_name
@@ -212,6 +226,10 @@ class ServerMetrics:
         self.last = EngineStats()
         for reason in ("stop", "length", "abort", "error"):
             self.finished_by_reason(reason)  # present at zero before the first request
+
+    def watch_processor_cache(self, cache) -> None:
+        """The front end's multimodal processor cache (multimodal/processor_cache.py), read at each scrape."""
+        self._own.register(_ProcessorCacheCounters(cache, self.model_name))
 
     def update(self, stats: EngineStats) -> None:
         """Called from the thread that receives the engine's results (prometheus_client is thread-safe)."""
