@@ -243,3 +243,45 @@ def test_text_after_a_video_follows_the_released_rule(tiny_dirs):
         image_grid_thw=torch.tensor([image.grid_thw]),
     )
     assert np.array_equal(image_only.positions, hf_image[:, 0].numpy())  # images: both rules agree
+
+
+def test_media_io_kwargs_choose_the_frames_and_bad_ones_are_named(tiny_dirs):
+    """vLLM's media_io_kwargs: video num_frames keeps that many frames (an even count here, capped at the server's
+    max_frames), fps the rate; --media-io-kwargs sets them for every request, a request's own come on top."""
+    from fovea.config.engine import EngineConfig
+    from fovea.config.video import media_io_processor_kwargs
+    from fovea.frontend.input_processor import InputProcessor
+
+    assert media_io_processor_kwargs({"video": {"num_frames": 8, "fps": 1.0}, "image": {"image_mode": "RGB"}}) == {
+        "min_frames": 8,
+        "max_frames": 8,
+        "fps": 1.0,
+    }
+    for bad, words in [
+        ({"audio": {}}, "takes video and image settings"),
+        ({"video": {"frames": 3}}, r"\['video.frames'\] are not supported"),
+        ({"video": {"num_frames": 1}}, "at least 2"),
+        ({"image": {"image_mode": "L"}}, "read as RGB only"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            media_io_processor_kwargs(bad)
+    with pytest.raises(ValueError, match="at least 2"):
+        EngineConfig.from_args(str(tiny_dirs["tiny-3b"]), media_io_kwargs={"video": {"num_frames": 0}})
+    frames = np.stack([np.asarray(random_image(56, 56, seed=s)) for s in range(40)])
+    chat = [
+        {"role": "user", "content": [{"type": "video", "video": (frames, {"fps": 10})}, {"type": "text", "text": "?"}]}
+    ]
+
+    def kept(engine_args, kwargs=None):
+        config = EngineConfig.from_args(str(tiny_dirs["tiny-3b"]), dtype="float32", **engine_args)
+        return InputProcessor(config).process_chat(chat, kwargs).images[0].grid_thw[0] * 2
+
+    assert kept({}) == 8  # 4 s at fps 2
+    assert kept({"media_io_kwargs": {"video": {"num_frames": 12}}}) == 12
+    assert kept({"media_io_kwargs": {"video": {"num_frames": 13}}}) == 12  # an even count
+    assert kept({"media_io_kwargs": {"video": {"fps": 1}}}) == 4
+    assert kept({"media_io_kwargs": {"video": {"num_frames": 12}}}, {"max_frames": 6, "min_frames": 6}) == 6
+    assert (
+        kept({"mm_processor_kwargs": {"max_frames": 10}}, media_io_processor_kwargs({"video": {"num_frames": 30}}))
+        == 10
+    )

@@ -176,6 +176,13 @@ def test_chat_video_urls_equal_offline_frames_and_bad_videos_are_400s(tiny_dirs,
         video_tokens = reference.prompt_token_ids.count(151656)
         fewer = ask(video_chat(data_url(video_file(CLIP, 6))), extra_body={"mm_processor_kwargs": {"fps": 1}})
         assert fewer.usage.prompt_tokens == len(reference.prompt_token_ids) - video_tokens // 3
+        # vLLM's media_io_kwargs: 4 frames asked for, 2 temporal patches as above
+        four = ask(
+            video_chat(data_url(video_file(CLIP, 6))), extra_body={"media_io_kwargs": {"video": {"num_frames": 4}}}
+        )
+        assert four.usage.prompt_tokens == fewer.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match=r"media_io_kwargs \['video.frames'\] are not supported"):
+            ask(video_chat(data_url(video_file(CLIP, 6))), extra_body={"media_io_kwargs": {"video": {"frames": 4}}})
         capped = ask(
             video_chat(data_url(video_file(CLIP, 6))),  # uncapped: 1,260 tokens a patch, over 512
             extra_body={"mm_processor_kwargs": {"min_pixels": 10**6, "max_pixels": 10**7}},

@@ -13,6 +13,7 @@ import torch
 from fovea.config.flags import default
 from fovea.config.model import ModelConfig, resolve_model_dir, serving_dtype
 from fovea.config.quant import check_flag
+from fovea.config.video import media_io_processor_kwargs
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
 
@@ -32,6 +33,7 @@ class EngineConfig:
     encoder_cache_size: int = 0  # embedding rows; 0 = the largest image plus one step's budget
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: default("limit_mm_per_prompt"))
     mm_processor_kwargs: dict | None = default("mm_processor_kwargs")
+    media_io_kwargs: dict | None = default("media_io_kwargs")
     mm_processor_workers: int | None = default("mm_processor_workers")
     mm_processor_cache_gb: float = default("mm_processor_cache_gb")
     seed: int = default("seed")
@@ -148,6 +150,7 @@ class EngineConfig:
         check_flag(config.quantization, model.text.quant)
         if config.generation_config not in ("auto", "vllm") and not Path(config.generation_config).is_dir():
             raise ValueError(f"generation_config must be auto, vllm or a directory, got {config.generation_config!r}")
+        media_io_processor_kwargs(config.media_io_kwargs)  # a bad one fails at start, naming the key
         if config.mm_processor_cache_gb < 0:
             raise ValueError(f"mm_processor_cache_gb must be 0 (off) or more, got {config.mm_processor_cache_gb}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_budget", "max_logprobs"):

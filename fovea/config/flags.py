@@ -129,6 +129,14 @@ FLAGS = (
     ),
     Flag("mm_processor_kwargs", None, 'e.g. {"min_pixels": 3136, "max_pixels": 1003520}', "images", json_arg),
     Flag(
+        "media_io_kwargs",
+        None,
+        'how media are loaded, for every request (a request\'s own come on top), e.g. {"video": {"num_frames": 16}} '
+        "(video num_frames, fps)",
+        "images",
+        json_arg,
+    ),
+    Flag(
         "mm_processor_cache_gb",
         4.0,
         "GiB of decoded, resized images and videos the front end keeps by their bytes and size: the same one again "

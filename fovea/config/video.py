@@ -149,3 +149,30 @@ def frame_max_pixels(options: VideoOptions, frames: int = FRAME_FACTOR) -> float
 
 def frame_size(height: int, width: int, frames: int, options: VideoOptions, factor: int = 28) -> tuple[int, int]:
     return smart_resize(height, width, factor, options.min_pixels, frame_max_pixels(options, frames))
+
+
+def media_io_processor_kwargs(media_io: dict | None) -> dict:
+    """vLLM's media_io_kwargs (how media are loaded) as the processor settings they come to here: video
+    `num_frames` (that many frames, evenly spread; for Qwen2-VL and Qwen2.5-VL an even count) and `fps` (frames
+    kept per second); image `image_mode` RGB (images are always converted to RGB). Capped, like
+    mm_processor_kwargs, by the server's own limits."""
+    if not media_io:
+        return {}
+    if not isinstance(media_io, dict) or set(media_io) - {"video", "image"}:
+        raise ValueError(f"media_io_kwargs takes video and image settings, got {media_io!r}")
+    video, image = media_io.get("video") or {}, media_io.get("image") or {}
+    unknown = [f"video.{key}" for key in set(video) - {"num_frames", "fps"}]
+    unknown += [f"image.{key}" for key in set(image) - {"image_mode"}]
+    if unknown:
+        raise ValueError(f"media_io_kwargs {sorted(unknown)} are not supported: video num_frames and fps, image_mode")
+    if image.get("image_mode", "RGB") != "RGB":
+        raise ValueError(f"media_io_kwargs image_mode {image['image_mode']!r}: images are read as RGB only")
+    kwargs = {}
+    if "num_frames" in video:
+        frames = video["num_frames"]
+        if not isinstance(frames, int) or isinstance(frames, bool) or frames < FRAME_FACTOR:
+            raise ValueError(f"media_io_kwargs video num_frames must be an integer of at least 2, got {frames!r}")
+        kwargs.update(min_frames=frames, max_frames=frames)  # as many as asked, whatever the rate
+    if "fps" in video:
+        kwargs["fps"] = video["fps"]
+    return kwargs

@@ -14,6 +14,7 @@ import weakref
 
 from fovea.config.engine import EngineConfig
 from fovea.config.flags import REASONING_TAGS
+from fovea.config.video import media_io_processor_kwargs
 from fovea.core.request import MMItem, MMSpan, RequestInput
 from fovea.core.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler, Grammars
@@ -43,6 +44,7 @@ class InputProcessor:
             tokenizer=tokenizer,
         )
         self.tokenizer = self.prompts.tokenizer
+        self.media_io = media_io_processor_kwargs(config.media_io_kwargs)  # under each request's own
         self.vocab_size = config.model.text.vocab_size
         self._arrivals = itertools.count()
         self.grammar_engine = grammars or Grammars(
@@ -83,7 +85,12 @@ class InputProcessor:
         self._check_count("image", len(images))
         self._check_count("video", len(videos))
         return self.prompts.process(
-            prompt, images, mm_processor_kwargs or None, self.config.max_model_len, videos, add_special_tokens=True
+            prompt,
+            images,
+            self._kwargs(mm_processor_kwargs),
+            self.config.max_model_len,
+            videos,
+            add_special_tokens=True,
         )
 
     def process_chat(
@@ -92,7 +99,12 @@ class InputProcessor:
         text, media = self.prompts.render_chat(messages, chat, self.config.max_model_len)
         self._check_count("image", len(media.images))
         self._check_count("video", len(media.videos))
-        return self.prompts.process(text, media.images, mm_processor_kwargs, self.config.max_model_len, media.videos)
+        return self.prompts.process(
+            text, media.images, self._kwargs(mm_processor_kwargs), self.config.max_model_len, media.videos
+        )
+
+    def _kwargs(self, mm_processor_kwargs: dict | None) -> dict | None:
+        return {**self.media_io, **(mm_processor_kwargs or {})} or None
 
     def _check_count(self, kind: str, count: int) -> None:
         limit = self.config.limit_mm_per_prompt.get(kind)

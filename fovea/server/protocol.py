@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fovea.config.video import media_io_processor_kwargs
 from fovea.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("fovea")
@@ -125,6 +126,7 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None  # vLLM's: how media are loaded (video num_frames, fps)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -132,6 +134,10 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def processor_kwargs(self) -> dict[str, Any] | None:
+        """mm_processor_kwargs, over what media_io_kwargs asks of loading (raises ValueError for a bad one)."""
+        return {**media_io_processor_kwargs(self.media_io_kwargs), **(self.mm_processor_kwargs or {})} or None
 
     def structured(self) -> StructuredOutputsParams | None:
         forms = {}

@@ -186,7 +186,7 @@ async def chat_completions(request: Request):
                 messages=messages,
                 sampling_params=params,
                 request_id=request_id,
-                mm_processor_kwargs=body.mm_processor_kwargs,
+                mm_processor_kwargs=body.processor_kwargs(),
                 chat=chat,
             )
         else:  # a thread of its own, not the pool: it waits up to 2 s for a sandbox process
@@ -196,7 +196,7 @@ async def chat_completions(request: Request):
                 prompt={"prompt": text, "multi_modal_data": data},
                 sampling_params=params,
                 request_id=request_id,
-                mm_processor_kwargs=body.mm_processor_kwargs,
+                mm_processor_kwargs=body.processor_kwargs(),
             )
         return stream, await anext(stream)  # bad input fails here, before any 200
 
@@ -236,7 +236,7 @@ async def completions(request: Request):
     request_id = serving.new_id("cmpl")
 
     async def start():
-        requests = await engine.prepare_many(prompts, params, request_id, body.mm_processor_kwargs)
+        requests = await engine.prepare_many(prompts, params, request_id, body.processor_kwargs())
         merged = serving.merge([engine.stream(r) for r in requests])
         return merged, await anext(merged), sum(len(r.prompt_token_ids) for r in requests)
 
