@@ -42,6 +42,7 @@ def server(tiny_dirs, media_dir):
         "--allowed-local-media-path",
         str(media_dir),
         "--trust-remote-code",
+        "--enable-mm-embeds",
     ) as (base, proc):
         yield base
     assert proc.returncode == 0, proc.output  # SIGTERM is a clean shutdown
@@ -107,6 +108,45 @@ def test_a_repeated_image_is_a_processor_cache_hit(client, server):
     after = (metric(server, "fovea:mm_cache_queries_total"), metric(server, "fovea:mm_cache_hits_total"))
     assert (after[0] - before[0], after[1] - before[1]) == (2, 1)
     assert metric(server, "vllm:mm_cache_hits_total") == after[1]
+
+
+def test_image_embeds_part_answers_as_the_image(client, media_dir, tiny_dirs):
+    """--enable-mm-embeds: vLLM's image_embeds part (a base64 torch.save of our tower's output, with its grid)
+    gets the image's answer; one that does not fit the model is a 400 naming the shapes."""
+    import io
+
+    import torch
+    from conftest import our_model
+
+    from fovea.multimodal.patchify import patchify
+
+    path = media_dir / "boat.jpg"
+    model, prompts = our_model(tiny_dirs["tiny-3b"])
+    processed = prompts.process("<|vision_start|><|image_pad|><|vision_end|>", [path.read_bytes()]).images[0]
+    with torch.inference_mode():
+        embeds = model.encode_images(
+            patchify(torch.from_numpy(processed.pixels), model.config.image), [processed.grid_thw]
+        )[0]
+
+    def part(tensor):
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        encoded = base64.b64encode(buffer.getvalue()).decode()
+        return {
+            "type": "image_embeds",
+            "image_embeds": {"image_embeds": encoded, "image_grid_thw": list(processed.grid_thw)},
+        }
+
+    def ask(content):
+        messages = [{"role": "user", "content": [content, {"type": "text", "text": "What is in the picture?"}]}]
+        return client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=8)
+
+    as_image = ask({"type": "image_url", "image_url": {"url": data_url(path)}})
+    as_embeds = ask(part(embeds))
+    assert as_embeds.choices[0].message.content == as_image.choices[0].message.content
+    assert as_embeds.usage.prompt_tokens == as_image.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="do not fit the model"):
+        ask(part(embeds[1:]))
 
 
 def test_multi_image_multi_turn_chat_equals_offline_greedy(client, llm, media_dir):

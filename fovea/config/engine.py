@@ -34,6 +34,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: default("limit_mm_per_prompt"))
     mm_processor_kwargs: dict | None = default("mm_processor_kwargs")
     media_io_kwargs: dict | None = default("media_io_kwargs")
+    enable_mm_embeds: bool = default("enable_mm_embeds")
     mm_processor_workers: int | None = default("mm_processor_workers")
     mm_processor_cache_gb: float = default("mm_processor_cache_gb")
     seed: int = default("seed")

@@ -145,6 +145,13 @@ FLAGS = (
         float,
     ),
     Flag(
+        "enable_mm_embeds",
+        False,
+        "images may be given as the vision tower's output (image_embeds parts, multi_modal_data image_embeds), "
+        "which skips the tower",
+        "images",
+    ),
+    Flag(
         "mm_processor_workers",
         None,
         "processes that decode and resize images (default: one per core, at most 8; 0: in the front end's threads)",

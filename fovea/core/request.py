@@ -40,6 +40,7 @@ class MMItem:
     grid_thw: tuple[int, int, int]
     pixels: np.ndarray  # or SharedPixels until the engine takes it
     frames: tuple[int, int] | None = None
+    embeds: bool = False  # `pixels` are the tower's output for it, given as input (--enable-mm-embeds)
 
     @property
     def content_hash(self) -> str:

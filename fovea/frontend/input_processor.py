@@ -42,6 +42,7 @@ class InputProcessor:
             mm_processor_kwargs=config.mm_processor_kwargs,
             decoder=decoder,
             tokenizer=tokenizer,
+            accept_embeds=config.enable_mm_embeds,
         )
         self.tokenizer = self.prompts.tokenizer
         self.media_io = media_io_processor_kwargs(config.media_io_kwargs)  # under each request's own
@@ -169,7 +170,14 @@ class InputProcessor:
             parts = (
                 self._video_parts(image, start, ids)
                 if image.is_video
-                else [MMItem(MMSpan(start, image.num_tokens, image.content_hash), tuple(image.grid_thw), image.pixels)]
+                else [
+                    MMItem(
+                        MMSpan(start, image.num_tokens, image.content_hash),
+                        tuple(image.grid_thw),
+                        image.pixels,
+                        embeds=image.embeds,
+                    )
+                ]
             )
             for part in parts:
                 if part.span.length > self.config.encoder_cache_size:

@@ -80,7 +80,7 @@ def split_chat_media(messages: list[dict]) -> tuple[list[dict], ChatMedia]:
     expects) and collects their sources.
 
     Accepted parts: text; image_url / video_url ({"url": ...} or a plain string); image_pil (a PIL image); image
-    and video (anything multi_modal_data takes).
+    and video (anything multi_modal_data takes); image_embeds (multimodal/embeds.py).
     """
     media, normalized = ChatMedia(), []
     for message in messages:
@@ -101,6 +101,12 @@ def split_chat_media(messages: list[dict]) -> tuple[list[dict], ChatMedia]:
                 if not isinstance(part.get("text", ""), str):
                     raise ValueError("a text content part's 'text' must be a string")
                 parts.append({"type": "text", "text": part.get("text", "")})
+            elif kind == "image_embeds":  # vLLM's part: a base64 tensor, or {image_embeds, image_grid_thw}
+                source = part.get("image_embeds")
+                if source is None:
+                    raise ValueError("content part of type 'image_embeds' has no 'image_embeds' field")
+                media.images.append(source if isinstance(source, dict) else {"image_embeds": source})
+                parts.append({"type": "image"})
             elif kind in MEDIA_PARTS:
                 source = part.get(kind)
                 if kind.endswith("_url") and isinstance(source, dict):
@@ -110,7 +116,9 @@ def split_chat_media(messages: list[dict]) -> tuple[list[dict], ChatMedia]:
                 (media.images if MEDIA_PARTS[kind] == "image" else media.videos).append(source)
                 parts.append({"type": MEDIA_PARTS[kind]})
             else:
-                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url, video_url or image_pil")
+                raise ValueError(
+                    f"unsupported content part type {kind!r}; use text, image_url, video_url, image_embeds or image_pil"
+                )
         normalized.append({**message, "content": parts})
     return normalized, media
 

@@ -60,6 +60,7 @@ class ProcessedImage:
     merge_size: int = 2
     second_per_grid_t: float | None = None  # a video (pixels (frames, height, width, 3)): seconds per 2 frames
     timestamps: tuple[float, ...] | None = None  # Qwen3-VL's videos: each temporal patch's time, written as text
+    embeds: bool = False  # `pixels` holds the vision tower's output for it, given (multimodal/embeds.py)
 
     @property
     def is_video(self) -> bool:

@@ -32,8 +32,9 @@ from fovea.multimodal.chat_format import (
     split_chat_media,
     text_length,
 )
+from fovea.multimodal.embeds import image_embeds, is_embeds
 from fovea.multimodal.fetch import ImageTooLarge
-from fovea.multimodal.image import MAX_REQUEST_PIXELS, ImageProcessor, ProcessedImage
+from fovea.multimodal.image import MAX_REQUEST_PIXELS, ImageProcessor, PlannedImage, ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, release_images
 from fovea.multimodal.video import plan_video
 
@@ -141,10 +142,12 @@ class PromptProcessor:
         mm_processor_kwargs: dict | None = None,
         decoder=None,
         tokenizer=None,
+        accept_embeds: bool = False,
     ):
         """`decoder.process(planned)` decodes and resizes planned images and videos, `decoder.probe(data)` reads a
-        video file's header (default: in this thread; the server passes worker processes, image_workers.py)."""
-        self.config = config
+        video file's header (default: in this thread; the server passes worker processes, image_workers.py).
+        `accept_embeds`: images may come as the tower's output (--enable-mm-embeds, multimodal/embeds.py)."""
+        self.config, self.accept_embeds = config, accept_embeds
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         self.chat_template = chat_template or find_chat_template(model_dir, self.tokenizer)
         image_cfg = config.image.with_overrides(mm_processor_kwargs)
@@ -262,8 +265,11 @@ class PromptProcessor:
         ids = self.encode(prompt, max_tokens, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if videos and self.config.video_token_id is None:
             raise ValueError(f"{self.config.architecture} takes no videos")
-        planned = [self.image_processor.plan(image, mm_processor_kwargs) for image in images]
-        source_pixels = sum(p.image.width * p.image.height for p in planned)
+        planned = [
+            self._embeds(image) if is_embeds(image) else self.image_processor.plan(image, mm_processor_kwargs)
+            for image in images
+        ]
+        source_pixels = sum(p.image.width * p.image.height for p in planned if isinstance(p, PlannedImage))
         if source_pixels > MAX_REQUEST_PIXELS:  # known from the headers: refused before any pixel is decoded
             raise ImageTooLarge(
                 f"the prompt's images have {source_pixels / 1e6:.1f} megapixels before resizing, more "
@@ -280,7 +286,7 @@ class PromptProcessor:
         processed, clips = [], []
         try:
             for image in planned:
-                processed.append(self.decoder.process(image))
+                processed.append(image if isinstance(image, ProcessedImage) else self.decoder.process(image))
             for video in planned_videos:
                 clips.append(self.decoder.process(video))
             result = self.expand(ids, processed, clips)
@@ -291,6 +297,11 @@ class PromptProcessor:
             raise
         result.text = prompt if isinstance(prompt, str) else None
         return result
+
+    def _embeds(self, source: dict) -> ProcessedImage:
+        if not self.accept_embeds:
+            raise ValueError("image embeddings as input are off here; the server takes them with --enable-mm-embeds")
+        return image_embeds(source, self.config)
 
     def expand(
         self, ids: list[int], images: list[ProcessedImage], videos: list[ProcessedImage] = ()

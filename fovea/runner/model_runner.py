@@ -244,7 +244,16 @@ class ModelRunner:
 
     def _encode(self, items: list[MMItem]) -> list[torch.Tensor]:
         """The uint8 pixels cross to the device; rescaling, normalizing and cutting into patches happen there,
-        one frame per still image (two, itself twice, when a video is in the batch: patches have one width)."""
+        one frame per still image (two, itself twice, when a video is in the batch: patches have one width).
+        Items given as embeddings (--enable-mm-embeds) skip the tower."""
+        given = {
+            i: torch.from_numpy(item.pixels).to(self.device, self.config.dtype)
+            for i, item in enumerate(items)
+            if item.embeds
+        }
+        if given:
+            encoded = iter(self._encode([item for item in items if not item.embeds]))
+            return [given[i] if i in given else next(encoded) for i in range(len(items))]
         if not items:
             return []
         frames = 2 if any(item.pixels.ndim == 4 for item in items) else 1

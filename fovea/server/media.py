@@ -51,7 +51,8 @@ class MediaPolicy:
 
 
 def media_urls(messages: list[dict]) -> list[tuple[dict, str, str]]:
-    """(part, url, "image" | "video") of every image_url and video_url part; other part types are refused here."""
+    """(part, url, "image" | "video") of every image_url and video_url part; types other than these, text and
+    image_embeds are refused here."""
     found = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -60,8 +61,10 @@ def media_urls(messages: list[dict]) -> list[tuple[dict, str, str]]:
             if kind in ("image_url", "video_url"):
                 url = part.get(kind)
                 found.append((part, url.get("url") if isinstance(url, dict) else url, kind[:-4]))
-            elif kind not in ("text", None):
-                raise ValueError(f"unsupported content part type {kind!r}; use text, image_url or video_url")
+            elif kind not in ("text", "image_embeds", None):  # embeddings: read by the front end (--enable-mm-embeds)
+                raise ValueError(
+                    f"unsupported content part type {kind!r}; use text, image_url, video_url or image_embeds"
+                )
     return found
 
 
