@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 
 from fovea.multimodal.image import PlannedImage, ProcessedImage
-from fovea.multimodal.image_workers import SharedPixels
+from fovea.multimodal.image_workers import ImageWorkers, SharedPixels
 from fovea.multimodal.video import PlannedVideo
 
 
@@ -41,10 +41,9 @@ class ProcessorCache:
             if kept is not None:
                 self.entries.move_to_end(key)
                 self.hits += 1
-        if kept is not None:
-            pixels = (
-                SharedPixels.create(kept.pixels) if planned.data is not None and self._shares else kept.pixels.copy()
-            )
+        if kept is not None:  # a new segment where the decoder hands pixels over in shared memory
+            shares = isinstance(self.decoder, ImageWorkers)
+            pixels = SharedPixels.create(kept.pixels) if shares else kept.pixels.copy()
             return dataclasses.replace(kept, pixels=pixels)
         processed = self.decoder.process(planned)
         pixels = processed.pixels.peek() if isinstance(processed.pixels, SharedPixels) else processed.pixels.copy()
@@ -57,11 +56,6 @@ class ProcessorCache:
                     _, oldest = self.entries.popitem(last=False)
                     self.size -= oldest.pixels.nbytes
         return processed
-
-    @property
-    def _shares(self) -> bool:
-        """Whether the decoder hands pixels over in shared memory (worker processes)."""
-        return hasattr(self.decoder, "pool")
 
 
 def cache_key(planned: PlannedImage | PlannedVideo) -> tuple | None:
