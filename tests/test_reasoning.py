@@ -113,6 +113,28 @@ def test_reasoning_then_answer_whole_and_streamed(server):
     assert PIECES[-1] > 3  # token by token, not in one piece at the end
 
 
+def test_responses_api_gives_a_reasoning_item_then_the_message(server):
+    """The Responses API: the <think> part as a reasoning item (reasoning_text deltas when streamed), the answer as
+    the message after it (vLLM's sampling extras, here a grammar, pass through)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
+    grammar = {
+        "guided_grammar": 'start: <think> "Two and two make four." </think> "\\n\\nFour."',
+        "chat_template_kwargs": OFF,
+    }
+    whole = client.responses.create(model="tiny", input=ASK, max_output_tokens=60, extra_body=grammar)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "Two and two make four." and whole.output_text == "\n\nFour."
+    events = list(
+        client.responses.create(model="tiny", input=ASK, max_output_tokens=60, stream=True, extra_body=grammar)
+    )
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == "Two and two make four." and sum(e.type == "response.reasoning_text.delta" for e in events) > 3
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    assert events[-1].response.output_text == "\n\nFour."
+
+
 def test_structured_output_begins_after_the_reasoning(server):
     """The prompt opens <think>: the schema does not constrain the reasoning (here closed at once by logit_bias,
     which the schema would never allow), then the answer follows it."""

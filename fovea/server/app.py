@@ -18,6 +18,8 @@ from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit
 from fovea.server.media import MediaPolicy
 from fovea.server.metrics import ServerMetrics
 from fovea.server.protocol import RequestLimits
+from fovea.server.responses import ROUTES as RESPONSES_ROUTES
+from fovea.server.responses import ResponseStore
 from fovea.server.routes import ROUTES, Served
 from fovea.server.tool_calls import START
 
@@ -84,10 +86,11 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         sandbox,
         tag_tokens=START in engine.tokenizer.get_added_vocab(),
         started=int(time.time()),
+        responses=ResponseStore(),
     )
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, max_objects=options.max_body_objects)
     app.add_middleware(APIKeyCheck, api_key=options.api_key)  # added last: runs first
-    for path, method, route in ROUTES:
+    for path, method, route in ROUTES + RESPONSES_ROUTES:
         app.add_api_route(path, route, methods=[method])
     return app

@@ -290,6 +290,31 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
 
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses (responses.py): OpenAI's fields; vLLM's sampling extras pass through to the chat."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 

@@ -58,6 +58,7 @@ class Served:
     sandbox: object | None  # TemplateSandbox for request chat templates (--trust-request-chat-template)
     tag_tokens: bool  # <tool_call> is one token (forced tool calls)
     started: int  # unix time, for /v1/models
+    responses: object = None  # the Responses API's store (responses.py)
 
     @property
     def max_len(self) -> int:
@@ -158,10 +159,20 @@ async def models(request: Request):
     }
 
 
-async def chat_completions(request: Request):
-    served: Served = request.app.state.served
+@dataclass
+class ChatRun:
+    """A chat request that has started: its first output (bad input failed before it) and the rest to come."""
+
+    first: object  # RequestOutput
+    stream: object  # AsyncIterator[RequestOutput]
+    model: str
+    request_id: str
+    tool_use: ToolUse | None
+
+
+async def start_chat(request: Request, served: Served, body: ChatCompletionRequest, id_prefix: str) -> ChatRun:
+    """What chat completions and the Responses API share: params, tools, media, the engine's first output."""
     engine, options = served.engine, served.options
-    body = await served.read_body(request, ChatCompletionRequest)
     model = served.model_name(body.model)
     tools, tool_use, params = await engine.run_in_pool(served.chat_params, body)
     if body.chat_template is not None and served.sandbox is None:
@@ -177,7 +188,7 @@ async def chat_completions(request: Request):
         body.chat_template_kwargs,
         options.chat_template_content_format,
     )
-    request_id = serving.new_id("chatcmpl")
+    request_id = serving.new_id(id_prefix)
 
     async def start():
         messages = await fetch_media(body.messages, options.media, engine.config.limit_mm_per_prompt)
@@ -202,27 +213,34 @@ async def chat_completions(request: Request):
 
     stream, first = await unless_disconnected(request, start())
     served.log_request(request_id, len(first.prompt_token_ids), params)
-    top, role = body.top_logprobs or 0, options.response_role
+    return ChatRun(first, stream, model, request_id, tool_use)
+
+
+async def chat_completions(request: Request):
+    served: Served = request.app.state.served
+    body = await served.read_body(request, ChatCompletionRequest)
+    run = await start_chat(request, served, body, "chatcmpl")
+    top, role, parser = body.top_logprobs or 0, served.options.response_role, served.engine.config.reasoning_parser
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             serving.chat_stream(
-                first,
-                stream,
-                model,
-                request_id,
+                run.first,
+                run.stream,
+                run.model,
+                run.request_id,
                 body.n,
                 top,
                 include_usage,
                 role,
-                tool_use,
-                engine.config.reasoning_parser,
+                run.tool_use,
+                parser,
             ),
             media_type="text/event-stream",
         )
-    await stream.aclose()
+    await run.stream.aclose()
     return await served.json_off_loop(
-        serving.chat_response, first, model, request_id, top, role, tool_use, engine.config.reasoning_parser
+        serving.chat_response, run.first, run.model, run.request_id, top, role, run.tool_use, parser
     )
 
 

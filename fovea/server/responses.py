@@ -1,0 +1,216 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`, `POST .../cancel`) as a
+translation over chat completions: the input items become chat messages (instructions as the system turn,
+`input_text` / `input_image` parts, earlier `function_call` and `function_call_output` items as the assistant's
+tool calls and the tool's answers), `text.format` becomes response_format, `max_output_tokens` max_tokens; the
+chat result comes back as output items (`reasoning`, `message` with `output_text`, `function_call`), whole or as
+the SDK's typed stream events.
+
+`store` (default true) keeps a response, and the conversation that led to it, in memory for `GET` and for a later
+request's `previous_response_id` (whose instructions are not carried over, as OpenAI does). Bounded: the newest
+FOVEA_STORED_RESPONSES responses (default 1000) and FOVEA_STORED_RESPONSES_MB of their text (default 256, images
+as data URLs included); older ones are forgotten first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from fovea.server import openai_serving as serving
+from fovea.server.errors import APIError
+from fovea.server.protocol import ChatCompletionRequest, ResponsesRequest
+from fovea.server.response_items import finished_turn, output_items, response_object, stream_events
+from fovea.server.routes import Served, start_chat
+
+MAX_STORED = int(os.environ.get("FOVEA_STORED_RESPONSES", "1000"))
+MAX_STORED_BYTES = int(float(os.environ.get("FOVEA_STORED_RESPONSES_MB", "256")) * 2**20)
+
+
+class ResponseStore:
+    """Responses and their conversations by id, newest kept, within a count and a size."""
+
+    def __init__(self, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self.entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self.size = 0
+        self._lock = threading.Lock()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        size = len(json.dumps(conversation)) + len(json.dumps(response))
+        with self._lock:
+            self.entries[response["id"]] = (response, conversation, size)
+            self.size += size
+            while self.entries and (len(self.entries) > self.max_count or self.size > self.max_bytes):
+                self.size -= self.entries.popitem(last=False)[1][2]
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+        with self._lock:
+            found = self.entries.get(response_id)
+        if found is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", "NotFoundError", "response_id")
+        return found[0], found[1]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        with self._lock:
+            entry = self.entries.pop(response_id, None)
+            if entry is not None:
+                self.size -= entry[2]
+
+
+# ----------------------------------------------------------------------------------- request -> chat request
+
+
+def as_messages(items: str | list[dict]) -> list[dict]:
+    """Input items as chat messages (calls of one turn joined in one assistant message)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("user", "system", "assistant"):
+                raise ValueError(f"an input message's role must be user, system, developer or assistant, got {role!r}")
+            messages.append({"role": role, "content": content_parts(item.get("content"))})
+        elif kind == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind != "reasoning":  # reasoning is not fed back, as the chat templates drop it
+            raise ValueError(
+                f"input items of type {kind!r} are not supported: message, function_call, function_call_output"
+            )
+    return messages
+
+
+def content_parts(content) -> str | list[dict]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("a message's content must be a string or a list of input parts")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind == "input_image":
+            if not part.get("image_url"):
+                raise ValueError("an input_image needs an image_url (a URL or a data URL); file_id is not supported")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise ValueError(f"content parts of type {kind!r} are not supported: input_text, input_image")
+    return parts
+
+
+def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+    if body.background:
+        raise ValueError("background responses are not supported")
+    tools = []
+    for tool in body.tools or []:
+        if tool.get("type") != "function":
+            raise ValueError(f"tools of type {tool.get('type')!r} are not supported: function")
+        tools.append(
+            {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
+        )
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    text_format = (body.text or {}).get("format") or {"type": "text"}
+    response_format = None
+    if text_format.get("type") == "json_schema":
+        schema = {k: text_format[k] for k in ("name", "schema", "strict", "description") if k in text_format}
+        response_format = {"type": "json_schema", "json_schema": schema}
+    elif text_format.get("type") == "json_object":
+        response_format = {"type": "json_object"}
+    elif text_format.get("type") != "text":
+        raise ValueError(f"text.format {text_format.get('type')!r} is not one of text, json_object, json_schema")
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    fields = dict(
+        model=body.model,
+        messages=system + history + as_messages(body.input),
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        tools=tools or None,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=response_format,
+        stream=body.stream,
+    )
+    # vLLM's sampling extras (top_k, seed, structured_outputs, chat_template_kwargs, ...) pass through as they are
+    extras = {k: v for k, v in (body.model_extra or {}).items() if k in ChatCompletionRequest.model_fields}
+    return ChatCompletionRequest(**extras, **{k: v for k, v in fields.items() if v is not None})
+
+
+# ------------------------------------------------------------------------------------------------- routes
+
+
+async def create_response(request: Request):
+    served: Served = request.app.state.served
+    body = await served.read_body(request, ResponsesRequest)
+    store: ResponseStore = served.responses
+    history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
+    chat = await served.engine.run_in_pool(chat_request, body, history)
+    run = await start_chat(request, served, chat, "resp")
+    response_id, created = "resp_" + run.request_id.removeprefix("resp-"), int(time.time())
+    conversation = history + as_messages(body.input)
+
+    def finish(output: list[dict], usage: dict, finish_reason: str | None) -> dict:
+        response = response_object(body, response_id, run.model, output, usage, finish_reason, created)
+        if body.store:
+            store.put(response, conversation + [finished_turn(output)])
+        return response
+
+    if body.stream:
+        events = stream_events(run, body, response_id, created, served.engine.config.reasoning_parser, finish)
+        return StreamingResponse(events, media_type="text/event-stream")
+    await run.stream.aclose()
+
+    def whole() -> dict:
+        chat_result = serving.chat_response(
+            run.first, run.model, run.request_id, 0, "assistant", run.tool_use, served.engine.config.reasoning_parser
+        )
+        choice = chat_result["choices"][0]
+        return finish(output_items(choice["message"]), chat_result["usage"], choice["finish_reason"])
+
+    return await served.json_off_loop(whole)
+
+
+async def get_response(request: Request, response_id: str):
+    return request.app.state.served.responses.get(response_id)[0]
+
+
+async def delete_response(request: Request, response_id: str):
+    request.app.state.served.responses.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def cancel_response(request: Request, response_id: str):
+    request.app.state.served.responses.get(response_id)
+    raise APIError(400, "Only responses created with background=true can be cancelled; fovea has none.")
+
+
+ROUTES = [
+    ("/v1/responses", "POST", create_response),
+    ("/v1/responses/{response_id}", "GET", get_response),
+    ("/v1/responses/{response_id}", "DELETE", delete_response),
+    ("/v1/responses/{response_id}/cancel", "POST", cancel_response),
+]

@@ -1,0 +1,173 @@
+"""The Responses API through the official openai SDK against a real `fovea serve`: text and image input, the typed
+stream, json_schema, a function-call round trip, previous_response_id with the stored conversation, GET and
+DELETE, and bad input as the SDK's error types. Every answer is checked against the chat completion of the same
+conversation (greedy): the Responses API is a translation of it."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import openai
+import pytest
+from conftest import jpeg_bytes, random_image
+from serving import running_server
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    # an enum: a random model's free strings run on past any max_output_tokens
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]},
+}
+GREEDY = {"temperature": 0, "max_output_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_dirs):
+    flags = ["--dtype", "float32", "--max-model-len", "1024", "--mm-processor-workers", "0"]
+    flags += ["--served-model-name", "tiny", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    with running_server(tiny_dirs["tiny-3b"], *flags) as (base, _):
+        yield openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+
+
+def chat_text(client, messages, **extra) -> tuple[str, object]:
+    reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12, **extra)
+    return reply.choices[0].message.content or "", reply
+
+
+def test_text_and_image_input_answer_as_the_chat_does(client):
+    image = "data:image/jpeg;base64," + base64.b64encode(jpeg_bytes(random_image(160, 120, seed=3))).decode()
+    response = client.responses.create(
+        model="tiny", input="Say something about boats.", instructions="Be brief.", **GREEDY
+    )
+    expected, reply = chat_text(
+        client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something about boats."}]
+    )
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == "tiny"
+    assert response.output_text == expected and response.output[0].type == "message"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        reply.usage.prompt_tokens,
+        reply.usage.completion_tokens,
+    )
+    content = [{"type": "input_image", "image_url": image}, {"type": "input_text", "text": "What is it?"}]
+    with_image = client.responses.create(model="tiny", input=[{"role": "user", "content": content}], **GREEDY)
+    expected, reply = chat_text(
+        client,
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image}},
+                    {"type": "text", "text": "What is it?"},
+                ],
+            }
+        ],
+    )
+    assert with_image.output_text == expected and with_image.usage.input_tokens == reply.usage.prompt_tokens
+
+
+def test_the_stream_is_the_sdks_typed_events(client):
+    events = list(client.responses.create(model="tiny", input="Tell me a story.", stream=True, **GREEDY))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert kinds.count("response.output_text.delta") > 1
+    final = events[-1].response
+    assert final.output_text == deltas == chat_text(client, [{"role": "user", "content": "Tell me a story."}])[0]
+    assert final.usage.output_tokens == 12
+    with client.responses.stream(model="tiny", input="Tell me a story.", **GREEDY) as stream:  # the SDK's helper
+        assert stream.get_final_response().output_text == deltas
+
+
+def test_json_schema_output_follows_the_schema(client):
+    city = {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}  # a random model's free strings run on
+    schema = {"type": "object", "properties": {"city": city}, "required": ["city"], "additionalProperties": False}
+    response = client.responses.create(
+        model="tiny",
+        input="Name a city.",
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
+        temperature=0,
+        max_output_tokens=40,
+    )
+    value = json.loads(response.output_text)
+    assert set(value) == {"city"} and value["city"] in city["enum"]
+    assert response.text.format.type == "json_schema"
+
+
+def test_a_function_call_round_trip_and_previous_response_id(client):
+    first = client.responses.create(
+        model="tiny",
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=60,
+    )
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+    streamed = list(
+        client.responses.create(
+            model="tiny", input="Weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0,
+            max_output_tokens=60, stream=True,
+        )
+    )  # fmt: skip
+    arguments = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    final_calls = [item for item in streamed[-1].response.output if item.type == "function_call"]
+    assert arguments == final_calls[0].arguments == calls[0].arguments and final_calls[0].name == "get_weather"
+    assert "response.function_call_arguments.done" in [e.type for e in streamed]
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature": 21}'}
+    # the stored conversation and the result, by previous_response_id ...
+    follow = client.responses.create(
+        model="tiny", previous_response_id=first.id, input=[result], tools=[WEATHER], **GREEDY
+    )
+    # ... or the whole conversation sent again, as input items: the same prompt and answer
+    again = client.responses.create(
+        model="tiny",
+        input=[{"role": "user", "content": "Weather in Paris?"}, calls[0].model_dump(), result],
+        tools=[WEATHER],
+        **GREEDY,
+    )
+    assert follow.usage.input_tokens == again.usage.input_tokens and follow.output_text == again.output_text
+    assert follow.previous_response_id == first.id
+    assert client.responses.retrieve(follow.id).output_text == follow.output_text
+    client.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(follow.id)
+    unstored = client.responses.create(model="tiny", input="hi", store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize(
+    "fields, error, words",
+    [
+        ({"input": "x", "previous_response_id": "resp_nope"}, openai.NotFoundError, "resp_nope"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, openai.BadRequestError, "item_reference"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            openai.BadRequestError,
+            "input_file",
+        ),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, openai.BadRequestError, "web_search"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, openai.BadRequestError, "yaml"),
+        ({"input": "x", "background": True}, openai.BadRequestError, "background"),
+        ({"input": "x", "max_output_tokens": 0}, openai.BadRequestError, "max_tokens"),
+    ],
+)
+def test_bad_input_is_the_sdks_error(client, fields, error, words):
+    with pytest.raises(error, match=words):
+        client.responses.create(model="tiny", **fields)
