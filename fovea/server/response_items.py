@@ -184,7 +184,7 @@ class ItemEvents:
 
 async def stream_events(run, body: ResponsesRequest, response_id: str, created: int, parser: str | None, finish):
     """A streamed response: created, in_progress, the items' events, completed (or an error event). `finish`
-    makes (and stores) the final response from the items, the usage and the finish reason."""
+    (a coroutine) makes and stores the final response from the items, the usage and the finish reason."""
     items = ItemEvents()
     tool_calls = ToolCallStream(run.tool_use) if run.tool_use and run.tool_use.choice != "none" else None
     reasoning = Reasoning(parser, run.first.prompt) if parser else None
@@ -208,7 +208,8 @@ async def stream_events(run, body: ResponsesRequest, response_id: str, created: 
             result = await anext(run.stream)
         for event in items.close():
             yield event
-        yield items.event("response.completed", response=finish(items.output, usage.as_dict(), finish_reason))
+        response = await finish(items.output, usage.as_dict(), finish_reason)
+        yield items.event("response.completed", response=response)
     except Exception as error:  # noqa: BLE001 - the client hears why its stream ends early
         yield serving.error_event(error)
     finally:

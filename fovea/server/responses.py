@@ -180,7 +180,12 @@ async def create_response(request: Request):
         return response
 
     if body.stream:
-        events = stream_events(run, body, response_id, created, served.engine.config.reasoning_parser, finish)
+
+        async def finish_off_loop(*args) -> dict:  # storing measures the conversation, images and all
+            return await served.engine.run_in_pool(finish, *args)
+
+        parser = served.engine.config.reasoning_parser
+        events = stream_events(run, body, response_id, created, parser, finish_off_loop)
         return StreamingResponse(events, media_type="text/event-stream")
     await run.stream.aclose()
 
