@@ -157,6 +157,9 @@ def test_a_function_call_round_trip_and_previous_response_id(client):
     [
         ({"input": "x", "previous_response_id": "resp_nope"}, openai.NotFoundError, "resp_nope"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, openai.BadRequestError, "item_reference"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, openai.BadRequestError, "needs call_id, arguments"),
+        ({"input": ["text"]}, openai.BadRequestError, "input"),
+        ({"input": "x", "text": {"format": "json"}}, openai.BadRequestError, "text.format must be an object"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             openai.BadRequestError,

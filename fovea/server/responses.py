@@ -73,6 +73,8 @@ def as_messages(items: str | list[dict]) -> list[dict]:
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
     for item in items:
+        if not isinstance(item, dict):
+            raise ValueError(f"each input item must be an object, got {type(item).__name__}")
         kind = item.get("type", "message")
         if kind == "message":
             role = {"developer": "system"}.get(item.get("role"), item.get("role"))
@@ -80,6 +82,9 @@ def as_messages(items: str | list[dict]) -> list[dict]:
                 raise ValueError(f"an input message's role must be user, system, developer or assistant, got {role!r}")
             messages.append({"role": role, "content": content_parts(item.get("content"))})
         elif kind == "function_call":
+            missing = [key for key in ("call_id", "name", "arguments") if not isinstance(item.get(key), str)]
+            if missing:
+                raise ValueError(f"a function_call item needs {', '.join(missing)} (strings)")
             call = {
                 "id": item["call_id"],
                 "type": "function",
@@ -120,7 +125,9 @@ def content_parts(content) -> str | list[dict]:
     return parts
 
 
-def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+def chat_request(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request, and the conversation without the instructions (what a later previous_response_id
+    continues)."""
     if body.background:
         raise ValueError("background responses are not supported")
     tools = []
@@ -134,6 +141,8 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     text_format = (body.text or {}).get("format") or {"type": "text"}
+    if not isinstance(text_format, dict):
+        raise ValueError('text.format must be an object such as {"type": "json_schema", ...}')
     response_format = None
     if text_format.get("type") == "json_schema":
         schema = {k: text_format[k] for k in ("name", "schema", "strict", "description") if k in text_format}
@@ -143,9 +152,10 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
     elif text_format.get("type") != "text":
         raise ValueError(f"text.format {text_format.get('type')!r} is not one of text, json_object, json_schema")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    conversation = history + as_messages(body.input)
     fields = dict(
         model=body.model,
-        messages=system + history + as_messages(body.input),
+        messages=system + conversation,
         max_tokens=body.max_output_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -157,7 +167,7 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
     )
     # vLLM's sampling extras (top_k, seed, structured_outputs, chat_template_kwargs, ...) pass through as they are
     extras = {k: v for k, v in (body.model_extra or {}).items() if k in ChatCompletionRequest.model_fields}
-    return ChatCompletionRequest(**extras, **{k: v for k, v in fields.items() if v is not None})
+    return ChatCompletionRequest(**extras, **{k: v for k, v in fields.items() if v is not None}), conversation
 
 
 # ------------------------------------------------------------------------------------------------- routes
@@ -168,10 +178,9 @@ async def create_response(request: Request):
     body = await served.read_body(request, ResponsesRequest)
     store: ResponseStore = served.responses
     history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
-    chat = await served.engine.run_in_pool(chat_request, body, history)
+    chat, conversation = await served.engine.run_in_pool(chat_request, body, history)
     run = await start_chat(request, served, chat, "resp")
     response_id, created = "resp_" + run.request_id.removeprefix("resp-"), int(time.time())
-    conversation = history + as_messages(body.input)
 
     def finish(output: list[dict], usage: dict, finish_reason: str | None) -> dict:
         response = response_object(body, response_id, run.model, output, usage, finish_reason, created)
