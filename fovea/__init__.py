@@ -15,7 +15,7 @@ if not _logger.handlers:
     _logger.addHandler(_handler)
     _logger.setLevel(os.environ.get("FOVEA_LOGGING_LEVEL", "INFO").upper())
     _logger.propagate = False
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name: str):
@@ -32,7 +32,7 @@ def __getattr__(name: str):
         from fovea.core.sampling_params import StructuredOutputsParams
 
         return StructuredOutputsParams
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "LoRARequest"):
         from fovea.core import request
 
         return getattr(request, name)

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from fovea.config.engine import EngineConfig
-from fovea.core.request import RequestOutput
+from fovea.core.request import LoRARequest, RequestOutput
 from fovea.core.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
 from fovea.engine.engine import LLMEngine
 from fovea.frontend.input_processor import InputProcessor
@@ -53,12 +53,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable = True,
         mm_processor_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """`prompts`: one or a list of strings, token-id lists or {"prompt", "multi_modal_data", ...} dicts."""
+        """`prompts`: one or a list of strings, token-id lists or {"prompt", "multi_modal_data", ...} dicts.
+        `lora_request`: the adapter of every prompt, or a list with one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         processed = [self.inputs.process(p, mm_processor_kwargs) for p in prompts]
-        return self._run(processed, sampling_params, use_tqdm)
+        return self._run(processed, sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -71,6 +73,7 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         chat_template_content_format: str = "auto",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations; `tools`
         (OpenAI's function definitions) and `chat_template_kwargs` go to the chat template, as in vLLM;
@@ -82,17 +85,17 @@ class LLM:
         processed = [
             self.inputs.process_chat(conversation, mm_processor_kwargs, chat) for conversation in conversations
         ]
-        return self._run(processed, sampling_params, use_tqdm)
+        return self._run(processed, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, processed, sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _run(self, processed, sampling_params, use_tqdm, lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.default_params
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(processed)
-        if len(params) != len(processed):
-            raise ValueError(f"got {len(params)} sampling_params for {len(processed)} prompts")
+        params = per_prompt(sampling_params, len(processed), "sampling_params")
+        loras = per_prompt(lora_request, len(processed), "lora_request")
+        final = RequestOutputKind.FINAL_ONLY
         requests = [
-            self.inputs.make_request(str(next(self._ids)), prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
-            for prompt, p in zip(processed, params)
+            self.inputs.make_request(str(next(self._ids)), prompt, p.clone(output_kind=final), lora=lora)
+            for prompt, p, lora in zip(processed, params, loras)
         ]
         for request in requests:
             self.engine.add_request(request)
@@ -123,6 +126,14 @@ class LLM:
             if bar is not None:
                 bar.close()
         return results
+
+
+def per_prompt(value, count: int, name: str) -> list:
+    """One value for every prompt, or a list of one per prompt (as vLLM takes sampling_params, lora_request)."""
+    values = value if isinstance(value, (list, tuple)) else [value] * count
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} {name} for {count} prompts")
+    return values
 
 
 def _progress_bar(total: int):  # use_tqdm may instead be a callable that makes the bar, as in vLLM

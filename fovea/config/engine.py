@@ -59,6 +59,10 @@ class EngineConfig:
     quantization: str | None = default("quantization")
     kv_cache_dtype: str = default("kv_cache_dtype")
     reasoning_parser: str | None = default("reasoning_parser")
+    enable_lora: bool = default("enable_lora")
+    max_loras: int = default("max_loras")
+    max_lora_rank: int = default("max_lora_rank")
+    max_cpu_loras: int | None = default("max_cpu_loras")
 
     @property
     def distributed(self) -> bool:
@@ -154,7 +158,17 @@ class EngineConfig:
         media_io_processor_kwargs(config.media_io_kwargs)  # a bad one fails at start, naming the key
         if config.mm_processor_cache_gb < 0:
             raise ValueError(f"mm_processor_cache_gb must be 0 (off) or more, got {config.mm_processor_cache_gb}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_budget", "max_logprobs"):
+        if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+            raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be at least max_loras ({config.max_loras})")
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "encoder_budget",
+            "max_logprobs",
+            "max_loras",
+            "max_lora_rank",
+        ):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
         check_tensor_parallel(config)

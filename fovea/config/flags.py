@@ -27,6 +27,27 @@ def json_arg(text: str) -> dict:
     return value
 
 
+@dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def lora_module_arg(text: str) -> LoRAModule:
+    """--lora-modules: name=path, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+            return LoRAModule(value["name"], value["path"], value.get("base_model_name"))
+        except (ValueError, KeyError, TypeError) as error:
+            raise argparse.ArgumentTypeError(f'{text!r}: a JSON module needs "name" and "path" ({error})') from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected name=path")
+    return LoRAModule(name, path)
+
+
 REASONING_TAGS = {"qwen3": ("<think>", "</think>")}  # --reasoning-parser: (start, end) of the reasoning part
 
 
@@ -158,6 +179,16 @@ FLAGS = (
         "images",
         int,
     ),
+    Flag("enable_lora", False, "serve LoRA adapters (PEFT directories) beside the base model", "lora"),
+    Flag("max_loras", 1, "adapters in one batch", "lora"),
+    Flag("max_lora_rank", 16, "highest adapter rank accepted", "lora"),
+    Flag(
+        "max_cpu_loras",
+        None,
+        "adapters kept loaded, least recently used dropped (default: max-loras)",
+        "lora",
+        int,
+    ),
     Flag("tensor_parallel_size", 1, "GPUs (ranks) per engine", "parallelism", short="-tp"),
     Flag(
         "data_parallel_size",
@@ -208,7 +239,8 @@ def default(name: str) -> Any:
 def add_engine_flags(parser: argparse.ArgumentParser, names=None, given_only: bool = False, title: str | None = None):
     """`names` (default: all) as flags, in groups (all in one group named `title` when given; returned then).
     `given_only`: the parser's default is None, so that a caller can tell what the user gave (fovea eval lays
-    the flags over its registry entry); the help still shows the engine's default."""
+    the flags over its registry entry); the help still shows the engine's default. Without a title, returns the
+    groups by name (a command adds its own flags to them)."""
     groups: dict[str, Any] = {}
     for flag in FLAGS if names is None else [BY_NAME[name] for name in names]:
         if "--" + flag.name.replace("_", "-") in parser._option_string_actions:
@@ -227,7 +259,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, names=None, given_only: bo
             if flag.choices:
                 options["choices"] = list(flag.choices)
         group.add_argument(*dashed, **options)
-    return groups.get(title) if title else None
+    return groups.get(title) if title else groups
 
 
 def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,21 @@ from fovea.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter a request runs with (vLLM's fields): a PEFT adapter directory. `lora_int_id` identifies
+    it (cached KV blocks and image embeddings are its own); a name served by `fovea serve` gets one when loaded."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self):
+        if self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be at least 1, got {self.lora_int_id}")
+
+
+@dataclass(frozen=True)
 class MMSpan:
     """Where one image's placeholder tokens sit in the prompt, and what the image is."""
 
@@ -41,6 +56,7 @@ class MMItem:
     pixels: np.ndarray  # or SharedPixels until the engine takes it
     frames: tuple[int, int] | None = None
     embeds: bool = False  # `pixels` are the tower's output for it, given as input (--enable-mm-embeds)
+    lora: LoRARequest | None = None  # the adapter the vision tower runs with (one that changes the tower)
 
     @property
     def content_hash(self) -> str:
@@ -92,6 +108,7 @@ class RequestInput:
     # thousands of prompts cannot hold everyone else behind it (0 for single-prompt requests)
     fair_rank: int = 0
     grammar_after: str | None = None  # structured outputs start once this text is in the output (reasoning's end)
+    lora: LoRARequest | None = None
     # front end only: frees shared pixels if the request is dropped before it is sent
     release_unsent: object = field(default=None, repr=False, compare=False)
 
@@ -121,6 +138,8 @@ class Request:
         length = len(input.prompt_token_ids)
         self.positions = np.broadcast_to(np.arange(length), (3, length)) if input.positions is None else input.positions
         self.mm_spans = [item.span for item in self.mm_items]
+        self.lora = input.lora
+        self.hash_salt = b"" if input.lora is None else b"lora:%d" % input.lora.lora_int_id  # block_manager.py
         params = self.params
         self.eos_token_ids = () if params.ignore_eos else tuple(input.eos_token_ids)
         self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back

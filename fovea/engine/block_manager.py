@@ -18,21 +18,24 @@ from collections.abc import Sequence
 from fovea.core.request import MMSpan
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, mm_spans: Sequence[MMSpan] = ()) -> list[bytes]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, mm_spans: Sequence[MMSpan] = (), salt: bytes = b""
+) -> list[bytes]:
     """One chained digest per full block of `token_ids` (a trailing partial block has none)."""
-    return extend_block_hashes([], token_ids, block_size, mm_spans)
+    return extend_block_hashes([], token_ids, block_size, mm_spans, salt)
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, mm_spans: Sequence[MMSpan] = ()
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, mm_spans: Sequence[MMSpan] = (), salt: bytes = b""
 ) -> list[bytes]:
     """Appends to `hashes` the digests of the full blocks of `token_ids` it does not cover yet (a sequence
-    grows one token at a time; its earlier digests never change).
+    grows one token at a time; its earlier digests never change). `salt` starts the chain: a LoRA adapter's
+    requests compute other KV for the same tokens, so their blocks are found only by requests of that adapter.
 
     blake2b rather than hash(): stable across processes (str hashes are salted per process) and wide enough
     that a crafted prompt cannot collide into another user's cached blocks.
     """
-    parent = hashes[-1] if hashes else b""
+    parent = hashes[-1] if hashes else salt
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         digest = hashlib.blake2b(parent, digest_size=16)

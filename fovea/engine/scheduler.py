@@ -115,11 +115,21 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, computing: set[bytes]) -> int:
         position = 0  # in the waiting list: sequences deferred by a step stay ahead of later arrivals
+        adapters = (
+            {s.request.lora.lora_int_id for s in self.running if s.request.lora} if self.config.enable_lora else ()
+        )
         while position < len(self.waiting) and budget > 0:
             seq = self.waiting[position]
             if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, seq.request.mm_spans)
+            lora = seq.request.lora
+            if lora and lora.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
+                position += 1  # max_loras adapters run already: it waits for one of them to finish
+                continue
+            request = seq.request
+            extend_block_hashes(
+                seq.block_hashes, seq.token_ids, self.blocks.block_size, request.mm_spans, request.hash_salt
+            )
             # prompt logprobs need logits at every prompt position, so cached blocks cannot be skipped
             shares = self._shares_blocks(seq)
             prefix = self.blocks.cached_prefix(seq.block_hashes, seq.num_tokens) if shares else []
@@ -140,6 +150,8 @@ class Scheduler:
                 seq.request.num_cached_tokens = start
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.order)
+            if lora:
+                adapters.add(lora.lora_int_id)
             if n:  # 0: its next token is an image still being encoded; it runs from there once it is ready
                 self._add_to_batch(batch, seq, n)
                 self._note_filled(seq, start, n, computing)
@@ -210,7 +222,8 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // block_size > seq.num_registered_blocks:  # a block filled up
-                extend_block_hashes(seq.block_hashes, seq.token_ids, block_size, seq.request.mm_spans)
+                request = seq.request
+                extend_block_hashes(seq.block_hashes, seq.token_ids, block_size, request.mm_spans, request.hash_salt)
                 seq.num_registered_blocks = self.blocks.mark_computed(
                     seq.block_table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered_blocks
                 )

@@ -33,7 +33,7 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected, RequestsFailed, StepOutputs
-from fovea.core.request import RequestInput, RequestOutput
+from fovea.core.request import LoRARequest, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
 from fovea.engine.structured_outputs import Grammars
@@ -154,6 +154,7 @@ class AsyncLLM:
         messages: list[dict] | None = None,
         mm_processor_kwargs: dict | None = None,
         chat: ChatOptions | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request: `prompt` in any form LLM.generate takes, or chat `messages`.
         Bad input raises ValueError here, before anything reaches the engine."""
@@ -168,12 +169,19 @@ class AsyncLLM:
             mm_processor_kwargs,
             chat,
             arrival,
+            0,
+            lora_request,
         )
         async for output in self.stream(request):
             yield output
 
     async def prepare_many(
-        self, prompts: list, sampling_params: SamplingParams, request_id: str, mm_processor_kwargs: dict | None = None
+        self,
+        prompts: list,
+        sampling_params: SamplingParams,
+        request_id: str,
+        mm_processor_kwargs: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestInput]:
         """Requests `{request_id}-{i}` for several prompts, prepared in one pool job; prompt i waits behind the
         first prompts of requests that arrive later (fair_rank)."""
@@ -183,7 +191,15 @@ class AsyncLLM:
         def make_all():
             return [
                 self._make_request(
-                    f"{request_id}-{i}", prompt, None, sampling_params, mm_processor_kwargs, None, arrival, i
+                    f"{request_id}-{i}",
+                    prompt,
+                    None,
+                    sampling_params,
+                    mm_processor_kwargs,
+                    None,
+                    arrival,
+                    i,
+                    lora_request,
                 )
                 for i, prompt in enumerate(prompts)
             ]
@@ -191,14 +207,14 @@ class AsyncLLM:
         return await self.run_in_pool(make_all)
 
     def _make_request(
-        self, request_id, prompt, messages, params, mm_processor_kwargs, chat, arrival, fair_rank=0
+        self, request_id, prompt, messages, params, mm_processor_kwargs, chat, arrival, fair_rank=0, lora=None
     ) -> RequestInput:
         processed = (
             self.inputs.process_chat(messages, mm_processor_kwargs, chat)
             if messages is not None
             else self.inputs.process(prompt, mm_processor_kwargs)
         )
-        return self.inputs.make_request(request_id, processed, params or self.default_params, arrival, fair_rank)
+        return self.inputs.make_request(request_id, processed, params or self.default_params, arrival, fair_rank, lora)
 
     async def stream(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
         """Sends a prepared request to the engine and yields its outputs; leaving early aborts it."""

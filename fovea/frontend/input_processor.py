@@ -7,6 +7,7 @@ request happens here, before the engine sees it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -15,9 +16,10 @@ import weakref
 from fovea.config.engine import EngineConfig
 from fovea.config.flags import REASONING_TAGS
 from fovea.config.video import media_io_processor_kwargs
-from fovea.core.request import MMItem, MMSpan, RequestInput
+from fovea.core.request import LoRARequest, MMItem, MMSpan, RequestInput
 from fovea.core.sampling_params import SamplingParams
 from fovea.engine.structured_outputs import GrammarCompiler, Grammars
+from fovea.models.lora import AdapterCheck
 from fovea.multimodal.image import ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, SharedPixels, release_images, release_shared
 from fovea.multimodal.processor_cache import ProcessorCache
@@ -51,6 +53,7 @@ class InputProcessor:
         self.grammar_engine = grammars or Grammars(
             self.tokenizer, self.vocab_size, config.model.eos_token_ids, config.device
         )
+        self.adapter_check = AdapterCheck(config.model, config.max_lora_rank) if config.enable_lora else None
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -140,9 +143,10 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         fair_rank: int = 0,
+        lora: LoRARequest | None = None,
     ) -> RequestInput:
         try:
-            return self._make_request(request_id, processed, params, arrival_time, fair_rank)
+            return self._make_request(request_id, processed, params, arrival_time, fair_rank, lora)
         except BaseException:
             release_images(processed.images)  # refused: its pixels never reach the engine
             raise
@@ -154,6 +158,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None,
         fair_rank: int,
+        lora: LoRARequest | None,
     ) -> RequestInput:
         ids = processed.token_ids
         if not ids:
@@ -188,6 +193,15 @@ class InputProcessor:
                     )
             items += parts
             start = parts[-1].end
+        if lora is not None and self.check_lora(lora):  # its image embeddings are its own: cached apart
+            items = [
+                dataclasses.replace(
+                    item,
+                    span=dataclasses.replace(item.span, content_hash=f"{item.content_hash}+lora{lora.lora_int_id}"),
+                    lora=lora,
+                )
+                for item in items
+            ]
         request = RequestInput(
             request_id,
             ids,
@@ -201,6 +215,7 @@ class InputProcessor:
             arrival_index=next(self._arrivals),
             fair_rank=fair_rank,
             grammar_after=self._reasoning_end(processed.text, params),
+            lora=lora,
         )
         shared = list(
             {
@@ -212,6 +227,14 @@ class InputProcessor:
         if shared:  # freed if this request is dropped unsent (client gone, another prompt failed, ...)
             request.release_unsent = weakref.finalize(request, release_shared, shared)
         return request
+
+    def check_lora(self, lora: LoRARequest) -> bool:
+        """Fails naming what is wrong with the adapter; says whether it changes the vision tower."""
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if self.adapter_check is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off: start with enable_lora")
+        return self.adapter_check(lora)
 
     def _reasoning_end(self, prompt: str | None, params: SamplingParams) -> str | None:
         """With --reasoning-parser, a prompt that opens the reasoning (a thinking template's `<think>`) lets the

@@ -18,6 +18,7 @@ from torch import nn
 
 from fovea.config.quant import QuantConfig
 from fovea.distributed import current_tp
+from fovea.layers.lora import add_lora
 from fovea.layers.quantized import tagged, weight_scheme
 
 
@@ -38,6 +39,7 @@ class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantConfig | None = None):
         super().__init__()
         self.tp = current_tp()
+        self.input_size, self.output_size = in_features, out_features  # this rank's
         self.scheme = weight_scheme(quant)
         for name, param in self.scheme.parameters(in_features, out_features).items():
             param.weight_loader = self.weight_loader
@@ -49,7 +51,16 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scheme.apply(self, x, self.bias)
+        return add_lora(self, x, self.scheme.apply(self, x, self.bias))
+
+    def output_piece(self, shard_id=None) -> tuple[int, int, int]:
+        """Where piece `shard_id` of the layer's outputs is: (offset in this rank's outputs, size here, start of
+        this rank's share in the checkpoint piece's outputs). One piece, whole, but in column-parallel layers."""
+        return 0, self.output_size, 0
+
+    def input_share(self) -> tuple[int, int] | None:
+        """(start, size) of this rank's input features in the full ones; None: all of them."""
+        return None
 
     @staticmethod
     def _copy(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
@@ -84,8 +95,11 @@ class ColumnParallelLinear(LinearBase):
         self.out_features = divide(out_features, current_tp().size, "output features")
         super().__init__(in_features, self.out_features, bias, quant)
 
+    def output_piece(self, shard_id=None):
+        return 0, self.out_features, self.tp.rank * self.out_features
+
     def weight_loader(self, param, loaded, shard_id=None):
-        self._load_outputs(param, loaded, 0, self.out_features, self.tp.rank * self.out_features)
+        self._load_outputs(param, loaded, *self.output_piece(shard_id))
 
 
 class RowParallelLinear(LinearBase):
@@ -97,15 +111,18 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.communicates:
-            return self.scheme.apply(self, x, self.bias)
-        out = self.tp.all_reduce(self.scheme.apply(self, x, None))
+            return super().forward(x)
+        # an adapter's part is a partial sum over this rank's inputs too: added before the reduction
+        out = self.tp.all_reduce(add_lora(self, x, self.scheme.apply(self, x, None)))
         return out + self.bias if self.bias is not None else out
+
+    def input_share(self) -> tuple[int, int]:
+        return self.tp.rank * self.in_features, self.in_features
 
     def _inputs(self, param, loaded):
         if param.input_dim is None:
             return loaded
-        size = self.in_features
-        return features(loaded, param.input_dim, param.units[1], self.tp.rank * size, size)
+        return features(loaded, param.input_dim, param.units[1], *self.input_share())
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.per_tensor and loaded.numel() == 1:
@@ -121,10 +138,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, quant)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def output_piece(self, shard_id=None):
+        if shard_id is None:
+            return super().output_piece()
         local = [s // self.tp.size for s in self.output_sizes]
-        offset = sum(local[:shard_id])
-        self._load_outputs(param, loaded, offset, local[shard_id], self.tp.rank * local[shard_id])
+        return sum(local[:shard_id]), local[shard_id], self.tp.rank * local[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -152,16 +170,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, local * tp.size, bias, quant)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def split_fused(self, loaded: torch.Tensor) -> dict[str, torch.Tensor]:
+        """q, k and v of a tensor whose rows hold all three (the vision tower's checkpoints store qkv fused)."""
+        full_q = self.num_heads * self.head_dim * self.tp.size
+        full_kv = (loaded.shape[0] - full_q) // 2
+        if full_kv < 1 or loaded.shape[0] != full_q + 2 * full_kv:
+            raise ValueError(f"fused qkv has {loaded.shape[0]} rows, model expects q {full_q} + 2 x kv")
+        return dict(zip("qkv", loaded.split([full_q, full_kv, full_kv])))
+
+    def output_piece(self, shard_id=None):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if shard_id is None:  # the checkpoint stores q|k|v already fused (the vision tower does, unquantized)
-            full_q = q_size * self.tp.size
-            full_kv = (loaded.shape[0] - full_q) // 2
-            if full_kv < 1 or loaded.shape[0] != full_q + 2 * full_kv:
-                raise ValueError(f"fused qkv has {loaded.shape[0]} rows, model expects q {full_q} + 2 x kv")
-            for sid, piece in zip("qkv", loaded.split([full_q, full_kv, full_kv])):
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        return offset, size, (self.tp.rank if shard_id == "q" else self.kv_rank) * size
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None:
+            for sid, piece in self.split_fused(loaded).items():
                 self.weight_loader(param, piece, sid)
             return
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        rank = self.tp.rank if shard_id == "q" else self.kv_rank
-        self._load_outputs(param, loaded, offset, size, rank * size)
+        self._load_outputs(param, loaded, *self.output_piece(shard_id))

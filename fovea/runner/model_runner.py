@@ -20,8 +20,10 @@ from fovea.attention.backend import PagedAttentionMetadata
 from fovea.config.engine import EngineConfig
 from fovea.core.request import MMItem, ScheduledBatch
 from fovea.distributed import SINGLE, ParallelGroups
+from fovea.layers.lora import lora_rows
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
+from fovea.models.lora import LoadedAdapters
 from fovea.multimodal.patchify import patchify
 from fovea.runner.cuda_graphs import DecodeGraphs
 from fovea.runner.encoder_buckets import EncoderBuckets
@@ -70,6 +72,10 @@ class ModelRunner:
             options=options,
         )
         self.image_config = config.model.image  # mean, std, patch and merge sizes
+        self.adapters = None
+        if config.enable_lora:
+            capacity = config.max_cpu_loras or config.max_loras
+            self.adapters = LoadedAdapters(self.model, capacity, config.max_lora_rank, config.dtype, self.device)
         first = self.model.model.layers[0].self_attn
         self.num_layers, self.num_kv_heads = config.model.text.num_layers, first.num_kv_heads  # this rank's heads
         backend = config.resolved_attention_backend
@@ -208,11 +214,20 @@ class ModelRunner:
             self.kv_caches,
         )
         num_seqs = len(step.seq_lens)
-        if self.graphs and meta.max_query_len == 1 and mm_embeds is None and self.graphs.bucket(num_seqs):
+        # the decode graphs hold the base model only: a step with adapters runs eagerly
+        adapters = [(self._rows(rows, len(ids)), self.adapters.get(lora)) for rows, lora in step.lora_rows()]
+        if (
+            self.graphs
+            and meta.max_query_len == 1
+            and mm_embeds is None
+            and not adapters
+            and self.graphs.bucket(num_seqs)
+        ):
             hidden = self.graphs.run(ids, positions, meta)
         else:
             self.backend.prepare(meta)
-            hidden = self.model(ids, positions, meta, mm_embeds, to(step.mm_mask))
+            with lora_rows(adapters):
+                hidden = self.model(ids, positions, meta, mm_embeds, to(step.mm_mask))
         logits = None
         if step.logits_rows:
             # a decode step scores every row in order: no index (whose copy to the GPU would wait for the forward)
@@ -225,6 +240,9 @@ class ModelRunner:
                 rows, out=self.logits_buffer[:count] if count <= len(self.logits_buffer) else None
             )
         return logits, hidden
+
+    def _rows(self, rows, total: int) -> torch.Tensor | None:
+        return None if len(rows) == total else torch.from_numpy(rows).to(self.device)
 
     def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
         """The vision tower over several images at once (the ImageEncoder's thread calls it): one (tokens,
@@ -254,6 +272,19 @@ class ModelRunner:
         if given:
             encoded = iter(self._encode([item for item in items if not item.embeds]))
             return [given[i] if i in given else next(encoded) for i in range(len(items))]
+        adapters = list(dict.fromkeys(item.lora for item in items))
+        if adapters and adapters != [None]:  # the tower once per adapter that changes it
+            encoded = {}
+            for lora in adapters:
+                group = [i for i, item in enumerate(items) if item.lora == lora]
+                with lora_rows([] if lora is None else [(None, self.adapters.get(lora))]):
+                    encoded.update(zip(group, self._encode_pixels([items[i] for i in group], lora is None)))
+            return [encoded[i] for i in range(len(items))]
+        return self._encode_pixels(items)
+
+    def _encode_pixels(self, items: list[MMItem], graphs: bool = True) -> list[torch.Tensor]:
+        """The tower over the items' pixels; `graphs`: an encoder bucket's CUDA graph may run it (the base
+        model's tower only)."""
         if not items:
             return []
         frames = 2 if any(item.pixels.ndim == 4 for item in items) else 1
@@ -262,7 +293,7 @@ class ModelRunner:
         ).to(self.config.dtype)
         grids = [item.grid_thw for item in items]
         # buckets are captured for one-frame patches: a batch with a video runs eagerly
-        bucket = frames == 1 and self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])
+        bucket = graphs and frames == 1 and self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])
         if bucket:
             return self.model.split_by_item(self.encoder_buckets.encode(patches, grids, bucket), grids)
         return self.model.encode_images(patches, grids)

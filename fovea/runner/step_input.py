@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fovea.core.request import ScheduledBatch
+from fovea.core.request import LoRARequest, ScheduledBatch
 from fovea.runner.sampler import SampleRow
 
 
@@ -32,6 +32,15 @@ class StepInput:
     logits_rows: list[int]  # rows to score for sampling, in order
     logprob_spans: list[tuple[int, int]]  # (first row, rows) whose prompt log-probabilities were asked for
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks before the step
+    loras: list[LoRARequest] = field(default_factory=list)  # the adapters of the step's sequences
+    lora_of_seq: np.ndarray | None = None  # (sequences,) int32 index in `loras`, -1: the base model
+
+    def lora_rows(self) -> list[tuple[np.ndarray, LoRARequest]]:
+        """The rows (tokens) of each adapter of the step."""
+        if not self.loras:
+            return []
+        of_token = np.repeat(self.lora_of_seq, np.diff(self.query_starts))
+        return [(np.flatnonzero(of_token == i), lora) for i, lora in enumerate(self.loras)]
 
     @property
     def max_query_len(self) -> int:
@@ -128,6 +137,13 @@ def build_step(
         (s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)), dtype=np.int32, count=len(batch)
     )
     embeds = torch.cat(mm_embeds) if mm_embeds else None
+    adapters: dict[LoRARequest, int] = {}
+    lora_of_seq = None
+    if any(seq.request.lora for seq in batch.seqs):
+        lora_of_seq = np.array(
+            [-1 if s.request.lora is None else adapters.setdefault(s.request.lora, len(adapters)) for s in batch.seqs],
+            dtype=np.int32,
+        )
     step = StepInput(
         np.asarray(ids, dtype=np.int64),
         positions,
@@ -140,5 +156,7 @@ def build_step(
         logits_rows,
         logprob_spans,
         batch.block_copies,
+        list(adapters),
+        lora_of_seq,
     )
     return step, embeds, plan

@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 
 from fovea import __version__
+from fovea.config.flags import LoRAModule
 from fovea.core.sampling_params import sampling_defaults
 from fovea.frontend.async_llm import AsyncLLM
 from fovea.server.errors import add_error_handlers
 from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit
+from fovea.server.lora_routes import ServedAdapters
+from fovea.server.lora_routes import routes as lora_routes
 from fovea.server.media import MediaPolicy
 from fovea.server.metrics import ServerMetrics
 from fovea.server.protocol import RequestLimits
@@ -40,6 +43,7 @@ class ServerOptions:
     response_role: str = "assistant"  # the role of a chat completion's message
     log_requests: bool = False  # a log line per request: id, prompt tokens, sampling parameters
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses calls
+    lora_modules: list[LoRAModule] = field(default_factory=list)  # --lora-modules
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
@@ -77,6 +81,9 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
 
         sandbox = TemplateSandbox(str(config.model_dir), config.max_model_len * engine.inputs.prompts.max_token_chars)
     app.state.template_sandbox = sandbox  # closed by whoever runs the app
+    loras = ServedAdapters(engine.inputs.check_lora, names)
+    for module in options.lora_modules:  # a bad adapter stops the start, naming it
+        loras.add(module)
     app.state.served = Served(
         engine,
         options,
@@ -87,10 +94,11 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         tag_tokens=START in engine.tokenizer.get_added_vocab(),
         started=int(time.time()),
         responses=ResponseStore(),
+        loras=loras,
     )
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, max_objects=options.max_body_objects)
     app.add_middleware(APIKeyCheck, api_key=options.api_key)  # added last: runs first
-    for path, method, route in ROUTES + RESPONSES_ROUTES:
+    for path, method, route in ROUTES + RESPONSES_ROUTES + lora_routes():
         app.add_api_route(path, route, methods=[method])
     return app

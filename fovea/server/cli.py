@@ -9,7 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs
+from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs, lora_module_arg
 
 
 def add_serve_parser(sub) -> None:
@@ -75,7 +75,15 @@ def add_serve_parser(sub) -> None:
     media.add_argument(
         "--allowed-media-domains", nargs="+", default=None, help="the only hosts http(s) images may come from"
     )
-    add_engine_flags(serve)
+    groups = add_engine_flags(serve)
+    groups["lora"].add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module_arg,
+        default=[],
+        help='adapters served as models: name=path, or {"name": ..., "path": ..., "base_model_name": ...} '
+        "(needs --enable-lora)",
+    )
     add_vllm_only_flags(serve)
     serve.set_defaults(func=run_serve)
 
@@ -110,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from fovea.frontend.async_llm import AsyncLLM
     from fovea.server.app import ServerOptions, build_app
+    from fovea.server.errors import APIError
     from fovea.server.media import MediaPolicy
     from fovea.server.tool_calls import PARSERS
 
@@ -151,8 +160,12 @@ def run_serve(args: argparse.Namespace) -> None:
             response_role=args.response_role,
             log_requests=args.enable_log_requests,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            lora_modules=args.lora_modules,
         )
-        app = build_app(engine, options)
+        try:
+            app = build_app(engine, options)
+        except (ValueError, APIError) as error:  # a --lora-modules adapter that does not fit, or a name twice
+            sys.exit(f"fovea serve: {getattr(error, 'message', error)}")
         server = uvicorn.Server(
             uvicorn.Config(
                 app,

@@ -59,15 +59,20 @@ class Served:
     tag_tokens: bool  # <tool_call> is one token (forced tool calls)
     started: int  # unix time, for /v1/models
     responses: object = None  # the Responses API's store (responses.py)
+    loras: object = None  # ServedAdapters (lora_routes.py): LoRA adapters served as models
 
     @property
     def max_len(self) -> int:
         return self.engine.config.max_model_len
 
     def model_name(self, requested: str | None) -> str:
-        if requested is None or requested in self.names:
+        if requested is None or requested in self.names or requested in self.loras.by_name:
             return requested or self.names[0]
         raise APIError(404, f"The model `{requested}` does not exist.", "NotFoundError", "model")
+
+    def lora(self, model: str):
+        """The LoRA adapter a (checked) model name stands for; None: the base model."""
+        return self.loras.by_name.get(model)
 
     def checked_params(self, body, tool_use: ToolUse | None = None) -> SamplingParams:
         """The request's SamplingParams, after every check that needs no downloads, templating or tokens."""
@@ -143,6 +148,9 @@ async def version():
 
 async def models(request: Request):
     served: Served = request.app.state.served
+    root = str(served.engine.config.model_dir)
+    cards = [(name, root, None) for name in served.names]
+    cards += [(lora.lora_name, lora.lora_path, lora.base_model_name) for lora in list(served.loras.by_name.values())]
     return {
         "object": "list",
         "data": [
@@ -151,10 +159,11 @@ async def models(request: Request):
                 "object": "model",
                 "created": served.started,
                 "owned_by": "fovea",
-                "root": str(served.engine.config.model_dir),
+                "root": path,
+                "parent": parent,
                 "max_model_len": served.max_len,
             }
-            for name in served.names
+            for name, path, parent in cards
         ],
     }
 
@@ -199,6 +208,7 @@ async def start_chat(request: Request, served: Served, body: ChatCompletionReque
                 request_id=request_id,
                 mm_processor_kwargs=body.processor_kwargs(),
                 chat=chat,
+                lora_request=served.lora(model),
             )
         else:  # a thread of its own, not the pool: it waits up to 2 s for a sandbox process
             text, media = await asyncio.to_thread(served.render_in_sandbox, messages, chat)
@@ -208,6 +218,7 @@ async def start_chat(request: Request, served: Served, body: ChatCompletionReque
                 sampling_params=params,
                 request_id=request_id,
                 mm_processor_kwargs=body.processor_kwargs(),
+                lora_request=served.lora(model),
             )
         return stream, await anext(stream)  # bad input fails here, before any 200
 
@@ -254,7 +265,7 @@ async def completions(request: Request):
     request_id = serving.new_id("cmpl")
 
     async def start():
-        requests = await engine.prepare_many(prompts, params, request_id, body.processor_kwargs())
+        requests = await engine.prepare_many(prompts, params, request_id, body.processor_kwargs(), served.lora(model))
         merged = serving.merge([engine.stream(r) for r in requests])
         return merged, await anext(merged), sum(len(r.prompt_token_ids) for r in requests)
 

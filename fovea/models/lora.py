@@ -1,0 +1,205 @@
+"""PEFT LoRA adapter directories (adapter_config.json + adapter_model.safetensors) read into a model's layers.
+
+An adapter's tensor `base_model.model.<module>.lora_A.weight` belongs to the checkpoint module `<module>`: the
+model maps that name as it maps its own checkpoint's (`map_checkpoint_name`, both transformers layouts), onto one
+of our linear layers and, for fused layers, the piece (q, k, v, gate, up). `plan_adapter` checks an adapter against
+a model without reading its weights: the front end runs it on a model built on the meta device, so that a bad
+adapter is a clear error before anything reaches the engine. `load_adapter` reads the weights for one rank: its
+share of A's inputs (row-parallel layers) or of B's outputs (column-parallel ones), scaling folded into B.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from fovea.config.model import ModelConfig
+from fovea.core.request import LoRARequest
+from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
+from fovea.layers.lora import LoRAWeights
+from fovea.models.base import ModelOptions
+from fovea.models.registry import family
+
+ADAPTER_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[^.]+)?\.weight$")
+# adapter_config.json settings that change what the adapter computes, which fovea does not implement
+UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "modules_to_save": "modules_to_save (whole trained copies of modules)",
+    "alpha_pattern": "alpha_pattern",
+    "target_parameters": "target_parameters",
+    "trainable_token_indices": "trainable_token_indices",
+    "use_qalora": "QALoRA",
+}
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served: the message names the adapter and what is wrong."""
+
+
+# one piece of a layer's adapter: (shard id, A tensor name, B tensor name, scaling)
+Piece = tuple[object, str, str, float]
+
+
+def adapter_file(path: Path) -> Path:
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        found = (
+            "adapter_model.bin (a pickle, which fovea does not load)" if (path / "adapter_model.bin").is_file() else ""
+        )
+        raise LoRAError(f"no adapter_model.safetensors in {path}" + (f"; it has {found}" if found else ""))
+    return file
+
+
+def read_adapter_config(path: Path) -> dict:
+    file = path / "adapter_config.json"
+    if not file.is_file():
+        raise LoRAError(f"{path} is not a PEFT adapter directory: it has no adapter_config.json")
+    config = json.loads(file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"adapter {path} is a {config['peft_type']} adapter; fovea serves LoRA adapters")
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            raise LoRAError(f"adapter {path} uses {what}, which fovea does not support")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"adapter {path} trains biases (bias={config['bias']!r}), which fovea does not support")
+    return config
+
+
+def plan_adapter(model: nn.Module, path: Path, max_rank: int, whole: bool = True) -> dict[LinearBase, list[Piece]]:
+    """The model's layers the adapter at `path` changes, with its tensors for each. `whole`: the layers are whole
+    (the front end's meta model), and every shape is checked against them; a rank's layers hold slices."""
+    config = read_adapter_config(path)
+    alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora", False)
+    with safe_open(str(adapter_file(path)), framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    modules: dict[str, dict[str, str]] = {}
+    for name in shapes:
+        match = ADAPTER_KEY.match(name)
+        if match is None:
+            raise LoRAError(f"adapter {path}: tensor {name} is not a LoRA A or B matrix (embedding adapters and "
+                            "trained copies of modules are not supported)")  # fmt: skip
+        modules.setdefault(match["module"], {})[match["kind"]] = name
+    plan: dict[LinearBase, list[Piece]] = {}
+    for module, pair in modules.items():
+        if set(pair) != {"A", "B"}:
+            raise LoRAError(f"adapter {path}: {module} has lora_{''.join(pair)} without its other half")
+        layer, shard = find_layer(model, module, path)
+        a, b = shapes[pair["A"]], shapes[pair["B"]]
+        rank = a[0]
+        outputs = layer.output_size if isinstance(layer, QKVParallelLinear) and shard is None else None
+        outputs = outputs or layer.output_piece(shard)[1]
+        fits = a[1] == layer.input_size and b[0] == outputs or not whole
+        if len(a) != 2 or len(b) != 2 or b[1] != rank or not fits:
+            raise LoRAError(
+                f"adapter {path}: {module} has A {a} and B {b}; the model's layer needs A (rank, "
+                f"{layer.input_size}) and B ({outputs}, rank)"
+            )
+        if rank > max_rank:
+            raise LoRAError(f"adapter {path} has rank {rank}, more than max_lora_rank {max_rank} (--max-lora-rank)")
+        scaling = alpha / (rank**0.5 if rslora else rank)
+        plan.setdefault(layer, []).append((shard, pair["A"], pair["B"], scaling))
+    if not plan:
+        raise LoRAError(f"adapter {path} holds no LoRA tensors")
+    return plan
+
+
+def find_layer(model: nn.Module, module: str, path: Path) -> tuple[LinearBase, object]:
+    """Our linear layer (and piece of it) that the adapter's checkpoint module name stands for."""
+    mapped = model.map_checkpoint_name(module + ".weight")
+    if mapped is None:  # a head tied to the embeddings
+        raise LoRAError(f"adapter {path} changes {module}: LoRA there is not supported")
+    try:
+        layer = model.get_submodule(mapped[0].removesuffix(".weight"))
+    except AttributeError:
+        raise LoRAError(f"adapter {path} changes {module}, which this model does not have") from None
+    if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+        raise LoRAError(f"adapter {path} changes {module} ({type(layer).__name__}): LoRA there is not supported")
+    return layer, mapped[1]
+
+
+def load_adapter(model: nn.Module, lora: LoRARequest, max_rank: int, dtype, device) -> LoRAWeights:
+    """The adapter's pairs for this rank's layers: one (A, B) per layer, its pieces stacked (see layers/lora.py)."""
+    path = Path(lora.lora_path)
+    plan = plan_adapter(model, path, max_rank, whole=False)  # checked whole by the front end (AdapterCheck)
+    weights = LoRAWeights(lora.lora_name, vision=changes_vision(model, plan))
+    with safe_open(str(adapter_file(path)), framework="pt") as f:
+        for layer, pieces in plan.items():
+            a_parts, b_parts = [], []  # B's parts: (offset in our outputs, rows) per rank block of A
+            for shard, a_name, b_name, scaling in pieces:
+                a, b = f.get_tensor(a_name).float(), f.get_tensor(b_name).float() * scaling
+                share = layer.input_share()
+                a_parts.append(a if share is None else a[:, share[0] : share[0] + share[1]])
+                whole = isinstance(layer, QKVParallelLinear) and shard is None
+                outs = layer.split_fused(b).items() if whole else [(shard, b)]
+                rows = []
+                for sid, part in outs:
+                    offset, size, start = layer.output_piece(sid)
+                    rows.append((offset, part[start : start + size]))
+                b_parts.append(rows)
+            stacked_a = torch.cat(a_parts)
+            stacked_b = torch.zeros(layer.output_size, stacked_a.shape[0])
+            column = 0
+            for a, rows in zip(a_parts, b_parts):
+                for offset, part in rows:
+                    stacked_b[offset : offset + part.shape[0], column : column + a.shape[0]] = part
+                column += a.shape[0]
+            weights.pairs[layer] = (stacked_a.to(device, dtype), stacked_b.to(device, dtype))
+    return weights
+
+
+def changes_vision(model: nn.Module, plan: dict) -> bool:
+    return any(module in plan for module in model.visual.modules())
+
+
+class AdapterCheck:
+    """The front end's check of an adapter before any request of it is sent: `plan_adapter` on the model built
+    on the meta device (no memory, whole layers), once per adapter. Says whether it changes the vision tower."""
+
+    def __init__(self, model_config: ModelConfig, max_rank: int):
+        self.model_config, self.max_rank = model_config, max_rank
+        self._model: nn.Module | None = None
+        self._checked: dict[tuple[int, str], bool] = {}
+        self._lock = threading.Lock()  # the preparation pool's threads
+
+    def __call__(self, lora: LoRARequest) -> bool:
+        key = (lora.lora_int_id, lora.lora_path)
+        with self._lock:
+            if key not in self._checked:
+                if self._model is None:
+                    with torch.device("meta"):
+                        self._model = family(self.model_config.architecture).Model(self.model_config, ModelOptions())
+                plan = plan_adapter(self._model, Path(lora.lora_path), self.max_rank)
+                self._checked[key] = changes_vision(self._model, plan)
+            return self._checked[key]
+
+
+class LoadedAdapters:
+    """The adapters a rank holds, least recently used dropped beyond `capacity` (vLLM's max_cpu_loras). A step or
+    an encoder job that took an adapter keeps its weights alive until it is done, dropped or not."""
+
+    def __init__(self, model: nn.Module, capacity: int, max_rank: int, dtype, device):
+        self.model, self.capacity, self.max_rank, self.dtype, self.device = model, capacity, max_rank, dtype, device
+        self._held: OrderedDict[int, LoRAWeights] = OrderedDict()
+        self._lock = threading.Lock()  # the engine's step and the image encoder's thread both take adapters
+
+    def get(self, lora: LoRARequest) -> LoRAWeights:
+        with self._lock:
+            weights = self._held.get(lora.lora_int_id)
+            if weights is None:
+                weights = load_adapter(self.model, lora, self.max_rank, self.dtype, self.device)
+                self._held[lora.lora_int_id] = weights
+                while len(self._held) > self.capacity:
+                    self._held.popitem(last=False)
+            self._held.move_to_end(lora.lora_int_id)
+            return weights
+
+    def drop(self, lora_int_id: int) -> None:
+        with self._lock:
+            self._held.pop(lora_int_id, None)
