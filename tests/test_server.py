@@ -43,6 +43,7 @@ def server(tiny_dirs, media_dir):
         str(media_dir),
         "--trust-remote-code",
         "--enable-mm-embeds",
+        "--disable-playground",
     ) as (base, proc):
         yield base
     assert proc.returncode == 0, proc.output  # SIGTERM is a clean shutdown
@@ -77,6 +78,11 @@ def data_url_of(raw: bytes) -> str:
 
 def data_url(path) -> str:
     return data_url_of(path.read_bytes())
+
+
+def test_disable_playground_leaves_no_page(server):
+    for path in ("/", "/playground", "/playground/app.js", "/playground/settings"):
+        assert httpx.get(server + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404, path
 
 
 def test_models_and_health(client, server):

@@ -250,3 +250,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    num_image_tokens: int = 0  # the prompt's image and video placeholder tokens

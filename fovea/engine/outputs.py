@@ -157,4 +157,5 @@ def request_output(request: Request, final: bool) -> RequestOutput:
         final,
         request.num_cached_tokens,
         request.metrics,
+        sum(span.length for span in request.mm_spans),
     )

@@ -20,6 +20,7 @@ from fovea.server.lora_routes import ServedAdapters
 from fovea.server.lora_routes import routes as lora_routes
 from fovea.server.media import MediaPolicy
 from fovea.server.metrics import ServerMetrics
+from fovea.server.playground import ROUTES as PLAYGROUND_ROUTES
 from fovea.server.protocol import RequestLimits
 from fovea.server.responses import ROUTES as RESPONSES_ROUTES
 from fovea.server.responses import ResponseStore
@@ -44,6 +45,7 @@ class ServerOptions:
     log_requests: bool = False  # a log line per request: id, prompt tokens, sampling parameters
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses calls
     lora_modules: list[LoRAModule] = field(default_factory=list)  # --lora-modules
+    playground: bool = True  # the chat page at / (--disable-playground)
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
@@ -99,6 +101,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, max_objects=options.max_body_objects)
     app.add_middleware(APIKeyCheck, api_key=options.api_key)  # added last: runs first
-    for path, method, route in ROUTES + RESPONSES_ROUTES + lora_routes():
+    for path, method, route in (
+        ROUTES + RESPONSES_ROUTES + lora_routes() + (PLAYGROUND_ROUTES if options.playground else [])
+    ):
         app.add_api_route(path, route, methods=[method])
     return app

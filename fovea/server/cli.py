@@ -63,6 +63,7 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--root-path", default="", help="path prefix when behind a proxy that strips it")
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
     net.add_argument("--ssl-certfile", default=None, help="the certificate for --ssl-keyfile")
+    net.add_argument("--disable-playground", action="store_true", help="no chat page at / and /playground (fovea only)")
     net.add_argument("--max-request-body-mb", type=int, default=64, help="larger bodies get 413 (fovea only)")
     net.add_argument(
         "--max-engine-restarts",
@@ -161,6 +162,7 @@ def run_serve(args: argparse.Namespace) -> None:
             log_requests=args.enable_log_requests,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             lora_modules=args.lora_modules,
+            playground=not args.disable_playground,
         )
         try:
             app = build_app(engine, options)

@@ -26,11 +26,12 @@ async def send_error(send, status: int, message: str, kind: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize")  # /tokenize fetches images and runs the template too
+# /tokenize fetches images and runs the template too; the playground's settings are the server's sampling defaults
+PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize", "/playground/settings")
 
 
 class APIKeyCheck:
-    """With a key set, every /v1 route and /tokenize, /detokenize want `Authorization: Bearer KEY` (401
+    """With a key set, every /v1 route and /tokenize, /detokenize, /playground/settings want `Authorization: Bearer KEY` (401
     otherwise). The key is compared in constant time."""
 
     def __init__(self, app, api_key: str | None):

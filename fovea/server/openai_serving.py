@@ -43,10 +43,12 @@ class Usage:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.image_tokens = 0
 
     def add_prompt(self, output: RequestOutput) -> None:
         self.prompt_tokens += len(output.prompt_token_ids)  # image placeholder tokens included
         self.cached_tokens += output.num_cached_tokens
+        self.image_tokens += output.num_image_tokens
 
     def as_dict(self) -> dict:
         usage = {
@@ -54,8 +56,12 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
-        if self.cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        # OpenAI's cached_tokens; image_tokens is fovea's (the playground shows it), present only with images
+        details = {"cached_tokens": self.cached_tokens} if self.cached_tokens else {}
+        if self.image_tokens:
+            details["image_tokens"] = self.image_tokens
+        if details:
+            usage["prompt_tokens_details"] = details
         return usage
 
 
