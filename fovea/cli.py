@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="tiny-3b",
         choices=[
             "tiny-3b",
+            "cpu-512",
             "tiny-7b",
             "qwen2.5-vl-7b",
             "tiny-qwen2-vl",

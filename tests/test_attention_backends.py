@@ -51,10 +51,13 @@ def dense_reference(q, k_cache, meta, specs, window, spans, scale):
         (6, {0: [(3, 11)], 5: [(71, 75)]}),  # both at once (Gemma 3's sliding layers see their images whole)
     ],
 )
-def test_reference_windows_and_bidirectional_spans(window, spans):
+@pytest.mark.parametrize("budget", [None, 2048, 24], ids=["one-group", "default", "groups-and-key-chunks"])
+def test_reference_windows_and_bidirectional_spans(window, spans, budget):
+    """`budget`: decode rows gathered all at once, in the default groups, or in groups of at most 24 keys (every
+    decode alone, its context in chunks whose softmaxes are joined)."""
     specs = MIXED
     q, k, v, cache, make_meta = ragged_batch(specs, 4, 2, 16, 16, torch.float32)
-    backend = TorchAttention()
+    backend = TorchAttention(decode_group_tokens=budget)
     meta = make_meta(backend)
     meta.bidirectional_spans = spans
     written = cache.clone()

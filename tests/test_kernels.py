@@ -210,9 +210,9 @@ def test_vision_varlen_kernel_matches_reference(dtype, tol):
 
 
 def test_the_reference_builds_no_queries_by_keys_mask(monkeypatch):
-    """Decode rows share one SDPA with a mask over padded keys (one query row each); prefill chunks run alone,
-    causal (lower-right over a cached prefix: PyTorch's bias on a GPU, one sequence's mask on the CPU): no
-    (queries x keys) mask for a batch."""
+    """Decode rows are two matmuls per group with a (sequences x keys) mask of padding, no SDPA; prefill chunks
+    run alone through SDPA, causal (lower-right over a cached prefix: PyTorch's bias on a GPU, one sequence's mask
+    on the CPU): no (queries x keys) mask for a batch."""
     import types
 
     import torch.nn.functional as F
@@ -229,11 +229,11 @@ def test_the_reference_builds_no_queries_by_keys_mask(monkeypatch):
     monkeypatch.setattr(reference, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
     batch = ragged_batch(MIXED, 4, 2, 16, 16, torch.float32)
     run(TorchAttention(device=DEVICE), *batch)
-    assert len(masks) == 1 + 3  # the decodes together, then each of the three prefill chunks
+    assert len(masks) == 3  # each of the three prefill chunks
     chunk_over_prefix = [
         mask for mask in masks if mask is not None and (isinstance(mask, CausalBias) or mask.shape[-2] > 1)
     ]
     assert len(chunk_over_prefix) == 2  # 17 tokens over 16 cached, 5 over 70; the 37-token prefill needs none
     for mask in masks:
-        assert mask is None or isinstance(mask, CausalBias) or mask.shape[-2] == 1 or mask.dim() == 2, mask.shape
+        assert mask is None or isinstance(mask, CausalBias) or mask.dim() == 2, mask.shape
     assert all(isinstance(mask, CausalBias) for mask in chunk_over_prefix) == (DEVICE == "cuda")

@@ -284,3 +284,18 @@ def test_cpu_bitmask_matches_llguidance(vocab):
     apply_bitmask(ours, bitmask)
     ln.apply_token_bitmask_inplace(theirs.numpy(), bitmask.numpy())
     assert torch.equal(ours, theirs) and torch.isinf(ours).any() and torch.isfinite(ours).any()
+
+
+def test_blocked_argmax_is_torchs_first_maximum():
+    from fovea.runner.sampler import argmax
+
+    generator = torch.Generator().manual_seed(0)
+    for width in (151936, 32064, 1000, 4099):  # Qwen's, LLaVA's (blocks of 64), small, and one that no block divides
+        x = torch.randn(9, width, generator=generator)
+        x[1, 7] = x[1, width - 3] = 50.0  # ties across blocks: the first wins
+        x[2, 130] = x[2, 131] = 50.0  # a tie inside a block
+        x[3] = float("-inf")  # a row a grammar masked whole
+        x[4, :] = 1.0
+        torch.testing.assert_close(argmax(x), x.argmax(-1), rtol=0, atol=0)
+        rows = x[torch.tensor([5, 1, 2])]  # a gathered (fresh) tensor, and a strided view of rows
+        assert torch.equal(argmax(rows), rows.argmax(-1)) and torch.equal(argmax(x[::2]), x[::2].argmax(-1))

@@ -85,9 +85,22 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+# Decode rows are gathered and attended in groups of at most this many keys (padding included): a copy of the whole
+# batch's context per layer (134 MB at batch 128 x 1k on the 512-wide model) leaves the CPU's caches and is fresh
+# memory from the kernel at every call, which made the time per context token grow with the batch (issue 37);
+# benchmarks/cpu_attention.py measured 2048 the best of 2k-8k (fp32, 2 KV heads of 64).
+DECODE_GROUP_TOKENS = 2048
+
+
 class TorchAttention(AttentionBackend):
-    def __init__(self, fp32_softmax: bool = False, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        fp32_softmax: bool = False,
+        device: torch.device | str = "cpu",
+        decode_group_tokens: int | None = DECODE_GROUP_TOKENS,
+    ):
         self.fp32_softmax = fp32_softmax  # scores and softmax in fp32 for bf16/fp16 models
+        self.decode_group_tokens = decode_group_tokens  # None: the whole batch in one group
         self.lower_right = None
         if torch.device(device).type == "cuda":  # memory-efficient kernels take this bias without a mask
             from torch.nn.attention.bias import causal_lower_right  # imported here: it takes seconds
@@ -111,25 +124,67 @@ class TorchAttention(AttentionBackend):
             positions = torch.arange(length, device=device)
             return tables[index, positions // bs] * bs + positions % bs
 
-        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-        if decodes:
-            index = torch.tensor(decodes, device=device)
+        decodes = sorted((i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
+        meta.plan["decode"] = []
+        for group in self.decode_groups(decodes, seq_lens):
+            index = torch.tensor(group, device=device)
             lengths = meta.seq_lens[index].long()
-            positions = torch.arange(max(seq_lens[i] for i in decodes), device=device)
-            blocks = tables[index].gather(1, (positions // bs).clamp(max=tables.shape[1] - 1).expand(len(decodes), -1))
+            positions = torch.arange(seq_lens[group[-1]], device=device)  # sorted: the last is the longest
+            blocks = tables[index].gather(1, (positions // bs).clamp(max=tables.shape[1] - 1).expand(len(group), -1))
             valid = positions[None, :] < lengths[:, None]
             slots = torch.where(valid, blocks * bs + positions % bs, 0)  # padding reads slot 0, masked
-            meta.plan["decode"] = (
-                meta.query_start_loc[index].long(),
-                slots,
-                valid[:, None, None, :],
-            )  # (D, 1, 1, keys): padded keys hidden
-            meta.plan["decode_positions"] = positions[None, :], lengths[:, None]  # for sliding windows
+            meta.plan["decode"].append(
+                (
+                    meta.query_start_loc[index].long(),
+                    slots,
+                    valid,  # (sequences, keys): padded keys hidden
+                    (positions[None, :], lengths[:, None]),  # for sliding windows
+                )
+            )
         meta.plan["prefill"] = [
             (i, starts[i], starts[i + 1] - starts[i], key_slots(i, seq_lens[i]))
             for i in range(len(seq_lens))
             if starts[i + 1] - starts[i] > 1
         ]
+
+    def decode_groups(self, decodes: list[int], seq_lens: list[int]) -> list[list[int]]:
+        """Decode sequences, shortest first, cut into groups whose padded context fits the budget (a longer one
+        is a group of its own)."""
+        groups: list[list[int]] = []
+        for i in decodes:
+            if groups and (
+                self.decode_group_tokens is None or (len(groups[-1]) + 1) * seq_lens[i] <= self.decode_group_tokens
+            ):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    def decode(self, queries, slots, valid, gather, scale: float) -> torch.Tensor:
+        """One query per sequence (queries (Hkv, B, G, D), grouped by the KV head they read): two batched matmuls
+        per KV head over keys gathered head-major, so the query heads of a KV head read it in place (SDPA's GQA
+        path copies it per query head). Context longer than the group budget (one long sequence) goes a chunk of
+        keys at a time, the chunks' softmaxes joined by their maxima (online softmax), so no copy outgrows it."""
+        chunk = self.decode_group_tokens or slots.shape[1]
+        total = weight = top = None
+        for start in range(0, slots.shape[1], chunk):
+            keys, values = gather(slots[:, start : start + chunk], by_head=True)  # (Hkv, B, keys, D)
+            hidden = ~valid[None, :, None, start : start + chunk]
+            scores = (queries @ keys.transpose(-1, -2)).mul_(scale).masked_fill_(hidden, -torch.inf)
+            if chunk >= slots.shape[1]:
+                return scores.softmax(-1) @ values
+            peak = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # all-hidden rows
+            probs = (scores - peak).exp_()
+            part, part_weight = probs @ values, probs.sum(-1, keepdim=True)
+            if total is None:
+                total, weight, top = part, part_weight, peak
+                continue
+            new_top = torch.maximum(top, peak)
+            old_scale, part_scale = (top - new_top).exp_(), (peak - new_top).exp_()
+            total = total * old_scale + part * part_scale
+            weight = weight * old_scale + part_weight * part_scale
+            top = new_top
+        return total / weight
 
     def prefill_mask(
         self, length: int, context: int, window: int | None, spans: list[tuple[int, int]], device
@@ -156,10 +211,14 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
 
-        def attend(queries, slots, mask=None, causal=False):  # queries (B, Lq, Hq, D), slots (B, Lk)
-            keys, values = flat[0][slots].to(dtype), flat[1][slots].to(dtype)
+        def gather(slots, by_head: bool = False):  # keys and values at the slots, (B, Lk, H, D) or (H, B, Lk, D)
+            keys, values = ((cache.transpose(0, 1)[:, slots] if by_head else cache[slots]).to(dtype) for cache in flat)
             if fp8:
                 keys, values = keys * kv_scales[0].to(dtype), values * kv_scales[1].to(dtype)
+            return keys, values
+
+        def attend(queries, slots, mask=None, causal=False):  # queries (B, Lq, Hq, D), slots (B, Lk)
+            keys, values = gather(slots)
             result = F.scaled_dot_product_attention(
                 queries.to(dtype).transpose(1, 2),
                 keys.transpose(1, 2),
@@ -171,12 +230,12 @@ class TorchAttention(AttentionBackend):
             )
             return result.transpose(1, 2).to(q.dtype)
 
-        if "decode" in meta.plan:
-            rows, slots, valid = meta.plan["decode"]
+        for rows, slots, valid, (positions, lengths) in meta.plan["decode"]:
             if window is not None:
-                positions, lengths = meta.plan["decode_positions"]
-                valid = valid & (positions >= lengths - window)[:, None, None, :]
-            out[rows] = attend(q[rows][:, None], slots, valid)[:, 0]
+                valid = valid & (positions >= lengths - window)
+            queries = q[rows].to(dtype).view(len(rows), heads, -1, dim).transpose(0, 1)  # (Hkv, B, G, D)
+            result = self.decode(queries, slots, valid, gather, scale)
+            out[rows] = result.transpose(0, 1).reshape(len(rows), -1, dim).to(q.dtype)
         for index, start, length, slots in meta.plan["prefill"]:
             context = slots.numel()
             mask = self.prefill_mask(length, context, window, meta.bidirectional_spans.get(index, []), q.device)

@@ -12,6 +12,9 @@ TINY_SHAPES = {
                     v_hidden=32, v_inter=64, v_depth=3, v_heads=2, v_full=[2]),
     "tiny-7b": dict(hidden=96, inter=160, layers=3, heads=4, kv=1, mrope=[4, 4, 4], vocab=152064, tied=False,
                     v_hidden=48, v_inter=80, v_depth=4, v_heads=4, v_full=[1, 3]),
+    # the CPU benchmark's bigger model (benchmarks/cpu_vs_hf.py): the real vocabulary, a 512-wide 6-layer decoder
+    "cpu-512": dict(hidden=512, inter=1536, layers=6, heads=8, kv=2, mrope=[8, 12, 12], vocab=151936, tied=True,
+                    v_hidden=128, v_inter=256, v_depth=4, v_heads=4, v_full=[3]),
     # Qwen2.5-VL-7B's exact shapes (random weights): what the GPU benchmarks serve, no download being possible
     "qwen2.5-vl-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv=4, mrope=[16, 24, 24], vocab=152064,
                           tied=False, v_hidden=1280, v_inter=3420, v_depth=32, v_heads=16, v_full=[7, 15, 23, 31]),
