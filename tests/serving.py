@@ -28,12 +28,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, *flags: str, startup_s: float = 120, env: dict | None = None):
+def running_server(
+    model_dir, *flags: str, startup_s: float = 120, env: dict | None = None, prefix=(), address: str = "127.0.0.1"
+):
     """Yields (base URL, process); on exit sends SIGTERM and checks the exit is clean. The output is kept in
-    `process.output` once it has stopped."""
+    `process.output` once it has stopped. `prefix`: a command the server runs under (a test host's `ip netns
+    exec`), where it listens on every address and is reached at `address`."""
     port = free_port()
     model = [] if model_dir is None else [str(model_dir)]  # None: the flags name it
     cmd = [
+        *prefix,
         sys.executable,
         "-m",
         "fovea.cli",
@@ -44,6 +48,7 @@ def running_server(model_dir, *flags: str, startup_s: float = 120, env: dict | N
         "--uvicorn-log-level",
         "warning",
         *GPU_SHARE_FLAGS,
+        *(["--host", "0.0.0.0"] if prefix else []),
         *flags,
     ]
     proc = subprocess.Popen(
@@ -54,7 +59,7 @@ def running_server(model_dir, *flags: str, startup_s: float = 120, env: dict | N
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         start_new_session=True,
     )  # its own process group, as under a terminal or systemd
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://{address}:{port}"
     deadline = time.time() + startup_s
     while True:
         if proc.poll() is not None:

@@ -1,0 +1,113 @@
+"""fovea across two test hosts (network namespaces on this machine, tests/hosts.py): a Ray head on host A, a worker
+node on host B, each with 2 Ray CPUs, so that a replica of 2 CPUs fits one host whole and two replicas take one
+host each.
+
+Serving: `fovea serve --distributed-executor-backend ray -dp 2 -tp 2` started on A: each replica's engine core and
+its second rank on one host; the front end on A decodes the images and videos, so their pixels cross the link to
+B's replica. Every answer equals the one engine's in this process, and both replicas serve.
+Eval: `fovea eval --ray --num-replicas 2 --cpus-per-replica 2` started on A gives the in-process predictions."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import jpeg_bytes, random_image, video_file
+from hosts import two_hosts, unavailable
+from serving import running_server
+from test_eval_backends import ENGINE, SAME_FIELDS, read_outputs, task_file  # noqa: F401 - task_file: a fixture
+
+from fovea import LLM
+
+pytest.importorskip("ray", reason="Ray is in the test extras")
+why = unavailable()
+pytestmark = pytest.mark.skipif(why is not None, reason=f"no test hosts: {why}")
+
+MAX_TOKENS = 6
+
+
+def requests() -> list[list[dict]]:
+    """Chats: text, an image, a video (data URLs: decoded by the front end on host A)."""
+    image = "data:image/jpeg;base64," + base64.b64encode(jpeg_bytes(random_image(112, 84, seed=7))).decode()
+    frames = np.random.default_rng(1).integers(0, 255, (4, 56, 84, 3), dtype=np.uint8)
+    video = "data:video/mp4;base64," + base64.b64encode(video_file(frames, fps=2, lossless=False)).decode()
+    chats = [[{"role": "user", "content": f"Question {i} about the sea and" + " boats" * i}] for i in range(6)]
+    for i in range(3):
+        chats.append(
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": f"Look {i}"}]}]
+        )  # fmt: skip
+    chats.append([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": video}}, {"type": "text", "text": "What moves?"}]}])  # fmt: skip
+    return chats
+
+
+async def chat_all(base: str, chats) -> list[str]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        replies = await asyncio.gather(
+            *(
+                client.post(
+                    base + "/v1/chat/completions", json={"messages": m, "max_tokens": MAX_TOKENS, "temperature": 0}
+                )
+                for m in chats
+            )
+        )
+    assert all(r.status_code == 200 for r in replies), [r.text[:300] for r in replies if r.status_code != 200]
+    return [r.json()["choices"][0]["message"]["content"] for r in replies]
+
+
+def per_replica(base: str, name: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            values[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with two_hosts(cpus=(2, 2)) as made:
+        yield made
+
+
+def test_replicas_on_two_hosts_answer_like_one_engine(tiny_dirs, cluster):
+    model = tiny_dirs["tiny-3b"]
+    chats = requests()
+    llm = LLM(str(model), max_model_len=512, dtype="float32")
+    params = llm.get_default_sampling_params().clone(temperature=0, max_tokens=MAX_TOKENS)
+    expected = [o.outputs[0].text for o in llm.chat(chats, params, use_tqdm=False)]
+    llm.close()
+    flags = ["--dtype", "float32", "--max-model-len", "512", "--distributed-executor-backend", "ray"]
+    flags += ["-dp", "2", "-tp", "2"]
+    a = cluster.head
+    with running_server(
+        model, *flags, env=cluster.env, prefix=a.command(), address=cluster.client_address, startup_s=300
+    ) as (base, _):
+        assert asyncio.run(chat_all(base, chats)) == expected
+        added = per_replica(base, "fovea:replica_requests_added")
+        assert set(added) == {"0", "1"} and min(added.values()) >= 1, added  # both hosts' replicas served
+        ray = str(Path(sys.executable).with_name("ray"))
+        usage = subprocess.run(a.command(ray, "status", "-v"), capture_output=True, text=True, env=cluster.env)
+        assert usage.stdout.count("2.0/2.0 CPU") == 2, usage.stdout  # a whole replica on each host
+
+
+def test_eval_replicas_on_two_hosts_give_the_in_process_predictions(tiny_dirs, task_file, cluster, tmp_path):  # noqa: F811
+    from fovea.cli import main
+
+    model = str(tiny_dirs["tiny-3b"])
+    common = ["eval", "--model", model, "--task", str(task_file), "--max-tokens", "6", *ENGINE]
+    main([*common, "--output-dir", str(tmp_path / "in-process")])
+    ray = ["--ray", "--ray-address", "auto", "--num-replicas", "2", "--cpus-per-replica", "2"]
+    command = [sys.executable, "-m", "fovea.cli", *common, *ray, "--output-dir", str(tmp_path / "hosts")]
+    done = subprocess.run(cluster.head.command(*command), capture_output=True, text=True, env=cluster.env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    expected, _ = read_outputs(tmp_path / "in-process")
+    predictions, results = read_outputs(tmp_path / "hosts")
+    assert "ray: 2 replicas x 2 CPU" in results["backend"]
+    assert [{k: p.get(k) for k in SAME_FIELDS} for p in predictions] == [
+        {k: p.get(k) for k in SAME_FIELDS} for p in expected
+    ]
