@@ -9,12 +9,14 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 RAY_PORT = 6380
+RAY = str(Path(sys.executable).with_name("ray"))
 
 
 @dataclass
@@ -36,6 +38,17 @@ class Cluster:
     def head(self) -> Host:
         return self.hosts[0]
 
+    def stop_node(self, host: Host) -> None:
+        """The host is lost: every process in its namespace is killed (its Ray node, workers and actors). Not
+        `ray stop`: the namespaces share one process table, and it would stop every Ray process on the machine."""
+        kill_all(host)
+
+    def start_node(self, host: Host, cpus: int) -> None:
+        """The host (back) in the cluster as a worker node."""
+        address = self.env["RAY_ADDRESS"]
+        run(*host.command(RAY, "start", "--address", address, "--node-ip-address", host.address,
+                          "--num-cpus", str(cpus), "--disable-usage-stats"), env=self.env)  # fmt: skip
+
 
 def unavailable() -> str | None:
     """Why this machine cannot make test hosts, or None."""
@@ -47,6 +60,13 @@ def unavailable() -> str | None:
         return f"cannot make network namespaces here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], check=False)
     return None
+
+
+def kill_all(host: Host) -> None:
+    pids = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def run(*argv: str, env: dict | None = None, timeout: float = 120) -> str:
@@ -64,7 +84,6 @@ def two_hosts(cpus: tuple[int, int] = (2, 2)):
     hosts = [Host(f"fovea-a-{tag}", f"{subnet}.1"), Host(f"fovea-b-{tag}", f"{subnet}.2")]
     links = (f"fva{tag}", f"fvb{tag}")
     client_links, client_subnet = (f"fvc{tag}", f"fvd{tag}"), f"10.{127 + os.getpid() % 50}.{os.getpid() % 250}"
-    ray = str(Path(sys.executable).with_name("ray"))
     env = {
         **os.environ,
         "RAY_ADDRESS": f"{hosts[0].address}:{RAY_PORT}",
@@ -89,13 +108,13 @@ def two_hosts(cpus: tuple[int, int] = (2, 2)):
         run(*hosts[0].command("ip", "link", "set", client_links[1], "up"))
         head, worker = hosts
         common = ["--disable-usage-stats", "--include-dashboard", "false"]
-        run(*head.command(ray, "start", "--head", "--node-ip-address", head.address, "--port", str(RAY_PORT),
+        run(*head.command(RAY, "start", "--head", "--node-ip-address", head.address, "--port", str(RAY_PORT),
                           "--num-cpus", str(cpus[0]), "--temp-dir", f"/tmp/ray-{tag}", *common), env=env)  # fmt: skip
-        run(*worker.command(ray, "start", "--address", env["RAY_ADDRESS"], "--node-ip-address", worker.address,
-                            "--num-cpus", str(cpus[1]), "--disable-usage-stats"), env=env)  # fmt: skip
-        yield Cluster(hosts, env, f"{client_subnet}.2")
+        cluster = Cluster(hosts, env, f"{client_subnet}.2")
+        cluster.start_node(worker, cpus[1])
+        yield cluster
     finally:
         for host in reversed(hosts):
-            subprocess.run(host.command(ray, "stop", "--force"), capture_output=True, env=env, timeout=120)
+            kill_all(host)
             subprocess.run(["ip", "netns", "del", host.name], capture_output=True)
         subprocess.run(["ip", "link", "del", client_links[0]], capture_output=True)  # gone with A's end, if made

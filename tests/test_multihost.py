@@ -5,6 +5,8 @@ host each.
 Serving: `fovea serve --distributed-executor-backend ray -dp 2 -tp 2` started on A: each replica's engine core and
 its second rank on one host; the front end on A decodes the images and videos, so their pixels cross the link to
 B's replica. Every answer equals the one engine's in this process, and both replicas serve.
+Faults: host B's Ray node stopped mid-load: the requests its replica ran fail with a 503 naming the replica, the
+server goes on serving on A, /health and /metrics say the replica is down, and it comes back when host B does.
 Eval: `fovea eval --ray --num-replicas 2 --cpus-per-replica 2` started on A gives the in-process predictions."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import base64
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -74,7 +77,24 @@ def cluster():
         yield made
 
 
-def test_replicas_on_two_hosts_answer_like_one_engine(tiny_dirs, cluster):
+def wait_until(check, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(1)
+
+
+async def long_completions(base: str, count: int, stop_host) -> list[httpx.Response]:
+    """`count` long requests in flight over both replicas; `stop_host` is called once they run."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        body = {"prompt": "A long story:", "max_tokens": 400, "min_tokens": 400, "temperature": 0}
+        sent = [asyncio.create_task(client.post(base + "/v1/completions", json=body)) for _ in range(count)]
+        await asyncio.sleep(3)
+        await asyncio.to_thread(stop_host)
+        return await asyncio.gather(*sent)
+
+
+def test_replicas_on_two_hosts_answer_like_one_engine_and_survive_a_lost_host(tiny_dirs, cluster):
     model = tiny_dirs["tiny-3b"]
     chats = requests()
     llm = LLM(str(model), max_model_len=512, dtype="float32")
@@ -83,16 +103,34 @@ def test_replicas_on_two_hosts_answer_like_one_engine(tiny_dirs, cluster):
     llm.close()
     flags = ["--dtype", "float32", "--max-model-len", "512", "--distributed-executor-backend", "ray"]
     flags += ["-dp", "2", "-tp", "2"]
-    a = cluster.head
+    a, b = cluster.hosts
     with running_server(
         model, *flags, env=cluster.env, prefix=a.command(), address=cluster.client_address, startup_s=300
-    ) as (base, _):
+    ) as (base, proc):
         assert asyncio.run(chat_all(base, chats)) == expected
         added = per_replica(base, "fovea:replica_requests_added")
         assert set(added) == {"0", "1"} and min(added.values()) >= 1, added  # both hosts' replicas served
         ray = str(Path(sys.executable).with_name("ray"))
         usage = subprocess.run(a.command(ray, "status", "-v"), capture_output=True, text=True, env=cluster.env)
         assert usage.stdout.count("2.0/2.0 CPU") == 2, usage.stdout  # a whole replica on each host
+
+        replies = asyncio.run(long_completions(base, 4, lambda: cluster.stop_node(b)))
+        failed = [r for r in replies if r.status_code != 200]
+        assert failed and len(failed) < len(replies), [r.text[:300] for r in replies]  # B's failed, A's finished
+        lost = failed[0].json()["error"]
+        assert failed[0].status_code == 503 and "data-parallel replica" in lost["message"], lost
+        replica = int(lost["message"].split("data-parallel replica ")[1].split()[0])
+        assert httpx.get(base + "/health").json() == {"replicas_down": [replica]}
+        assert per_replica(base, "fovea:replica_up")[str(replica)] == 0
+        assert asyncio.run(chat_all(base, chats)) == expected  # host A serves everything meanwhile
+        assert proc.poll() is None
+
+        cluster.start_node(b, 2)  # host B is back: its replica is placed there again
+        wait_until(lambda: httpx.get(base + "/health").json() == {})
+        assert per_replica(base, "fovea:replica_up") == {"0": 1.0, "1": 1.0}
+        before = per_replica(base, "fovea:replica_requests_added")[str(replica)]
+        assert asyncio.run(chat_all(base, chats)) == expected
+        assert per_replica(base, "fovea:replica_requests_added")[str(replica)] > before  # serving again
 
 
 def test_eval_replicas_on_two_hosts_give_the_in_process_predictions(tiny_dirs, task_file, cluster, tmp_path):  # noqa: F811

@@ -63,6 +63,7 @@ class EngineStats:
     events: LatencyEvents = field(default_factory=LatencyEvents)
     num_requests_added: int = 0  # since start
     replicas: list[EngineStats] = field(default_factory=list)  # data-parallel servers: each replica's own
+    serving: bool = True  # a data-parallel replica's, as the front end knows it: False while it is down
 
     @property
     def kv_usage(self) -> float:

@@ -13,8 +13,9 @@ that `on_fatal` is called so that the server can exit instead of answering 503 f
 messages; tracebacks go to the log.
 
 With data_parallel_size N there are N engine processes (replicas, each tensor_parallel_size GPUs): a request
-goes to the one with the fewest requests in flight, the stats are summed, and one replica dying stops the server
-(the others keep no state a restart could not lose, but a half-dead server is worse than a clear exit).
+goes to the live one with the fewest requests in flight and the stats are summed. A replica that dies (with Ray,
+also because its node was lost) fails only its own streams and is started again while the others serve
+(`_lose_replica`); the server gives up only when none is left.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from fovea.multimodal.prompt import ChatOptions, load_tokenizer
 
 logger = logging.getLogger("fovea")
 RESTART_WINDOW_S = 600.0
+REPLICA_RETRY_S = 10.0  # between tries to start a lost data-parallel replica again
 
 
 def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
@@ -97,6 +99,8 @@ class AsyncLLM:
         self._stopped = False
         self._replica_stats = [EngineStats() for _ in range(config.data_parallel_size)]
         self._in_flight = [0] * config.data_parallel_size  # requests per replica
+        self._replica_of: dict[str, int] = {}  # request id -> the replica running it
+        self.replicas_down: set[int] = set()  # data-parallel replicas that died and are being restarted
         # the front end's own start (tokenizer, decoding processes, and the grammar compiler that checks requests'
         # structured outputs, which reads the whole vocabulary) runs while the engine process starts, which leaves
         # this process waiting: seconds of every server start
@@ -224,7 +228,9 @@ class AsyncLLM:
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
-        replica = min(range(len(self._engines)), key=self._in_flight.__getitem__)
+        live = [r for r in range(len(self._engines)) if r not in self.replicas_down] or [0]  # none: _check_alive
+        replica = min(live, key=self._in_flight.__getitem__)
+        self._replica_of[request_id] = replica
         self._in_flight[replica] += 1
         engine = self._engines[replica]
         try:
@@ -245,6 +251,7 @@ class AsyncLLM:
         finally:
             self._in_flight[replica] -= 1
             self._streams.pop(request_id, None)
+            self._replica_of.pop(request_id, None)
             if not finished:
                 engine.send(AbortRequests([request_id]))  # harmless if the engine never had it
 
@@ -296,12 +303,14 @@ class AsyncLLM:
         if engine not in self._engines or self._stopped:
             return
         replica = self._engines.index(engine)
+        if len(self._engines) > 1:
+            return self._lose_replica(replica, reason, fatal)
         logger.error("the engine process stopped: %s", reason)
         self.error = "the engine stopped unexpectedly and is restarting; retry shortly"
         self._fail_all(EngineDeadError("the engine stopped unexpectedly; this request was not completed"))
         self._on_message(StepOutputs([], EngineStats()), replica)  # nothing runs now: the gauges say so
-        if fatal or len(self._engines) > 1:
-            return self._give_up(reason if fatal else f"data-parallel replica {replica} stopped")
+        if fatal:
+            return self._give_up(reason)
         now = time.monotonic()
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
         if len(self.restarts) >= self.max_restarts:
@@ -319,6 +328,39 @@ class AsyncLLM:
         logger.warning(
             "engine restarted (%d of at most %d in %.0f s)", len(self.restarts), self.max_restarts, RESTART_WINDOW_S
         )
+
+    def _lose_replica(self, replica: int, reason: str, fatal: bool) -> None:
+        """A data-parallel replica died (its process, or with Ray its node): its requests fail, the others go on
+        serving, and it is started again (with Ray, wherever the cluster has room: its host when that returns).
+        Its requests are not retried elsewhere: the engine may have run them in part, and their streams began."""
+        logger.error("data-parallel replica %d stopped: %s", replica, reason)
+        self.replicas_down.add(replica)
+        error = EngineDeadError(
+            f"data-parallel replica {replica} stopped (its process or host was lost); this request was not "
+            "completed; the other replicas serve: retry"
+        )
+        for request_id, owner in list(self._replica_of.items()):
+            if owner == replica:
+                self._deliver(request_id, error)
+        self._on_message(StepOutputs([], EngineStats(serving=False)), replica)
+        if len(self.replicas_down) == len(self._engines):
+            return self._give_up("every data-parallel replica stopped")
+        if fatal:  # a tensor-parallel rank gave up: starting it again would not help
+            return logger.error("data-parallel replica %d is not restarted: %s", replica, reason)
+        for attempt in range(1, self.max_restarts + 1):
+            try:
+                engine = self._start(replica)
+            except Exception:  # noqa: BLE001 - logged; tried again
+                logger.exception("data-parallel replica %d could not be restarted (try %d)", replica, attempt)
+                time.sleep(REPLICA_RETRY_S)
+                continue
+            if self._stopped:
+                return engine.stop()
+            self._engines[replica] = engine
+            self.replicas_down.discard(replica)
+            self._on_message(StepOutputs([], EngineStats()), replica)  # its gauges: serving, idle
+            return logger.warning("data-parallel replica %d restarted", replica)
+        logger.error("data-parallel replica %d stays down after %d tries; the others serve", replica, self.max_restarts)
 
     def _give_up(self, why: str) -> None:
         logger.error("%s; giving up", why)

@@ -221,6 +221,7 @@ class ServerMetrics:
                 ("num_requests_waiting", "Requests waiting in the replica"),
                 ("kv_cache_usage_perc", "Fraction of the replica's KV blocks in use (0-1)"),
                 ("requests_added", "Requests sent to the replica since it started"),
+                ("up", "1 while the replica serves, 0 while it is down (its process or host lost; restarting)"),
             )
         }
         self.last = EngineStats()
@@ -244,7 +245,7 @@ class ServerMetrics:
         self.kv_total_blocks.set(stats.kv_total_blocks)
         self.encoder_references.set(stats.encoder_cache_references)
         for replica, own in enumerate(stats.replicas):
-            values = (own.num_running, own.num_waiting, own.kv_usage, own.num_requests_added)
+            values = (own.num_running, own.num_waiting, own.kv_usage, own.num_requests_added, int(own.serving))
             for gauge, value in zip(self.per_replica.values(), values):
                 gauge.labels(model_name=self.model_name, replica=str(replica)).set(value)
         for key, counter in self.totals.items():

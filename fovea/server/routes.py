@@ -136,10 +136,12 @@ async def prometheus_metrics(request: Request):
 
 
 async def health(request: Request):
+    """503 when no engine serves; 200 otherwise, naming the data-parallel replicas that are down (restarting)."""
     engine = request.app.state.served.engine
     if engine.error is not None:
         return error_response(503, engine.error, "ServiceUnavailableError")
-    return JSONResponse({})
+    down = sorted(engine.replicas_down)
+    return JSONResponse({"replicas_down": down} if down else {})
 
 
 async def version():
