@@ -122,11 +122,11 @@ class Scheduler:
             seq = self.waiting[position]
             if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
-            lora = seq.request.lora
+            request = seq.request
+            lora = request.lora
             if lora and lora.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
                 position += 1  # max_loras adapters run already: it waits for one of them to finish
                 continue
-            request = seq.request
             extend_block_hashes(
                 seq.block_hashes, seq.token_ids, self.blocks.block_size, request.mm_spans, request.hash_salt
             )

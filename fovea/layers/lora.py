@@ -28,11 +28,6 @@ class LoRAWeights:
 
     name: str
     pairs: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    vision: bool = False  # it changes vision-tower layers (their image embeddings are its own)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.pairs.values() for t in pair)
 
 
 @contextlib.contextmanager

@@ -93,9 +93,8 @@ def plan_adapter(model: nn.Module, path: Path, max_rank: int, whole: bool = True
         layer, shard = find_layer(model, module, path)
         a, b = shapes[pair["A"]], shapes[pair["B"]]
         rank = a[0]
-        outputs = layer.output_size if isinstance(layer, QKVParallelLinear) and shard is None else None
-        outputs = outputs or layer.output_piece(shard)[1]
-        fits = a[1] == layer.input_size and b[0] == outputs or not whole
+        outputs = layer.output_size if shard is None else layer.output_piece(shard)[1]
+        fits = not whole or (a[1], b[0]) == (layer.input_size, outputs)
         if len(a) != 2 or len(b) != 2 or b[1] != rank or not fits:
             raise LoRAError(
                 f"adapter {path}: {module} has A {a} and B {b}; the model's layer needs A (rank, "
@@ -128,7 +127,7 @@ def load_adapter(model: nn.Module, lora: LoRARequest, max_rank: int, dtype, devi
     """The adapter's pairs for this rank's layers: one (A, B) per layer, its pieces stacked (see layers/lora.py)."""
     path = Path(lora.lora_path)
     plan = plan_adapter(model, path, max_rank, whole=False)  # checked whole by the front end (AdapterCheck)
-    weights = LoRAWeights(lora.lora_name, vision=changes_vision(model, plan))
+    weights = LoRAWeights(lora.lora_name)
     with safe_open(str(adapter_file(path)), framework="pt") as f:
         for layer, pieces in plan.items():
             a_parts, b_parts = [], []  # B's parts: (offset in our outputs, rows) per rank block of A

@@ -272,10 +272,9 @@ class ModelRunner:
         if given:
             encoded = iter(self._encode([item for item in items if not item.embeds]))
             return [given[i] if i in given else next(encoded) for i in range(len(items))]
-        adapters = list(dict.fromkeys(item.lora for item in items))
-        if adapters and adapters != [None]:  # the tower once per adapter that changes it
+        if any(item.lora for item in items):  # the tower once per adapter that changes it (and once for none)
             encoded = {}
-            for lora in adapters:
+            for lora in dict.fromkeys(item.lora for item in items):
                 group = [i for i, item in enumerate(items) if item.lora == lora]
                 with lora_rows([] if lora is None else [(None, self.adapters.get(lora))]):
                     encoded.update(zip(group, self._encode_pixels([items[i] for i in group], lora is None)))

@@ -31,26 +31,15 @@ POLICY = (
 SETTINGS_PATH = "/playground/settings"  # guarded by the API key (guards.PROTECTED_PATHS)
 
 
-def _asset(name: str) -> Response:
+def static(name: str):
+    """A route answering with one of the page's files, read once, here."""
     body = resources.files("fovea.server").joinpath("playground", name).read_bytes()
     headers = {"Content-Security-Policy": POLICY, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
-    return Response(body, media_type=FILES[name], headers=headers)
 
+    async def route():
+        return Response(body, media_type=FILES[name], headers=headers)
 
-async def page():
-    return _asset("index.html")
-
-
-async def script():
-    return _asset("app.js")
-
-
-async def markdown():
-    return _asset("markdown.js")
-
-
-async def style():
-    return _asset("style.css")
+    return route
 
 
 async def settings(request: Request):
@@ -66,11 +55,10 @@ async def settings(request: Request):
     )
 
 
+page = static("index.html")
 ROUTES = [
     ("/", "GET", page),
     ("/playground", "GET", page),
-    ("/playground/app.js", "GET", script),
-    ("/playground/markdown.js", "GET", markdown),
-    ("/playground/style.css", "GET", style),
+    *((f"/playground/{name}", "GET", static(name)) for name in FILES if name != "index.html"),
     (SETTINGS_PATH, "GET", settings),
 ]
