@@ -40,9 +40,9 @@ def make_requests(count: int, max_tokens: int, seed: int = 0) -> list[BenchReque
     return requests
 
 
-def timed(fn) -> tuple[float, list[list[int]]]:
+def timed(fn, requests) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
-    tokens = fn()
+    tokens = fn(requests)
     return time.perf_counter() - start, tokens
 
 
@@ -115,18 +115,20 @@ def main() -> None:
     model_dir = Path(args.model)
     if args.model in TINY_SHAPES:
         model_dir = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / args.model, args.model, seed=0)
-    requests = make_requests(args.prompts, args.max_tokens)
-    fovea_run = fovea_runner(str(model_dir), requests, {"dtype": "float32", "max_model_len": 4096})
-    hf_run = hf_runner(str(model_dir), requests, "float32")
+    fovea_run = fovea_runner(str(model_dir), {"dtype": "float32", "max_model_len": 4096})
+    hf_run = hf_runner(str(model_dir), "float32")
     fovea_times, hf_times = [], []
-    for _ in range(args.repeats):  # alternated, so both see the same machine noise
-        fovea_s, fovea_tokens = timed(fovea_run)
-        hf_s, hf_tokens = timed(hf_run)
+    same = 0
+    # alternated, so both see the same machine noise; new prompts each repeat, so fovea's caches start empty
+    for repeat in range(args.repeats):
+        requests = make_requests(args.prompts, args.max_tokens, seed=repeat)
+        fovea_s, fovea_tokens = timed(fovea_run, requests)
+        hf_s, hf_tokens = timed(hf_run, requests)
         fovea_times.append(fovea_s)
         hf_times.append(hf_s)
+        same += sum(a == b for a, b in zip(fovea_tokens, hf_tokens))
     fovea_s, hf_s = statistics.median(fovea_times), statistics.median(hf_times)
     generated = args.prompts * args.max_tokens
-    same = sum(a == b for a, b in zip(fovea_tokens, hf_tokens))
     overhead = host_overhead(model_dir, args.overhead_batch, steps=20)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
@@ -144,7 +146,7 @@ def main() -> None:
         "fovea_tok_s": generated / fovea_s,
         "hf_tok_s": generated / hf_s,
         "speedup": hf_s / fovea_s,
-        "identical_outputs": f"{same}/{args.prompts}",
+        "identical_outputs": f"{same}/{args.prompts * args.repeats}",
         "host_overhead": overhead,
     }
     out = Path(args.out or f"benchmarks/results/offline_cpu_{args.model}_{commit}.json")
@@ -153,7 +155,7 @@ def main() -> None:
     print(
         f"{'engine':<8}{'seconds':>10}{'out tok/s':>12}\n{'fovea':<8}{fovea_s:>10.2f}{generated / fovea_s:>12.1f}\n"
         f"{'hf':<8}{hf_s:>10.2f}{generated / hf_s:>12.1f}\nspeedup {hf_s / fovea_s:.2f}x, identical greedy "
-        f"outputs {same}/{args.prompts}\ndecode step at batch {overhead['batch']}: {overhead['step_ms']:.1f} ms, "
+        f"outputs {same}/{args.prompts * args.repeats}\ndecode step at batch {overhead['batch']}: {overhead['step_ms']:.1f} ms, "
         f"model {overhead['model_ms']:.1f} ms, sampler {overhead['sampler_ms']:.1f} ms, host overhead "
         f"{overhead['host_overhead_ms']:.1f} ms\n-> {out}"
     )

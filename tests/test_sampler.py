@@ -196,8 +196,9 @@ def test_candidate_filters_equal_the_whole_vocabulary_filters():
 
 
 def test_seeded_rows_draw_the_same_token_on_either_path():
-    """A seeded row draws a whole vocabulary of noise from its generator on the candidate path too, so its
-    tokens are those of the plain whole-vocabulary draw (the path taken may depend on the batch)."""
+    """A seeded row draws one uniform number a step from its generator, and both paths invert the cumulative
+    distribution in vocabulary order, so its tokens are those of the whole-vocabulary draw, written out here in
+    float64 (the path taken may depend on the batch)."""
     from fovea.runner.sampler import filter_logits
 
     vocab = 5000
@@ -205,12 +206,17 @@ def test_seeded_rows_draw_the_same_token_on_either_path():
     for i in range(len(batch)):
         row = SampleRow(batch[i].params.clone(seed=11), [1, 2], 1, torch.Generator().manual_seed(11), ())
         mirror = torch.Generator().manual_seed(11)
-        probs = filter_logits(logits[i : i + 1] / 0.8, [row]).softmax(-1)[0]
+        probs = filter_logits(logits[i : i + 1] / 0.8, [row]).double().softmax(-1)[0]
         sampler = Sampler()
+        drawn = []
         for _ in range(5):
             token = int(sampler(logits[i : i + 1], [row]).token_ids[0])
-            expected = int((probs / torch.empty(vocab).exponential_(generator=mirror)).argmax())
-            assert token == expected, i
+            target = float(torch.rand(1, generator=mirror)) * float(probs.sum())
+            assert token == int(
+                torch.searchsorted(probs.cumsum(-1), torch.tensor([target], dtype=torch.float64), right=True)
+            ), i
+            drawn.append(token)
+        assert probs[drawn].min() > 0  # never a filtered token
 
 
 def test_sparse_penalties_equal_dense_ones():
@@ -284,6 +290,40 @@ def test_cpu_bitmask_matches_llguidance(vocab):
     apply_bitmask(ours, bitmask)
     ln.apply_token_bitmask_inplace(theirs.numpy(), bitmask.numpy())
     assert torch.equal(ours, theirs) and torch.isinf(ours).any() and torch.isfinite(ours).any()
+
+
+def test_blocked_topk_gives_torchs_values():
+    """The block-maxima topk (the CPU candidates' path) gives torch.topk's values, sorted, at indices holding
+    them, each index once: with ties across and inside blocks, -inf rows, and k near the block count."""
+    from fovea.runner.sampler import topk
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 151936, generator=generator)
+    x[1, :300] = 3.0  # more ties than k, over several blocks
+    x[2] = float("-inf")
+    x[3, ::128] = 9.0  # every block's maximum equal
+    for k in (1, 50, 256):
+        values, ids = topk(x, k)
+        assert torch.equal(values, x.topk(k, dim=-1).values), k
+        assert torch.equal(x.gather(1, ids), values), k
+        assert all(len(set(row)) == k for row in ids.tolist()), k
+
+
+def test_large_vocabulary_draws_follow_the_distribution():
+    """Plain sampling over a 151,936-token vocabulary (the whole-row inverse cdf): the draws' frequencies over 16
+    groups of tokens match the groups' probabilities within a chi-square bound, at two temperatures."""
+    vocab, draws = 151936, 4096
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(vocab, generator=generator) * 2
+    groups = torch.randperm(vocab, generator=generator) % 16
+    for temperature in (1.0, 0.5):
+        probs = (logits / temperature).double().softmax(-1)
+        expected = torch.zeros(16, dtype=torch.float64).index_add_(0, groups, probs) * draws
+        batch = rows(SamplingParams(temperature=temperature), draws)
+        tokens = Sampler(seed=3)(logits.expand(draws, -1).clone(), batch).token_ids
+        observed = torch.bincount(groups[tokens], minlength=16).double()
+        chi2 = float(((observed - expected) ** 2 / expected).sum())
+        assert chi2 < 37.7, (temperature, chi2)  # the 0.1 % tail of chi-square with 15 degrees of freedom
 
 
 def test_blocked_argmax_is_torchs_first_maximum():

@@ -26,27 +26,29 @@ def conversation(request: BenchRequest) -> list[dict]:
     return [{"role": "user", "content": content + [{"type": "text", "text": request.prompt}]}]
 
 
-def fovea_runner(model: str, requests: list[BenchRequest], engine_args: dict):
-    """A function that runs the whole workload once and returns each request's generated token ids."""
+def fovea_runner(model: str, engine_args: dict):
+    """A function that runs a workload once and returns each request's generated token ids. Benchmarks that
+    repeat give each run fresh prompts: the same ones again would find their KV blocks and image embeddings
+    cached, which transformers cannot do."""
     from fovea import LLM, SamplingParams
 
     llm = LLM(model, **engine_args)
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    chats = [conversation(r) for r in requests]
-    llm.chat(chats[:1], params[:1], use_tqdm=False)  # warm-up
-    return lambda: [list(o.outputs[0].token_ids) for o in llm.chat(chats, params, use_tqdm=False)]
+
+    def run(requests: list[BenchRequest]) -> list[list[int]]:
+        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        outputs = llm.chat([conversation(r) for r in requests], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    run([BenchRequest("warm up", 0, 2)])
+    return run
 
 
-def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
-    """transformers' generate on one left-padded batch; every request must want the same output length."""
+def hf_runner(model: str, dtype: str):
+    """transformers' generate on one left-padded batch (the function `fovea_runner` gives, for the same requests);
+    every request must want the same output length."""
     from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    lengths = {r.output_len for r in requests}
-    if any(r.videos for r in requests):
-        raise ValueError("the hf backend runs images only; videos need --backend fovea")
-    if len(lengths) != 1:
-        raise ValueError("the hf backend needs one output length for all requests (--random-range-ratio 0)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
     processor = Qwen2VLImageProcessorPil.from_pretrained(model)
@@ -56,21 +58,29 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=torch_dtype).to(device).eval()
     image_token = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     hf.generation_config = GenerationConfig(do_sample=False, pad_token_id=tokenizer.pad_token_id or 151643)
-    templated = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}] * len(r.images) + [{"type": "text", "text": r.prompt}]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        for r in requests
-    ]
-    urls = [url for r in requests for url in r.images]
-    new_tokens = lengths.pop()
 
     @torch.no_grad()
-    def run():
-        texts = templated
-        extra = {}
+    def run(requests: list[BenchRequest]) -> list[list[int]]:
+        lengths = {r.output_len for r in requests}
+        if any(r.videos for r in requests):
+            raise ValueError("the hf backend runs images only; videos need --backend fovea")
+        if len(lengths) != 1:
+            raise ValueError("the hf backend needs one output length for all requests (--random-range-ratio 0)")
+        templated = [
+            tokenizer.apply_chat_template(
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image"}] * len(r.images) + [{"type": "text", "text": r.prompt}],
+                    }
+                ],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for r in requests
+        ]
+        urls = [url for r in requests for url in r.images]
+        texts, extra = templated, {}
         if urls:
             features = processor(images=[load_image(u) for u in urls], return_tensors="pt")
             counts = iter((features["image_grid_thw"].prod(-1) // processor.merge_size**2).tolist())
@@ -82,6 +92,7 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
             }
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         batch["mm_token_type_ids"] = (batch["input_ids"] == image_token).long()
+        new_tokens = lengths.pop()
         out = hf.generate(**batch, **extra, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         return out[:, batch["input_ids"].shape[1] :].tolist()
 
@@ -89,13 +100,9 @@ def hf_runner(model: str, requests: list[BenchRequest], dtype: str):
 
 
 def throughput(model: str, requests: list[BenchRequest], backend: str, engine_args: dict) -> dict:
-    run = (
-        fovea_runner(model, requests, engine_args)
-        if backend == "fovea"
-        else hf_runner(model, requests, engine_args.get("dtype", "auto"))
-    )
+    run = fovea_runner(model, engine_args) if backend == "fovea" else hf_runner(model, engine_args.get("dtype", "auto"))
     start = time.perf_counter()
-    outputs = run()
+    outputs = run(requests)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o) for o in outputs)
     prompt_tokens = sum(r.prompt_len for r in requests)
