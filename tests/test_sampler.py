@@ -195,6 +195,36 @@ def test_candidate_filters_equal_the_whole_vocabulary_filters():
             assert torch.allclose(probs, reference[i], atol=1e-6), i
 
 
+def test_whole_row_top_p_keeps_the_sorted_definitions_tokens():
+    """The binned top_p cut (drop_outside_top_p) keeps the tokens of the definition written out here in float64:
+    sort the row, drop a token once the tokens above it cover top_p. Flat rows whose cut lies deep in the
+    vocabulary, peaked ones, a top_k before it, and a row of many equal logits (where the definition fixes how
+    many of them stay, not which)."""
+    from fovea.runner.sampler import filter_logits
+
+    vocab = 20000
+    generator = torch.Generator().manual_seed(4)
+    flat = torch.randn(vocab, generator=generator) * 0.1
+    peaked = torch.randn(vocab, generator=generator)
+    peaked[:30] += 9
+    tied = (torch.randn(vocab, generator=generator) * 2).round()  # a few distinct values, thousands of each
+    cases = [(flat, 0.9, 0), (flat, 0.3, 0), (peaked, 0.95, 0), (flat, 0.5, 5000), (tied, 0.7, 0), (peaked, 0.2, 0)]
+    logits = torch.stack([row for row, _, _ in cases])
+    batch = [SampleRow(SamplingParams(temperature=1.0, top_p=p, top_k=k), [1], 1, None, ()) for _, p, k in cases]
+    kept = filter_logits(logits.clone(), batch).isfinite()
+    for i, (row, top_p, top_k) in enumerate(cases):
+        values, order = row.double().sort(descending=True)
+        if top_k:
+            values[top_k:] = float("-inf")
+        probs = values.softmax(-1)
+        stays = (probs.cumsum(-1) - probs) < top_p
+        assert int(kept[i].sum()) == int(stays.sum()), i
+        assert torch.equal(row[kept[i]].sort().values, row[order[stays]].sort().values), i  # the same values
+        if i != 4:  # no ties: the same tokens
+            assert set(kept[i].nonzero()[:, 0].tolist()) == set(order[stays].tolist()), i
+    assert 1000 < int(kept[0].sum()) < vocab  # the cut really lies deep
+
+
 def test_seeded_rows_draw_the_same_token_on_either_path():
     """A seeded row draws one uniform number a step from its generator, and both paths invert the cumulative
     distribution in vocabulary order, so its tokens are those of the whole-vocabulary draw, written out here in

@@ -76,23 +76,47 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """top_k, top_p and min_p over whole rows (sorting the vocabulary when top_p is set): the reference the
-    candidate path below must agree with, and the path of rows it cannot resolve. May write into `logits`."""
+    """top_k, top_p and min_p over whole rows: the reference the candidate path below must agree with, and the
+    path of rows it cannot resolve. May write into `logits`."""
     device, vocab = logits.device, logits.shape[1]
     top_k = column(rows, lambda p: min(p.top_k or vocab, vocab), torch.long, device)  # any int, clamped first
     top_p = column(rows, lambda p: p.top_p, logits.dtype, device)
+    if bool((top_k < vocab).any()):
+        kth = topk(logits, int(top_k.max()))[0].gather(1, (top_k - 1)[:, None])
+        logits = logits.masked_fill_(logits < kth, float("-inf"))
     if bool((top_p < 1).any()):
-        ordered, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device)[None, :]
-        ordered = ordered.masked_fill(rank >= top_k[:, None], float("-inf"))
-        probs = ordered.softmax(-1)
-        # drop a token when the tokens ranked above it already cover top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    elif bool((top_k < vocab).any()):
-        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        # a few rows at a time: their temporaries stay in the cache and off fresh pages
+        for rows_ in (top_p < 1).nonzero()[:, 0].split(TOP_P_ROWS):
+            logits[rows_] = drop_outside_top_p(logits[rows_], top_p[rows_])
     return _apply_min_p(logits, column(rows, lambda p: p.min_p, logits.dtype, device))
+
+
+TOP_P_ROWS = 8
+TOP_P_BINS = 0x3F80 + 1  # a float in [0, 1] by its top 16 bits (exponent, 7 mantissa bits): 1.0 is 0x3F80
+
+
+def drop_outside_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Sets to -inf (in place) the tokens top_p drops: in each row sorted from the most likely, a token goes when
+    the ones ranked above it already cover top_p of the mass (the first always stays). Without sorting the row
+    (28 ms a row of 152k on one CPU core): the weights exp(logit - max) fall into bins ordered as they are,
+    their bit patterns' top 16 bits; the mass per bin, summed from the top bin down, names the bin where the cut
+    falls; only that bin's few weights are sorted."""
+    weights = (logits - logits.amax(-1, keepdim=True).clamp(min=torch.finfo(logits.dtype).min)).exp_()
+    bins = weights.view(torch.int32) >> 16
+    rows = logits.shape[0]
+    flat = bins + torch.arange(rows, dtype=torch.int32, device=logits.device)[:, None] * TOP_P_BINS  # row's own bins
+    mass = torch.bincount(flat.view(-1), weights.view(-1), minlength=rows * TOP_P_BINS).view(rows, TOP_P_BINS)
+    at_or_above = mass.flip(-1).cumsum(-1).flip(-1)  # (rows, bins): non-increasing, [:, 0] the total
+    target = top_p * at_or_above[:, 0]
+    cut = (at_or_above >= target[:, None]).sum(-1) - 1  # the highest bin reaching the target
+    above = torch.cat([at_or_above[:, 1:], torch.zeros_like(at_or_above[:, :1])], -1).gather(1, cut[:, None])[:, 0]
+    logits.masked_fill_(bins < cut[:, None], float("-inf"))
+    for row, (bin_, mass_above, goal) in enumerate(zip(cut.tolist(), above.tolist(), target.tolist())):
+        members = (bins[row] == bin_).nonzero()[:, 0]
+        ranked, order = weights[row, members].sort(descending=True, stable=True)
+        kept = int(((ranked.cumsum(0) - ranked + mass_above) < goal).sum())
+        logits[row, members[order[max(kept, 1) :]]] = float("-inf")
+    return logits
 
 
 def scaled_logsumexp(logits: torch.Tensor, index: torch.Tensor, temperature: torch.Tensor, work=None):
