@@ -1,16 +1,22 @@
 """The sampler on the CPU, side by side with an earlier version of it (taken from git) in the same run.
 
-One step of 1 and of 256 rows over Qwen2's 151,936-token vocabulary, each row with a 600-token prompt and 50
-generated tokens, for five kinds of sampling parameters; "x greedy" is each case's time over greedy's (same
+One step of 1, 64 and 256 rows over Qwen2's 151,936-token vocabulary, each row with a 600-token prompt and 50
+generated tokens, for seven kinds of sampling parameters; "x greedy" is each case's time over greedy's (same
 sampler, same batch):
   greedy                   temperature 0
   qwen-generation-config   Qwen2.5-VL's generation_config.json (temperature 0.1, top_p 0.001, top_k 1,
                            repetition_penalty 1.05): what every server request without sampling fields gets
   top_p 0.8 (peaked)       temperature 0.7, top_p 0.8, repetition_penalty 1.05 on language-model-like logits
-  top_p 0.8 (flat)         the same on flat logits, whose top_p cut lies outside the candidates (full sort)
+  top_p 0.8 (flat)         the same on flat logits (a random checkpoint's), whose top_p cut lies outside the
+                           candidates: the whole-row path
   plain                    temperature 1.0, no filters, no penalties
+  top_k 50                 temperature 0.8, top_k 50
+  min_p 0.05               temperature 0.8, min_p 0.05 (the whole-row path)
 
-    python benchmarks/sampler_cpu.py [--baseline 7f036f0] [--rows 1 256] [--out benchmarks/results]
+    python benchmarks/sampler_cpu.py [--baseline 50b4a5d] [--rows 1 64 256] [--out benchmarks/results]
+
+The baseline's fovea/runner/sampler.py and fovea/core/sampling_params.py are read from git and loaded beside
+this tree's (the other modules they import are this tree's).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fovea.core.sampling_params import SamplingParams  # noqa: E402
-from fovea.engine import sampler as current  # noqa: E402
+from fovea.runner import sampler as current  # noqa: E402
 
 VOCAB = 151936
 CASES = {
@@ -41,14 +47,17 @@ CASES = {
     "top_p 0.8 (peaked)": (dict(temperature=0.7, top_p=0.8, repetition_penalty=1.05), "peaked"),
     "top_p 0.8 (flat)": (dict(temperature=0.7, top_p=0.8, repetition_penalty=1.05), "flat"),
     "plain": (dict(temperature=1.0), "peaked"),
+    "top_k 50": (dict(temperature=0.8, top_k=50), "peaked"),
+    "min_p 0.05": (dict(temperature=0.8, min_p=0.05), "peaked"),
 }
 
 
-def load_baseline(ref: str, name: str):
-    """fovea/engine/{name}.py as it was at `ref`, as a module of its own."""
+def load_baseline(ref: str, source_path: str):
+    """The file `source_path` as it was at `ref`, as a module of its own."""
     source = subprocess.run(
-        ["git", "show", f"{ref}:fovea/engine/{name}.py"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["git", "show", f"{ref}:{source_path}"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
+    name = Path(source_path).stem
     path = Path(tempfile.mkdtemp()) / f"baseline_{name}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
@@ -83,14 +92,15 @@ def time_step(module, logits: torch.Tensor, params: SamplingParams, repeats: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", default="7f036f0", help="git ref of the sampler to compare with")
+    parser.add_argument("--baseline", default="50b4a5d", help="git ref of the sampler to compare with")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 256], help="batch sizes")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256], help="batch sizes")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     # the baseline's parameters too: which rows count as greedy is decided there
-    baseline, baseline_params = load_baseline(args.baseline, "sampler"), load_baseline(args.baseline, "sampling_params")
+    baseline = load_baseline(args.baseline, "fovea/runner/sampler.py")
+    baseline_params = load_baseline(args.baseline, "fovea/core/sampling_params.py")
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
