@@ -8,7 +8,8 @@ so its tokens do not depend on what else is in the batch.
 
 What keeps a step cheap with a 150k vocabulary: penalties touch only the tokens a row has seen (penalties.py);
 top_k / top_p are resolved among each row's best `CANDIDATES` tokens (one topk instead of a sort of the whole
-vocabulary; only a row whose top_p cut falls outside them sorts its full row); on the CPU argmax and topk read
+vocabulary; only a row whose top_p cut falls outside them takes the whole-row cut, which bins instead of sorting);
+on the CPU argmax and topk read
 blocks' maxima first; and a draw costs one number per row, not a noise value per vocabulary entry (torch's
 exponential noise for 64 x 152k was 210 ms on one CPU core, the cumulative sum 11 ms).
 """
@@ -122,10 +123,15 @@ def drop_outside_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
 def scaled_logsumexp(logits: torch.Tensor, index: torch.Tensor, temperature: torch.Tensor, work=None):
     """logsumexp(logits[index] / temperature) per row, computed in `work` (rows x vocabulary) when given: on the
     CPU a fresh 64 x 152k tensor costs ~25 ms of page faults, more than the arithmetic."""
-    scaled = logits[index] if work is None else torch.index_select(logits, 0, index, out=work[: len(index)])
-    scaled.div_(temperature[:, None])
+    scaled = _scaled_rows(logits, index, temperature, work)
     peak = scaled.amax(-1, keepdim=True).clamp(min=torch.finfo(scaled.dtype).min)  # a row masked whole stays finite
     return peak[:, 0] + scaled.sub_(peak).exp_().sum(-1).log()
+
+
+def _scaled_rows(logits: torch.Tensor, index: torch.Tensor, temperature: torch.Tensor, work=None) -> torch.Tensor:
+    """logits[index] / temperature (one per row), written into `work` when given."""
+    scaled = logits[index] if work is None else torch.index_select(logits, 0, index, out=work[: len(index)])
+    return scaled.div_(temperature[:, None])
 
 
 def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: list[SampleRow], work=None):
@@ -210,8 +216,7 @@ class Sampler:
                 tokens[index[keep_index]] = ids.gather(1, chosen[:, None])[:, 0]
         if rest:
             index = torch.tensor(sorted(rest), device=device)
-            scaled = logits[index] if work is None else torch.index_select(logits, 0, index, out=work[: len(rest)])
-            scaled.div_(temperature[index, None])
+            scaled = _scaled_rows(logits, index, temperature[index], work)
             tokens[index] = inverse_cdf(filter_logits(scaled, [rows[i] for i in sorted(rest)]), uniforms[index])
         return tokens
 
