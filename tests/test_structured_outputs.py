@@ -306,13 +306,12 @@ def test_large_grammars_compile_off_the_event_loop(client):
 
 def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
     """A grammar that takes long to build (a crafted schema; here a build made slow on purpose): the check gives
-    up after FOVEA_GRAMMAR_TIMEOUT and refuses the same grammar at once afterwards; in the engine the build runs
+    up after FOVEA_GRAMMAR_TIMEOUT of building and refuses the same grammar at once afterwards (time queued behind
+    other builds does not count); in the engine the build runs
     beside the steps, so a plain request runs to its end meanwhile, and the structured one starts once built."""
-    import concurrent.futures
     import threading
     import time
 
-    import fovea.engine.engine as engine_module
     import fovea.engine.structured_outputs as so
     from fovea.core.sampling_params import RequestOutputKind
 
@@ -334,7 +333,13 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
     with pytest.raises(ValueError, match="did not compile within"):  # known to be slow: refused at once
         compiler.check(slow)
     assert time.monotonic() - start < 0.9
+    for _ in range(2):  # both builder threads busy for a second: a quick grammar queued behind them still passes
+        compiler.build(slow)
+    start = time.monotonic()
+    compiler.check(StructuredOutputsParams(choice=["quick", "queued"]))
+    assert time.monotonic() - start > 0.6  # it waited past its 0.3 s limit, none of it building
 
+    monkeypatch.setattr(so, "COMPILE_TIMEOUT_S", 10.0)
     engine = llm.engine
     inputs = llm.inputs
     plain = inputs.make_request(
@@ -351,15 +356,16 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
     released = threading.Event()
     build = compiler.build
 
-    def held_build(params, copies=1):  # the engine's build finishes only when the test says so
-        future = concurrent.futures.Future()
+    def held_build(params, copies=1):  # the engine's build, started at once, finishes only when the test says so
+        held = so.GrammarBuild()
+        held.start()
 
         def finish():
             released.wait(30)
-            future.set_result(build(params, copies).result())
+            held.future.set_result(build(params, copies).future.result())
 
         threading.Thread(target=finish, daemon=True).start()
-        return future
+        return held
 
     monkeypatch.setattr(compiler, "build", held_build)
     engine.add_request(structured)
@@ -373,7 +379,7 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished["structured"].outputs[0].text in ("slow", "down")
 
-    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.2)  # a build past the engine's limit fails alone
+    monkeypatch.setattr(so, "COMPILE_TIMEOUT_S", 0.2)  # a build past the engine's limit fails alone
     released.clear()
     engine.add_request(
         inputs.make_request(

@@ -24,7 +24,7 @@ from fovea.engine.block_manager import BlockManager
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.outputs import IncrementalDetokenizer, LogprobEntries, append_token, request_output
 from fovea.engine.scheduler import Scheduler
-from fovea.engine.structured_outputs import COMPILE_TIMEOUT_S, Grammars
+from fovea.engine.structured_outputs import GrammarBuild, Grammars, too_slow_error
 from fovea.multimodal.prompt import load_tokenizer
 from fovea.runner.image_encoder import ImageEncoder
 from fovea.runner.model_runner import ModelRunner, StepOutput
@@ -73,7 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.blocks, self.encoder_cache)
         self.image_encoder = ImageEncoder(self.runner.encode_images, config.device)
         self.requests: dict[str, Request] = {}
-        self.compiling: list[tuple] = []  # (request, deadline, its matchers being built) before it is scheduled
+        self.compiling: list[tuple[Request, GrammarBuild]] = []  # requests whose matchers are being built
         self.num_requests_added = 0
         self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
         self._seq_ids = itertools.count()
@@ -135,7 +135,7 @@ class LLMEngine:
         if request.params.structured_outputs is not None:  # one grammar state per sample, built off the step loop
             self.grammars.warm_up()
             build = self.grammars.compiler.build(request.params.structured_outputs, request.params.n)
-            self.compiling.append((request, time.monotonic() + COMPILE_TIMEOUT_S, build))
+            self.compiling.append((request, build))
             return  # scheduled once its grammar is built (_admit_compiled)
         self.scheduler.add(self._new_sequence(request, 0))
 
@@ -144,20 +144,20 @@ class LLMEngine:
         limit, fail alone. A crafted schema costs its own request time, not everyone's steps."""
         failed: list[tuple[Request, Exception]] = []
         for entry in list(self.compiling):
-            request, deadline, build = entry
+            request, build = entry
             if request.request_id not in self.requests:  # aborted while its grammar was being built
                 self.compiling.remove(entry)
-            elif build.done():
+            elif build.future.done():
                 self.compiling.remove(entry)
                 try:
-                    request.grammars = build.result()
+                    request.grammars = build.future.result()
                 except ValueError as error:
                     failed.append((request, error))
                     continue
                 self.scheduler.add(self._new_sequence(request, 0))
-            elif time.monotonic() > deadline:
+            elif build.overran():
                 self.compiling.remove(entry)
-                failed.append((request, ValueError(f"the grammar did not compile within {COMPILE_TIMEOUT_S:g} s")))
+                failed.append((request, too_slow_error()))
         return self._fail({request for request, _ in failed}, failed[0][1]) if failed else None
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
@@ -217,7 +217,7 @@ class LLMEngine:
                 outputs, self.finished_outputs = self.finished_outputs, []
             elif self.compiling:  # everything waits for grammars: wait for one, briefly
                 concurrent.futures.wait(
-                    [build for _, _, build in self.compiling],
+                    [build.future for _, build in self.compiling],
                     timeout=IDLE_WAIT_S,
                     return_when=concurrent.futures.FIRST_COMPLETED,
                 )

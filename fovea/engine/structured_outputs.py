@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 
 from fovea.core.sampling_params import WHERE, StructuredOutputsParams
 
@@ -22,6 +23,28 @@ logger = logging.getLogger("fovea")
 
 # A grammar may take long to build (a crafted schema: tens of seconds); no request waits longer for its own
 COMPILE_TIMEOUT_S = float(os.environ.get("FOVEA_GRAMMAR_TIMEOUT", "10"))
+
+
+def too_slow_error() -> ValueError:
+    return ValueError(f"{WHERE}: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s (FOVEA_GRAMMAR_TIMEOUT)")
+
+
+@dataclass
+class GrammarBuild:
+    """Matchers being built in the compiler's threads. Their time limit counts from the build's start, not from
+    the request's arrival: six large grammars at once on a loaded 2-core machine left the last one, queued behind
+    the others, under half its limit."""
+
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    started: threading.Event = field(default_factory=threading.Event)
+    start_time: float = 0.0
+
+    def start(self) -> None:
+        self.start_time = time.monotonic()
+        self.started.set()
+
+    def overran(self) -> bool:
+        return self.started.is_set() and time.monotonic() - self.start_time > COMPILE_TIMEOUT_S
 
 
 class GrammarCompiler:
@@ -54,23 +77,32 @@ class GrammarCompiler:
         return matcher
 
     def check(self, params: StructuredOutputsParams) -> None:
-        """Raises ValueError unless the grammar compiles within COMPILE_TIMEOUT_S (the build itself runs on past
-        it: llguidance cannot be interrupted; that grammar is refused at once from then on)."""
+        """Raises ValueError unless the grammar compiles within COMPILE_TIMEOUT_S of its build's start (the build
+        itself runs on past it: llguidance cannot be interrupted; that grammar is refused at once from then on)."""
         key = params.key()
         if key not in self._too_slow:
+            build = self.build(params)
+            build.started.wait()  # behind the builds ahead of it, each refused once past its own limit
             try:
-                self.build(params).result(timeout=COMPILE_TIMEOUT_S)
+                build.future.result(timeout=COMPILE_TIMEOUT_S)
                 return
             except concurrent.futures.TimeoutError:
                 if len(self._too_slow) > 1024:
                     self._too_slow.clear()
                 self._too_slow.add(key)
-        raise ValueError(f"{WHERE}: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s (FOVEA_GRAMMAR_TIMEOUT)")
+        raise too_slow_error()
 
-    def build(self, params: StructuredOutputsParams, copies: int = 1) -> concurrent.futures.Future:
+    def build(self, params: StructuredOutputsParams, copies: int = 1) -> GrammarBuild:
         """`copies` fresh matchers, built in the builders' threads (the future raises ValueError if the grammar
         does not compile)."""
-        return self._builders.submit(lambda: [self.matcher(params) for _ in range(copies)])
+        build = GrammarBuild()
+
+        def run():
+            build.start()
+            return [self.matcher(params) for _ in range(copies)]
+
+        build.future = self._builders.submit(run)
+        return build
 
     def matcher(self, params: StructuredOutputsParams):
         return self._fresh(params).deep_copy()
