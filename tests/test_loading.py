@@ -155,3 +155,24 @@ def test_hub_id_resolves_from_local_cache_or_fails_clearly(tmp_path, monkeypatch
     assert resolve_model_dir("Qwen/Qwen2.5-VL-7B-Instruct") == snapshot
     with pytest.raises(FileNotFoundError, match="neither a local directory nor a hub id"):
         resolve_model_dir("./no/such/dir")
+
+
+def test_a_checkpoint_tokenizer_loads_once_per_process_until_a_file_changes(tiny_dirs, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from fovea.multimodal.prompt import load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dirs["tiny-3b"], model)
+    first = load_tokenizer(model)
+    assert load_tokenizer(model) is first and load_tokenizer(str(model) + "/") is first
+    assert (
+        first("a shared tokenizer")["input_ids"]
+        == AutoTokenizer.from_pretrained(model)("a shared tokenizer")["input_ids"]
+    )
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    changed = load_tokenizer(model)
+    assert changed is not first and changed.model_max_length == 77 and first.model_max_length != 77

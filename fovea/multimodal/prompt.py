@@ -115,10 +115,25 @@ class ProcessedPrompt:
     text: str | None = None  # the prompt as text, when it was given as text (chat: the rendered template)
 
 
+_TOKENIZERS: dict[tuple, object] = {}  # (checkpoint directory, its files' modification times) -> tokenizer
+
+
 def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's tokenizer, loaded once per process and shared (callers must not change it): loading Qwen's
+    vocabulary takes 1.2-1.6 s, most of an offline LLM's start, and a process may start several. A file changed
+    since loads it again."""
     from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    path = Path(model_dir)
+    if not path.is_dir():
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    files = tuple(sorted((f.name, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file()))
+    key = (str(path.resolve()), files)
+    if key not in _TOKENIZERS:
+        if len(_TOKENIZERS) >= 8:  # a process going through many checkpoints keeps the latest few
+            del _TOKENIZERS[next(iter(_TOKENIZERS))]
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(model_dir))
+    return _TOKENIZERS[key]
 
 
 def find_chat_template(model_dir: str | Path, tokenizer) -> str | None:
