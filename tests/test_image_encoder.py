@@ -79,3 +79,31 @@ def test_the_encoder_budget_spreads_images_over_steps(tiny_dirs):
     assert alone.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == unlimited.outputs[0].token_ids
     assert submitted == [1, 1, 1]  # each over the budget of 16: each goes alone
     assert_engine_idle(alone.engine)
+
+
+def test_a_closed_encoder_lets_its_process_exit_cleanly():
+    """close() waits for the encoder's thread: a thread still freeing its last images' tensors while the interpreter
+    shut down aborted the process (the engine process, at every server stop: "terminate called without an active
+    exception", exit status 134)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch
+        from fovea.runner.image_encoder import ImageEncoder
+
+        class Item:
+            def __init__(self, i):
+                self.content_hash, self.pixels = str(i), [torch.randn(256, 1024) for _ in range(8)]
+
+        encoder = ImageEncoder(lambda items: [torch.ones(64, 64) for _ in items], torch.device("cpu"))
+        encoder.submit([Item(i) for i in range(8)])
+        assert len(encoder.collect(wait_s=60)) == 1
+        encoder.close()
+        """
+    )
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-2000:])

@@ -46,7 +46,8 @@ def server(tiny_dirs, media_dir):
         "--disable-playground",
     ) as (base, proc):
         yield base
-    assert proc.returncode == 0, proc.output  # SIGTERM is a clean shutdown
+    # SIGTERM is a clean shutdown, the engine process's too (its image-encoder thread ended before the interpreter)
+    assert proc.returncode == 0 and "terminate called" not in proc.output, proc.output
     assert "accepted and ignored trust_remote_code=True" in proc.output
 
 

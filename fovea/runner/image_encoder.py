@@ -46,7 +46,8 @@ class ImageEncoder:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: set[str] = set()  # content hashes submitted and not yet collected
-        threading.Thread(target=self._loop, name="fovea-image-encoder", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="fovea-image-encoder", daemon=True)
+        self._thread.start()
 
     def submit(self, items: list[MMItem]) -> None:
         self.in_flight.update(item.content_hash for item in items)
@@ -72,7 +73,12 @@ class ImageEncoder:
         return finished
 
     def close(self) -> None:
+        """Ends the thread and waits for it: one still freeing its tensors while the interpreter shuts down is
+        killed when it next takes the GIL, which aborted the engine process ("terminate called without an active
+        exception") at every server stop."""
         self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
 
     def _loop(self) -> None:
         lower_priority()
