@@ -19,7 +19,7 @@ from serving import running_server
 
 # the bound asserted on the running streams' largest inter-chunk gap while the images arrive: with the test alone
 # the gaps were at most 67-95 ms; under the whole suite's load on the 2-core machine (both cores busy) runs saw
-# 636 ms and 1125 ms, the front end's threads holding the GIL through each body's JSON and base64 for longer
+# 636 ms and 1125 ms
 MAX_GAP_S = 2.0
 
 
