@@ -55,8 +55,7 @@ class GrammarCompiler:
     grammar that overran is refused at once the next time."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
-        import llguidance
-        import llguidance.hf
+        import llguidance.hf  # binds llguidance too
 
         backend = tokenizer.backend_tokenizer
         if backend.padding is None and backend.truncation is None:

@@ -77,8 +77,7 @@ class ImageEncoder:
         killed when it next takes the GIL, which aborted the engine process ("terminate called without an active
         exception") at every server stop."""
         self._jobs.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
+        self._thread.join(timeout=60)
 
     def _loop(self) -> None:
         lower_priority()
