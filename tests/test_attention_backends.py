@@ -69,6 +69,15 @@ def test_reference_windows_and_bidirectional_spans(window, spans, budget):
         torch.testing.assert_close(got, run(TorchAttention(), q, k, v, cache, make_meta)[0])
 
 
+def test_reference_decode_groups_are_sized_by_the_bytes_of_a_models_keys():
+    """2 MiB of fp32 keys and values a group: 2048 keys of 2 KV heads x 64 (where benchmarks/cpu_attention.py
+    measured the budget), 8192 of the demo model's 2 x 16; a backend built without a width keeps 2048."""
+    cpu = torch.device("cpu")
+    assert make_backend("torch", 2, False, cpu, kv_width=128).decode_group_tokens == 2048
+    assert make_backend("torch", 2, False, cpu, kv_width=32).decode_group_tokens == 8192
+    assert make_backend("torch", 2, False, cpu).decode_group_tokens == 2048
+
+
 def test_registry_builds_by_name_and_refuses_missing_features():
     assert set(BY_NAME["attention_backend"].choices) == {"auto", *BACKENDS}  # the flag offers what is registered
     assert isinstance(make_backend("torch", 2, False, torch.device("cpu"), needs=("sliding_window",)), TorchAttention)

@@ -369,3 +369,22 @@ def test_blocked_argmax_is_torchs_first_maximum():
         torch.testing.assert_close(argmax(x), x.argmax(-1), rtol=0, atol=0)
         rows = x[torch.tensor([5, 1, 2])]  # a gathered (fresh) tensor, and a strided view of rows
         assert torch.equal(argmax(rows), rows.argmax(-1)) and torch.equal(argmax(x[::2]), x[::2].argmax(-1))
+
+
+@pytest.mark.parametrize("rows, width", [(64, 64), (16, 512), (2, 64), (1, 512)])
+def test_the_lm_heads_sliced_product_gives_the_whole_products_logits(rows, width):
+    """The CPU's vocabulary-sliced product (from rows x width >= 4096) writes every logit, the last slice's
+    short tail included (a vocabulary no slice divides), equal to one matmul's; into a given buffer too."""
+    from fovea.layers.basic import VOCAB_SLICE_MIN_ELEMENTS, vocab_product
+
+    gen = torch.Generator().manual_seed(rows)
+    vocab = 20_011  # prime: no slice width divides it
+    weight, hidden = torch.randn(vocab, width, generator=gen), torch.randn(rows, width, generator=gen)
+    expected = hidden @ weight.t()
+    torch.testing.assert_close(vocab_product(hidden, weight), expected, rtol=1e-6, atol=1e-5)
+    buffer = torch.full((rows + 3, vocab), float("nan"))
+    got = vocab_product(hidden, weight, out=buffer[:rows])
+    assert got.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert (rows * width >= VOCAB_SLICE_MIN_ELEMENTS) == (rows >= 16)  # both paths are covered above

@@ -20,19 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.attention.backend import AttentionBackend, TorchAttention
+from fovea.attention.backend import DECODE_GROUP_TOKENS, AttentionBackend, TorchAttention, decode_group_tokens
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    build: Callable[[int, bool, torch.device], AttentionBackend]  # (query heads per KV head, fp32 softmax, device)
+    # (query heads per KV head, fp32 softmax, device, KV heads x head size or None)
+    build: Callable[[int, bool, torch.device, int | None], AttentionBackend]
     sliding_window: bool
     bidirectional_spans: bool
     cuda_graphs: bool
     fp8_kv_cache: bool
 
 
-def _triton(heads_per_kv_head: int, fp32_softmax: bool, device: torch.device) -> AttentionBackend:
+def _triton(heads_per_kv_head: int, fp32_softmax: bool, device: torch.device, kv_width: int | None) -> AttentionBackend:
     from fovea.attention.triton_paged import TritonAttention  # imports triton
 
     return TritonAttention(group=heads_per_kv_head)  # its scores and softmax are fp32 always
@@ -40,7 +41,9 @@ def _triton(heads_per_kv_head: int, fp32_softmax: bool, device: torch.device) ->
 
 BACKENDS = {  # the reference sizes its tensors from each batch, so it cannot be captured
     "torch": BackendSpec(
-        lambda group, fp32, device: TorchAttention(fp32, device),
+        lambda group, fp32, device, kv_width: TorchAttention(
+            fp32, device, decode_group_tokens(kv_width) if kv_width else DECODE_GROUP_TOKENS
+        ),
         sliding_window=True,
         bidirectional_spans=True,
         cuda_graphs=False,
@@ -61,9 +64,15 @@ def features_needed(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def make_backend(
-    name: str, heads_per_kv_head: int, fp32_softmax: bool, device: torch.device, needs: tuple[str, ...] = ()
+    name: str,
+    heads_per_kv_head: int,
+    fp32_softmax: bool,
+    device: torch.device,
+    needs: tuple[str, ...] = (),
+    kv_width: int | None = None,
 ) -> AttentionBackend:
-    """The backend `name`; `needs`: the features (BackendSpec's flags) the model's layers use."""
+    """The backend `name`; `needs`: the features (BackendSpec's flags) the model's layers use; `kv_width`: the
+    KV heads x head size of a layer's cache on this rank (the reference sizes its decode groups by it)."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
     spec = BACKENDS[name]
@@ -74,4 +83,4 @@ def make_backend(
             f"have; backends that do: {[n for n, s in BACKENDS.items() if all(getattr(s, f) for f in needs)]} "
             "(--attention-backend)"
         )
-    return spec.build(heads_per_kv_head, fp32_softmax, device)
+    return spec.build(heads_per_kv_head, fp32_softmax, device, kv_width)

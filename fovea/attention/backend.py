@@ -85,11 +85,21 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-# Decode rows are gathered and attended in groups of at most this many keys (padding included): a copy of the whole
-# batch's context per layer (134 MB at batch 128 x 1k on the 512-wide model) leaves the CPU's caches and is fresh
-# memory from the kernel at every call, which made the time per context token grow with the batch (issue 37);
-# benchmarks/cpu_attention.py measured 2048 the best of 2k-8k (fp32, 2 KV heads of 64).
-DECODE_GROUP_TOKENS = 2048
+# Decode rows are gathered and attended in groups whose keys and values (padding included) fill at most this many
+# bytes: a copy of the whole batch's context per layer (134 MB at batch 128 x 1k on the 512-wide model) leaves the
+# CPU's caches and is fresh memory from the kernel at every call, which made the time per context token grow with
+# the batch (issue 37); benchmarks/cpu_attention.py measured 2048 keys the best of 2k-8k at 2 KV heads of 64 fp32.
+# Narrower keys make more of them fit: the demo model's (2 heads of 16) take 8192 a group, and its decode steps
+# ran 8 % faster so than in groups of 2048 (fewer, larger copies and products).
+DECODE_GROUP_BYTES = 2 << 20
+
+
+def decode_group_tokens(kv_width: int) -> int:
+    """Keys a decode group holds when each has `kv_width` (KV heads x head size) values, its key and value fp32."""
+    return max(1, DECODE_GROUP_BYTES // (2 * kv_width * 4))
+
+
+DECODE_GROUP_TOKENS = decode_group_tokens(128)  # 2048: a backend built without its model's width
 
 
 class TorchAttention(AttentionBackend):

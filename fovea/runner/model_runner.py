@@ -85,6 +85,7 @@ class ModelRunner:
             config.fp32_softmax,
             config.device,
             needs=features_needed(self.model) + (("fp8_kv_cache",) if config.kv_cache_dtype != "auto" else ()),
+            kv_width=self.num_kv_heads * config.model.text.head_dim,
         )
         # collectives inside CUDA graphs are not set up yet: with several ranks everything runs eagerly
         capture = (
