@@ -230,8 +230,7 @@ class TorchAttention(AttentionBackend):
                 keys, values = keys * kv_scales[0].to(dtype), values * kv_scales[1].to(dtype)
             return keys, values
 
-        def attend(queries, slots, mask=None, causal=False):  # queries (B, Lq, Hq, D), slots (B, Lk)
-            keys, values = gather(slots)
+        def attend(queries, keys, values, mask=None, causal=False):  # queries (B, Lq, Hq, D), keys (B, Lk, H, D)
             result = F.scaled_dot_product_attention(
                 queries.to(dtype).transpose(1, 2),
                 keys.transpose(1, 2),
@@ -252,7 +251,9 @@ class TorchAttention(AttentionBackend):
         for index, start, length, slots in meta.plan["prefill"]:
             context = slots.numel()
             mask = self.prefill_mask(length, context, window, meta.bidirectional_spans.get(index, []), q.device)
-            out[start : start + length] = attend(
-                q[start : start + length][None], slots[None], mask, causal=mask is None
-            )[0]
+            if context == length and kv_cache.dtype == k.dtype:  # a prompt in one piece: its keys and values are
+                keys, values = (x[start : start + length][None].to(dtype) for x in (k, v))  # the step's, not read back
+            else:
+                keys, values = gather(slots[None])
+            out[start : start + length] = attend(q[start : start + length][None], keys, values, mask, mask is None)[0]
         return out
