@@ -97,22 +97,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 # One fp32 BLAS product of a few rows with a whole 150k-token head runs well below the core's speed on the CPU;
 # the same product cut into slices of the vocabulary whose weights fill half the core's L2 cache (1 MB here)
-# is 1.3-1.45x faster from 8 rows up (one core, median of 7: 64 x 512 241 -> 186 ms, 64 x 64 47 -> 34 ms,
-# 64 x 2048 1131 -> 771 ms; benchmarks/lm_head_cpu.py). A few narrow rows (memory-bound) are slower cut.
+# gives the same logits faster (benchmarks/lm_head_cpu.py, one core, medians of 7: 64 x 512 326 -> 226 ms,
+# 64 x 64 43 -> 35 ms, 8 x 2048 599 -> 280 ms). One row (memory-bound) is 2-3 % slower cut.
 VOCAB_SLICE_BYTES = 1 << 19
-VOCAB_SLICE_MIN_ELEMENTS = 4096  # rows x hidden: 8 x 512 gains 1.35x, 8 x 64 loses 8 %
+VOCAB_SLICE_MIN_ELEMENTS = 4096  # rows x hidden: 8 x 512 gains 1.4x, 8 x 64 nothing
 
 
 def vocab_product(hidden_states: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """hidden_states @ weight.T (into `out` when given): the logits of an LM head whose rows are `weight`."""
     rows, (vocab, width) = hidden_states.shape[0], weight.shape
-    sliced = weight.device.type == "cpu" and weight.dtype == torch.float32 and rows * width >= VOCAB_SLICE_MIN_ELEMENTS
-    if out is None:
-        if not sliced:
-            return F.linear(hidden_states, weight)
-        out = hidden_states.new_empty(rows, vocab)
-    if not sliced:
-        return torch.mm(hidden_states, weight.t(), out=out)
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or rows * width < VOCAB_SLICE_MIN_ELEMENTS:
+        return F.linear(hidden_states, weight) if out is None else torch.mm(hidden_states, weight.t(), out=out)
+    out = hidden_states.new_empty(rows, vocab) if out is None else out
     step = max(256, VOCAB_SLICE_BYTES // (width * weight.element_size()))
     for start in range(0, vocab, step):
         torch.mm(hidden_states, weight[start : start + step].t(), out=out[:, start : start + step])
