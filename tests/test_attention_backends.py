@@ -69,6 +69,28 @@ def test_reference_windows_and_bidirectional_spans(window, spans, budget):
         torch.testing.assert_close(got, run(TorchAttention(), q, k, v, cache, make_meta)[0])
 
 
+@pytest.mark.parametrize("budget", [None, 24], ids=["one-group", "key-chunks"])
+def test_reference_decodes_ignore_what_lies_past_a_sequences_end(budget):
+    """A decode reads its sequence's blocks whole: the slots past its end (a freed sequence's leftovers, here inf
+    and nan, as an overflowing fp16 model leaves) and block 0, which pads a shorter sequence's table, must not
+    reach its output (0 x inf is nan)."""
+    specs = MIXED
+    q, k, v, cache, make_meta = ragged_batch(specs, 4, 2, 16, 16, torch.float32)
+    backend = TorchAttention(decode_group_tokens=budget)
+    meta = make_meta(backend)
+    for index, (cached, new) in enumerate(specs):
+        length = cached + new
+        last = int(meta.block_tables[index, (length - 1) // 16])
+        cache[:, last, length % 16 or 16 :] = torch.tensor([torch.inf, torch.nan]).view(2, 1, 1, 1)
+    cache[:, 0] = torch.nan
+    backend.prepare(meta)
+    written = cache.clone()
+    got = backend.forward(q, k, v, written, meta, scale=0.25)
+    expected = dense_reference(q, written, meta, specs, None, {}, scale=0.25)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_decode_groups_are_sized_by_the_bytes_of_a_models_keys():
     """2 MiB of fp32 keys and values a group: 2048 keys of 2 KV heads x 64 (where benchmarks/cpu_attention.py
     measured the budget), 8192 of the demo model's 2 x 16; a backend built without a width keeps 2048."""

@@ -9,16 +9,16 @@ context: the cached prefix, earlier chunks and the causal part of its own chunk.
 A layer may be a sliding-window one (`window`), and a step may name bidirectional spans per sequence (tokens of a
 prompt's image that see each other both ways); the registry (fovea/attention/__init__.py) says which backends can.
 
-`TorchAttention` gathers each sequence's context from the cache and runs SDPA: the decode rows together, with a
-mask over padded keys only; each prefill chunk on its own, causal (lower-right when a cached prefix precedes the
-chunk: PyTorch's bias on a GPU, which its memory-efficient kernels take without a mask; on the CPU, whose SDPA
-builds the scores anyway, that one sequence's chunk x context mask), so no (queries x keys) mask is built for a
-batch. Slow, but simple enough to be the ground truth the GPU
-kernels are tested against.
+`TorchAttention` is the reference: decode rows in groups, each group's cache blocks copied into kept buffers and
+attended with two matmuls per KV head; each prefill chunk on its own through SDPA, causal (lower-right when a cached
+prefix precedes the chunk: PyTorch's bias on a GPU, which its memory-efficient kernels take without a mask; on the
+CPU, whose SDPA builds the scores anyway, that one sequence's chunk x context mask), so no (queries x keys) mask is
+built for a batch. Slow, but simple enough to be the ground truth the GPU kernels are tested against.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,20 @@ class PagedAttentionMetadata:
     # sequence index -> (first, end) positions of prompt spans whose tokens also see each other's later tokens
     # (Gemma 3's images); a span must lie whole in one step's chunk, with its keys in context
     bidirectional_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences whose keys and values TorchAttention reads together (prepare's plan, for every layer)."""
+
+    rows: torch.Tensor  # (B,) their query rows in the step's batch
+    blocks: torch.Tensor  # (B, n) each one's KV blocks, a shorter one's row padded with block 0
+    block_size: int
+    chunk: int  # keys read at a time, whole blocks
+    valid: torch.Tensor  # (B, n x block_size) bool: keys inside each one's context
+    padding: list[torch.Tensor]  # per chunk: its flat (B x chunk) rows past a sequence's end
+    positions: torch.Tensor  # (1, n x block_size) key positions, and (B, 1) context lengths: for sliding windows
+    lengths: torch.Tensor
 
 
 class AttentionBackend:
@@ -87,10 +101,10 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # Decode rows are gathered and attended in groups whose keys and values (padding included) fill at most this many
 # bytes: a copy of the whole batch's context per layer (134 MB at batch 128 x 1k on the 512-wide model) leaves the
-# CPU's caches and is fresh memory from the kernel at every call, which made the time per context token grow with
-# the batch (issue 37); benchmarks/cpu_attention.py measured 2048 keys the best of 2k-8k at 2 KV heads of 64 fp32.
-# Narrower keys make more of them fit: the demo model's (2 heads of 16) take 8192 a group (64 prompts x 128 in /
-# 64 out took 3.34-3.43 s so, against 3.59-3.80 s in groups of 2048: fewer, larger copies and products).
+# CPU's caches, which made the time per context token grow with the batch (issue 37); benchmarks/cpu_attention.py
+# measured 2048 keys the best of 2k-8k at 2 KV heads of 64 fp32 (4096 as good since the copies go into kept
+# buffers). Narrower keys make more of them fit: the demo model's (2 heads of 16) take 8192 a group (64 prompts x
+# 128 in / 64 out took 3.34-3.43 s so, against 3.59-3.80 s in groups of 2048: fewer, larger copies and products).
 DECODE_GROUP_BYTES = 2 << 20
 
 
@@ -111,6 +125,7 @@ class TorchAttention(AttentionBackend):
     ):
         self.fp32_softmax = fp32_softmax  # scores and softmax in fp32 for bf16/fp16 models
         self.decode_group_tokens = decode_group_tokens  # None: the whole batch in one group
+        self._buffers: dict[str, torch.Tensor] = {}  # workspace(): reused across layers and steps
         self.lower_right = None
         if torch.device(device).type == "cuda":  # memory-efficient kernels take this bias without a mask
             from torch.nn.attention.bias import causal_lower_right  # imported here: it takes seconds
@@ -139,16 +154,20 @@ class TorchAttention(AttentionBackend):
         for group in self.decode_groups(decodes, seq_lens):
             index = torch.tensor(group, device=device)
             lengths = meta.seq_lens[index].long()
-            positions = torch.arange(seq_lens[group[-1]], device=device)  # sorted: the last is the longest
-            blocks = tables[index].gather(1, (positions // bs).clamp(max=tables.shape[1] - 1).expand(len(group), -1))
-            valid = positions[None, :] < lengths[:, None]
-            slots = torch.where(valid, blocks * bs + positions % bs, 0)  # padding reads slot 0, masked
+            num_blocks = -(-seq_lens[group[-1]] // bs)  # sorted: the last is the longest
+            positions = torch.arange(num_blocks * bs, device=device)
+            valid = positions[None, :] < lengths[:, None]  # keys past a sequence's end are hidden
+            chunk = self.decode_chunk(bs) or len(positions)
             meta.plan["decode"].append(
-                (
+                DecodeGroup(
                     meta.query_start_loc[index].long(),
-                    slots,
-                    valid,  # (sequences, keys): padded keys hidden
-                    (positions[None, :], lengths[:, None]),  # for sliding windows
+                    tables[index, :num_blocks],  # a shorter sequence's row padded with block 0
+                    bs,
+                    chunk,
+                    valid,
+                    [(~valid[:, i : i + chunk]).reshape(-1).nonzero()[:, 0] for i in range(0, len(positions), chunk)],
+                    positions[None, :],
+                    lengths[:, None],
                 )
             )
         meta.plan["prefill"] = [
@@ -170,31 +189,59 @@ class TorchAttention(AttentionBackend):
                 groups.append([i])
         return groups
 
-    def decode(self, queries, slots, valid, gather, scale: float) -> torch.Tensor:
-        """One query per sequence (queries (Hkv, B, G, D), grouped by the KV head they read): two batched matmuls
-        per KV head over keys gathered head-major, so the query heads of a KV head read it in place (SDPA's GQA
-        path copies it per query head). Context longer than the group budget (one long sequence) goes a chunk of
-        keys at a time, the chunks' softmaxes joined by their maxima (online softmax), so no copy outgrows it."""
-        chunk = self.decode_group_tokens or slots.shape[1]
-        total = weight = top = None
-        for start in range(0, slots.shape[1], chunk):
-            keys, values = gather(slots[:, start : start + chunk], by_head=True)  # (Hkv, B, keys, D)
-            hidden = ~valid[None, :, None, start : start + chunk]
-            scores = (queries @ keys.transpose(-1, -2)).mul_(scale).masked_fill_(hidden, -torch.inf)
-            if chunk >= slots.shape[1]:
-                return scores.softmax(-1) @ values
-            peak = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # all-hidden rows
-            probs = (scores - peak).exp_()
-            part, part_weight = probs @ values, probs.sum(-1, keepdim=True)
-            if total is None:
-                total, weight, top = part, part_weight, peak
-                continue
-            new_top = torch.maximum(top, peak)
-            old_scale, part_scale = (top - new_top).exp_(), (peak - new_top).exp_()
-            total = total * old_scale + part * part_scale
-            weight = weight * old_scale + part_weight * part_scale
-            top = new_top
-        return total / weight
+    def decode_chunk(self, block_size: int) -> int | None:
+        """Keys a decode reads at a time, in whole blocks (None: all at once)."""
+        if self.decode_group_tokens is None:
+            return None
+        return max(1, self.decode_group_tokens // block_size) * block_size
+
+    def workspace(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """A buffer kept across layers and steps: megabytes of fresh memory are page-faulted in at every call,
+        which made a long context's time per key grow with its length on the CPU."""
+        size = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype or buffer.device != torch.device(device):
+            buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
+        return buffer[:size].view(shape)
+
+    def decode(self, queries, group: DecodeGroup, valid, gather_blocks, scale: float) -> torch.Tensor:
+        """One query per sequence (queries (Hkv, B, G, D), grouped by the KV head they read): per KV head, two
+        batched matmuls that read its keys and values in place from the gathered blocks (B, keys, Hkv, D), a
+        strided matrix each, so neither is copied head-major and no query head copies its KV head's (as SDPA's
+        GQA path does). Context longer than the group budget (one long sequence) goes a chunk of keys at a time,
+        the chunks' softmaxes joined by their maxima (online softmax), so no copy outgrows it."""
+        heads, batch, rows, dim = queries.shape
+        chunk, per_chunk = group.chunk, group.chunk // group.block_size  # keys, blocks
+        total = torch.zeros(heads, batch, rows, dim, dtype=queries.dtype, device=queries.device)
+        weight = top = None
+        for number, padding in enumerate(group.padding):
+            start = number * chunk
+            keys, values = gather_blocks(group.blocks[:, number * per_chunk : (number + 1) * per_chunk])
+            # past a sequence's end lie other sequences' keys and values (or none yet): their weights are 0, but
+            # 0 x inf is nan, so such values are zeroed
+            values.view(-1, heads, dim).index_fill_(0, padding, 0)
+            scores = self.workspace("scores", (heads, batch, rows, keys.shape[1]), queries.dtype, queries.device)
+            for head in range(heads):
+                torch.bmm(queries[head], keys[:, :, head].transpose(1, 2), out=scores[head])
+            scores.mul_(scale).masked_fill_(~valid[None, :, None, start : start + chunk], -torch.inf)
+            if len(group.padding) == 1:  # the whole context in one chunk
+                probs = scores.softmax(-1)
+            else:  # exponentials against the chunk's maximum; what earlier chunks summed rescaled to the larger
+                peak = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # all-hidden rows
+                probs = scores.sub_(peak).exp_()
+                part_weight = probs.sum(-1, keepdim=True)
+                if top is None:
+                    weight, top = part_weight, peak
+                else:
+                    new_top = torch.maximum(top, peak)
+                    old_scale, part_scale = (top - new_top).exp_(), (peak - new_top).exp_()
+                    total.mul_(old_scale)
+                    probs.mul_(part_scale)
+                    weight = weight * old_scale + part_weight * part_scale
+                    top = new_top
+            for head in range(heads):
+                total[head].baddbmm_(probs[head], values[:, :, head])
+        return total if weight is None else total.div_(weight)
 
     def prefill_mask(
         self, length: int, context: int, window: int | None, spans: list[tuple[int, int]], device
@@ -221,14 +268,34 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
 
-        def gather(slots, by_head: bool = False):  # keys and values at the slots, (B, Lk, H, D) or (H, B, Lk, D)
-            # whole slots (heads x dim in a row) by index_select, then reordered head-major in one copy: 2.5-3x
-            # faster on the CPU than indexing the head-major view or indexing with the 2-D slots directly
-            rows = (cache.index_select(0, slots.reshape(-1)).view(*slots.shape, heads, dim) for cache in flat)
-            keys, values = ((r.permute(2, 0, 1, 3).contiguous() if by_head else r).to(dtype) for r in rows)
+        def readable(keys, values):  # as the attention's dtype; fp8 scaled back
+            if keys.dtype != dtype:
+                keys, values = keys.to(dtype), values.to(dtype)
             if fp8:
                 keys, values = keys * kv_scales[0].to(dtype), values * kv_scales[1].to(dtype)
             return keys, values
+
+        def gather_slots(slots):  # keys and values at the slots (B, Lk), (B, Lk, H, D)
+            # whole slots (heads x dim in a row) by index_select: 2.5-3x faster on the CPU than indexing with
+            # the 2-D slots
+            return readable(
+                *(cache.index_select(0, slots.reshape(-1)).view(*slots.shape, heads, dim) for cache in flat)
+            )
+
+        def gather_blocks(blocks):  # the keys and values of blocks (B, n), (B, n x block_size, H, D), kept buffers
+            # whole blocks, so the plan holds a block table's columns, not every key's slot
+            shape = (blocks.shape[0], blocks.shape[1] * block_size, heads, dim)
+            return readable(
+                *(
+                    torch.index_select(
+                        cache,
+                        0,
+                        blocks.reshape(-1),
+                        out=self.workspace(name, (blocks.numel(), *cache.shape[1:]), cache.dtype, cache.device),
+                    ).view(shape)
+                    for name, cache in zip(("keys", "values"), kv_cache)
+                )
+            )
 
         def attend(queries, keys, values, mask=None, causal=False):  # queries (B, Lq, Hq, D), keys (B, Lk, H, D)
             result = F.scaled_dot_product_attention(
@@ -242,18 +309,17 @@ class TorchAttention(AttentionBackend):
             )
             return result.transpose(1, 2).to(q.dtype)
 
-        for rows, slots, valid, (positions, lengths) in meta.plan["decode"]:
-            if window is not None:
-                valid = valid & (positions >= lengths - window)
-            queries = q[rows].to(dtype).view(len(rows), heads, -1, dim).transpose(0, 1)  # (Hkv, B, G, D)
-            result = self.decode(queries, slots, valid, gather, scale)
-            out[rows] = result.transpose(0, 1).reshape(len(rows), -1, dim).to(q.dtype)
+        for group in meta.plan["decode"]:
+            valid = group.valid if window is None else group.valid & (group.positions >= group.lengths - window)
+            queries = q[group.rows].to(dtype).view(len(group.rows), heads, -1, dim).transpose(0, 1)  # (Hkv, B, G, D)
+            result = self.decode(queries, group, valid, gather_blocks, scale)
+            out[group.rows] = result.transpose(0, 1).reshape(len(group.rows), -1, dim).to(q.dtype)
         for index, start, length, slots in meta.plan["prefill"]:
             context = slots.numel()
             mask = self.prefill_mask(length, context, window, meta.bidirectional_spans.get(index, []), q.device)
             if context == length and kv_cache.dtype == k.dtype:  # a prompt in one piece: its keys and values are
                 keys, values = (x[start : start + length][None].to(dtype) for x in (k, v))  # the step's, not read back
             else:
-                keys, values = gather(slots[None])
+                keys, values = gather_slots(slots[None])
             out[start : start + length] = attend(q[start : start + length][None], keys, values, mask, mask is None)[0]
         return out
