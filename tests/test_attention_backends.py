@@ -147,3 +147,23 @@ def test_fp8_kv_cache_is_attention_over_fp8_rounded_keys_and_values():
     torch.testing.assert_close(stored.float() * torch.tensor([0.5, 2.0]).view(2, 1, 1, 1, 1), reference)
     exact = backend.forward(q, k, v, cache.clone(), meta, scale=0.25)
     assert (got - exact).abs().max().item() > 1e-3
+
+
+def test_varlen_attention_keeps_segments_apart_back_to_back_or_not():
+    """Segments of one length are attended together: back to back (a tower's windows) as views of the rows,
+    apart (another length between them) gathered; either way each segment sees only itself."""
+    from fovea.attention.layer import AttentionMetadata, varlen_attention
+
+    lengths = [16, 16, 16, 5, 16, 9, 5]  # 16 back to back then apart; 5 apart
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(3, sum(lengths), 4, 8, generator=generator).unbind(0)
+    meta = AttentionMetadata.from_lengths(lengths)
+    got = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=False, scale=0.3)
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            *(x[rows].transpose(0, 1) for x in (q, k, v)), scale=0.3
+        )
+        torch.testing.assert_close(got[rows], alone.transpose(0, 1), atol=1e-6, rtol=1e-6)
+        start += length

@@ -74,9 +74,9 @@ def varlen_attention(
         start += length
     out = torch.empty_like(q)
     for length, starts in starts_by_length.items():
-        if len(starts) == 1:  # a contiguous slice: no gather needed
-            rows = slice(starts[0], starts[0] + length)
-            group = [x[rows].transpose(0, 1)[None] for x in (q, k, v)]  # (1, H, L, D)
+        if starts[-1] - starts[0] == (len(starts) - 1) * length:  # back to back (a tower's windows and frames
+            rows = slice(starts[0], starts[0] + len(starts) * length)  # mostly are): views, no gather
+            group = [x[rows].view(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
         else:
             rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
             group = [x[rows].view(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
