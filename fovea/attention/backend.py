@@ -50,8 +50,8 @@ class DecodeGroup:
     blocks: torch.Tensor  # (B, n) each one's KV blocks, a shorter one's row padded with block 0
     block_size: int
     chunk: int  # keys read at a time, whole blocks
-    valid: torch.Tensor  # (B, n x block_size) bool: keys inside each one's context
-    padding: list[torch.Tensor]  # per chunk: its flat (B x chunk) rows past a sequence's end
+    hidden: torch.Tensor  # (B, n x block_size) bool: keys past each one's end
+    padding: list[torch.Tensor]  # per chunk: its flat (B x chunk) rows of such keys
     positions: torch.Tensor  # (1, n x block_size) key positions, and (B, 1) context lengths: for sliding windows
     lengths: torch.Tensor
 
@@ -156,7 +156,7 @@ class TorchAttention(AttentionBackend):
             lengths = meta.seq_lens[index].long()
             num_blocks = -(-seq_lens[group[-1]] // bs)  # sorted: the last is the longest
             positions = torch.arange(num_blocks * bs, device=device)
-            valid = positions[None, :] < lengths[:, None]  # keys past a sequence's end are hidden
+            hidden = positions[None, :] >= lengths[:, None]
             chunk = self.decode_chunk(bs) or len(positions)
             meta.plan["decode"].append(
                 DecodeGroup(
@@ -164,8 +164,8 @@ class TorchAttention(AttentionBackend):
                     tables[index, :num_blocks],  # a shorter sequence's row padded with block 0
                     bs,
                     chunk,
-                    valid,
-                    [(~valid[:, i : i + chunk]).reshape(-1).nonzero()[:, 0] for i in range(0, len(positions), chunk)],
+                    hidden,
+                    [hidden[:, i : i + chunk].reshape(-1).nonzero()[:, 0] for i in range(0, len(positions), chunk)],
                     positions[None, :],
                     lengths[:, None],
                 )
@@ -204,7 +204,7 @@ class TorchAttention(AttentionBackend):
             buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:size].view(shape)
 
-    def decode(self, queries, group: DecodeGroup, valid, gather_blocks, scale: float) -> torch.Tensor:
+    def decode(self, queries, group: DecodeGroup, hidden, gather_blocks, scale: float) -> torch.Tensor:
         """One query per sequence (queries (Hkv, B, G, D), grouped by the KV head they read): per KV head, two
         batched matmuls that read its keys and values in place from the gathered blocks (B, keys, Hkv, D), a
         strided matrix each, so neither is copied head-major and no query head copies its KV head's (as SDPA's
@@ -223,7 +223,7 @@ class TorchAttention(AttentionBackend):
             scores = self.workspace("scores", (heads, batch, rows, keys.shape[1]), queries.dtype, queries.device)
             for head in range(heads):
                 torch.bmm(queries[head], keys[:, :, head].transpose(1, 2), out=scores[head])
-            scores.mul_(scale).masked_fill_(~valid[None, :, None, start : start + chunk], -torch.inf)
+            scores.mul_(scale).masked_fill_(hidden[None, :, None, start : start + chunk], -torch.inf)
             if len(group.padding) == 1:  # the whole context in one chunk
                 probs = scores.softmax(-1)
             else:  # exponentials against the chunk's maximum; what earlier chunks summed rescaled to the larger
@@ -310,9 +310,9 @@ class TorchAttention(AttentionBackend):
             return result.transpose(1, 2).to(q.dtype)
 
         for group in meta.plan["decode"]:
-            valid = group.valid if window is None else group.valid & (group.positions >= group.lengths - window)
+            hidden = group.hidden if window is None else group.hidden | (group.positions < group.lengths - window)
             queries = q[group.rows].to(dtype).view(len(group.rows), heads, -1, dim).transpose(0, 1)  # (Hkv, B, G, D)
-            result = self.decode(queries, group, valid, gather_blocks, scale)
+            result = self.decode(queries, group, hidden, gather_blocks, scale)
             out[group.rows] = result.transpose(0, 1).reshape(len(group.rows), -1, dim).to(q.dtype)
         for index, start, length, slots in meta.plan["prefill"]:
             context = slots.numel()

@@ -76,10 +76,9 @@ def varlen_attention(
     for length, starts in starts_by_length.items():
         if starts[-1] - starts[0] == (len(starts) - 1) * length:  # back to back (a tower's windows and frames
             rows = slice(starts[0], starts[0] + len(starts) * length)  # mostly are): views, no gather
-            group = [x[rows].view(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
         else:
             rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
-            group = [x[rows].view(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
+        group = [x[rows].view(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
         result = F.scaled_dot_product_attention(*group, is_causal=causal, scale=scale, enable_gqa=gqa)
         out[rows] = result.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
