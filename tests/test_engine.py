@@ -291,6 +291,28 @@ def test_bad_requests_fail_at_admission_with_a_clear_message(llm, tiny_dirs):
     assert_engine_idle(llm.engine)
 
 
+def test_prompts_prepared_in_threads_keep_their_order_and_the_first_error(llm):
+    """LLM prepares a batch's prompts (images decoded and resized) in several threads: the requests keep the
+    order of the prompts, and the first bad prompt in that order is the one the error names."""
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    chats = [image_chat(random_image(96 + 32 * i, 64, 50 + i), f"Picture {i}?") for i in range(5)]
+    threads = llm.prepare_threads
+    try:
+        llm.prepare_threads = 1
+        one = llm.chat(chats, greedy, use_tqdm=False)
+        llm.prepare_threads = 3
+        many = llm.chat(chats, greedy, use_tqdm=False)
+        assert [o.prompt for o in many] == [o.prompt for o in one] and tokens(many) == tokens(one)
+        assert len({o.prompt for o in many}) == 5
+        no_placeholder = {"prompt": "no placeholder", "multi_modal_data": {"image": random_image(64, 64)}}
+        bad = PROMPTS[:2] + [{"prompt": "x", "bogus": 1}] + PROMPTS[2:4] + [no_placeholder]
+        with pytest.raises(ValueError, match="unknown prompt fields"):
+            llm.generate(bad, greedy, use_tqdm=False)
+    finally:
+        llm.prepare_threads = threads
+    assert_engine_idle(llm.engine)
+
+
 def test_generate_accepts_vllm_prompt_forms(llm):
     image = random_image(128, 96, 30)
     text = "<|vision_start|><|image_pad|><|vision_end|>Describe."

@@ -107,3 +107,60 @@ def test_a_closed_encoder_lets_its_process_exit_cleanly():
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_waiting_engine_thread_encodes_queued_pieces_itself():
+    """shares=2 (the CPU): a submission is cut in two; the encoder's thread takes the first piece, and a caller
+    that would wait for results (a step with nothing else to run) encodes the second itself instead of idling."""
+    import torch
+
+    from fovea.runner.image_encoder import ImageEncoder
+
+    class Item:
+        def __init__(self, i):
+            self.content_hash = str(i)
+
+    held, threads = threading.Event(), {}
+
+    def encode(items):
+        threads.update({item.content_hash: threading.current_thread().name for item in items})
+        if items[0].content_hash == "0":
+            held.wait(60)  # the encoder's thread, on the first piece, until released
+        return [torch.full((1,), float(item.content_hash)) for item in items]
+
+    encoder = ImageEncoder(encode, torch.device("cpu"), shares=2)
+    try:
+        encoder.submit([Item(i) for i in range(4)])
+        while "0" not in threads:  # the encoder's thread has the first piece
+            threading.Event().wait(0.01)
+        second = encoder.collect(wait_s=30)
+        assert [[item.content_hash for item in r.items] for r in second] == [["2", "3"]]
+        assert [float(e) for e in second[0].embeddings] == [2.0, 3.0]
+        assert threads["2"] == threads["3"] == threading.current_thread().name
+        assert encoder.in_flight == {"0", "1"}
+        assert encoder.collect(wait_s=0.05) == []  # nothing queued: it waits, and the first piece is still held
+        held.set()
+        first = encoder.collect(wait_s=30)
+        assert [item.content_hash for item in first[0].items] == ["0", "1"] and not encoder.in_flight
+        assert threads["0"] == threads["1"] == "fovea-image-encoder"
+    finally:
+        held.set()
+        encoder.close()
+
+
+def test_an_engine_that_helps_its_encoder_gives_the_same_tokens(tiny_dirs):
+    """Images of a step encoded half in the engine's thread (the CPU default) give the tokens that the encoder's
+    thread alone gives."""
+    prompts = [image_prompt(random_image(224, 168, 20 + i), random_image(168, 224, 40 + i)) for i in range(4)]
+    params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    alone = LLM(str(tiny_dirs["tiny-3b"]), **{**OPTIONS, "max_num_batched_tokens": 2048})
+    alone.engine.image_encoder.shares = 1
+    helped = LLM(str(tiny_dirs["tiny-3b"]), **{**OPTIONS, "max_num_batched_tokens": 2048})
+    assert helped.engine.image_encoder.shares == 2
+    names = []
+    encode = helped.engine.image_encoder._encode
+    helped.engine.image_encoder._encode = lambda items: names.append(threading.current_thread().name) or encode(items)
+    expected = [o.outputs[0].token_ids for o in alone.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in helped.generate(prompts, params, use_tqdm=False)] == expected
+    assert threading.current_thread().name in names and "fovea-image-encoder" in names
+    assert_engine_idle(helped.engine)

@@ -71,7 +71,10 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         self.scheduler = Scheduler(config, self.blocks, self.encoder_cache)
-        self.image_encoder = ImageEncoder(self.runner.encode_images, config.device)
+        # on the CPU a step waiting for images has this thread encode half of them: not under tensor parallelism
+        # (ranks encode in step with rank 0's encoder thread) nor LoRA (adapters are switched around the tower)
+        helps = config.device.type == "cpu" and self.workers is None and not config.enable_lora
+        self.image_encoder = ImageEncoder(self.runner.encode_images, config.device, shares=2 if helps else 1)
         self.requests: dict[str, Request] = {}
         self.compiling: list[tuple[Request, GrammarBuild]] = []  # requests whose matchers are being built
         self.num_requests_added = 0

@@ -5,7 +5,9 @@ them while the engine keeps stepping the sequences that are ready, and the embed
 when done. A prompt's prefill stops before an image until then, so a burst of large images raises their own
 requests' time to first token, not everybody's inter-token latency. On a GPU the encoder works on its own CUDA
 stream and every result carries an event that the language model's stream waits for; on the CPU the two threads
-run on different cores (PyTorch releases the GIL inside its operators).
+run on different cores (PyTorch releases the GIL inside its operators), and a step's images are cut in `shares`
+pieces: the engine's thread, when it has nothing to run but waits for images (a batch of requests that all
+start with one), encodes queued pieces itself instead of idling.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ def lower_priority(niceness: int = 10) -> None:
 
 
 class ImageEncoder:
-    def __init__(self, encode: Callable[[list[MMItem]], list[torch.Tensor]], device: torch.device):
-        self._encode, self.device = encode, device
+    def __init__(self, encode: Callable[[list[MMItem]], list[torch.Tensor]], device: torch.device, shares: int = 1):
+        """`shares` > 1 (the CPU, where `encode` may run in two threads at once): pieces a submission is cut
+        into, which `collect` with a wait encodes in the caller's thread while any are queued."""
+        self._encode, self.device, self.shares = encode, device, shares
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -51,11 +55,26 @@ class ImageEncoder:
 
     def submit(self, items: list[MMItem]) -> None:
         self.in_flight.update(item.content_hash for item in items)
-        self._jobs.put(items)
+        pieces = min(self.shares, len(items))
+        for piece in range(pieces):  # in order: the encoder's thread takes the first
+            self._jobs.put(items[len(items) * piece // pieces : len(items) * (piece + 1) // pieces])
 
     def collect(self, wait_s: float = 0.0) -> list[EncodedImages]:
         """What finished since the last call; with `wait_s`, waits that long for the first result (a step with
-        nothing else to do). On a GPU the current stream is made to wait for each result's kernels."""
+        nothing else to do), or encodes a queued piece itself. On a GPU the current stream is made to wait for
+        each result's kernels."""
+        if wait_s and self.shares > 1:
+            try:
+                items = self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            else:
+                if items is None:  # close()'s sentinel: it is the encoder thread's
+                    self._jobs.put(None)
+                else:
+                    with torch.inference_mode():
+                        self._results.put(self._run(items))
+                    wait_s = 0.0
         finished = []
         try:
             finished.append(self._results.get(timeout=wait_s) if wait_s else self._results.get_nowait())
@@ -84,11 +103,14 @@ class ImageEncoder:
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream:
             while (items := self._jobs.get()) is not None:
-                try:
-                    embeddings = self._encode(items)
-                    done = torch.cuda.Event() if self._stream is not None else None
-                    if done is not None:
-                        done.record(self._stream)
-                    self._results.put(EncodedImages(items, embeddings, done=done))
-                except Exception as error:  # noqa: BLE001 - the engine fails the requests waiting for them
-                    self._results.put(EncodedImages(items, None, error))
+                self._results.put(self._run(items))
+
+    def _run(self, items: list[MMItem]) -> EncodedImages:
+        try:
+            embeddings = self._encode(items)
+            done = torch.cuda.Event() if self._stream is not None else None
+            if done is not None:
+                done.record(self._stream)
+            return EncodedImages(items, embeddings, done=done)
+        except Exception as error:  # noqa: BLE001 - the engine fails the requests waiting for them
+            return EncodedImages(items, None, error)
