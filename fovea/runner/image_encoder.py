@@ -7,7 +7,9 @@ requests' time to first token, not everybody's inter-token latency. On a GPU the
 stream and every result carries an event that the language model's stream waits for; on the CPU the two threads
 run on different cores (PyTorch releases the GIL inside its operators), and a step's images are cut in `shares`
 pieces: the engine's thread, when it has nothing to run but waits for images (a batch of requests that all
-start with one), encodes queued pieces itself instead of idling.
+start with one), encodes queued pieces itself instead of idling (64 prompts with a 448x448 image each on the
+demo model: 5.61 -> 5.03 s). A request arriving meanwhile waits for that piece, at most half of what an engine
+that encodes inline, as vLLM's does, makes it wait.
 """
 
 from __future__ import annotations
