@@ -54,3 +54,68 @@ def test_ids_past_a_small_tokenizer_give_no_text_and_leave_the_stream_intact(tmp
         text = "".join(detok.decode(i) for i in ids)
         whole = small.decode([i for i in ids if i < len(small)], skip_special_tokens=True)
         assert text == whole.rstrip("\ufffd")  # bytes of a character still partial at the end are held back
+
+
+def _vocabularies(tiny_dirs, tmp_path):
+    from fovea.testing.tiny import write_tokenizer_files
+    from fovea.testing.tiny_llava import write_llava_checkpoint
+
+    qwen3 = tmp_path / "qwen3"
+    qwen3.mkdir()
+    write_tokenizer_files(qwen3, qwen3=True)
+    return [tiny_dirs["tiny-3b"], qwen3, write_llava_checkpoint(tmp_path / "llava", seed=1)]
+
+
+def test_the_engines_tokenizer_gives_transformers_texts(tiny_dirs, tmp_path):
+    """The engine reads tokenizer.json with the tokenizers library alone (no transformers in its process): every
+    token's text, whole texts and streamed pieces are transformers' (Qwen2.5's, Qwen3's and LLaVA's vocabularies)."""
+    from fovea.engine.tokenizer import TokenTexts, load_engine_tokenizer
+
+    for model_dir in _vocabularies(tiny_dirs, tmp_path):
+        ours, reference = load_engine_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+        assert isinstance(ours, TokenTexts), model_dir
+        size = len(reference)
+        ids = list(range(0, size, max(1, size // 3000))) + list(reference.added_tokens_decoder)
+        assert [ours.decode([i]) for i in ids] == [reference.decode([i]) for i in ids]
+        assert {i: t.content for i, t in ours.added_tokens_decoder.items()} == {
+            i: t.content for i, t in reference.added_tokens_decoder.items()
+        }
+        text = reference.encode(TEXT, add_special_tokens=False) + ids[:40]
+        assert ours.decode(text) == reference.decode(text)
+        for skip, spaces in [(True, True), (False, True), (False, False)]:
+            streams = [IncrementalDetokenizer(t, text[:5], skip, spaces) for t in (ours, reference)]
+            assert [streams[0].decode(i) for i in text] == [streams[1].decode(i) for i in text]
+
+
+def test_checkpoints_that_decode_through_transformers_keep_its_tokenizer(tiny_dirs, tmp_path):
+    """Space clean-up after decoding, or added tokens that only tokenizer_config.json lists: transformers'."""
+    import json
+    import shutil
+
+    from fovea.engine.tokenizer import TokenTexts, load_engine_tokenizer
+
+    for change in ("clean_up", "added_token"):
+        model_dir = tmp_path / change
+        shutil.copytree(tiny_dirs["tiny-3b"], model_dir)
+        config_file = model_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        if change == "clean_up":
+            config["clean_up_tokenization_spaces"] = True
+        else:
+            config.setdefault("added_tokens_decoder", {})["151999"] = {"content": "<extra>", "special": True}
+        config_file.write_text(json.dumps(config))
+        assert not isinstance(load_engine_tokenizer(model_dir), TokenTexts), change
+
+
+def test_a_served_engine_never_imports_transformers(tiny_dirs):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from fovea.config.engine import EngineConfig; from fovea.engine.engine import LLMEngine; "
+        f"engine = LLMEngine(EngineConfig.from_args({str(tiny_dirs['tiny-3b'])!r}, dtype='float32', "
+        "max_model_len=512, num_gpu_blocks_override=40)); "
+        "engine.grammars.warm_up(); print('transformers' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]

@@ -25,7 +25,7 @@ from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.outputs import IncrementalDetokenizer, LogprobEntries, append_token, request_output
 from fovea.engine.scheduler import Scheduler
 from fovea.engine.structured_outputs import GrammarBuild, Grammars, too_slow_error
-from fovea.multimodal.prompt import load_tokenizer
+from fovea.engine.tokenizer import load_engine_tokenizer
 from fovea.runner.image_encoder import ImageEncoder
 from fovea.runner.model_runner import ModelRunner, StepOutput
 from fovea.runner.tp_workers import WorkerDied, start_workers
@@ -48,7 +48,9 @@ class LLMEngine:
         config: EngineConfig,
         runner: ModelRunner | None = None,
         on_worker_failure: Callable[[str], None] | None = None,
+        tokenizer=None,
     ):
+        """`tokenizer`: a front end's in the same process (transformers'), else the engine loads its own."""
         self.config = config
         self.workers = None  # tensor-parallel ranks 1..N-1
         if runner is None and config.distributed:
@@ -64,7 +66,7 @@ class LLMEngine:
         config = self.config  # with max_model_len lowered to what the KV cache holds, when it was the model's
         # the engine's own needs: token texts (outputs, logprobs) and the grammars of structured outputs; the
         # front end (AsyncLLM, or LLM in this process) has the input processor
-        self.tokenizer = load_tokenizer(config.model_dir)
+        self.tokenizer = tokenizer or load_engine_tokenizer(config.model_dir)
         self.grammars = Grammars(
             self.tokenizer, config.model.text.vocab_size, config.model.eos_token_ids, config.device
         )

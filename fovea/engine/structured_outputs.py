@@ -55,14 +55,16 @@ class GrammarCompiler:
     grammar that overran is refused at once the next time."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
-        import llguidance.hf  # binds llguidance too
+        import llguidance
 
         backend = tokenizer.backend_tokenizer
         if backend.padding is None and backend.truncation is None:
             # what llguidance.hf.from_tokenizer does, less its copy of the tokenizer made to turn these two off
-            # (0.9 s of Qwen's vocabulary, in each process of every server start)
+            # (0.9 s of Qwen's vocabulary, in each process of every server start) and its import of transformers
             self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         else:
+            import llguidance.hf
+
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._compiled: dict[tuple, object] = {}  # request key -> a fresh matcher, known to compile
         self._too_slow: set[tuple] = set()  # request keys whose grammar overran the time limit
