@@ -94,6 +94,7 @@ class LLM:
 
     def _prepare(self, process: Callable, prompts: list) -> list:
         """`process` over the prompts, in order; the first prompt that fails raises, as in one thread."""
+        prompts = list(prompts)
         if self.prepare_threads < 2 or len(prompts) < 2:
             return [process(prompt) for prompt in prompts]
         with concurrent.futures.ThreadPoolExecutor(min(self.prepare_threads, len(prompts)), "fovea-prepare") as pool:
