@@ -153,9 +153,9 @@ def test_an_engine_that_helps_its_encoder_gives_the_same_tokens(tiny_dirs):
     thread alone gives."""
     prompts = [image_prompt(random_image(224, 168, 20 + i), random_image(168, 224, 40 + i)) for i in range(4)]
     params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-    alone = LLM(str(tiny_dirs["tiny-3b"]), **{**OPTIONS, "max_num_batched_tokens": 2048})
+    alone = LLM(str(tiny_dirs["tiny-3b"]), **{**OPTIONS, "max_num_batched_tokens": 2048, "device": "cpu"})
     alone.engine.image_encoder.shares = 1
-    helped = LLM(str(tiny_dirs["tiny-3b"]), **{**OPTIONS, "max_num_batched_tokens": 2048})
+    helped = LLM(str(tiny_dirs["tiny-3b"]), **{**OPTIONS, "max_num_batched_tokens": 2048, "device": "cpu"})
     assert helped.engine.image_encoder.shares == 2
     names = []
     encode = helped.engine.image_encoder._encode
