@@ -144,7 +144,9 @@ def test_fp8_kv_cache_is_attention_over_fp8_rounded_keys_and_values():
     reference = torch.stack([rounded(cache[0], k_scale), rounded(cache[1], v_scale)])
     expected = backend.forward(q, rounded(k, k_scale), rounded(v, v_scale), reference, meta, scale=0.25)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(stored.float() * torch.tensor([0.5, 2.0]).view(2, 1, 1, 1, 1), reference)
+    torch.testing.assert_close(
+        stored.float() * torch.tensor([0.5, 2.0], device=stored.device).view(2, 1, 1, 1, 1), reference
+    )
     exact = backend.forward(q, k, v, cache.clone(), meta, scale=0.25)
     assert (got - exact).abs().max().item() > 1e-3
 
