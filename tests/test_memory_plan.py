@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import QWEN_SHAPES, published_param_count, published_shape_dir
@@ -20,6 +22,38 @@ def test_sizes_match_what_the_engine_loads_and_allocates(tiny_dirs):
         assert count_parameters(ModelConfig.from_dir(model_dir)) == sum(p.numel() for p in runner.model.parameters())
         plan = plan_memory(model_dir, 80, dtype="float32")
         assert plan.kv_bytes_per_token == runner.kv_cache_bytes // (runner.num_blocks * 16), name
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
+def test_the_cpu_kv_cache_is_zero_but_takes_memory_only_where_written(tiny_dirs):
+    """The CPU KV cache (1 GiB for the demo model) is zeros, as torch.zeros made it, but its pages are only taken
+    when a step writes them: a fresh engine no longer spends 0.75 s writing zeros nor holds a GiB it never uses."""
+    from fovea import LLM, SamplingParams
+    from fovea.runner.memory_profile import zeroed
+
+    before = resident_bytes()
+    cache = zeroed((2, 4096, 16, 2, 1024), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert resident_bytes() - before < 64 << 20
+    assert cache.shape == (2, 4096, 16, 2, 1024) and cache.dtype == torch.float32 and cache.data_ptr() % 64 == 0
+    assert cache[1, 4095].abs().sum() == 0 and cache[0, :8].abs().sum() == 0
+    cache[1, 4095] = 1.0
+    assert cache.sum() == 16 * 2 * 1024
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        assert zeroed((3, 5), dtype, torch.device("cpu")).float().abs().sum() == 0
+
+    before = resident_bytes()
+    llm = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=4096)
+    runner = llm.engine.runner
+    assert runner.kv_cache_bytes >= 512 << 20  # 256 sequences x 4096 positions
+    assert resident_bytes() - before < runner.kv_cache_bytes // 2
+    assert not any(cache.view(torch.uint8).any() for cache in runner.kv_caches)
+    llm.generate(["the sea"], SamplingParams(max_tokens=3))
+    assert any(cache.view(torch.uint8).any() for cache in runner.kv_caches)
 
 
 @pytest.mark.parametrize("size", sorted(QWEN_SHAPES))

@@ -28,7 +28,7 @@ from fovea.multimodal.patchify import patchify
 from fovea.runner.cuda_graphs import DecodeGraphs
 from fovea.runner.encoder_buckets import EncoderBuckets
 from fovea.runner.grammar_masks import GrammarMasks
-from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget
+from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget, zeroed
 from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
 from fovea.runner.step_input import StepInput, build_step
 
@@ -108,7 +108,7 @@ class ModelRunner:
         text = config.model.text
         shape = (2, self.num_blocks, config.block_size, self.num_kv_heads, text.head_dim)
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would still be NaN
-        self.kv_caches = [torch.zeros(shape, dtype=config.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.kv_caches = [zeroed(shape, config.kv_dtype, self.device) for _ in range(self.num_layers)]
         self.kv_cache_bytes = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
         self.logits_buffer = torch.empty(
             config.max_num_seqs, config.model.text.vocab_size, dtype=config.dtype, device=self.device
