@@ -115,7 +115,9 @@ def test_a_served_engine_never_imports_transformers(tiny_dirs):
         "import sys; from fovea.config.engine import EngineConfig; from fovea.engine.engine import LLMEngine; "
         f"engine = LLMEngine(EngineConfig.from_args({str(tiny_dirs['tiny-3b'])!r}, dtype='float32', "
         "max_model_len=512, num_gpu_blocks_override=40)); "
-        "engine.grammars.warm_up(); print('transformers' in sys.modules)"
-    )
+        "engine.grammars.warm_up(); print([m for m in ('transformers', 'jinja2') if m in sys.modules])"
+    )  # jinja2: the chat templates' modules, the front end's (0.2 s of the engine's start when they came along)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", (
+        done.stdout[-500:] + done.stderr[-2000:]
+    )
