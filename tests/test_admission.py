@@ -48,6 +48,24 @@ def varied_text(chars: int, seed: int = 0) -> str:
     return "".join(out)
 
 
+def test_the_longest_token_is_read_once_per_tokenizer_and_again_after_added_tokens(tiny_dirs, monkeypatch):
+    """Every `LLM` makes a PromptProcessor; the vocabulary as a dict (0.2 s of Qwen's) is read for the first one of
+    a tokenizer only, and again when tokens were added to it (a longer token raises the bound)."""
+    from transformers import AutoTokenizer
+
+    from fovea.multimodal.prompt import max_token_chars
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["tiny-3b"]))  # a copy of its own: tokens are added
+    reads = []
+    get_vocab = tokenizer.get_vocab
+    monkeypatch.setattr(tokenizer, "get_vocab", lambda: reads.append(1) or get_vocab())
+    longest = max(map(len, get_vocab()))
+    assert [max_token_chars(tokenizer), max_token_chars(tokenizer), max_token_chars(tokenizer)] == [longest] * 3
+    assert len(reads) == 1
+    tokenizer.add_tokens(["<|" + "z" * (longest + 40) + "|>"])
+    assert max_token_chars(tokenizer) == longest + 44 and len(reads) == 2
+
+
 def test_text_far_too_long_is_refused_before_tokenizing(prompts, monkeypatch):
     counting = CountingTokenizer(prompts.tokenizer)
     monkeypatch.setattr(prompts, "tokenizer", counting)
