@@ -14,11 +14,13 @@
 #                                              # PyTorch SDPA) against measured bandwidth and matmul rate; 7B-shape
 #                                              # fp32/bf16 greedy parity against transformers (gpu_parity.py)
 #   bash benchmarks/gpu_check.sh qwen3   OUT   # Qwen3-VL-8B shapes: fp32/bf16 greedy parity against transformers
+#   bash benchmarks/gpu_check.sh mmprofile OUT # random-mm 720p x500 served under py-spy: each process's and thread's
+#                                              # samples (the engine's from its serving loop on), GPU utilisation
 # Add --quick to any of them for a dry run on the CPU with the tiny model. Packages the GPU machine lacks travel as
 # wheels in .whl/ (benchmarks/README.md says which and how to fetch them); they are installed here first.
 set -uo pipefail
-stage=${1:?usage: gpu_check.sh tests|serve|host|kernels|qwen3 OUT [--quick]}
-out=${2:?usage: gpu_check.sh tests|serve|host|kernels|qwen3 OUT [--quick]}
+stage=${1:?usage: gpu_check.sh tests|serve|host|kernels|qwen3|mmprofile OUT [--quick]}
+out=${2:?usage: gpu_check.sh tests|serve|host|kernels|qwen3|mmprofile OUT [--quick]}
 quick=${3:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -94,6 +96,13 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     mkdir -p "$out/qwen3"
     step parity_qwen3 280 $py benchmarks/gpu_parity.py --model $q3 --out "$out/qwen3" --prompts 17,250,1000,2500 $quick
     tail -n 9 "$out/parity_qwen3.log" ;;
+  mmprofile)  # py-spy comes as a wheel too; its binary lands in /tmp/site/bin
+    build_7b
+    export PATH=/tmp/site/bin:$PATH
+    step mm_profile 420 $py benchmarks/gpu_fast_path.py --model $model --out "$out" --commit "$commit" --steps serve \
+      --workloads random-mm-720p-x500 --profile-server $quick
+    $py benchmarks/pyspy_summary.py "$out/server-pyspy.txt" --within _serve --top 30 > "$out/server-pyspy.md"
+    head -n 120 "$out/server-pyspy.md"; cat "$out/summary.md" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
 cat "$out/steps.txt"

@@ -8,6 +8,8 @@ serve:  `fovea serve DIR` (prefix caching off, otherwise default flags: the fast
         serve`: seed-001 (8000/1000 x16), 1000/1000 x256, random-mm (one 1280x720 image + 100 text tokens, 128 out,
         x500) with GPU utilisation sampled by nvidia-smi every 100 ms during the image run
 hf:     `fovea bench throughput --compare hf` (1000 in / 256 out x64) on the same checkpoint
+--profile-server runs the server under py-spy (benchmarks/pyspy_summary.py sums its samples per process and thread,
+the engine's from its serving loop on): where the host spends a run that leaves the GPU idle.
 Every step writes its raw JSON; summary.json and summary.md put each figure beside its floor (fovea/bench/floors.py).
 --quick shrinks every workload so the script itself can be checked on a CPU with a tiny model.
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pyspy_summary  # benchmarks/, beside this script
 import torch
 
 from fovea.bench.floors import Hardware, workload_floor
@@ -146,7 +150,9 @@ class GpuSampler(threading.Thread):
         }
 
 
-def start_server(model: str, port: int, extra: list[str], log: Path) -> subprocess.Popen:
+def start_server(model: str, port: int, extra: list[str], log: Path, profile: Path | None = None) -> subprocess.Popen:
+    """`profile`: the server runs under py-spy (every process and thread, waits included), which writes this file
+    when the server exits (stop_server)."""
     # what holds the GPU before the server takes its share (an engine refuses to start without it)
     apps = (
         subprocess.run(
@@ -171,8 +177,13 @@ def start_server(model: str, port: int, extra: list[str], log: Path) -> subproce
         "--uvicorn-log-level",
         "warning",
     ] + extra
+    if profile is not None:  # py-spy starts the server: its processes are py-spy's own children, readable without
+        # the ptrace capability a container may lack
+        pyspy = ["py-spy", "record", "--subprocesses", "--threads", "--idle", "--nonblocking", "--rate", "50"]
+        cmd = pyspy + ["--format", "raw", "--output", str(profile), "--"] + cmd
     print("$", " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    server.profiled = profile is not None
     deadline = time.time() + 900
     while time.time() < deadline:
         if server.poll() is not None:
@@ -184,6 +195,16 @@ def start_server(model: str, port: int, extra: list[str], log: Path) -> subproce
             time.sleep(2)
     server.kill()
     raise RuntimeError("server did not come up")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server; under py-spy to py-spy's child, the server, so that py-spy sees it exit and writes."""
+    pids = [server.pid]
+    if server.profiled and server.poll() is None:
+        pids = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split() or pids
+    for pid in pids:
+        os.kill(int(pid), signal.SIGTERM)
+    server.wait(120)
 
 
 def bench_serve(model: str, port: int, name: str, flags: list[str], out: Path, quick: bool) -> dict:
@@ -230,6 +251,7 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--server-args", default="", help="extra `fovea serve` flags (none: the defaults)")
     parser.add_argument("--port", type=int, default=8321)
+    parser.add_argument("--profile-server", action="store_true", help="run the server under py-spy (OUT/server-pyspy)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
@@ -249,7 +271,8 @@ def main() -> None:
     hw = Hardware(rates["matmul_tflops"] * 1e12, rates["copy_tb_s"] * 1e12)
     config = ModelConfig.from_dir(args.model)
     if "serve" in steps:
-        server = start_server(args.model, args.port, args.server_args.split(), out / "server.log")
+        profile = out / "server-pyspy.txt" if args.profile_server else None
+        server = start_server(args.model, args.port, args.server_args.split(), out / "server.log", profile)
         try:
             for name in args.workloads.split(","):
                 flags, input_len, output_len, prompts, patches = WORKLOADS[name]
@@ -258,8 +281,10 @@ def main() -> None:
                     result["floor"] = workload_floor(config, hw, input_len, output_len, prompts, image_patches=patches)
                 summary["workloads"][name] = result
         finally:
-            server.terminate()
-            server.wait(60)
+            stop_server(server)
+        if profile is not None:  # the engine's samples from its serving loop on: its start-up left out
+            summary["server_profile"] = pyspy_summary.summarize(profile.read_text().splitlines(), within="_serve")
+            (out / "server-pyspy.json").write_text(json.dumps(summary["server_profile"], indent=1))
     if "hf" in steps:
         quick = ["--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "4"]
         cmd = (

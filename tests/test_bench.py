@@ -486,3 +486,33 @@ def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, tmp_path, mo
         main([*common, "--base-url", base])
     written = json.loads(next(tmp_path.iterdir()).read_text())
     assert written["completed"] == 2 and written["failed"] == 0
+
+
+def test_pyspy_summary_counts_each_thread_and_leaves_out_the_engines_start_up():
+    """benchmarks/pyspy_summary.py (gpu_check.sh mmprofile) on py-spy's raw format: a spawned child's command line
+    holds ';', which must not cut its stacks; `within` keeps a thread's samples from its serving loop on, and
+    counts the threads that never enter it whole."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from pyspy_summary import summarize
+
+    engine = 'process 7:"python -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=9)"'
+    main_thread, encoder = "thread (7): MainThread", "thread (8): fovea-image-encoder"
+    lines = [
+        f"{engine};{main_thread};run_engine_core (fovea/engine/engine_core.py:60);load_model (loader.py:3) 40",
+        f"{engine};{main_thread};run_engine_core (fovea/engine/engine_core.py:80);_serve (engine_core.py:95);"
+        "step (engine.py:210);execute (model_runner.py:160) 30",
+        f"{engine};{main_thread};run_engine_core (engine_core.py:80);_serve (engine_core.py:92);poll (connection.py:1) 10",
+        f"{engine};{encoder};_loop (image_encoder.py:107);_run (image_encoder.py:115) 20",
+        'process 5:"fovea serve";thread (5): MainThread;select (selectors.py:9) 50',
+    ]
+    threads = {e["thread"]: e for e in summarize(lines, within="_serve")["threads"]}
+    assert set(threads) == {main_thread, encoder, "thread (5): MainThread"}
+    assert threads[main_thread]["process"] == engine
+    assert threads[main_thread]["samples"] == 40  # the 40 of loading the model are start-up
+    assert dict(threads[main_thread]["functions"])["step (engine.py)"] == 30
+    assert dict(threads[main_thread]["leaves"]) == {"execute (model_runner.py)": 30, "poll (connection.py)": 10}
+    assert threads[encoder]["samples"] == 20
+    assert summarize(lines)["samples"] == 150
