@@ -183,7 +183,6 @@ def start_server(model: str, port: int, extra: list[str], log: Path, profile: Pa
         cmd = pyspy + ["--format", "raw", "--output", str(profile), "--"] + cmd
     print("$", " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    server.profiled = profile is not None
     deadline = time.time() + 900
     while time.time() < deadline:
         if server.poll() is not None:
@@ -197,10 +196,10 @@ def start_server(model: str, port: int, extra: list[str], log: Path, profile: Pa
     raise RuntimeError("server did not come up")
 
 
-def stop_server(server: subprocess.Popen) -> None:
+def stop_server(server: subprocess.Popen, profiled: bool) -> None:
     """SIGTERM to the server; under py-spy to py-spy's child, the server, so that py-spy sees it exit and writes."""
     pids = [server.pid]
-    if server.profiled and server.poll() is None:
+    if profiled and server.poll() is None:
         pids = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split() or pids
     for pid in pids:
         os.kill(int(pid), signal.SIGTERM)
@@ -281,7 +280,7 @@ def main() -> None:
                     result["floor"] = workload_floor(config, hw, input_len, output_len, prompts, image_patches=patches)
                 summary["workloads"][name] = result
         finally:
-            stop_server(server)
+            stop_server(server, profile is not None)
         if profile is not None:  # the engine's samples from its serving loop on: its start-up left out
             summary["server_profile"] = pyspy_summary.summarize(profile.read_text().splitlines(), within="_serve")
             (out / "server-pyspy.json").write_text(json.dumps(summary["server_profile"], indent=1))

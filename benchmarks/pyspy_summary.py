@@ -36,7 +36,8 @@ def function(frame: str) -> str:
 
 
 def stacks(lines):
-    """(process, frames below it, samples) per line; the innermost process: a child's stack nests in its parent's."""
+    """(process, thread, the frames below them, samples) per line; the innermost process: a child's stack nests in
+    its parent's."""
     for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not stack or not count.isdigit():
@@ -44,30 +45,28 @@ def stacks(lines):
         frames = split_frames(stack)
         processes = [i for i, f in enumerate(frames) if f.startswith("process ")]
         process = frames[processes[-1]][:100] if processes else "process"
-        yield process, frames[processes[-1] + 1 if processes else 0 :], int(count)
+        body = frames[processes[-1] + 1 if processes else 0 :]
+        thread = body.pop(0) if body and body[0].startswith("thread ") else "thread"
+        yield process, thread, body, int(count)
 
 
 def summarize(lines, within: str | None = None) -> dict:
     """`within`: in a thread where some stack passes through a function of that name (e.g. the engine's serving
     loop `_serve`), only the samples that do count (its start-up is left out); other threads count whole."""
 
-    def thread_of(body: list[str]) -> str:
-        return body[0] if body and body[0].startswith("thread ") else "thread"
-
     def passes(body: list[str]) -> bool:
         return within is not None and any(f.startswith(within + " (") for f in body)
 
     parsed = list(stacks(lines))
-    inside = {(process, thread_of(body)) for process, body, _ in parsed if passes(body)}
+    inside = {(process, thread) for process, thread, body, _ in parsed if passes(body)}
     threads: Counter = Counter()
     functions: dict[tuple[str, str], Counter] = defaultdict(Counter)
     leaves: dict[tuple[str, str], Counter] = defaultdict(Counter)
-    for process, body, count in parsed:
-        thread = thread_of(body)
-        if (process, thread) in inside and not passes(body):
-            continue
-        calls = [function(f) for f in body[1 if thread != "thread" else 0 :] if "<frozen importlib" not in f]
+    for process, thread, body, count in parsed:
         key = (process, thread)
+        if key in inside and not passes(body):
+            continue
+        calls = [function(f) for f in body if "<frozen importlib" not in f]
         threads[key] += count
         functions[key].update(dict.fromkeys(calls, count))
         if calls:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import torch
 
 from fovea.attention.layer import AttentionMetadata
@@ -32,8 +33,6 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     is mostly never touched by a test or a short session. Aligned to a cache line, as torch's own allocations."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
     size = math.prod(shape) * dtype.itemsize
     raw = np.zeros(size + CACHE_LINE, dtype=np.uint8)
     start = -raw.ctypes.data % CACHE_LINE
