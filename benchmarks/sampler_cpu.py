@@ -1,7 +1,7 @@
 """The sampler on the CPU, side by side with an earlier version of it (taken from git) in the same run.
 
 One step of 1, 64 and 256 rows over Qwen2's 151,936-token vocabulary, each row with a 600-token prompt and 50
-generated tokens, for seven kinds of sampling parameters; "x greedy" is each case's time over greedy's (same
+generated tokens (random ids), for seven kinds of sampling parameters; "x greedy" is each case's time over greedy's (same
 sampler, same batch):
   greedy                   temperature 0
   qwen-generation-config   Qwen2.5-VL's generation_config.json (temperature 0.1, top_p 0.001, top_k 1,
@@ -15,8 +15,9 @@ sampler, same batch):
 
     python benchmarks/sampler_cpu.py [--baseline 50b4a5d] [--rows 1 64 256] [--out benchmarks/results]
 
-The baseline's fovea/runner/sampler.py and fovea/core/sampling_params.py are read from git and loaded beside
-this tree's (the other modules they import are this tree's).
+The baseline's fovea/runner/sampler.py, fovea/runner/penalties.py (where it has one) and
+fovea/core/sampling_params.py are read from git and loaded beside this tree's (the other modules they import are
+this tree's).
 """
 
 from __future__ import annotations
@@ -52,18 +53,27 @@ CASES = {
 }
 
 
-def load_baseline(ref: str, source_path: str):
-    """The file `source_path` as it was at `ref`, as a module of its own."""
-    source = subprocess.run(
-        ["git", "show", f"{ref}:{source_path}"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
+def load_baseline(ref: str, source_path: str, uses: dict | None = None):
+    """The file `source_path` as it was at `ref`, as a module of its own (None where it did not exist);
+    `uses`: modules it imports, by name, to take instead of this tree's while it loads."""
+    shown = subprocess.run(["git", "show", f"{ref}:{source_path}"], cwd=ROOT, capture_output=True, text=True)
+    if shown.returncode:
+        return None
+    source = shown.stdout
     name = Path(source_path).stem
     path = Path(tempfile.mkdtemp()) / f"baseline_{name}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
+    swapped = {name: sys.modules.get(name) for name in uses or {}}
+    sys.modules.update({name: used for name, used in (uses or {}).items() if used is not None})
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for name, own in swapped.items():
+            if own is not None:
+                sys.modules[name] = own
     return module
 
 
@@ -76,9 +86,12 @@ def make_logits(kind: str, rows: int) -> torch.Tensor:
 
 
 def time_step(module, logits: torch.Tensor, params: SamplingParams, repeats: int) -> float:
+    # prompt ids spread over the vocabulary as a real prompt's are: the penalties' reads and writes of a row's
+    # seen tokens then each land in another cache line, as they do in serving
+    generator = torch.Generator().manual_seed(1)
     rows = [
-        module.SampleRow(params, list(range(i, i + 600)) + list(range(50)), 600, None, ())
-        for i in range(logits.shape[0])
+        module.SampleRow(params, torch.randint(0, VOCAB, (650,), generator=generator).tolist(), 600, None, ())
+        for _ in range(logits.shape[0])
     ]
     sampler = module.Sampler(seed=0)
     sampler(logits, rows)  # warm-up
@@ -99,7 +112,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     # the baseline's parameters too: which rows count as greedy is decided there
-    baseline = load_baseline(args.baseline, "fovea/runner/sampler.py")
+    penalties = load_baseline(args.baseline, "fovea/runner/penalties.py")
+    baseline = load_baseline(args.baseline, "fovea/runner/sampler.py", {"fovea.runner.penalties": penalties})
     baseline_params = load_baseline(args.baseline, "fovea/core/sampling_params.py")
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

@@ -221,29 +221,27 @@ class Sampler:
         return tokens
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow], masks: GrammarMasks | None = None) -> SamplerOutput:
-        """`masks`: the rows' structured-output masks, started before the forward pass (else filled here)."""
+        """`masks`: the rows' structured-output masks, started before the forward pass (else filled here).
+        `logits` are changed in place (penalties, bias, masks): the engine's logits buffer is rewritten every step,
+        and putting a 256 x 152k batch back would cost another pass over the entries changed."""
         logits = logits.float().contiguous()
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
-        # structured-output rows are masked in place and stay so (the engine's logits buffer is rewritten every step)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         # only this step's samples stay: a sequence that is not in a step (finished, preempted) is rebuilt if it returns
         self.seen = {r.key: self.seen[r.key] for r in rows if r.key in self.seen}
-        undo = apply_penalties_and_bias(logits, rows, self.seen)
+        apply_penalties_and_bias(logits, rows, self.seen)
         if constrained:
             (masks or GrammarMasks.start([r.grammar for r in rows], logits.shape[1])).apply(logits)
-        try:
-            sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-            if len(sampled) < len(rows):
-                tokens = argmax(logits)
-            else:
-                tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            if sampled:
-                index = torch.tensor(sampled, device=logits.device)
-                tokens[index] = self._draw(_take(logits, sampled, index), [rows[i] for i in sampled])
-        finally:
-            undo()  # the caller's logits as they were
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(sampled) < len(rows):
+            tokens = argmax(logits)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = self._draw(_take(logits, sampled, index), [rows[i] for i in sampled])
         if constrained:
             chosen = tokens[torch.tensor(constrained, device=tokens.device)].tolist()
             for i, token in zip(constrained, chosen):
