@@ -9,7 +9,8 @@
 #                                              # tower on CUDA
 #   bash benchmarks/gpu_check.sh host    OUT   # the decode step with and without the fused element-wise kernels;
 #                                              # a served decode step's host phases (host_overhead.py), beside an
-#                                              # earlier tree's when BASELINE names one (git archive of a commit)
+#                                              # earlier tree's when BASELINE names one (git archive of a commit),
+#                                              # else beside this tree stepping in order (--overlap-outputs off)
 #   bash benchmarks/gpu_check.sh kernels OUT   # attention kernels side by side (ours, FlashInfer where it installs,
 #                                              # PyTorch SDPA) against measured bandwidth and matmul rate; 7B-shape
 #                                              # fp32/bf16 greedy parity against transformers (gpu_parity.py)
@@ -24,6 +25,7 @@ out=${2:?usage: gpu_check.sh tests|serve|host|kernels|qwen3|mmprofile OUT [--qui
 quick=${3:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+[[ $quick == --quick ]] && export TRITON_INTERPRET=1  # on the CPU the Triton kernels run under the interpreter
 if compgen -G ".whl*/*.whl" >/dev/null && ! python3 -c "import fastapi" 2>/dev/null; then  # the GPU machine
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -80,6 +82,9 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     if [[ -n ${BASELINE:-} ]]; then
       step host_baseline 200 env PYTHONPATH="$BASELINE:$PYTHONPATH" $py benchmarks/host_overhead.py --model $model \
         --out "$out/host-baseline.json" --label baseline $quick
+    else  # the same tree stepping in order: what overlapping the outputs with the next step gains
+      step host_in_order 200 $py benchmarks/host_overhead.py --model $model --out "$out/host-in-order.json" \
+        --label "$commit in order" --overlap-outputs off $quick
     fi
     step host 200 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" $quick
     grep -h "decode step, batch" "$out/decode_variants.log"; grep -h "synchronized by phase" "$out"/host*.log ;;

@@ -44,6 +44,7 @@ class EngineConfig:
     fp32_softmax: bool = default("fp32_softmax")
     fp32_softmax_vision: bool = default("fp32_softmax_vision")
     mm_buckets: list[int] = field(default_factory=list)  # vision encoder patch counts (--mm-buckets)
+    overlap_outputs: bool | None = None  # build a step's outputs while the next runs (fovea/engine/engine.py)
     skip_warmup: bool = default("skip_warmup")
     gpu_memory_utilization: float = default("gpu_memory_utilization")
     kv_cache_memory_bytes: int | None = default("kv_cache_memory_bytes")

@@ -8,7 +8,6 @@ A step that raises fails only the requests it ran (StepFailed names them); the e
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import time
@@ -27,6 +26,7 @@ from fovea.engine.scheduler import Scheduler
 from fovea.engine.structured_outputs import GrammarBuild, Grammars, too_slow_error
 from fovea.engine.tokenizer import load_engine_tokenizer
 from fovea.runner.image_encoder import ImageEncoder
+from fovea.runner.memory_profile import fit_max_model_len
 from fovea.runner.model_runner import ModelRunner, StepOutput
 from fovea.runner.tp_workers import WorkerDied, start_workers
 
@@ -62,8 +62,10 @@ class LLMEngine:
             if self.workers is not None and self.workers.died():
                 raise WorkerDied(self.workers.failure) from error
             raise
-        self._check_kv_capacity(self.runner.num_blocks * config.block_size)
-        config = self.config  # with max_model_len lowered to what the KV cache holds, when it was the model's
+        # max_model_len lowered to what the KV cache holds, when it was the model's
+        self.config = config = fit_max_model_len(
+            config, self.runner.num_blocks * config.block_size, self.runner.kv_cache_bytes
+        )
         # the engine's own needs: token texts (outputs, logprobs) and the grammars of structured outputs; the
         # front end (AsyncLLM, or LLM in this process) has the input processor
         self.tokenizer = tokenizer or load_engine_tokenizer(config.model_dir)
@@ -84,33 +86,11 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         self._logprob_entry = LogprobEntries(self.tokenizer)
-
-    def _check_kv_capacity(self, capacity: int) -> None:
-        """Fail now, not while serving, when one sequence of the asked max_model_len cannot fit the cache."""
-        config = self.config
-        if capacity < config.max_model_len:
-            if not config.max_model_len_from_model:
-                gib = self.runner.kv_cache_bytes / capacity / 2**30  # per token
-                raise ValueError(
-                    f"max_model_len {config.max_model_len} needs {config.max_model_len * gib:.2f} GiB of KV cache, "
-                    f"but only {capacity} tokens ({capacity * gib:.2f} GiB) fit. Lower max_model_len (to at most "
-                    f"{capacity}), max_num_batched_tokens, max_pixels (mm_processor_kwargs) or limit_mm_per_prompt; "
-                    "raise gpu_memory_utilization (or kv_cache_memory_bytes / num_gpu_blocks_override); or use a "
-                    "GPU with more memory."
-                )
-            logger.info(
-                "max_model_len lowered from the model's %d to the %d tokens the KV cache holds",
-                config.max_model_len,
-                capacity,
-            )
-            # a sequence longer than the whole cache could never run
-            self.config = config = dataclasses.replace(config, max_model_len=capacity)
-        logger.info(
-            "KV cache: %d tokens, max concurrency %.2fx for max_model_len %d",
-            capacity,
-            capacity / config.max_model_len,
-            config.max_model_len,
-        )
+        self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None  # queued on the device, not yet recorded
+        # on a GPU the step's kernels run while the host goes on: the host builds the outputs of one step while the
+        # device computes the next. Not under tensor parallelism, whose ranks step in lockstep with rank 0.
+        overlap = config.overlap_outputs
+        self.overlap = (config.device.type == "cuda" and self.workers is None) if overlap is None else overlap
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -199,27 +179,44 @@ class LLMEngine:
             self.workers.close()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self.finished_outputs)
+        return bool(self.requests) or bool(self.finished_outputs) or self.in_flight is not None
 
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
+        """Records the step in flight, queues the next one on the device, and reports what the recorded step
+        produced. With `overlap` the next step is queued before the recorded one's outputs are built: building
+        them, and the engine process's sending them, run while the device computes."""
         if self.workers is not None:
             self.workers.check()
+        outputs, self.finished_outputs = self.finished_outputs, []
+        touched: set[Request] = set()
+        try:
+            if self.overlap:
+                touched = self._record_in_flight()
+                self._launch()
+            else:
+                self._launch()
+                touched = self._record_in_flight()
+        except BaseException:
+            self.finished_outputs = outputs + self._report(touched) + self.finished_outputs
+            raise
+        return outputs + self._report(touched)
+
+    def _launch(self) -> None:
+        """Schedules a step and queues it on the device (`in_flight`); with nothing to run, waits briefly for the
+        images or grammars it waits for."""
         failed = self._collect_images() or self._admit_compiled()
         if failed is not None:
             raise failed
-        outputs, self.finished_outputs = self.finished_outputs, []
         batch = self.scheduler.schedule()
         if batch.encode:
             self.image_encoder.submit(batch.encode)  # encoded beside this and the next steps
         if not batch.seqs:
             if self.image_encoder.in_flight:  # everything waits for images: wait for the encoder, briefly
-                self.finished_outputs = outputs + self.finished_outputs
                 failed = self._collect_images(wait_s=IDLE_WAIT_S)
                 if failed is not None:
                     raise failed
-                outputs, self.finished_outputs = self.finished_outputs, []
             elif self.compiling:  # everything waits for grammars: wait for one, briefly
                 concurrent.futures.wait(
                     [build.future for _, build in self.compiling],
@@ -227,33 +224,49 @@ class LLMEngine:
                     return_when=concurrent.futures.FIRST_COMPLETED,
                 )
             elif self.scheduler.waiting or self.scheduler.running:  # cannot happen after admission checks
-                self.finished_outputs = outputs
                 stuck = (self.scheduler.running or self.scheduler.waiting)[0].request
                 raise self._fail({stuck}, RuntimeError("the request cannot be scheduled even with the engine idle"))
-            return outputs
+            return
+        now = time.time()
+        for seq in batch.seqs:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
         try:
-            now = time.time()
-            for seq in batch.seqs:
-                if seq.request.metrics.first_scheduled_time is None:
-                    seq.request.metrics.first_scheduled_time = now
-            result = self.runner.execute(batch, self.encoder_cache.get)
+            self.in_flight = (batch, self.runner.execute(batch, self.encoder_cache.get))
+        except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
+            raise self._step_failed(batch, error) from error
+
+    def _record_in_flight(self) -> set[Request]:
+        """The tokens of the step in flight (waiting for the device), into its sequences; the requests touched."""
+        if self.in_flight is None:
+            return set()
+        (batch, result), self.in_flight = self.in_flight, None
+        try:
             if self.events is not None:
                 self.events.iteration_tokens.append(batch.num_tokens)
             self.scheduler.step_done(batch)
             self._record_prompt_logprobs(batch, result)
-            touched = self._record_samples(batch, result)
-        except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
-            self.finished_outputs = outputs
-            if self.workers is not None and self.workers.died():
-                self.close()
-                raise WorkerDied(self.workers.failure) from error
-            raise self._fail(self._requests_in(batch), error) from error
+            return self._record_samples(batch, result)
+        except Exception as error:  # noqa: BLE001
+            raise self._step_failed(batch, error) from error
+
+    def _step_failed(self, batch: ScheduledBatch, error: Exception) -> Exception:
+        if self.workers is not None and self.workers.died():
+            self.close()
+            return WorkerDied(self.workers.failure)
+        return self._fail(self._requests_in(batch), error)
+
+    def _report(self, touched: set[Request]) -> list[RequestOutput]:
+        """The outputs callers asked for of the requests a step touched. A request failed or aborted since is
+        left out: it was reported then."""
+        outputs = []
         for request in touched:
-            kind = request.params.output_kind
+            if self.requests.get(request.request_id) is not request:
+                continue
             if request.finished:
-                self.requests.pop(request.request_id, None)
+                self.requests.pop(request.request_id)
                 self._record_finish(request)
-            if request.finished or kind != RequestOutputKind.FINAL_ONLY:
+            if request.finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(request_output(request, final=request.finished))
         return outputs
 
@@ -316,6 +329,9 @@ class LLMEngine:
         row_seqs = []
         for index, fork in result.row_owners:
             seq = batch.seqs[index]
+            if seq.status == SequenceStatus.FINISHED:  # aborted while its step ran
+                row_seqs.append(None)
+                continue
             if fork:
                 child = self._new_sequence(seq.request, seq.index + fork)
                 self.scheduler.fork(seq, child)
@@ -325,6 +341,8 @@ class LLMEngine:
             batch.seqs[index].pending_forks = 0
         now = time.time()
         for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
+            if seq is None:
+                continue
             self._record_token_time(seq, now)
             entry, logprob = None, 0.0
             if sampled.logprobs is not None:

@@ -220,6 +220,8 @@ class Scheduler:
         """Records that the batch's KV is written: caches full blocks, drops images the sequences are past."""
         block_size = self.blocks.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.status == SequenceStatus.FINISHED:  # aborted while its step ran: its blocks are gone
+                continue
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // block_size > seq.num_registered_blocks:  # a block filled up
                 request = seq.request

@@ -12,6 +12,7 @@ It runs before the KV cache exists, so a limit that cannot fit fails at start-up
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -125,3 +126,31 @@ def profile_kv_budget(model: torch.nn.Module, config: EngineConfig, free_at_star
         config.gpu_memory_utilization,
     )
     return budget
+
+
+def fit_max_model_len(config: EngineConfig, capacity: int, kv_cache_bytes: int) -> EngineConfig:
+    """The config with max_model_len at most the `capacity` tokens the KV cache holds when it was the model's
+    own; an asked max_model_len that one sequence could not fill fails now, not while serving."""
+    if capacity < config.max_model_len:
+        if not config.max_model_len_from_model:
+            gib = kv_cache_bytes / capacity / GIB  # per token
+            raise ValueError(
+                f"max_model_len {config.max_model_len} needs {config.max_model_len * gib:.2f} GiB of KV cache, "
+                f"but only {capacity} tokens ({capacity * gib:.2f} GiB) fit. Lower max_model_len (to at most "
+                f"{capacity}), max_num_batched_tokens, max_pixels (mm_processor_kwargs) or limit_mm_per_prompt; "
+                "raise gpu_memory_utilization (or kv_cache_memory_bytes / num_gpu_blocks_override); or use a "
+                "GPU with more memory."
+            )
+        logger.info(
+            "max_model_len lowered from the model's %d to the %d tokens the KV cache holds",
+            config.max_model_len,
+            capacity,
+        )
+        config = dataclasses.replace(config, max_model_len=capacity)  # a longer sequence could never run
+    logger.info(
+        "KV cache: %d tokens, max concurrency %.2fx for max_model_len %d",
+        capacity,
+        capacity / config.max_model_len,
+        config.max_model_len,
+    )
+    return config

@@ -1,0 +1,132 @@
+"""Overlapped stepping, as a GPU engine steps (`LLMEngine.overlap`): the next step is queued before the previous
+one's outputs are built. Forced here on the CPU, it must give what stepping in order gives, and a request aborted
+or failed while its step is in flight must end once."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from conftest import random_image
+from test_engine_vs_hf import LOREM, assert_engine_idle
+
+from fovea import LLM, SamplingParams
+from fovea.core.sampling_params import RequestOutputKind
+from fovea.engine.engine import StepFailed
+
+OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=400, max_num_batched_tokens=256)
+STREAM = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dirs):
+    return {overlap: LLM(str(tiny_dirs["tiny-3b"]), overlap_outputs=overlap, **OPTIONS) for overlap in (False, True)}
+
+
+def request(llm, request_id, prompt, params):
+    return llm.inputs.make_request(request_id, llm.inputs.process(prompt), params)
+
+
+def seen(output):
+    """Everything a caller reads off an output."""
+    completions = [
+        (c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+        for c in output.outputs
+    ]
+    return output.prompt_token_ids, output.prompt_logprobs, completions
+
+
+def test_overlapped_steps_give_what_steps_in_order_give(engines):
+    assert engines[True].engine.overlap and not engines[False].engine.overlap
+    image = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe.", "multi_modal_data": {}}
+    image["multi_modal_data"]["image"] = random_image(160, 120, 3)
+    prompts = ["The cat sat on the", LOREM, "Numbers: 1 2 3 4", image, "Hi", LOREM * 3, "Colours of the sea"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=9),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=14, logprobs=2),
+        SamplingParams(temperature=0.8, n=3, seed=7, max_tokens=6),  # forks after the prompt
+        SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1),
+        SamplingParams(temperature=0, max_tokens=20, stop=["e", "a"], min_tokens=2),
+        engines[False].get_default_sampling_params().clone(max_tokens=11),  # the repetition penalty
+        SamplingParams(temperature=1.0, seed=3, max_tokens=5, frequency_penalty=0.5, presence_penalty=0.3),
+    ]
+    results = {overlap: llm.generate(prompts, params, use_tqdm=False) for overlap, llm in engines.items()}
+    assert [seen(o) for o in results[True]] == [seen(o) for o in results[False]]
+    assert any(c.finish_reason == "stop" for o in results[True] for c in o.outputs)  # the stop strings did stop
+    for llm in engines.values():
+        assert_engine_idle(llm.engine)
+
+
+def run_streams(engine, abort_after: int | None = None) -> tuple[dict, dict]:
+    """(request, sample) -> its streamed tokens, and request -> whether each of its outputs was final;
+    `abort_after`: 'go' is aborted after that many steps."""
+    tokens, finals = defaultdict(list), defaultdict(list)
+    calls = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            finals[output.request_id].append(output.finished)
+            for completion in output.outputs:
+                tokens[output.request_id, completion.index] += completion.token_ids
+            if output.finished and output.request_id == "go":
+                assert all(c.finish_reason == ("abort" if abort_after else "length") for c in output.outputs)
+        calls += 1
+        if abort_after is not None and calls > abort_after:  # nothing of it runs any more (no fork made late)
+            assert all(seq.request.request_id != "go" for seq in engine.scheduler.running)
+        if calls == abort_after:
+            assert engine.in_flight is not None or not engine.overlap  # a step of 'go' is queued
+            engine.abort_request("go")
+    return tokens, finals
+
+
+def test_a_request_aborted_while_its_step_is_in_flight_ends_once(engines):
+    """Aborted after each step in turn: while its prompt's step is in flight (its samples fork when that step is
+    recorded), while a step filling a KV block is, and so on. Its blocks come back, it ends with one final
+    output, and what it streamed is the start of what it streams unaborted."""
+    go = SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=20, output_kind=RequestOutputKind.DELTA)
+    full = {}
+    for overlap, llm in engines.items():
+        engine = llm.engine
+        for abort_after in (None, *range(1, 20)):
+            engine.add_request(request(llm, "stay", LOREM, STREAM))
+            engine.add_request(request(llm, "go", "Hello there", go))
+            tokens, finals = run_streams(engine, abort_after)
+            assert all(f == [False] * (len(f) - 1) + [True] for f in finals.values())  # one final output, last
+            assert_engine_idle(engine)
+            if abort_after is None:
+                full[overlap] = tokens
+                continue
+            assert tokens["stay", 0] == full[overlap]["stay", 0]
+            for index in (0, 1):
+                streamed = tokens.get(("go", index), [])
+                assert streamed == full[overlap]["go", index][: len(streamed)], (abort_after, index)
+    assert full[True] == full[False]
+
+
+def test_a_step_failing_behind_one_in_flight_keeps_that_ones_outputs(engines, monkeypatch):
+    """'short' finishes in the step recorded just before the next one fails to start: its last output still
+    comes, and the failure names only the request that step ran."""
+    for llm in engines.values():
+        engine = llm.engine
+        final = SamplingParams(temperature=0, max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.add_request(request(llm, "short", "Hi", final))
+        engine.add_request(request(llm, "long", LOREM, final.clone(max_tokens=10)))
+        real_execute, calls = engine.runner.execute, []
+
+        def execute(*args):
+            calls.append(1)
+            if len(calls) == 3:  # the step after 'short' sampled its second token
+                raise RuntimeError("device error")
+            return real_execute(*args)
+
+        monkeypatch.setattr(engine.runner, "execute", execute)
+        outputs = []
+        with pytest.raises(StepFailed) as failed:
+            for _ in range(5):
+                outputs += engine.step()
+        assert failed.value.request_ids == ["long"]
+        for _ in range(3):  # a request left unreported would keep the engine busy
+            outputs += engine.step()
+        assert not engine.has_unfinished_requests()
+        assert [(o.request_id, o.finished, len(o.outputs[0].token_ids)) for o in outputs] == [("short", True, 2)]
+        assert_engine_idle(engine)
+        monkeypatch.setattr(engine.runner, "execute", real_execute)
