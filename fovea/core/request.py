@@ -182,6 +182,7 @@ class Sequence:
         self.last_token_time: float | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
         self.text = ""
+        self.num_decoded = self.num_prompt_tokens  # tokens whose text is in `text` (engine/outputs.py)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = None  # set by the engine

@@ -69,20 +69,30 @@ def find_stop_string(text: str, new_chars: int, stop_strings: list[str]) -> tupl
     return best
 
 
+def decode_pending(seq: Sequence) -> int:
+    """Adds the text of the sequence's tokens not decoded yet; returns how many characters that added. Text is
+    decoded when a check needs it (stop strings, a reasoning end tag) or an output shows it: on a GPU that is after
+    the next step is queued (LLMEngine.step), while the device works."""
+    if seq.detokenizer is None:
+        return 0
+    before = len(seq.text)
+    seq.text += "".join(seq.detokenizer.decode(token) for token in seq.token_ids[seq.num_decoded :])
+    seq.num_decoded = len(seq.token_ids)
+    return len(seq.text) - before
+
+
 def append_token(seq: Sequence, token: int, entry: dict | None, logprob: float, max_model_len: int):
-    """Records a sampled token on its sequence (ids, logprobs, text); returns why the sequence finishes with it,
-    (finish_reason, stop_reason), or None. A stop string found is cut from the text (kept with
-    include_stop_str_in_output)."""
+    """Records a sampled token on its sequence (ids, logprobs, and text where a check reads it); returns why
+    the sequence finishes with it, (finish_reason, stop_reason), or None. A stop string found is cut from the
+    text (kept with include_stop_str_in_output)."""
     params = seq.params
     seq.token_ids.append(token)
     seq.cumulative_logprob += logprob
     if seq.logprobs is not None:
         seq.logprobs.append(entry)
     new_chars = 0
-    if seq.detokenizer is not None:
-        piece = seq.detokenizer.decode(token)
-        seq.text += piece
-        new_chars = len(piece)
+    if params.stop_strings or seq.grammar_waiting:  # checks that read the text now; the rest is decoded later
+        new_chars = decode_pending(seq)
         if seq.grammar_waiting:  # the reasoning's end tag, looked for where this token's text could complete it
             tag = seq.request.input.grammar_after
             if seq.text.find(tag, max(0, len(seq.text) - new_chars - len(tag) + 1)) >= 0:
@@ -128,6 +138,7 @@ def request_output(request: Request, final: bool) -> RequestOutput:
     holdback = 0 if final else request.params.stop_holdback  # a stop string may still be forming
     completions = []
     for seq in request.sequences:
+        decode_pending(seq)
         done = seq.status == SequenceStatus.FINISHED
         text_end = len(seq.text) if done else max(len(seq.text) - holdback, 0)
         token_start = seq.sent_tokens if delta else 0
