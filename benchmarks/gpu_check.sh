@@ -3,14 +3,16 @@
 # a summary table printed last. Run from the repository root on the GPU machine:
 #   bash benchmarks/gpu_check.sh tests   OUT   # the test suite on the GPU
 #   bash benchmarks/gpu_check.sh serve   OUT   # gpu_fast_path.py with default serve flags (seed-001, 1000/1000 x256,
-#                                              # random-mm 720p x500 with GPU utilisation, HF generate side by side),
+#                                              # random-mm 720p x500 with GPU utilisation, HF generate side by side;
+#                                              # seed-001 and 1000/1000 again with --async-scheduling),
 #                                              # the decode-step profile at batch 16 / 8k and 256 / 1k, our video
 #                                              # patches against transformers' video processor, the LLaVA-7B CLIP
 #                                              # tower on CUDA
 #   bash benchmarks/gpu_check.sh host    OUT   # the decode step with and without the fused element-wise kernels;
 #                                              # a served decode step's host phases (host_overhead.py), beside an
 #                                              # earlier tree's when BASELINE names one (git archive of a commit),
-#                                              # else beside this tree stepping in order (--overlap-outputs off)
+#                                              # else beside this tree stepping in order; and scheduling ahead
+#                                              # (--async-scheduling)
 #   bash benchmarks/gpu_check.sh kernels OUT   # attention kernels side by side (ours, FlashInfer where it installs,
 #                                              # PyTorch SDPA) against measured bandwidth and matmul rate; 7B-shape
 #                                              # fp32/bf16 greedy parity against transformers (gpu_parity.py)
@@ -75,7 +77,10 @@ case "$stage" in
 print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     step decode_step 60 $py benchmarks/decode_step.py --model $model --out "$out" --rates "$rates" $quick
     step media 40 $py benchmarks/gpu_media_checks.py --out "$out" $quick
-    cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"; cat "$out/summary.md" ;;
+    # the text workloads again with vLLM's --async-scheduling: steps scheduled before the previous one is back
+    step fast_path_ahead 200 $py benchmarks/gpu_fast_path.py --model $model --out "$out/ahead" --commit "$commit" \
+      --steps serve --workloads seed-001,random-1000-1000-x256 --server-args=--async-scheduling $quick
+    cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"; cat "$out/summary.md" "$out/ahead/summary.md" ;;
   host)
     build_7b
     step decode_variants 150 $py benchmarks/decode_step.py --model $model --out "$out" --variants fused,unfused $quick
@@ -83,9 +88,11 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
       step host_baseline 200 env PYTHONPATH="$BASELINE:$PYTHONPATH" $py benchmarks/host_overhead.py --model $model \
         --out "$out/host-baseline.json" --label baseline $quick
     else  # the same tree stepping in order: what overlapping the outputs with the next step gains
-      step host_in_order 200 $py benchmarks/host_overhead.py --model $model --out "$out/host-in-order.json" \
-        --label "$commit in order" --overlap-outputs off $quick
+      step host_in_order 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-in-order.json" \
+        --label "$commit in order" --order in-order $quick
     fi
+    step host_ahead 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-ahead.json" \
+      --label "$commit ahead" --order ahead $quick
     step host 200 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" $quick
     grep -h "decode step, batch" "$out/decode_variants.log"; grep -h "synchronized by phase" "$out"/host*.log ;;
   kernels)  # PARITY_DONE: a folder of parity runs taken earlier, copied in so that they are not repeated

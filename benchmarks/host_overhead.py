@@ -1,7 +1,7 @@
 """Where a served decode step's time goes: the engine stepped in-process, its decode steps split into phases.
 
     python benchmarks/host_overhead.py --model DIR --out FILE [--cases 16x8000,256x1000] [--steps 60] [--quick]
-        [--overlap-outputs auto|off]
+        [--order auto|in-order|ahead]
 
 For each case (batch x prompt tokens of random ids), the engine is filled (prefill done), then `--steps` decode
 steps are timed whole, then as many again by phase: scheduling, building the step's inputs, the model on the GPU
@@ -32,6 +32,8 @@ import torch
 
 from fovea import LLM, SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
+
+ORDERS = {"auto": {}, "in-order": {"overlap_outputs": False}, "ahead": {"async_scheduling": True}}
 
 
 def _sync() -> None:
@@ -140,8 +142,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--label", default="")
-    # off: each step's outputs are built before the next is queued (how a CPU engine steps), for a side-by-side
-    parser.add_argument("--overlap-outputs", choices=("auto", "off"), default="auto")
+    # the engine's step order (LLMEngine.step), for a side-by-side: auto (overlapped on a GPU), in-order (each
+    # step's outputs built before the next is queued, as a CPU engine does), ahead (--async-scheduling)
+    parser.add_argument("--order", choices=tuple(ORDERS), default="auto")
     parser.add_argument("--cases", default="16x8000,256x1000")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--quick", action="store_true")
@@ -154,7 +157,7 @@ def main() -> None:
         max_num_seqs=max(largest, 16),
         max_model_len=max(p for _, p in cases) + steps + 64,
         enable_prefix_caching=False,
-        **({"overlap_outputs": False} if args.overlap_outputs == "off" else {}),
+        **ORDERS[args.order],
     )
     phases = Phases(llm.engine)
     defaults = llm.get_default_sampling_params()

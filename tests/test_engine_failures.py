@@ -86,10 +86,10 @@ def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
     engine = llm.engine
     real_execute = engine.runner.execute
 
-    def execute(batch, cache):
+    def execute(batch, cache, *ahead):
         if any(seq.request.request_id.startswith("boom") for seq in batch.seqs):
             raise RuntimeError("injected step failure")
-        return real_execute(batch, cache)
+        return real_execute(batch, cache, *ahead)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
     command_reader, commands = multiprocessing.Pipe(duplex=False)

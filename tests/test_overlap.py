@@ -1,6 +1,7 @@
-"""Overlapped stepping, as a GPU engine steps (`LLMEngine.overlap`): the next step is queued before the previous
-one's outputs are built. Forced here on the CPU, it must give what stepping in order gives, and a request aborted
-or failed while its step is in flight must end once."""
+"""The engine's step orders, forced here on the CPU: overlapped (a GPU engine's: the next step is queued before the
+previous one's outputs are built) and ahead (async scheduling: the next step is scheduled and queued before the
+previous one's tokens are back, and reads them on the device) must give what stepping in order gives, and a
+request aborted or failed while its step is in flight must end once."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=400,
 STREAM = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)
 
 
+ORDERS = {"in order": dict(overlap_outputs=False), "overlapped": dict(overlap_outputs=True)}
+ORDERS["ahead"] = dict(async_scheduling=True)
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_dirs):
-    return {overlap: LLM(str(tiny_dirs["tiny-3b"]), overlap_outputs=overlap, **OPTIONS) for overlap in (False, True)}
+    return {order: LLM(str(tiny_dirs["tiny-3b"]), **ORDERS[order], **OPTIONS) for order in ORDERS}
 
 
 def request(llm, request_id, prompt, params):
@@ -36,8 +41,17 @@ def seen(output):
     return output.prompt_token_ids, output.prompt_logprobs, completions
 
 
-def test_overlapped_steps_give_what_steps_in_order_give(engines):
-    assert engines[True].engine.overlap and not engines[False].engine.overlap
+def test_overlapped_and_ahead_steps_give_what_steps_in_order_give(engines, monkeypatch):
+    assert engines["overlapped"].engine.overlap and not engines["in order"].engine.overlap
+    ahead = []  # per step of the ahead engine: whether it was scheduled before the previous one was back
+    runner = engines["ahead"].engine.runner
+    real_execute = runner.execute
+
+    def execute(batch, encoded, previous=None, pending_rows=None):
+        ahead.append(bool(pending_rows))
+        return real_execute(batch, encoded, previous, pending_rows)
+
+    monkeypatch.setattr(runner, "execute", execute)
     image = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe.", "multi_modal_data": {}}
     image["multi_modal_data"]["image"] = random_image(160, 120, 3)
     prompts = ["The cat sat on the", LOREM, "Numbers: 1 2 3 4", image, "Hi", LOREM * 3, "Colours of the sea"]
@@ -47,14 +61,24 @@ def test_overlapped_steps_give_what_steps_in_order_give(engines):
         SamplingParams(temperature=0.8, n=3, seed=7, max_tokens=6),  # forks after the prompt
         SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1),
         SamplingParams(temperature=0, max_tokens=20, stop=["e", "a"], min_tokens=2),
-        engines[False].get_default_sampling_params().clone(max_tokens=11),  # the repetition penalty
+        engines["in order"].get_default_sampling_params().clone(max_tokens=11),  # the repetition penalty
         SamplingParams(temperature=1.0, seed=3, max_tokens=5, frequency_penalty=0.5, presence_penalty=0.3),
     ]
-    results = {overlap: llm.generate(prompts, params, use_tqdm=False) for overlap, llm in engines.items()}
-    assert [seen(o) for o in results[True]] == [seen(o) for o in results[False]]
-    assert any(c.finish_reason == "stop" for o in results[True] for c in o.outputs)  # the stop strings did stop
+    results = {order: llm.generate(prompts, params, use_tqdm=False) for order, llm in engines.items()}
+    for order in ("overlapped", "ahead"):
+        assert [seen(o) for o in results[order]] == [seen(o) for o in results["in order"]], order
+    assert any(c.finish_reason == "stop" for o in results["ahead"] for c in o.outputs)  # the stop strings did stop
+    assert sum(ahead) > len(ahead) / 2  # most steps went ahead (those after a fork or min_tokens could not)
     for llm in engines.values():
         assert_engine_idle(llm.engine)
+
+
+def test_penalties_see_the_token_still_on_the_device(engines):
+    """Biased to 500, then (once 500 is seen and penalized) 501: scheduled ahead, the second step must count
+    the first step's 500, still on the device, or it repeats 500."""
+    params = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=4.0, logit_bias={500: 100.0, 501: 90.0})
+    for order, llm in engines.items():
+        assert llm.generate("Hi", params, use_tqdm=False)[0].outputs[0].token_ids[:2] == [500, 501], order
 
 
 def run_streams(engine, abort_after: int | None = None) -> tuple[dict, dict]:
@@ -84,7 +108,7 @@ def test_a_request_aborted_while_its_step_is_in_flight_ends_once(engines):
     output, and what it streamed is the start of what it streams unaborted."""
     go = SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=20, output_kind=RequestOutputKind.DELTA)
     full = {}
-    for overlap, llm in engines.items():
+    for order, llm in engines.items():
         engine = llm.engine
         for abort_after in (None, *range(1, 20)):
             engine.add_request(request(llm, "stay", LOREM, STREAM))
@@ -93,13 +117,13 @@ def test_a_request_aborted_while_its_step_is_in_flight_ends_once(engines):
             assert all(f == [False] * (len(f) - 1) + [True] for f in finals.values())  # one final output, last
             assert_engine_idle(engine)
             if abort_after is None:
-                full[overlap] = tokens
+                full[order] = tokens
                 continue
-            assert tokens["stay", 0] == full[overlap]["stay", 0]
+            assert tokens["stay", 0] == full[order]["stay", 0]
             for index in (0, 1):
                 streamed = tokens.get(("go", index), [])
-                assert streamed == full[overlap]["go", index][: len(streamed)], (abort_after, index)
-    assert full[True] == full[False]
+                assert streamed == full[order]["go", index][: len(streamed)], (order, abort_after, index)
+    assert full["overlapped"] == full["in order"] == full["ahead"]
 
 
 def test_a_step_failing_behind_one_in_flight_keeps_that_ones_outputs(engines, monkeypatch):

@@ -39,6 +39,7 @@ class EngineConfig:
     mm_processor_cache_gb: float = default("mm_processor_cache_gb")
     seed: int = default("seed")
     enforce_eager: bool = default("enforce_eager")
+    async_scheduling: bool = default("async_scheduling")
     max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it
     attention_backend: str = default("attention_backend")
     fp32_softmax: bool = default("fp32_softmax")

@@ -135,6 +135,12 @@ FLAGS = (
         choices=("auto", "torch", "triton"),
     ),
     Flag("enforce_eager", False, "no CUDA graphs"),
+    Flag(
+        "async_scheduling",
+        False,
+        "schedule and queue each step before the previous one's tokens are back (they are read on the device); "
+        "steps with structured outputs, min_tokens or n > 1 forks wait for them",
+    ),
     Flag("mm_buckets", None, "vision encoder patch-count buckets, e.g. 1024,4096,16384", type=str),
     Flag("skip_warmup", False, "capture encoder buckets on first use"),
     Flag("fp32_softmax", False, "language-model attention softmax in fp32"),

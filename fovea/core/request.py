@@ -171,6 +171,8 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
+        # a token sampled by a step still on the device (the engine's `in_flight`), not yet in token_ids
+        self.num_pending = 0
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
@@ -192,7 +194,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

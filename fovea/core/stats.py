@@ -10,6 +10,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fovea.core.request import Sequence
 
 
 @dataclass
@@ -90,3 +94,15 @@ def combine(replicas: list[EngineStats], events: LatencyEvents) -> EngineStats:
             setattr(total, name, getattr(total, name) + getattr(stats, name))
     total.replicas = list(replicas)
     return total
+
+
+def record_token_time(seq: Sequence, now: float, events: LatencyEvents | None) -> None:
+    """A sequence's token came at `now`: its request's first and last token times, and the latency events."""
+    metrics = seq.request.metrics
+    if events is not None:
+        if metrics.first_token_time is None:
+            events.time_to_first_token.append(now - metrics.arrival_time)
+        elif seq.last_token_time is not None:  # a fork's first token follows no token of its own
+            events.inter_token.append(now - seq.last_token_time)
+    metrics.first_token_time = metrics.first_token_time or now
+    metrics.last_token_time = seq.last_token_time = now

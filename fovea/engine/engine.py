@@ -18,10 +18,16 @@ import torch
 from fovea.config.engine import EngineConfig
 from fovea.core.request import Request, RequestInput, RequestOutput, ScheduledBatch, Sequence, SequenceStatus
 from fovea.core.sampling_params import RequestOutputKind
-from fovea.core.stats import EngineStats, LatencyEvents
+from fovea.core.stats import EngineStats, LatencyEvents, record_token_time
 from fovea.engine.block_manager import BlockManager
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.outputs import IncrementalDetokenizer, LogprobEntries, append_token, request_output
+from fovea.engine.outputs import (
+    IncrementalDetokenizer,
+    LogprobEntries,
+    append_token,
+    record_prompt_logprobs,
+    request_output,
+)
 from fovea.engine.scheduler import Scheduler
 from fovea.engine.structured_outputs import GrammarBuild, Grammars, too_slow_error
 from fovea.engine.tokenizer import load_engine_tokenizer
@@ -91,6 +97,8 @@ class LLMEngine:
         # device computes the next. Not under tensor parallelism, whose ranks step in lockstep with rank 0.
         overlap = config.overlap_outputs
         self.overlap = (config.device.type == "cuda" and self.workers is None) if overlap is None else overlap
+        # scheduling ahead needs a step in flight between calls
+        self.overlap |= config.async_scheduling and self.workers is None
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -184,28 +192,50 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Records the step in flight, queues the next one on the device, and reports what the recorded step
-        produced. With `overlap` the next step is queued before the recorded one's outputs are built: building
-        them, and the engine process's sending them, run while the device computes."""
+        """Queues a step on the device, records one, reports what the recorded step produced. In order (a CPU
+        engine): queue a step, record it. Overlapped (a GPU engine): record the step in flight, queue the next;
+        its outputs are built, and sent by the engine process, while the device computes. Ahead (async
+        scheduling): queue the next step before the one in flight is back (its new tokens are read from that
+        step's samples on the device), then record the one in flight."""
         if self.workers is not None:
             self.workers.check()
         outputs, self.finished_outputs = self.finished_outputs, []
         touched: set[Request] = set()
+        previous, self.in_flight = self.in_flight, None
         try:
-            if self.overlap:
-                touched = self._record_in_flight()
+            if previous is not None and self._schedules_ahead(previous):
+                try:
+                    self._launch(ahead=previous)
+                finally:
+                    touched = self._record(previous)
+            elif self.overlap:
+                touched = self._record(previous)
                 self._launch()
             else:
                 self._launch()
-                touched = self._record_in_flight()
+                launched, self.in_flight = self.in_flight, None
+                touched = self._record(launched)
         except BaseException:
             self.finished_outputs = outputs + self._report(touched) + self.finished_outputs
             raise
         return outputs + self._report(touched)
 
-    def _launch(self) -> None:
+    def _schedules_ahead(self, previous: tuple[ScheduledBatch, StepOutput]) -> bool:
+        """Whether the next step may be scheduled before `previous` is back: not when the host must see one of
+        its samples first (a grammar consumes it, min_tokens counts it, a request forks after it)."""
+        if not self.config.async_scheduling or self.workers is not None:
+            return False
+        batch, result = previous
+        for index, fork in result.row_owners:
+            seq = batch.seqs[index]
+            if fork or seq.request.grammars or seq.params.min_tokens > seq.num_output_tokens:
+                return False
+        return True
+
+    def _launch(self, ahead: tuple[ScheduledBatch, StepOutput] | None = None) -> None:
         """Schedules a step and queues it on the device (`in_flight`); with nothing to run, waits briefly for the
-        images or grammars it waits for."""
+        images or grammars it waits for. `ahead`: the step still on the device, whose samples are tokens of
+        this one."""
         failed = self._collect_images() or self._admit_compiled()
         if failed is not None:
             raise failed
@@ -223,7 +253,8 @@ class LLMEngine:
                     timeout=IDLE_WAIT_S,
                     return_when=concurrent.futures.FIRST_COMPLETED,
                 )
-            elif self.scheduler.waiting or self.scheduler.running:  # cannot happen after admission checks
+            elif ahead is None and (self.scheduler.waiting or self.scheduler.running):
+                # cannot happen after admission checks (ahead: the running ones end on a token in flight)
                 stuck = (self.scheduler.running or self.scheduler.waiting)[0].request
                 raise self._fail({stuck}, RuntimeError("the request cannot be scheduled even with the engine idle"))
             return
@@ -231,21 +262,33 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
+        previous, pending_rows = None, None
+        if ahead is not None:
+            previous = ahead[1]
+            pending_rows = {ahead[0].seqs[index].seq_id: row for row, (index, _) in enumerate(previous.row_owners)}
         try:
-            self.in_flight = (batch, self.runner.execute(batch, self.encoder_cache.get))
+            result = self.runner.execute(batch, self.encoder_cache.get, previous, pending_rows)
         except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
             raise self._step_failed(batch, error) from error
+        self.scheduler.launched(batch)
+        for index, fork in result.row_owners:
+            if not fork:
+                batch.seqs[index].num_pending += 1
+        self.in_flight = (batch, result)
 
-    def _record_in_flight(self) -> set[Request]:
-        """The tokens of the step in flight (waiting for the device), into its sequences; the requests touched."""
-        if self.in_flight is None:
+    def _record(self, launched: tuple[ScheduledBatch, StepOutput] | None) -> set[Request]:
+        """The tokens of a launched step (waiting for the device), into its sequences; the requests touched."""
+        if launched is None:
             return set()
-        (batch, result), self.in_flight = self.in_flight, None
+        batch, result = launched
+        for index, fork in result.row_owners:
+            if not fork:
+                batch.seqs[index].num_pending -= 1  # in token_ids from here on
         try:
             if self.events is not None:
                 self.events.iteration_tokens.append(batch.num_tokens)
             self.scheduler.step_done(batch)
-            self._record_prompt_logprobs(batch, result)
+            record_prompt_logprobs(batch, result.prompt_logprobs, self._logprob_entry)
             return self._record_samples(batch, result)
         except Exception as error:  # noqa: BLE001
             raise self._step_failed(batch, error) from error
@@ -304,21 +347,11 @@ class LLMEngine:
             failed = self._fail(requests, result.error)
         return failed
 
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, result: StepOutput) -> None:
-        for index, (chosen, ranks, top_ids, top_values) in result.prompt_logprobs.items():
-            seq = batch.seqs[index]
-            targets = seq.token_ids[len(seq.request.prompt_logprobs) :][: chosen.numel()]
-            top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in targets]
-            top_values = top_values.tolist() if top_values is not None else [[] for _ in targets]
-            seq.request.prompt_logprobs += [
-                self._logprob_entry(*row) for row in zip(targets, chosen.tolist(), ranks.tolist(), top_ids, top_values)
-            ]
-
     def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> set[Request]:
         touched = set()
         if result.sampled is None:
             return touched
-        sampled = result.sampled
+        sampled = result.sampled_on_host()
         tokens = sampled.token_ids.tolist()
         if sampled.logprobs is not None:  # computed for the whole batch; turned into entries only where asked
             logprobs, ranks = sampled.logprobs.tolist(), sampled.ranks.tolist()
@@ -343,7 +376,7 @@ class LLMEngine:
         for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
             if seq is None:
                 continue
-            self._record_token_time(seq, now)
+            record_token_time(seq, now, self.events)
             entry, logprob = None, 0.0
             if sampled.logprobs is not None:
                 logprob = logprobs[row]
@@ -356,16 +389,6 @@ class LLMEngine:
             touched.add(seq.request)
         return touched
 
-    def _record_token_time(self, seq: Sequence, now: float) -> None:
-        metrics = seq.request.metrics
-        if self.events is not None:
-            if metrics.first_token_time is None:
-                self.events.time_to_first_token.append(now - metrics.arrival_time)
-            elif seq.last_token_time is not None:  # a fork's first token follows no token of its own
-                self.events.inter_token.append(now - seq.last_token_time)
-        metrics.first_token_time = metrics.first_token_time or now
-        metrics.last_token_time = seq.last_token_time = now
-
     def _record_finish(self, request: Request) -> None:
         if self.events is not None:
             self.events.add_finished(request)
@@ -374,21 +397,7 @@ class LLMEngine:
         """The engine's state now, and the latency events since the previous call (the first call starts
         the recording)."""
         events, self.events = self.events or LatencyEvents(), LatencyEvents()
-        scheduler, encoder = self.scheduler, self.encoder_cache
-        return EngineStats(
-            len({seq.request.request_id for seq in scheduler.running}),
-            len({seq.request.request_id for seq in scheduler.waiting}),
-            self.blocks.num_blocks - self.blocks.num_free_blocks,
-            self.blocks.num_blocks,
-            scheduler.prefix_cache_queries,
-            scheduler.prefix_cache_hits,
-            encoder.hits + encoder.encoded,
-            encoder.hits,
-            scheduler.num_preemptions,
-            encoder.num_references(),
-            events,
-            self.num_requests_added,
-        )
+        return self.scheduler.stats(events, self.num_requests_added)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason

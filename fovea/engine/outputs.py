@@ -12,7 +12,15 @@ import functools
 
 from tokenizers.decoders import DecodeStream
 
-from fovea.core.request import CompletionOutput, Logprob, Request, RequestOutput, Sequence, SequenceStatus
+from fovea.core.request import (
+    CompletionOutput,
+    Logprob,
+    Request,
+    RequestOutput,
+    ScheduledBatch,
+    Sequence,
+    SequenceStatus,
+)
 from fovea.core.sampling_params import RequestOutputKind
 
 PRIME_TOKENS = 4  # prompt tokens fed first, so the first generated token decodes in context (leading spaces)
@@ -170,3 +178,16 @@ def request_output(request: Request, final: bool) -> RequestOutput:
         request.metrics,
         sum(span.length for span in request.mm_spans),
     )
+
+
+def record_prompt_logprobs(batch: ScheduledBatch, scored: dict[int, tuple], entry: LogprobEntries) -> None:
+    """The prompt log-probabilities a step scored (batch index -> chosen, ranks, top ids, top values), appended
+    to their requests' as {token: Logprob} entries."""
+    for index, (chosen, ranks, top_ids, top_values) in scored.items():
+        seq = batch.seqs[index]
+        targets = seq.token_ids[len(seq.request.prompt_logprobs) :][: chosen.numel()]
+        top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in targets]
+        top_values = top_values.tolist() if top_values is not None else [[] for _ in targets]
+        seq.request.prompt_logprobs += [
+            entry(*row) for row in zip(targets, chosen.tolist(), ranks.tolist(), top_ids, top_values)
+        ]

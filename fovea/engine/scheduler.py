@@ -16,6 +16,7 @@ import bisect
 
 from fovea.config.engine import EngineConfig
 from fovea.core.request import ScheduledBatch, Sequence, SequenceStatus
+from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.block_manager import BlockManager, extend_block_hashes
 from fovea.engine.encoder_cache import EncoderCache
 
@@ -31,6 +32,24 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, found in the cache
+
+    def stats(self, events: LatencyEvents, num_requests_added: int) -> EngineStats:
+        """The gauges and totals of the requests, the KV blocks and the caches this scheduler holds."""
+        encoder = self.encoder_cache
+        return EngineStats(
+            len({seq.request.request_id for seq in self.running}),
+            len({seq.request.request_id for seq in self.waiting}),
+            self.blocks.num_blocks - self.blocks.num_free_blocks,
+            self.blocks.num_blocks,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            encoder.hits + encoder.encoded,
+            encoder.hits,
+            self.num_preemptions,
+            encoder.num_references(),
+            events,
+            num_requests_added,
+        )
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -51,8 +70,8 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status != SequenceStatus.RUNNING or self._ends_with_pending_token(seq):
+                continue  # preempted earlier in this loop, or nothing left to compute
             if seq.is_prefill and self._shares_blocks(seq):
                 self._adopt_cached(seq)
                 if self._block_at(seq, seq.num_computed_tokens) in computing:
@@ -79,6 +98,14 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(batch, budget, computing)
         return batch
+
+    def _ends_with_pending_token(self, seq: Sequence) -> bool:
+        """The token a step still on the device samples for it reaches max_tokens or max_model_len."""
+        max_tokens = seq.params.max_tokens
+        return seq.num_pending > 0 and (
+            (max_tokens is not None and seq.num_output_tokens + seq.num_pending >= max_tokens)
+            or seq.num_tokens >= self.config.max_model_len
+        )
 
     def _shares_blocks(self, seq: Sequence) -> bool:
         """Whether the prefix cache may stand in for this sequence's prompt blocks (prompt log-probabilities
@@ -216,13 +243,18 @@ class Scheduler:
         for item in seq.request.mm_items:
             self.encoder_cache.release(item.content_hash, seq.seq_id)
 
+    def launched(self, batch: ScheduledBatch) -> None:
+        """The batch is queued on the device: its tokens count as computed from now on (the next step, scheduled
+        before this one is recorded under async scheduling, starts after them)."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+
     def step_done(self, batch: ScheduledBatch) -> None:
         """Records that the batch's KV is written: caches full blocks, drops images the sequences are past."""
         block_size = self.blocks.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq in batch.seqs:
             if seq.status == SequenceStatus.FINISHED:  # aborted while its step ran: its blocks are gone
                 continue
-            seq.num_computed_tokens += n
             if seq.num_computed_tokens // block_size > seq.num_registered_blocks:  # a block filled up
                 request = seq.request
                 extend_block_hashes(seq.block_hashes, seq.token_ids, block_size, request.mm_spans, request.hash_salt)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -29,6 +29,7 @@ from fovea.runner.cuda_graphs import DecodeGraphs
 from fovea.runner.encoder_buckets import EncoderBuckets
 from fovea.runner.grammar_masks import GrammarMasks
 from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget, zeroed
+from fovea.runner.penalties import to_device
 from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
 from fovea.runner.step_input import StepInput, build_step
 
@@ -47,6 +48,28 @@ class StepOutput:
     sampled: SamplerOutput | None = None
     # batch index -> (token logprob, rank, top ids, top logprobs) for the prompt tokens this chunk predicted
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)
+    # on a GPU: `sampled` copied to pinned host memory behind the step, and the event that says it is there; a
+    # plain copy would also wait for the step queued after this one (async scheduling)
+    host: SamplerOutput | None = None
+    ready: torch.cuda.Event | None = None
+
+    def sampled_on_host(self) -> SamplerOutput | None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host or self.sampled
+
+
+def _queue_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event]:
+    def copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    host = SamplerOutput(*(copy(getattr(sampled, f.name)) for f in fields(SamplerOutput)))
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 class ModelRunner:
@@ -150,19 +173,34 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, encoded: Callable[[str], torch.Tensor]) -> StepOutput:
+    def execute(
+        self,
+        batch: ScheduledBatch,
+        encoded: Callable[[str], torch.Tensor],
+        previous: StepOutput | None = None,
+        pending_rows: dict[int, int] | None = None,
+    ) -> StepOutput:
         """Rank 0: builds the step, has every rank run it, samples. `encoded`: an image's embeddings by content
-        hash (the engine's encoder cache holds every image the batch's chunks show)."""
-        step, mm_embeds, plan = build_step(batch, encoded, self.config.block_size)
+        hash (the engine's encoder cache holds every image the batch's chunks show). `previous`, `pending_rows`:
+        the step still on the device and each sequence's sample row in it, for sequences whose new token it
+        samples (async scheduling)."""
+        step, mm_embeds, plan = build_step(batch, encoded, self.config.block_size, pending_rows)
         masks = GrammarMasks.start([row.grammar for row in plan.rows], self.config.model.text.vocab_size)
         if self.parallel is not None:
             self.parallel.send(step, self.parallel.lm_control)
             if mm_embeds is not None:
                 self.parallel.broadcast(mm_embeds.to(self.config.dtype).contiguous())
-        logits, hidden = self.run_step(step, mm_embeds)
+        previous_tokens = previous.sampled.token_ids if previous is not None and previous.sampled else None
+        logits, hidden = self.run_step(step, mm_embeds, previous_tokens)
         out = StepOutput(row_owners=plan.owners)
         if logits is not None:
-            out.sampled = self.sampler(logits, plan.rows, masks)
+            pending = None
+            if plan.pending:
+                rows, sources = zip(*plan.pending)
+                pending = (list(rows), previous_tokens[to_device(list(sources), torch.long, self.device)])
+            out.sampled = self.sampler(logits, plan.rows, masks, pending)
+            if self.device.type == "cuda":
+                out.host, out.ready = _queue_to_host(out.sampled)
         parts: list[list[tuple]] = [[] for _ in plan.prompt_logprobs]
         for span, offset, rows in self.span_logits(hidden, step.logprob_spans):
             _, targets, k = plan.prompt_logprobs[span]
@@ -195,14 +233,18 @@ class ModelRunner:
             for _ in self.span_logits(hidden, step.logprob_spans):
                 pass
 
-    def run_step(self, step: StepInput, mm_embeds: torch.Tensor | None):
+    def run_step(self, step: StepInput, mm_embeds: torch.Tensor | None, previous_tokens: torch.Tensor | None = None):
         """Every rank: the forward pass, the logits of the rows to sample, and the hidden states (whose prompt
-        log-probability spans `span_logits` scores)."""
+        log-probability spans `span_logits` scores). `previous_tokens`: the samples of the step still on the
+        device, which `step.fill_rows` take (async scheduling)."""
         for src, dst in step.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
-        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        to = lambda a: to_device(a, None, self.device)  # noqa: E731
         ids, positions = to(step.token_ids), to(step.positions)
+        if step.fill_rows:
+            fill = to_device(step.fill_from, torch.long, self.device)
+            ids[to_device(step.fill_rows, torch.long, self.device)] = previous_tokens[fill]
         meta = PagedAttentionMetadata(
             self.backend,
             to(step.slots),
@@ -233,7 +275,7 @@ class ModelRunner:
         if step.logits_rows:
             # a decode step scores every row in order: no index (whose copy to the GPU would wait for the forward)
             every_row = step.logits_rows == list(range(hidden.shape[0]))
-            rows = hidden if every_row else hidden[torch.tensor(step.logits_rows, device=self.device)]
+            rows = hidden if every_row else hidden[to_device(step.logits_rows, torch.long, self.device)]
             # one buffer for every step's logits: a fresh (256 x 150k) tensor a step costs page faults and a
             # munmap on the CPU (~50 ms at batch 256); the buffer is only read before the next step writes it
             count = len(step.logits_rows)

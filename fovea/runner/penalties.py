@@ -60,14 +60,16 @@ class SeenTokens:
         return self.generated[: self.num_generated]
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
     """A host list or array on `device` without waiting: a plain copy to a GPU waits for the work queued before it
     (the model's forward), so the host could not queue the sampler's kernels behind it. Through pinned memory the
-    copy joins the queue instead (PyTorch's pinned allocator keeps the buffer until the copy is done)."""
+    copy joins the queue instead (PyTorch's pinned allocator keeps the buffer until the copy is done). `dtype`:
+    None keeps an array's own."""
     host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    host = host if dtype is None else host.to(dtype)
     if torch.device(device).type != "cuda":
-        return host.to(dtype)
-    return host.to(dtype).pin_memory().to(device, non_blocking=True)
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def column(rows: list[SampleRow], getter, dtype, device) -> torch.Tensor:
@@ -101,12 +103,29 @@ def _seen_keys(rows: list[int], prompts: list[torch.Tensor], outputs: list[np.nd
     )
 
 
-def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], seen: dict | None = None) -> None:
+def _with_pending(found: SeenKeys, rows: list[SampleRow], pending: tuple, vocab: int, device) -> SeenKeys:
+    which = [k for k, row in enumerate(pending[0]) if penalized(rows[row].params)]
+    if not which:
+        return found
+    key_rows = to_device([pending[0][k] for k in which], torch.long, device)
+    keys = key_rows * vocab + pending[1].index_select(0, to_device(which, torch.long, device))
+    return SeenKeys(
+        torch.cat([found.keys, keys]),
+        torch.cat([found.key_rows, key_rows]),
+        torch.cat([found.generated, keys]),
+        torch.cat([found.generated_rows, key_rows]),
+    )
+
+
+def apply_penalties_and_bias(
+    logits: torch.Tensor, rows: list[SampleRow], seen: dict | None = None, pending: tuple | None = None
+) -> None:
     """Applies logit_bias, min_tokens bans and the penalties to `logits` in place (the step's logits are read
     only by the sampler, which takes log-probabilities before this). Only the entries changed are touched: at
     batch 256 the seen tokens are ~256k entries scattered over a 150 MB batch, each a cache miss on the CPU, so
     they are read once and written once. `seen`: the caller's SeenTokens by row key, kept across steps; without
-    it they are built for this call."""
+    it they are built for this call. `pending`: (rows, their tokens on the device) sampled by the step still on
+    the device and not yet in the rows' token lists (async scheduling): seen too."""
     vocab = logits.shape[1]
     device = logits.device
     bias = [
@@ -139,6 +158,8 @@ def apply_penalties_and_bias(logits: torch.Tensor, rows: list[SampleRow], seen: 
         prompts.append(tokens.prompt)
         outputs.append(tokens.output(row))
     found = _seen_keys(rows_penalized, prompts, outputs, vocab, device)
+    if pending is not None:
+        found = _with_pending(found, rows, pending, vocab, device)
     # index_select / index_copy_ rather than flat[keys]: on the CPU they read and write the scattered entries 2.5x
     # and 1.5x as fast. Keys repeat (a token seen twice): each copy reads the same value and writes the same
     # result, and the frequency penalty accumulates once per occurrence, so no unique() (a sort of every key)

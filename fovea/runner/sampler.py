@@ -220,10 +220,17 @@ class Sampler:
             tokens[index] = inverse_cdf(filter_logits(scaled, [rows[i] for i in sorted(rest)]), uniforms[index])
         return tokens
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], masks: GrammarMasks | None = None) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        masks: GrammarMasks | None = None,
+        pending: tuple | None = None,
+    ) -> SamplerOutput:
         """`masks`: the rows' structured-output masks, started before the forward pass (else filled here).
         `logits` are changed in place (penalties, bias, masks): the engine's logits buffer is rewritten every step,
-        and putting a 256 x 152k batch back would cost another pass over the entries changed."""
+        and putting a 256 x 152k batch back would cost another pass over the entries changed. `pending`: rows'
+        tokens sampled by the step still on the device (apply_penalties_and_bias)."""
         logits = logits.float().contiguous()
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
@@ -231,7 +238,7 @@ class Sampler:
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         # only this step's samples stay: a sequence that is not in a step (finished, preempted) is rebuilt if it returns
         self.seen = {r.key: self.seen[r.key] for r in rows if r.key in self.seen}
-        apply_penalties_and_bias(logits, rows, self.seen)
+        apply_penalties_and_bias(logits, rows, self.seen, pending)
         if constrained:
             (masks or GrammarMasks.start([r.grammar for r in rows], logits.shape[1])).apply(logits)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -34,6 +34,9 @@ class StepInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks before the step
     loras: list[LoRARequest] = field(default_factory=list)  # the adapters of the step's sequences
     lora_of_seq: np.ndarray | None = None  # (sequences,) int32 index in `loras`, -1: the base model
+    # async scheduling: rows whose token is the sample `fill_from` (its row) of the step still on the device
+    fill_rows: list[int] = field(default_factory=list)
+    fill_from: list[int] = field(default_factory=list)
 
     def lora_rows(self) -> list[tuple[np.ndarray, LoRARequest]]:
         """The rows (tokens) of each adapter of the step."""
@@ -56,6 +59,8 @@ class SamplePlan:
     rows: list[SampleRow]  # one per logits row
     owners: list[tuple[int, int]]  # (batch index, fork number) of each logits row
     prompt_logprobs: list[tuple[int, list[int], int]]  # per logprob span: (batch index, target ids, top k)
+    # (logits row, its sequence's sample row in the step on the device): the penalties count that token too
+    pending: list[tuple[int, int]] = field(default_factory=list)
 
 
 def block_table_array(tables: list[list[int]]) -> np.ndarray:
@@ -69,10 +74,16 @@ def block_table_array(tables: list[list[int]]) -> np.ndarray:
 
 
 def build_step(
-    batch: ScheduledBatch, encoded: Callable[[str], torch.Tensor], block_size: int
+    batch: ScheduledBatch,
+    encoded: Callable[[str], torch.Tensor],
+    block_size: int,
+    pending_rows: dict[int, int] | None = None,
 ) -> tuple[StepInput, torch.Tensor | None, SamplePlan]:
+    """`pending_rows`: sequence id -> its sample's row in the step still on the device (async scheduling); a
+    sequence with a pending token decodes it, read there."""
     total = batch.num_tokens
     ids: list[int] = []
+    fill_rows, fill_from = [], []
     positions = np.empty((3, total), dtype=np.int64)
     slots = np.empty(total, dtype=np.int64)
     mm_embeds, mm_mask = [], np.zeros(total, dtype=bool)
@@ -83,7 +94,12 @@ def build_step(
     for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         request = seq.request
-        ids += seq.token_ids[start:end]
+        if seq.num_pending:  # its one new token is the pending one
+            fill_rows.append(offset)
+            fill_from.append(pending_rows[seq.seq_id])
+            ids.append(0)
+        else:
+            ids += seq.token_ids[start:end]
         if n == 1 and start >= seq.num_prompt_tokens:  # decode: the common case, kept cheap
             decode_rows.append(offset)
             decode_positions.append(start + request.mrope_delta)
@@ -111,6 +127,8 @@ def build_step(
                     (index, seq.token_ids[start + 1 : start + 1 + count], seq.params.prompt_logprobs)
                 )
         if end == seq.num_tokens:
+            if seq.num_pending:
+                plan.pending.append((len(plan.rows), fill_from[-1]))
             for fork in range(1 + seq.pending_forks):
                 logits_rows.append(offset + n - 1)
                 plan.owners.append((index, fork))
@@ -158,5 +176,7 @@ def build_step(
         batch.block_copies,
         list(adapters),
         lora_of_seq,
+        fill_rows,
+        fill_from,
     )
     return step, embeds, plan
