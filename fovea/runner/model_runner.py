@@ -56,7 +56,7 @@ class StepOutput:
     def sampled_on_host(self) -> SamplerOutput | None:
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host or self.sampled
+        return self.host if self.host is not None else self.sampled
 
 
 def _queue_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event]:
