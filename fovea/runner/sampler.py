@@ -22,7 +22,7 @@ import torch
 
 from fovea.core.sampling_params import SamplingParams
 from fovea.runner.grammar_masks import GrammarMasks
-from fovea.runner.penalties import SeenTokens, apply_penalties_and_bias, column
+from fovea.runner.penalties import SeenTokens, apply_penalties_and_bias, column, to_device
 
 CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first
 MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path
@@ -145,12 +145,13 @@ def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: lis
     values, ids = topk(logits, width)
     values = values / temperature[:, None]
     rank = torch.arange(width, device=device)[None, :]
-    values = values.masked_fill(rank >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
-    has_top_k = torch.tensor([k <= width for k in top_k], device=device)
+    values = values.masked_fill(rank >= to_device(top_k, torch.long, device)[:, None], float("-inf"))
+    within = [k <= width for k in top_k]
+    has_top_k = to_device(within, torch.bool, device)
     # probabilities before top_p: over the top_k survivors, or over the whole vocabulary without a top_k
     normalizer = values.logsumexp(-1)
-    if not bool(has_top_k.all()):  # a whole-row reduction, only for the rows that need it
-        whole = (~has_top_k).nonzero()[:, 0]
+    if not all(within):  # a whole-row reduction, only for the rows that need it
+        whole = to_device([i for i, ok in enumerate(within) if not ok], torch.long, device)
         normalizer[whole] = scaled_logsumexp(logits, whole, temperature[whole], work)
     probs = (values - normalizer[:, None]).exp()
     top_p = column(rows, lambda p: p.top_p, logits.dtype, device)
@@ -203,19 +204,19 @@ class Sampler:
         ]
         rest = [i for i in range(len(rows)) if i not in set(narrowed)]
         if narrowed:
-            index = torch.tensor(narrowed, device=device)
+            index = to_device(narrowed, torch.long, device)
             values, ids, settled = filter_candidates(
                 _take(logits, narrowed, index), temperature[index], [rows[i] for i in narrowed], work
             )
             keep = [j for j, ok in enumerate(settled.tolist()) if ok]
             rest += [narrowed[j] for j, ok in enumerate(settled.tolist()) if not ok]
             if keep:
-                keep_index = torch.tensor(keep, device=device)
+                keep_index = to_device(keep, torch.long, device)
                 ids, order = ids[keep_index].sort(-1)  # vocabulary order, as the whole-row path draws
                 chosen = inverse_cdf(values[keep_index].gather(1, order), uniforms[index[keep_index]])
                 tokens[index[keep_index]] = ids.gather(1, chosen[:, None])[:, 0]
         if rest:
-            index = torch.tensor(sorted(rest), device=device)
+            index = to_device(sorted(rest), torch.long, device)
             scaled = _scaled_rows(logits, index, temperature[index], work)
             tokens[index] = inverse_cdf(filter_logits(scaled, [rows[i] for i in sorted(rest)]), uniforms[index])
         return tokens
@@ -247,7 +248,7 @@ class Sampler:
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if sampled:
-            index = torch.tensor(sampled, device=logits.device)
+            index = to_device(sampled, torch.long, logits.device)
             tokens[index] = self._draw(_take(logits, sampled, index), [rows[i] for i in sampled])
         if constrained:
             chosen = tokens[torch.tensor(constrained, device=tokens.device)].tolist()
