@@ -1,7 +1,7 @@
-"""The engine's step orders, forced here on the CPU: overlapped (a GPU engine's: the next step is queued before the
-previous one's outputs are built) and ahead (async scheduling: the next step is scheduled and queued before the
-previous one's tokens are back, and reads them on the device) must give what stepping in order gives, and a
-request aborted or failed while its step is in flight must end once."""
+"""The engine's step orders, each forced whatever the device: overlapped (a GPU engine's default: the next step is
+queued before the previous one's outputs are built) and ahead (async scheduling: the next step is scheduled and
+queued before the previous one's tokens are back, and reads them on the device) must give what stepping in order
+gives, and a request aborted or failed while its step is in flight must end once."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from fovea.engine.engine import StepFailed
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=400, max_num_batched_tokens=256)
 STREAM = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)
-
-
-ORDERS = {"in order": dict(overlap_outputs=False), "overlapped": dict(overlap_outputs=True)}
-ORDERS["ahead"] = dict(async_scheduling=True)
+ORDERS = {
+    "in order": dict(overlap_outputs=False),
+    "overlapped": dict(overlap_outputs=True),
+    "ahead": dict(async_scheduling=True),
+}
 
 
 @pytest.fixture(scope="module")
