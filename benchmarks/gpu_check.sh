@@ -81,11 +81,11 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     step fast_path_ahead 200 $py benchmarks/gpu_fast_path.py --model $model --out "$out/ahead" --commit "$commit" \
       --steps serve --workloads seed-001,random-1000-1000-x256 --server-args=--async-scheduling $quick
     cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"; cat "$out/summary.md" "$out/ahead/summary.md" ;;
-  host)
+  host)  # the step limits and the 7B build fit one 600 s device call
     build_7b
-    step decode_variants 150 $py benchmarks/decode_step.py --model $model --out "$out" --variants fused,unfused $quick
+    step decode_variants 100 $py benchmarks/decode_step.py --model $model --out "$out" --variants fused,unfused $quick
     if [[ -n ${BASELINE:-} ]]; then
-      step host_baseline 200 env PYTHONPATH="$BASELINE:$PYTHONPATH" $py benchmarks/host_overhead.py --model $model \
+      step host_baseline 150 env PYTHONPATH="$BASELINE:$PYTHONPATH" $py benchmarks/host_overhead.py --model $model \
         --out "$out/host-baseline.json" --label baseline $quick
     else  # the same tree stepping in order: what overlapping the outputs with the next step gains
       step host_in_order 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-in-order.json" \
@@ -93,7 +93,7 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     fi
     step host_ahead 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-ahead.json" \
       --label "$commit ahead" --order ahead $quick
-    step host 200 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" $quick
+    step host 150 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" $quick
     grep -h "decode step, batch" "$out/decode_variants.log"; grep -h "synchronized by phase" "$out"/host*.log ;;
   kernels)  # PARITY_DONE: a folder of parity runs taken earlier, copied in so that they are not repeated
     step kernels 250 $py -m fovea.cli bench kernels --out "$out/kernels.json" $quick
