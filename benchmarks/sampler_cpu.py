@@ -1,8 +1,8 @@
 """The sampler on the CPU, side by side with an earlier version of it (taken from git) in the same run.
 
 One step of 1, 64 and 256 rows over Qwen2's 151,936-token vocabulary, each row with a 600-token prompt and 50
-generated tokens (random ids), for seven kinds of sampling parameters; "x greedy" is each case's time over greedy's (same
-sampler, same batch):
+generated tokens (random ids), for seven kinds of sampling parameters; "x greedy" is each case's time over
+greedy's (same sampler, same batch):
   greedy                   temperature 0
   qwen-generation-config   Qwen2.5-VL's generation_config.json (temperature 0.1, top_p 0.001, top_k 1,
                            repetition_penalty 1.05): what every server request without sampling fields gets

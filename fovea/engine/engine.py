@@ -297,7 +297,7 @@ class LLMEngine:
         if self.workers is not None and self.workers.died():
             self.close()
             return WorkerDied(self.workers.failure)
-        return self._fail(self._requests_in(batch), error)
+        return self._fail(self.scheduler.requests_in(batch), error)
 
     def _report(self, touched: set[Request]) -> list[RequestOutput]:
         """The outputs callers asked for of the requests a step touched. A request failed or aborted since is
@@ -312,12 +312,6 @@ class LLMEngine:
             if request.finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(request_output(request, final=request.finished))
         return outputs
-
-    def _requests_in(self, batch: ScheduledBatch) -> set[Request]:
-        """The batch's requests, and those whose forked blocks this step was to copy."""
-        copied_to = {dst for _, dst in batch.block_copies}
-        forks = [seq for seq in self.scheduler.running if copied_to.intersection(seq.block_table)]
-        return {seq.request for seq in batch.seqs + forks}
 
     def _fail(self, requests: set[Request], error: Exception) -> StepFailed:
         """Frees `requests` (finish reason "error") and forgets half-made encoder outputs."""

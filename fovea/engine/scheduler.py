@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 
 from fovea.config.engine import EngineConfig
-from fovea.core.request import ScheduledBatch, Sequence, SequenceStatus
+from fovea.core.request import Request, ScheduledBatch, Sequence, SequenceStatus
 from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.block_manager import BlockManager, extend_block_hashes
 from fovea.engine.encoder_cache import EncoderCache
@@ -70,7 +70,7 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING or self._ends_with_pending_token(seq):
+            if seq.status != SequenceStatus.RUNNING or (seq.num_pending and self._ends_with_pending_token(seq)):
                 continue  # preempted earlier in this loop, or nothing left to compute
             if seq.is_prefill and self._shares_blocks(seq):
                 self._adopt_cached(seq)
@@ -100,12 +100,11 @@ class Scheduler:
         return batch
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
-        """The token a step still on the device samples for it reaches max_tokens or max_model_len."""
+        """The tokens steps still on the device sample for it reach max_tokens or max_model_len."""
         max_tokens = seq.params.max_tokens
-        return seq.num_pending > 0 and (
-            (max_tokens is not None and seq.num_output_tokens + seq.num_pending >= max_tokens)
-            or seq.num_tokens >= self.config.max_model_len
-        )
+        return (
+            max_tokens is not None and seq.num_output_tokens + seq.num_pending >= max_tokens
+        ) or seq.num_tokens >= self.config.max_model_len
 
     def _shares_blocks(self, seq: Sequence) -> bool:
         """Whether the prefix cache may stand in for this sequence's prompt blocks (prompt log-probabilities
@@ -242,6 +241,12 @@ class Scheduler:
         self.blocks.release(seq.block_table)
         for item in seq.request.mm_items:
             self.encoder_cache.release(item.content_hash, seq.seq_id)
+
+    def requests_in(self, batch: ScheduledBatch) -> set[Request]:
+        """The batch's requests, and those whose forked blocks this step was to copy."""
+        copied_to = {dst for _, dst in batch.block_copies}
+        forks = [seq for seq in self.running if copied_to.intersection(seq.block_table)]
+        return {seq.request for seq in batch.seqs + forks}
 
     def launched(self, batch: ScheduledBatch) -> None:
         """The batch is queued on the device: its tokens count as computed from now on (the next step, scheduled

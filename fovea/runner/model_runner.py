@@ -190,7 +190,7 @@ class ModelRunner:
             self.parallel.send(step, self.parallel.lm_control)
             if mm_embeds is not None:
                 self.parallel.broadcast(mm_embeds.to(self.config.dtype).contiguous())
-        previous_tokens = previous.sampled.token_ids if previous is not None and previous.sampled else None
+        previous_tokens = None if previous is None or previous.sampled is None else previous.sampled.token_ids
         logits, hidden = self.run_step(step, mm_embeds, previous_tokens)
         out = StepOutput(row_owners=plan.owners)
         if logits is not None:

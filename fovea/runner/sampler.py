@@ -208,8 +208,9 @@ class Sampler:
             values, ids, settled = filter_candidates(
                 _take(logits, narrowed, index), temperature[index], [rows[i] for i in narrowed], work
             )
-            keep = [j for j, ok in enumerate(settled.tolist()) if ok]
-            rest += [narrowed[j] for j, ok in enumerate(settled.tolist()) if not ok]
+            done = settled.tolist()  # waits for the device: a step ahead loses its overlap here
+            keep = [j for j, ok in enumerate(done) if ok]
+            rest += [narrowed[j] for j, ok in enumerate(done) if not ok]
             if keep:
                 keep_index = to_device(keep, torch.long, device)
                 ids, order = ids[keep_index].sort(-1)  # vocabulary order, as the whole-row path draws
