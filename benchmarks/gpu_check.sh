@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh tests   OUT   # the test suite on the GPU
 #   bash benchmarks/gpu_check.sh serve   OUT   # gpu_fast_path.py with default serve flags (seed-001, 1000/1000 x256,
 #                                              # random-mm 720p x500 with GPU utilisation, HF generate side by side;
-#                                              # seed-001 and 1000/1000 again with --async-scheduling),
+#                                              # seed-001 and 1000/1000 again with --async-scheduling,
+#                                              # and served by an earlier tree where BASELINE names one),
 #                                              # the decode-step profile at batch 16 / 8k and 256 / 1k, our video
 #                                              # patches against transformers' video processor, the LLaVA-7B CLIP
 #                                              # tower on CUDA
@@ -72,15 +73,24 @@ case "$stage" in
     grep -E "FAILED|ERROR" "$out/pytest.log" | grep "::" | head -40; tail -n 30 "$out/pytest.log" ;;
   serve)
     build_7b
-    step fast_path 400 $py benchmarks/gpu_fast_path.py --model $model --out "$out" --commit "$commit" $quick
+    # FAST_PATH_STEPS=rates,serve leaves transformers' generate out where device time is short
+    step fast_path 400 $py benchmarks/gpu_fast_path.py --model $model --out "$out" --commit "$commit" \
+      --steps "${FAST_PATH_STEPS:-rates,serve,hf}" $quick
     rates=$($py -c "import json; r = json.load(open('$out/summary.json'))['rates']; \
 print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
-    step decode_step 60 $py benchmarks/decode_step.py --model $model --out "$out" --rates "$rates" $quick
-    step media 40 $py benchmarks/gpu_media_checks.py --out "$out" $quick
+    text=(--steps serve --workloads seed-001,random-1000-1000-x256 --rates "$rates")
     # the text workloads again with vLLM's --async-scheduling: steps scheduled before the previous one is back
     step fast_path_ahead 200 $py benchmarks/gpu_fast_path.py --model $model --out "$out/ahead" --commit "$commit" \
-      --steps serve --workloads seed-001,random-1000-1000-x256 --server-args=--async-scheduling $quick
-    cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"; cat "$out/summary.md" "$out/ahead/summary.md" ;;
+      "${text[@]}" --server-args=--async-scheduling $quick
+    if [[ -n ${BASELINE:-} ]]; then  # and served by an earlier tree (git archive COMMIT fovea | tar -x -C BASELINE):
+      # the server and the bench client start from BASELINE (python -m puts the working directory first)
+      step fast_path_baseline 200 bash -c "cd '$BASELINE' && $py '$PWD/benchmarks/gpu_fast_path.py' --model $model \
+        --out '$out/baseline' --commit '${BASELINE_COMMIT:-baseline}' ${text[*]} $quick"
+    fi
+    step decode_step 60 $py benchmarks/decode_step.py --model $model --out "$out" --rates "$rates" $quick
+    step media 40 $py benchmarks/gpu_media_checks.py --out "$out" $quick
+    cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"
+    cat "$out/summary.md" "$out/ahead/summary.md" "$out/baseline/summary.md" 2>/dev/null ;;
   host)  # the step limits and the 7B build fit one 600 s device call
     build_7b
     step decode_variants 100 $py benchmarks/decode_step.py --model $model --out "$out" --variants fused,unfused $quick

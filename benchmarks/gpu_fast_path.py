@@ -249,6 +249,7 @@ def main() -> None:
     parser.add_argument("--steps", default="rates,serve,hf")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--server-args", default="", help="extra `fovea serve` flags (none: the defaults)")
+    parser.add_argument("--rates", help="MATMUL_TFLOPS,COPY_TB_S measured earlier in the run, for the floors without rates")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--profile-server", action="store_true", help="run the server under py-spy (OUT/server-pyspy)")
     parser.add_argument("--quick", action="store_true")
@@ -257,7 +258,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = {"hardware": hardware(args.commit), "server_args": args.server_args, "workloads": {}}
     steps = args.steps.split(",")
-    rates = {"matmul_tflops": 798, "copy_tb_s": 3.0}
+    matmul, copy = (float(x) for x in args.rates.split(",")) if args.rates else (798, 3.0)
+    rates = {"matmul_tflops": matmul, "copy_tb_s": copy}
     if "rates" in steps:  # in a child process: whatever it leaves on the GPU is gone before the server starts
         code = f"import json; from fovea.bench.kernels import measure_rates; print(json.dumps(measure_rates({args.quick})))"
         rates = json.loads(
