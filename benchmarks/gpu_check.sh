@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh tests   OUT   # the test suite on the GPU
 #   bash benchmarks/gpu_check.sh serve   OUT   # gpu_fast_path.py with default serve flags (seed-001, 1000/1000 x256,
 #                                              # random-mm 720p x500 with GPU utilisation, HF generate side by side;
-#                                              # seed-001 and 1000/1000 again with --async-scheduling,
+#                                              # seed-001 and 1000/1000 again with --no-async-scheduling,
 #                                              # and served by an earlier tree where BASELINE names one),
 #                                              # the decode-step profile at batch 16 / 8k and 256 / 1k, our video
 #                                              # patches against transformers' video processor, the LLaVA-7B CLIP
@@ -12,8 +12,8 @@
 #   bash benchmarks/gpu_check.sh host    OUT   # the decode step with and without the fused element-wise kernels;
 #                                              # a served decode step's host phases (host_overhead.py), beside an
 #                                              # earlier tree's when BASELINE names one (git archive of a commit),
-#                                              # else beside this tree stepping in order; and scheduling ahead
-#                                              # (--async-scheduling)
+#                                              # else beside this tree stepping in order; and the steps
+#                                              # overlapped without scheduling ahead (--order overlapped)
 #   bash benchmarks/gpu_check.sh kernels OUT   # attention kernels side by side (ours, FlashInfer where it installs,
 #                                              # PyTorch SDPA) against measured bandwidth and matmul rate; 7B-shape
 #                                              # fp32/bf16 greedy parity against transformers (gpu_parity.py)
@@ -79,9 +79,10 @@ case "$stage" in
     rates=$($py -c "import json; r = json.load(open('$out/summary.json'))['rates']; \
 print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     text=(--steps serve --workloads seed-001,random-1000-1000-x256 --rates "$rates")
-    # the text workloads again with vLLM's --async-scheduling: steps scheduled before the previous one is back
-    step fast_path_ahead 200 $py benchmarks/gpu_fast_path.py --model $model --out "$out/ahead" --commit "$commit" \
-      "${text[@]}" --server-args=--async-scheduling $quick
+    # the text workloads again with --no-async-scheduling: each step scheduled once the previous one's tokens are
+    # back (its outputs still built while the next runs), the default before scheduling ahead
+    step fast_path_overlapped 200 $py benchmarks/gpu_fast_path.py --model $model --out "$out/overlapped" \
+      --commit "$commit" "${text[@]}" --server-args=--no-async-scheduling $quick
     if [[ -n ${BASELINE:-} ]]; then  # and served by an earlier tree (git archive COMMIT fovea | tar -x -C BASELINE):
       # the server and the bench client start from BASELINE (python -m puts the working directory first)
       step fast_path_baseline 200 bash -c "cd '$BASELINE' && $py '$PWD/benchmarks/gpu_fast_path.py' --model $model \
@@ -90,7 +91,7 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     step decode_step 60 $py benchmarks/decode_step.py --model $model --out "$out" --rates "$rates" $quick
     step media 40 $py benchmarks/gpu_media_checks.py --out "$out" $quick
     cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"
-    cat "$out/summary.md" "$out/ahead/summary.md" "$out/baseline/summary.md" 2>/dev/null ;;
+    cat "$out/summary.md" "$out/overlapped/summary.md" "$out/baseline/summary.md" 2>/dev/null ;;
   host)  # the step limits and the 7B build fit one 600 s device call
     build_7b
     step decode_variants 100 $py benchmarks/decode_step.py --model $model --out "$out" --variants fused,unfused $quick
@@ -101,8 +102,8 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
       step host_in_order 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-in-order.json" \
         --label "$commit in order" --order in-order $quick
     fi
-    step host_ahead 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-ahead.json" \
-      --label "$commit ahead" --order ahead $quick
+    step host_overlapped 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-overlapped.json" \
+      --label "$commit overlapped" --order overlapped $quick
     step host 150 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" $quick
     grep -h "decode step, batch" "$out/decode_variants.log"; grep -h "synchronized by phase" "$out"/host*.log ;;
   kernels)  # PARITY_DONE: a folder of parity runs taken earlier, copied in so that they are not repeated

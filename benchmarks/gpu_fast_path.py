@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--steps", default="rates,serve,hf")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--server-args", default="", help="extra `fovea serve` flags (none: the defaults)")
-    parser.add_argument("--rates", help="MATMUL_TFLOPS,COPY_TB_S measured earlier in the run, for the floors without rates")
+    parser.add_argument("--rates", help="MATMUL_TFLOPS,COPY_TB_S measured earlier in the run (no rates step)")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--profile-server", action="store_true", help="run the server under py-spy (OUT/server-pyspy)")
     parser.add_argument("--quick", action="store_true")

@@ -1,7 +1,7 @@
 """Where a served decode step's time goes: the engine stepped in-process, its decode steps split into phases.
 
     python benchmarks/host_overhead.py --model DIR --out FILE [--cases 16x8000,256x1000] [--steps 60] [--quick]
-        [--order auto|in-order|ahead]
+        [--order auto|in-order|overlapped|ahead]
 
 For each case (batch x prompt tokens of random ids), the engine is filled (prefill done), then `--steps` decode
 steps are timed whole, then as many again by phase: scheduling, building the step's inputs, the model on the GPU
@@ -33,7 +33,12 @@ import torch
 from fovea import LLM, SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
 
-ORDERS = {"auto": {}, "in-order": {"overlap_outputs": False}, "ahead": {"async_scheduling": True}}
+ORDERS = {
+    "auto": {},
+    "in-order": {"overlap_outputs": False, "async_scheduling": False},
+    "overlapped": {"overlap_outputs": True, "async_scheduling": False},
+    "ahead": {"async_scheduling": True},
+}
 
 
 def _sync() -> None:
@@ -142,8 +147,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--label", default="")
-    # the engine's step order (LLMEngine.step), for a side-by-side: auto (overlapped on a GPU), in-order (each
-    # step's outputs built before the next is queued, as a CPU engine does), ahead (--async-scheduling)
+    # the engine's step order (LLMEngine.step), for a side-by-side: auto (ahead on a GPU), in-order (each step's
+    # outputs built before the next is queued, as a CPU engine does), overlapped (the next step queued before the
+    # last one's outputs are built, after its tokens are back), ahead (--async-scheduling: before they are back)
     parser.add_argument("--order", choices=tuple(ORDERS), default="auto")
     parser.add_argument("--cases", default="16x8000,256x1000")
     parser.add_argument("--steps", type=int, default=60)

@@ -39,7 +39,7 @@ class EngineConfig:
     mm_processor_cache_gb: float = default("mm_processor_cache_gb")
     seed: int = default("seed")
     enforce_eager: bool = default("enforce_eager")
-    async_scheduling: bool = default("async_scheduling")
+    async_scheduling: bool | None = default("async_scheduling")  # None: schedules_ahead decides
     max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it
     attention_backend: str = default("attention_backend")
     fp32_softmax: bool = default("fp32_softmax")
@@ -77,6 +77,12 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.device.type == "cuda" else "torch"
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """--async-scheduling, unset: on a GPU, where a step scheduled ahead keeps the device busy while the host
+        records the last one (benchmarks/README "GPU"); not on the CPU, whose forward the host runs itself."""
+        return self.device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     @property
     def kv_dtype(self) -> torch.dtype:

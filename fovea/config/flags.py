@@ -137,9 +137,11 @@ FLAGS = (
     Flag("enforce_eager", False, "no CUDA graphs"),
     Flag(
         "async_scheduling",
-        False,
+        None,
         "schedule and queue each step before the previous one's tokens are back (they are read on the device); "
-        "steps with structured outputs, min_tokens or n > 1 forks wait for them",
+        "steps with structured outputs, min_tokens or n > 1 forks wait for them (default: on for a GPU engine, "
+        "off on the CPU, as in vLLM)",
+        type=argparse.BooleanOptionalAction,
     ),
     Flag("mm_buckets", None, "vision encoder patch-count buckets, e.g. 1024,4096,16384", type=str),
     Flag("skip_warmup", False, "capture encoder buckets on first use"),

@@ -98,7 +98,7 @@ class LLMEngine:
         overlap = config.overlap_outputs
         self.overlap = (config.device.type == "cuda" and self.workers is None) if overlap is None else overlap
         # scheduling ahead needs a step in flight between calls
-        self.overlap |= config.async_scheduling and self.workers is None
+        self.overlap |= config.schedules_ahead and self.workers is None
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -223,7 +223,7 @@ class LLMEngine:
     def _schedules_ahead(self, previous: tuple[ScheduledBatch, StepOutput]) -> bool:
         """Whether the next step may be scheduled before `previous` is back: not when the host must see one of
         its samples first (a grammar consumes it, min_tokens counts it, a request forks after it)."""
-        if not self.config.async_scheduling or self.workers is not None:
+        if not self.config.schedules_ahead or self.workers is not None:
             return False
         batch, result = previous
         for index, fork in result.row_owners:
