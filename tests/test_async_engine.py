@@ -117,7 +117,7 @@ def test_a_failing_request_fails_alone(tiny_dirs):
         (tokens, _, reason), broken, refused, fine = asyncio.run(main())
         restarted, status, reply = asyncio.run(engine_dies_and_comes_back())
         assert restarted and status == 200 and reply["usage"]["completion_tokens"] == 3, reply
-        assert engine.restarts and engine.error is None
+        assert engine.restarts[0] and engine.error is None
     finally:
         engine.shutdown()
     assert broken.status_code == 500 and "injected failure" in broken.json()["error"]["message"]

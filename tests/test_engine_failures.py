@@ -1,5 +1,7 @@
-"""The engine survives any request: a failing step fails only the requests it ran and leaves the caches
-consistent, the engine process goes on after it, one request with many prompts cannot hold everyone behind it."""
+"""The engine survives any request: a failing step fails only the request that fails it (the others of its batch
+run again, each alone, and finish with their own tokens) and leaves the caches consistent; a request the model
+gives NaN logits fails alone; the engine process goes on after any number of them; one request with many prompts
+cannot hold everyone behind it."""
 
 from __future__ import annotations
 
@@ -62,15 +64,14 @@ def test_a_failing_step_fails_its_requests_and_nothing_else(llm, tiny_dirs, monk
     assert outputs["again"].outputs[0].token_ids == alone[0].outputs[0].token_ids
     assert outputs["text"].outputs[0].token_ids == alone[1].outputs[0].token_ids
 
-    # a failure in the model: every request of that step fails, a request added afterwards runs normally
+    # a failure in the model that every step meets: the two requests of the failed step run again, each alone,
+    # and each fails alone; a request added afterwards runs normally
     engine.add_request(request(llm, "first", LOREM))
     engine.step()
     engine.add_request(request(llm, "second", "Hello there"))
     real_execute = engine.runner.execute
     monkeypatch.setattr(engine.runner, "execute", lambda *a: (_ for _ in ()).throw(RuntimeError("device error")))
-    with pytest.raises(StepFailed) as failed:
-        engine.step()
-    assert failed.value.request_ids == ["first", "second"]
+    assert failures_until_idle(engine) == [["first"], ["second"]]
     assert_engine_idle(engine)
     monkeypatch.setattr(engine.runner, "execute", real_execute)
     engine.add_request(request(llm, "after", LOREM))
@@ -78,9 +79,85 @@ def test_a_failing_step_fails_its_requests_and_nothing_else(llm, tiny_dirs, monk
     assert_engine_idle(engine)
 
 
+def failures_until_idle(engine, outputs: dict | None = None) -> list[list[str]]:
+    """Steps until nothing is left; the request ids of each StepFailed, in order."""
+    failures = []
+    while engine.has_unfinished_requests():
+        try:
+            for output in engine.step():
+                if output.finished and outputs is not None:
+                    outputs[output.request_id] = output
+        except StepFailed as failed:
+            failures.append(failed.request_ids)
+    return failures
+
+
+def test_requests_batched_with_a_failing_one_finish_with_their_own_tokens(llm, monkeypatch):
+    """A step fails whenever it runs one of ten 'poison' requests: the first failure recomputes everyone it ran,
+    each alone; every poison request fails alone, and the others finish with the tokens they get alone."""
+    engine = llm.engine
+    prompts = {f"victim-{i}": f"Victim {i} writes" + " more" * i for i in range(4)}
+    alone = dict(zip(prompts, llm.generate(list(prompts.values()), GREEDY.clone(max_tokens=8), use_tqdm=False)))
+    real_execute = engine.runner.execute
+
+    def execute(batch, cache, *ahead):
+        if any(seq.request.request_id.startswith("poison") for seq in batch.seqs):
+            raise RuntimeError("injected step failure")
+        return real_execute(batch, cache, *ahead)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    for i, (request_id, prompt) in enumerate(prompts.items()):
+        engine.add_request(request(llm, request_id, prompt, GREEDY.clone(max_tokens=8)))
+        for j in range(3):
+            engine.add_request(request(llm, f"poison-{i}-{j}", LOREM))
+    outputs = {}
+    failures = failures_until_idle(engine, outputs)
+    assert sorted(failures) == sorted([[f"poison-{i}-{j}"] for i in range(4) for j in range(3)])  # each alone
+    assert sorted(outputs) == sorted(prompts)
+    for request_id, output in outputs.items():
+        assert output.outputs[0].token_ids == alone[request_id].outputs[0].token_ids, request_id
+    assert_engine_idle(engine)
+
+
+def test_a_row_of_nan_logits_fails_its_request_alone(llm, monkeypatch):
+    """The model gives one request NaN logits and another +inf (a broken adapter, an fp16 overflow), with top_p
+    drawing over whole rows: those requests fail naming the cause, the others draw what they draw alone."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts = {"plain": "A plain request", "other": LOREM}
+    alone = dict(zip(prompts, llm.generate(list(prompts.values()), params, use_tqdm=False)))
+    poison = {101: float("nan"), 102: float("inf")}  # by seed: the rows' parameters are the requests' own
+    sampler = engine.runner.sampler
+
+    def poisoned(logits, rows, *rest):
+        for i, row in enumerate(rows):
+            if row.params.seed in poison:
+                logits[i, :] = poison[row.params.seed]
+        return sampler(logits, rows, *rest)
+
+    monkeypatch.setattr(engine.runner, "sampler", poisoned)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request(llm, request_id, prompt, params))
+    engine.add_request(request(llm, "broken-nan", "Another request", params.clone(seed=101)))
+    engine.add_request(request(llm, "broken-inf", "And one more", params.clone(seed=102)))
+    outputs, failures = {}, []
+    while engine.has_unfinished_requests():
+        try:
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        except StepFailed as failed:
+            assert "NaN or infinite" in str(failed)
+            failures += failed.request_ids
+    assert sorted(failures) == ["broken-inf", "broken-nan"]
+    assert {k: v.outputs[0].token_ids for k, v in outputs.items()} == {
+        k: v.outputs[0].token_ids for k, v in alone.items()
+    }
+    assert_engine_idle(engine)
+
+
 def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
-    """engine_core._serve answers a failed step with RequestsFailed(ids, message) and keeps serving; only several
-    failed steps in a row end it (the front end then starts a new engine process)."""
+    """engine_core._serve answers a failed request with RequestsFailed(ids, message) and keeps serving, however
+    many fail; only steps that fail in a row with no request to blame (a scheduler bug, a broken device) end it
+    (the front end then starts a new engine process)."""
     from fovea.engine.engine_core import MAX_FAILED_STEPS_IN_A_ROW, _serve
 
     engine = llm.engine
@@ -116,12 +193,16 @@ def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
     commands.send(AddRequest(request(llm, "fine", "Hello", GREEDY.clone(max_tokens=3))))
     while not any(o.request_id == "fine" and o.finished for o in until(StepOutputs).outputs):
         pass
-    for i in range(MAX_FAILED_STEPS_IN_A_ROW):  # one failing step after another
+    for i in range(3 * MAX_FAILED_STEPS_IN_A_ROW):  # one failing request after another: none ends the loop
         commands.send(AddRequest(request(llm, f"boom-again-{i}", LOREM)))
-        if i < MAX_FAILED_STEPS_IN_A_ROW - 1:
-            assert until(RequestsFailed).request_ids == [f"boom-again-{i}"]
+        assert until(RequestsFailed).request_ids == [f"boom-again-{i}"]
+    commands.send(AddRequest(request(llm, "fine-again", "Hello", GREEDY.clone(max_tokens=3))))
+    while not any(o.request_id == "fine-again" and o.finished for o in until(StepOutputs).outputs):
+        pass
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: (_ for _ in ()).throw(RuntimeError("scheduler bug")))
+    commands.send(AddRequest(request(llm, "unlucky", "Hello", GREEDY.clone(max_tokens=3))))
     thread.join(timeout=60)
-    assert stopped and "injected step failure" in str(stopped[0])
+    assert stopped and "scheduler bug" in str(stopped[0])
     engine.abort_request(list(engine.requests))
     engine.finished_outputs.clear()
     assert_engine_idle(engine)

@@ -99,6 +99,7 @@ def assert_engine_idle(engine: LLMEngine):
     assert all(r == 0 for r in engine.blocks.ref_counts)
     assert engine.encoder_cache.num_references() == 0, "encoder cache still referenced"
     assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
+    assert not engine.scheduler.suspects
 
 
 def run_mixed(llm: LLM, requests):

@@ -59,6 +59,13 @@ def one_round(base: str, drip: str) -> tuple[list[int], dict[str, list[int]]]:
             (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 120),
             (chat("hi", top_k=10**20), 120),
         ],
+        # numbers the sampler's float32 arithmetic cannot take (a penalty of 0 there): refused, naming the bound
+        "poison": [
+            (chat("hello hello", temperature=1.0, top_p=0.9, top_k=-1, repetition_penalty=1e-300), 120),
+            (chat("hello hello", temperature=1e300), 120),
+            (chat("hello hello", presence_penalty=1.0, logit_bias={"5": 1e308}), 120),
+        ]
+        * 17,
     }
     many_prompts = {"prompt": [f"Prompt number {i} says" for i in range(100)], "max_tokens": 8, "ignore_eos": True}
     normal = [chat(f"Question {i}: what comes next?") for i in range(16)] + [chat("Describe.", PICTURE)] * 4
@@ -121,10 +128,16 @@ def test_hostile_traffic_beside_normal_traffic(tiny_dirs, drip):
         "32",
         env={"FOVEA_IMAGE_FETCH_TIMEOUT": "2"},
     ) as (base, server):
+        engine, greedy = engine_pid(server.pid), httpx.post(base + "/v1/chat/completions", json=chat("Go on")).json()
         normal, hostile = one_round(base, drip)
         assert normal == [200] * 20, normal
         assert hostile["slow host"] == [400] * 6 and hostile["largest stop lists"] == [200] * 4, hostile
         assert hostile["bad input"] == [400] * 3 and hostile["many prompts"] == [200], hostile
+        # the third poison's bias is clamped to 100, as OpenAI and vLLM do: it runs
+        assert hostile["poison"] == [400, 400, 200] * 17, hostile["poison"]
+        assert engine_pid(server.pid) == engine and httpx.get(base + "/health").status_code == 200
+        again = httpx.post(base + "/v1/chat/completions", json=chat("Go on")).json()
+        assert again["choices"][0]["message"] == greedy["choices"][0]["message"]
         assert_idle(base)
         threads, rss = status_of(server.pid, "Threads:"), status_of(server.pid, "VmRSS:")
 
@@ -145,6 +158,7 @@ def test_hostile_traffic_beside_normal_traffic(tiny_dirs, drip):
         normal, hostile = one_round(base, drip)
         assert normal == [200] * 20, normal
         assert hostile["slow host"] == [400] * 6 and hostile["many prompts"] == [200], hostile
+        assert hostile["poison"] == [400, 400, 200] * 17, hostile["poison"]
         assert_idle(base)
         # the second round left no more threads or memory behind than the first (pools are bounded); a worker
         # thread that has just answered may take a moment to end (seen once on a loaded machine: 23 for 22)

@@ -4,6 +4,7 @@ a tensor-parallel worker or a replica that dies stops the server with a clear me
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import threading
@@ -106,9 +107,27 @@ def test_data_parallel_replicas_answer_like_one_engine_and_a_lost_one_comes_back
         assert lost.status_code == 503 and "data-parallel replica 1 stopped" in lost.json()["error"]["message"]
         assert proc.poll() is None  # still serving
         wait_until(lambda: httpx.get(base + "/health").json() == {})  # restarted
+        [restarted] = set(children(proc.pid, "spawn_main")) - {first}
         assert labelled(base, "fovea:replica_up") == {"0": 1.0, "1": 1.0}
         assert asyncio.run(complete_all(base, model, prompts[:8], 8)) == expected[:8]
+        # a burst of requests whose numbers the sampler cannot take: refused, no replica lost
+        poison = {"prompt": "hello hello", "max_tokens": 5, "temperature": 1.0, "repetition_penalty": 1e-300}
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            statuses = list(
+                pool.map(lambda _: httpx.post(base + "/v1/completions", json=poison).status_code, range(50))
+            )
+        assert statuses == [400] * 50 and sorted(children(proc.pid, "spawn_main")) == [first, restarted]
+        # both replicas die at once: nothing serves for a while (503), both come back under the restart budget
+        for pid in (first, restarted):
+            os.kill(pid, signal.SIGKILL)
+        wait_until(
+            lambda: httpx.get(base + "/health").status_code == 200 and len(children(proc.pid, "spawn_main")) == 2
+        )
+        assert proc.poll() is None
+        wait_until(lambda: labelled(base, "fovea:replica_up") == {"0": 1.0, "1": 1.0})
+        assert asyncio.run(complete_all(base, model, prompts[:8], 8)) == expected[:8]
     assert "data-parallel replica 1 stopped" in proc.output and "data-parallel replica 1 restarted" in proc.output
+    assert "data-parallel replica 0 restarted" in proc.output
 
 
 def test_killed_tensor_parallel_worker_stops_the_server_with_its_message(tiny_dirs):

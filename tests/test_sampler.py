@@ -386,3 +386,67 @@ def test_the_lm_heads_sliced_product_gives_the_whole_products_logits(rows, width
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert (rows * width >= VOCAB_SLICE_MIN_ELEMENTS) == (rows >= 16)  # both paths are covered above
+
+
+@pytest.mark.parametrize(
+    "bad, bound",
+    [
+        (dict(repetition_penalty=1e-300), "repetition_penalty must be in [0.01, 100]"),
+        (dict(repetition_penalty=1e300), "repetition_penalty must be in [0.01, 100]"),
+        (dict(temperature=1e300), "temperature must be in [0, 10000]"),
+        (dict(logit_bias={5: 1e38}), "logit_bias values must be in [-100, 100]"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias values must be in [-100, 100]"),
+    ],
+)
+def test_numbers_the_float32_arithmetic_cannot_take_are_refused_naming_the_bound(bad, bound):
+    with pytest.raises(ValueError) as refused:
+        SamplingParams(**bad)
+    assert bound in str(refused.value)
+
+
+def test_at_every_bound_the_sampler_stays_finite_and_in_range():
+    """Each parameter at its extremes, over seen tokens with large logits: the penalized and scaled logits stay
+    finite (or -inf where dropped), every row draws a token of the vocabulary and counts as finite. A top_p below
+    float32's range is taken as the smallest one kept (the best token alone)."""
+    vocab = 3000
+    assert SamplingParams(top_p=1e-300).top_p == 1e-8
+    extremes = [
+        dict(repetition_penalty=0.01, temperature=1e-5 * 1.01),
+        dict(repetition_penalty=100.0, temperature=10000.0),
+        dict(logit_bias={7: 100.0, 8: -100.0}, frequency_penalty=2.0, presence_penalty=-2.0),
+        dict(top_p=1e-300, temperature=0.5),
+        dict(min_p=1e-300, top_k=3, temperature=0.01),
+    ]
+    torch.manual_seed(0)
+    logits = torch.randn(len(extremes), vocab) * 30
+    batch = [SampleRow(SamplingParams(**kw), list(range(0, 400, 3)) * 2, 100, None, ()) for kw in extremes]
+    penalized = logits.clone()
+    apply_penalties_and_bias(penalized, batch, {}, None)
+    assert not penalized.isnan().any() and not penalized.isposinf().any()
+    out = Sampler(seed=0)(logits.clone(), batch)
+    assert out.finite.all() and ((0 <= out.token_ids) & (out.token_ids < vocab)).all()
+    assert out.token_ids[3] == penalized[3].argmax()  # top_p 1e-8 keeps the best token alone
+
+
+def test_rows_of_nan_or_infinite_logits_are_flagged_and_the_others_unchanged():
+    """NaN, +inf and all -inf rows beside normal ones, on every sampling path (greedy, candidates, top_p over the
+    whole row, which bins the row's weights): the bad rows are flagged and draw some token of the vocabulary; the
+    normal rows draw what they draw alone (seeded)."""
+    vocab = 3000
+    torch.manual_seed(1)
+    normal = torch.randn(4, vocab) * 0.1  # flat: no 256 candidates cover top_p 0.95, the whole row is binned
+    kinds = [dict(temperature=0), dict(temperature=0.7, top_k=20), dict(top_p=0.95), dict(top_p=0.95, top_k=2000)]
+    bad = torch.stack(
+        [torch.full((vocab,), float("nan")), torch.full((vocab,), float("inf")), torch.full((vocab,), -float("inf"))]
+    )
+
+    def batch(params, seeds):
+        return [SampleRow(p, [1, 2], 1, torch.Generator().manual_seed(i), ()) for p, i in zip(params, seeds)]
+
+    alone = Sampler(seed=0)(normal.clone(), batch([SamplingParams(**k) for k in kinds], range(4))).token_ids
+    for kw in kinds:
+        params = [SamplingParams(**kw)] * 3 + [SamplingParams(**k) for k in kinds]
+        out = Sampler(seed=0)(torch.cat([bad, normal]), batch(params, [7, 8, 9, 0, 1, 2, 3]))
+        assert out.finite.tolist() == [False] * 3 + [True] * 4
+        assert ((0 <= out.token_ids) & (out.token_ids < vocab)).all()
+        assert out.token_ids[3:].tolist() == alone.tolist()

@@ -54,6 +54,13 @@ REGEX = r"([0-9]{3})-[A-Z]{2,4}"  # not \d: Unicode versions disagree on which d
 CHOICES = ["yes", "no", "maybe not"]
 
 
+# a flat schema whose $ref chain is 2,500 long: llguidance's conversion overflows its stack on it (2,000 passes)
+REF_CHAIN = {
+    "$defs": {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(2500)} | {"a2500": {"type": "string"}},
+    "$ref": "#/$defs/a0",
+}
+
+
 def check(text: str, finish: str, spec: StructuredOutputsParams) -> bool:
     """Whether `text` satisfies `spec` (for outputs that stopped); length-cut outputs are only counted."""
     if finish != "stop":
@@ -221,6 +228,8 @@ def test_openai_sdk_parse_with_a_pydantic_model(client):
             "['whitespace_pattern'] not supported",
         ),
         (dict(response_format={"type": "xml"}), "response_format type must be"),
+        (dict(extra_body={"structured_outputs": {"json": [{"type": "object"}]}}), "must be a JSON schema (an object)"),
+        (dict(extra_body={"guided_json": REF_CHAIN}), "nests deeper than 64 levels"),
     ],
 )
 def test_bad_constraints_get_400_with_the_reason(client, body, words):
@@ -248,6 +257,67 @@ def test_protocol_fields_fovea_lacks_are_refused_by_name(client, extra, refused)
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, extra_body=extra, max_tokens=2)
     assert f"{refused} is not supported by fovea yet" in str(error.value)
+
+
+def test_grammars_that_crash_or_outnest_the_compiler_cost_only_their_request(client):
+    """A chain of 5,000 Lark rules is a segmentation fault in llguidance: compiled in a child process, it is a
+    400 and a new child, the server and engine go on. Bodies that nest 10,000 deep (a schema through properties,
+    items or anyOf; tool parameters) are 400s, not Python's RecursionError."""
+    import httpx
+
+    base = str(client.base_url).removesuffix("/v1/")
+    chain = "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(5000)) + '\nr5000: "a"'
+    with pytest.raises(openai.BadRequestError, match="crashed the grammar compiler"):
+        chat(client, extra_body={"guided_grammar": chain})
+    message = '"messages": [{"role": "user", "content": "hi"}]'
+    deep = {
+        "properties": '{"type": "object", "properties": {"x": ' * 10000 + "{}" + "}}" * 10000,
+        "items": '{"type": "array", "items": ' * 10000 + "{}" + "}" * 10000,
+        "anyOf": '{"anyOf": [' * 10000 + "{}" + "]}" * 10000,
+    }
+    for kind, schema in deep.items():
+        for body in (
+            f'{{{message}, "guided_json": {schema}}}',
+            f'{{{message}, "tools": [{{"type": "function", "function": {{"name": "f", "parameters": {schema}}}}}]}}',
+        ):
+            reply = httpx.post(
+                base + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            assert reply.status_code == 400 and "nest" in reply.json()["error"]["message"], (kind, reply.text[:300])
+    shallow = {"type": "object", "properties": {"x": {"type": "object", "properties": {"y": {"type": "integer"}}}}}
+    nested = '{"type": "object", "properties": {"x": ' * 30 + '{"type": "integer"}' + "}}" * 30
+    assert chat(client, extra_body={"guided_json": json.loads(nested)}, max_tokens=2)[0][1] in ("stop", "length")
+    text, finish = chat(client, extra_body={"guided_json": shallow}, max_tokens=40)[0]
+    assert finish == "length" or json.loads(text)
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_a_grammar_past_its_time_kills_its_child_and_is_refused_at_once_after(tiny_dirs, monkeypatch):
+    import time
+
+    import fovea.engine.structured_outputs as so
+    from fovea.config.model import ModelConfig
+    from fovea.frontend.grammar_checks import GrammarChecks
+    from fovea.multimodal.prompt import load_tokenizer
+
+    model = ModelConfig.from_dir(tiny_dirs["tiny-3b"])
+    checks = GrammarChecks(load_tokenizer(tiny_dirs["tiny-3b"]), model.text.vocab_size, model.eos_token_ids)
+    try:
+        checks.check(StructuredOutputsParams(choice=["warm"]))  # the child has read the vocabulary
+        wide = StructuredOutputsParams(json={"type": "object", "properties": {f"p{i}": PERSON for i in range(40)}})
+        monkeypatch.setattr(so, "COMPILE_TIMEOUT_S", 0.005)
+        with pytest.raises(ValueError, match="did not compile within"):
+            checks.check(wide)
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="did not compile within"):
+            checks.check(wide)  # known to be too slow
+        assert time.monotonic() - start < 0.05
+        monkeypatch.setattr(so, "COMPILE_TIMEOUT_S", 10.0)
+        checks.check(StructuredOutputsParams(regex="[a-z]{3}"))  # a new child answers
+        with pytest.raises(ValueError, match="does not compile"):
+            checks.check(StructuredOutputsParams(regex="(a"))
+    finally:
+        checks.close()
 
 
 def test_an_offline_engine_says_when_it_starts_the_grammar_engine(tiny_dirs, fovea_log):
@@ -317,7 +387,7 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
     from fovea.core.sampling_params import RequestOutputKind
 
     llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=256)
-    compiler = llm.inputs.grammars
+    compiler = llm.engine.grammars.compiler
     slow = StructuredOutputsParams(choice=["slow", "down"])
     fresh = compiler._fresh
 

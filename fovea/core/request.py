@@ -155,6 +155,9 @@ class Request:
         self.aborted = False
         self.prompt_sent = False  # a DELTA output carried the prompt already
         self.num_finished_sequences = 0  # kept by the scheduler
+        # a step it ran in failed: it runs in steps of its own until one samples for it (scheduler.isolate)
+        self.suspect = False
+        self.failed_steps = 0
 
     @property
     def finished(self) -> bool:

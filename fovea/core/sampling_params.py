@@ -10,9 +10,53 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 INT64_MAX = 2**63 - 1  # seeds (plus the sample index) become torch generator seeds
+# Bounds that keep the sampler's float32 arithmetic finite for any finite logits, well inside what requests use:
+# a penalty of 1e-300 is 0 in float32 and turns every seen token's logit into infinity
+MAX_TEMPERATURE = 1e4
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; the server clamps to it, as vLLM does
+MIN_TOP_P = 1e-8  # a smaller top_p keeps the best token alone, as this one does: taken as this one
 
 
 WHERE = "structured_outputs"
+# what a grammar library may be handed (it recurses natively: a $ref chain 2,500 long overflowed its stack)
+MAX_GRAMMAR_CHARS = 4 << 20  # 100,000 choices of 14 characters compile in about a second
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays, and $ref jumps, on any path from the root
+
+
+def schema_depth(schema) -> int:
+    """The longest path from the root through nested objects and arrays and local `$ref` jumps ("#/..."), a
+    jump to a node already on the path ending it (a recursive schema). Without recursion: a schema may nest
+    deeper than Python's stack."""
+    depth: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(schema, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children = _schema_children(schema, node)
+        if done:
+            on_path.discard(key)
+            depth[key] = 1 + max((depth.get(id(c), 0) for c in children if id(c) not in on_path), default=0)
+        elif key not in depth and key not in on_path:
+            on_path.add(key)
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in depth and id(c) not in on_path)
+    return depth[id(schema)]
+
+
+def _schema_children(root, node) -> list:
+    values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    children = [v for v in values if isinstance(v, (dict, list))]
+    ref = node.get("$ref") if isinstance(node, dict) else None
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = root
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part) if isinstance(target, dict) else None
+        if isinstance(target, (dict, list)):
+            children.append(target)
+    return children
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,6 +81,28 @@ class StructuredOutputsParams:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"{WHERE}.choice must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Bounds what the grammar library gets, before it compiles anything."""
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as error:
+                raise ValueError(f"{WHERE}.json is not a JSON schema: {error}") from None
+            except RecursionError:
+                raise ValueError(f"{WHERE}.json nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+        if self.json is not None and not isinstance(schema, (dict, bool)):
+            raise ValueError(f"{WHERE}.json must be a JSON schema (an object), got {type(schema).__name__}")
+        if isinstance(schema, dict) and schema_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{WHERE}.json nests deeper than {MAX_SCHEMA_DEPTH} levels (objects, arrays, $ref jumps)")
+        sizes = {name: len(getattr(self, name) or "") for name in ("regex", "grammar")}
+        sizes["choice"] = sum(map(len, self.choice or ()))
+        sizes["json"] = len(self.json) if isinstance(self.json, str) else len(json.dumps(schema)) if schema else 0
+        for name, size in sizes.items():
+            if size > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"{WHERE}.{name} has {size} characters; at most {MAX_GRAMMAR_CHARS} are allowed")
 
     def key(self) -> tuple:
         """Hashable and equal for equal requests (a schema dict is not hashable)."""
@@ -101,6 +167,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if self.top_k == -1:
             self.top_k = 0
+        if 0 < self.top_p < MIN_TOP_P:  # 1e-300 would be 0 in float32, which drops every token
+            self.top_p = MIN_TOP_P
         if self.logit_bias:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
@@ -114,7 +182,10 @@ class SamplingParams:
 
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             check(math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
-        check(all(math.isfinite(b) for b in (self.logit_bias or {}).values()), "logit_bias values must be finite")
+        check(
+            all(abs(b) <= MAX_LOGIT_BIAS for b in (self.logit_bias or {}).values()),
+            f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
             value = getattr(self, name)
             check(value is None or abs(value) <= INT64_MAX, f"{name} must fit in a 64-bit integer, got {value}")
@@ -123,8 +194,15 @@ class SamplingParams:
         check(
             -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
         )
-        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        low, high = REPETITION_PENALTY_RANGE
+        check(
+            low <= self.repetition_penalty <= high,
+            f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}",
+        )
+        check(
+            0 <= self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+        )
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")

@@ -2,7 +2,9 @@
 
 step() = schedule -> run the model -> for each sampled token: record it (forking n > 1 requests after their
 prompt), detokenize, check stop conditions, free finished sequences -> build the outputs callers asked for.
-A step that raises fails only the requests it ran (StepFailed names them); the engine stays consistent and goes on.
+A step that raises fails only the requests it ran: one alone (StepFailed names it); several are recomputed, each in
+steps of its own (Scheduler.isolate), so that only the one that fails again alone is failed. A request whose
+logits the model gave as NaN or infinity fails alone. The engine stays consistent and goes on.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from fovea.runner.tp_workers import WorkerDied, start_workers
 
 logger = logging.getLogger("fovea")
 IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them
+MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even if it never failed alone
 
 
 class StepFailed(RuntimeError):
@@ -93,6 +96,7 @@ class LLMEngine:
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         self._logprob_entry = LogprobEntries(self.tokenizer)
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None  # queued on the device, not yet recorded
+        self.failed_rows: StepFailed | None = None  # requests given non-finite logits, raised after the step
         # on a GPU the step's kernels run while the host goes on: the host builds the outputs of one step while the
         # device computes the next. Not under tensor parallelism, whose ranks step in lockstep with rank 0.
         overlap = config.overlap_outputs
@@ -218,7 +222,12 @@ class LLMEngine:
         except BaseException:
             self.finished_outputs = outputs + self._report(touched) + self.finished_outputs
             raise
-        return outputs + self._report(touched)
+        outputs += self._report(touched)
+        if self.failed_rows is not None:  # the others' outputs come with the next step
+            failed, self.failed_rows = self.failed_rows, None
+            self.finished_outputs = outputs + self.finished_outputs
+            raise failed
+        return outputs
 
     def _schedules_ahead(self, previous: tuple[ScheduledBatch, StepOutput]) -> bool:
         """Whether the next step may be scheduled before `previous` is back: not when the host must see one of
@@ -269,7 +278,10 @@ class LLMEngine:
         try:
             result = self.runner.execute(batch, self.encoder_cache.get, previous, pending_rows)
         except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
-            raise self._step_failed(batch, error) from error
+            failed = self._step_failed(batch, error)
+            if failed is not None:
+                raise failed from error
+            return
         self.scheduler.launched(batch)
         for index, fork in result.row_owners:
             if not fork:
@@ -289,15 +301,33 @@ class LLMEngine:
                 self.events.iteration_tokens.append(batch.num_tokens)
             self.scheduler.step_done(batch)
             record_prompt_logprobs(batch, result.prompt_logprobs, self._logprob_entry)
-            return self._record_samples(batch, result)
+            touched = self._record_samples(batch, result)
         except Exception as error:  # noqa: BLE001
-            raise self._step_failed(batch, error) from error
+            failed = self._step_failed(batch, error)
+            if failed is not None:
+                raise failed from error
+            return self.scheduler.requests_in(batch)  # those that ended before it failed are reported
+        if result.row_owners and len(touched) == 1:
+            self.scheduler.cleared(next(iter(touched)))
+        return touched
 
-    def _step_failed(self, batch: ScheduledBatch, error: Exception) -> Exception:
+    def _step_failed(self, batch: ScheduledBatch, error: Exception) -> Exception | None:
+        """What a failed step raises: nothing when its requests go on alone (Scheduler.isolate), a StepFailed
+        naming the one request it ran, or those in MAX_FAILED_STEPS failed steps."""
         if self.workers is not None and self.workers.died():
             self.close()
             return WorkerDied(self.workers.failure)
-        return self._fail(self.scheduler.requests_in(batch), error)
+        if self.config.device.type == "cuda":
+            torch.cuda.synchronize(self.config.device)  # a broken device raises here: no request is to blame
+        requests = {r for r in self.scheduler.requests_in(batch) if not r.finished}
+        for request in requests:
+            request.failed_steps += 1
+        if len(requests) > 1:
+            logger.warning("a step of %d requests failed (%r): each runs alone now", len(requests), error)
+            dropped = {r for r in requests if r.failed_steps >= MAX_FAILED_STEPS}
+            self.scheduler.isolate(requests - dropped)
+            requests = dropped
+        return self._fail(requests, error) if requests else None
 
     def _report(self, touched: set[Request]) -> list[RequestOutput]:
         """The outputs callers asked for of the requests a step touched. A request failed or aborted since is
@@ -347,6 +377,7 @@ class LLMEngine:
             return touched
         sampled = result.sampled_on_host()
         tokens = sampled.token_ids.tolist()
+        finite = sampled.finite.tolist() if sampled.finite is not None else [True] * len(tokens)
         if sampled.logprobs is not None:  # computed for the whole batch; turned into entries only where asked
             logprobs, ranks = sampled.logprobs.tolist(), sampled.ranks.tolist()
             no_top = [[] for _ in tokens]  # every row asked for logprobs=0: no top tokens were computed
@@ -367,8 +398,9 @@ class LLMEngine:
         for index, _ in result.row_owners:
             batch.seqs[index].pending_forks = 0
         now = time.time()
+        nonfinite = {seq.request for seq, ok in zip(row_seqs, finite) if seq is not None and not ok}
         for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
-            if seq is None:
+            if seq is None or seq.request in nonfinite:
                 continue
             record_token_time(seq, now, self.events)
             entry, logprob = None, 0.0
@@ -381,6 +413,9 @@ class LLMEngine:
             if finished:
                 self._finish(seq, *finished)
             touched.add(seq.request)
+        if nonfinite:
+            error = FloatingPointError("the model's logits for this request were NaN or infinite")
+            self.failed_rows = self._fail(nonfinite, error)
         return touched
 
     def _record_finish(self, request: Request) -> None:

@@ -6,9 +6,10 @@ messages of fovea/core/messages.py.
 
 A RequestInput arrives fully prepared (token ids, positions, resized pixel arrays): the engine only copies it in.
 Between steps it takes every command waiting; with no work it blocks until one comes. A request the engine
-cannot take is rejected alone; a step that raises fails the requests it ran (RequestsFailed) and the engine goes on.
-Only after several failed steps in a row (a broken device, say) does the process give up (Dead); the front
-end then starts a new one. A tensor-parallel worker that stops is Fatal: the server exits with its message.
+cannot take is rejected alone; a request a step fails is failed alone (RequestsFailed) and the engine goes on,
+however many there are. Only after several steps in a row fail with no request to blame (a broken device, say)
+does the process give up (Dead); the front end then starts a new one. A tensor-parallel worker that stops is
+Fatal: the server exits with its message.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
 
 
 def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None:
+    from fovea.engine.engine import StepFailed  # loaded with the engine, in this process only
+
     failed_in_a_row = 0
     while True:
         wait = None if not engine.has_unfinished_requests() else 0  # idle: sleep until a command comes
@@ -108,12 +111,13 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
             failed_in_a_row = 0
         except WorkerDied:
             raise
-        except Exception as error:  # noqa: BLE001 - StepFailed (its requests are freed) or a scheduler bug
+        except StepFailed as failure:  # its requests were failed and freed: nothing else is wrong
+            send(RequestsFailed(failure.request_ids, str(failure)))
+            outputs = []
+        except Exception:  # noqa: BLE001 - a scheduler bug or a broken device
             failed_in_a_row += 1
             if failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
                 raise
-            if not hasattr(error, "request_ids"):
-                logger.exception("an engine step failed")
-            send(RequestsFailed(getattr(error, "request_ids", []), str(error)))
+            logger.exception("an engine step failed")
             outputs = []
         send(StepOutputs(outputs, engine.stats()))

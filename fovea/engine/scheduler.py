@@ -8,6 +8,8 @@ step, one sequence fills each block; the others wait a step and take the filled 
 when they were admitted before it was filled, as all are while their image is being encoded). When KV blocks
 run out, the latest-arrived running sequence is preempted: its blocks
 are freed and it waits again, to be recomputed (prefix caching usually finds its blocks still there).
+The requests of a failed step are suspects (isolate): recomputed, each runs in steps of its own, every other step,
+until a step samples for it; the others run in the steps between, without them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, found in the cache
+        self.suspects: list[Request] = []  # requests of failed steps, run alone (isolate)
+        self.isolating = False  # this step runs one suspect request alone (they alternate with the others' steps)
 
     def stats(self, events: LatencyEvents, num_requests_added: int) -> EngineStats:
         """The gauges and totals of the requests, the KV blocks and the caches this scheduler holds."""
@@ -58,9 +62,43 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.order)
 
+    def isolate(self, requests) -> None:
+        """The requests of a failed step, which may have caused it: recomputed from their tokens, each alone."""
+        for request in sorted(requests, key=lambda r: r.sequences[0].order):  # in arrival order
+            if not request.suspect:
+                request.suspect = True
+                self.suspects.append(request)
+            for seq in request.sequences:
+                if seq.status == SequenceStatus.RUNNING:
+                    self.running.remove(seq)
+                    self._reset(seq)
+
+    def cleared(self, request: Request) -> None:
+        """A suspect that a step sampled for, or that ended: it runs with the others again."""
+        if request.suspect:
+            request.suspect = False
+            self.suspects.remove(request)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(block_copies=self.pending_copies)
         self.pending_copies = []
+        for eligible in self._turns():
+            self._fill(batch, eligible)
+            if batch.seqs:
+                break
+        return batch
+
+    def _turns(self) -> list:
+        """Which sequences this step may run, in the order to try (None: all). With suspects about, the first
+        suspect request alone and everyone else take turns; a turn with nothing to run gives way to the other."""
+        if not self.suspects:
+            return [None]
+        suspect = self.suspects[0]
+        turns = [lambda seq: seq.request is suspect, lambda seq: not seq.request.suspect]
+        self.isolating = not self.isolating
+        return turns if self.isolating else turns[::-1]
+
+    def _fill(self, batch: ScheduledBatch, eligible) -> None:
         budget = self.config.max_num_batched_tokens
         preempted = False
         decodes, prefills = [], []
@@ -70,6 +108,8 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget == 0:
                 break
+            if eligible is not None and not eligible(seq):
+                continue
             if seq.status != SequenceStatus.RUNNING or (seq.num_pending and self._ends_with_pending_token(seq)):
                 continue  # preempted earlier in this loop, or nothing left to compute
             if seq.is_prefill and self._shares_blocks(seq):
@@ -96,8 +136,7 @@ class Scheduler:
             self._note_filled(seq, start, n, computing)
             budget -= n
         if not preempted:
-            budget = self._admit_waiting(batch, budget, computing)
-        return batch
+            self._admit_waiting(batch, budget, computing, eligible)
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
         """The tokens steps still on the device sample for it reach max_tokens or max_model_len."""
@@ -139,7 +178,7 @@ class Scheduler:
             if item.end <= seq.num_computed_tokens:  # an image it no longer needs embeddings of
                 self.encoder_cache.release(item.content_hash, seq.seq_id)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, computing: set[bytes]) -> int:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, computing: set[bytes], eligible) -> int:
         position = 0  # in the waiting list: sequences deferred by a step stay ahead of later arrivals
         adapters = (
             {s.request.lora.lora_int_id for s in self.running if s.request.lora} if self.config.enable_lora else ()
@@ -148,6 +187,9 @@ class Scheduler:
             seq = self.waiting[position]
             if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
+            if eligible is not None and not eligible(seq):
+                position += 1
+                continue
             request = seq.request
             lora = request.lora
             if lora and lora.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
@@ -232,6 +274,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
+        self._reset(seq)
+
+    def _reset(self, seq: Sequence) -> None:
+        """Waits again, to be recomputed from its tokens."""
         self._free(seq)
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -291,3 +337,5 @@ class Scheduler:
         self._free(seq)  # a waiting sequence may hold images it had the encoder start on
         seq.status = SequenceStatus.FINISHED
         seq.request.num_finished_sequences += 1
+        if seq.request.finished:
+            self.cleared(seq.request)

@@ -11,6 +11,7 @@ consumes the token drawn. JSON is generated compact (no free whitespace), so a m
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import logging
 import os
 import threading
@@ -47,6 +48,35 @@ class GrammarBuild:
         return self.started.is_set() and time.monotonic() - self.start_time > COMPILE_TIMEOUT_S
 
 
+def tokenizer_json(tokenizer) -> str:
+    """A transformers fast tokenizer as JSON, without the padding and truncation llguidance refuses (turned off on
+    a copy only when set: copying Qwen's vocabulary costs 0.9 s)."""
+    backend = tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy.deepcopy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+    return backend.to_str()
+
+
+def ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    """llguidance's view of a fast tokenizer's JSON (what llguidance.hf.from_tokenizer makes, less its copy of the
+    tokenizer and its import of transformers)."""
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+def compile_matcher(tokenizer, params: StructuredOutputsParams):
+    """A matcher for the request's grammar; ValueError with llguidance's reason if it does not compile."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(tokenizer, params.grammar_text())
+    if matcher.is_error():
+        raise ValueError(f"{WHERE} does not compile: {matcher.get_error().strip()[:1000]}")
+    return matcher
+
+
 class GrammarCompiler:
     """Turns requests into matchers for one tokenizer; a grammar that does not compile raises ValueError with
     llguidance's reason. Each distinct request compiles once (about 0.7 ms for a small schema); its samples get
@@ -55,30 +85,16 @@ class GrammarCompiler:
     grammar that overran is refused at once the next time."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
-        import llguidance
-
-        backend = tokenizer.backend_tokenizer
-        if backend.padding is None and backend.truncation is None:
-            # what llguidance.hf.from_tokenizer does, less its copy of the tokenizer made to turn these two off
-            # (0.9 s of Qwen's vocabulary, in each process of every server start) and its import of transformers
-            self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
-        else:
-            import llguidance.hf
-
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.tokenizer = ll_tokenizer(tokenizer_json(tokenizer), vocab_size, eos_token_ids)
         self._compiled: dict[tuple, object] = {}  # request key -> a fresh matcher, known to compile
         self._too_slow: set[tuple] = set()  # request keys whose grammar overran the time limit
         self._builders = concurrent.futures.ThreadPoolExecutor(2, "grammar-build")
 
     def _fresh(self, params: StructuredOutputsParams):
-        from llguidance import LLMatcher
-
         key = params.key()
         matcher = self._compiled.get(key)
         if matcher is None:
-            matcher = LLMatcher(self.tokenizer, params.grammar_text())
-            if matcher.is_error():
-                raise ValueError(f"{WHERE} does not compile: {matcher.get_error().strip()[:1000]}")
+            matcher = compile_matcher(self.tokenizer, params)
             if len(self._compiled) > 1024:  # many distinct schemas: keep the cache bounded
                 self._compiled.clear()
             self._compiled[key] = matcher
@@ -134,6 +150,9 @@ class Grammars:
             if self._compiler is None:
                 self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
         return self._compiler
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        self.compiler.check(params)
 
     def warm_up(self) -> None:
         from fovea.runner.grammar_masks import warm_up_masks

@@ -6,16 +6,16 @@ decoding and resizing; one job per API request, so a request with many prompts t
 ships the ready RequestInput to the engine process and yields its outputs as they come back. Leaving the iteration
 early (a client disconnects) aborts the request, which frees its KV blocks.
 
-Failures stay as small as they can: a request the engine refuses raises ValueError in its own stream; a step
-that fails raises RequestFailed in the streams of the requests it ran; if the engine process dies, every stream
-in flight gets EngineDeadError and a new process is started (at most `max_restarts` in `RESTART_WINDOW_S`; after
-that `on_fatal` is called so that the server can exit instead of answering 503 forever). Callers see short
+Failures stay as small as they can: a request the engine refuses raises ValueError in its own stream; a request
+a step fails raises RequestFailed in its stream; if the engine process dies, every stream in flight on it gets
+EngineDeadError and a new process is started (at most `max_restarts` in `RESTART_WINDOW_S`). Callers see short
 messages; tracebacks go to the log.
 
 With data_parallel_size N there are N engine processes (replicas, each tensor_parallel_size GPUs): a request
 goes to the live one with the fewest requests in flight and the stats are summed. A replica that dies (with Ray,
-also because its node was lost) fails only its own streams and is started again while the others serve
-(`_lose_replica`); the server gives up only when none is left.
+also because its node was lost) fails only its own streams and is started again under the same budget while the
+others serve (503 while none does). Only when no replica can be started again is `on_fatal` called, so that the
+server can exit instead of answering 503 forever.
 """
 
 from __future__ import annotations
@@ -37,15 +37,14 @@ from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected,
 from fovea.core.request import LoRARequest, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
-from fovea.engine.structured_outputs import Grammars
 from fovea.frontend.engine_process import EngineProcess
+from fovea.frontend.grammar_checks import GrammarChecks
 from fovea.frontend.input_processor import InputProcessor
 from fovea.multimodal.image_workers import ImageWorkers, default_workers
 from fovea.multimodal.prompt import ChatOptions, load_tokenizer
 
 logger = logging.getLogger("fovea")
 RESTART_WINDOW_S = 600.0
-REPLICA_RETRY_S = 10.0  # between tries to start a lost data-parallel replica again
 
 
 def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
@@ -59,12 +58,11 @@ def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
     return dataclasses.replace(config, device=torch.device("cuda", replica * config.tensor_parallel_size))
 
 
-def load_front_end(config: EngineConfig) -> tuple[object, Grammars]:
-    """The tokenizer, and the grammar engine with its compiler made."""
+def load_front_end(config: EngineConfig) -> tuple[object, GrammarChecks]:
+    """The tokenizer, and the checks of requests' grammars (their child process started now, not by the first
+    structured request)."""
     tokenizer = load_tokenizer(config.model_dir)
-    grammars = Grammars(tokenizer, config.model.text.vocab_size, config.model.eos_token_ids, config.device)
-    grammars.compiler  # noqa: B018 - made now, not by the first structured request
-    return tokenizer, grammars
+    return tokenizer, GrammarChecks(tokenizer, config.model.text.vocab_size, config.model.eos_token_ids)
 
 
 class EngineDeadError(RuntimeError):
@@ -90,7 +88,7 @@ class AsyncLLM:
         self.on_fatal: Callable[[], None] | None = None  # the engine cannot be brought back
         self.error: str | None = None  # why the engine is not serving now, in words for clients
         self.max_restarts = max_restarts
-        self.restarts: list[float] = []
+        self.restarts: list[list[float]] = [[] for _ in range(config.data_parallel_size)]  # per replica
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         # Python's default pool size: decoding and resizing images release the GIL, so threads help up to the cores
@@ -100,7 +98,8 @@ class AsyncLLM:
         self._replica_stats = [EngineStats() for _ in range(config.data_parallel_size)]
         self._in_flight = [0] * config.data_parallel_size  # requests per replica
         self._replica_of: dict[str, int] = {}  # request id -> the replica running it
-        self.replicas_down: set[int] = set()  # data-parallel replicas that died and are being restarted
+        self.replicas_down: set[int] = set()  # replicas that died: being restarted, or given up
+        self.replicas_given_up: set[int] = set()  # past their restart budget, or stopped for good (fatal)
         # the front end's own start (tokenizer, decoding processes, and the grammar compiler that checks requests'
         # structured outputs, which reads the whole vocabulary) runs while the engine process starts, which leaves
         # this process waiting: seconds of every server start
@@ -121,8 +120,8 @@ class AsyncLLM:
         # runs before multiprocessing's own exit handler ends the engine process, which would look like a death
         atexit.register(self.shutdown)
         self.config = self._engines[0].config  # max_model_len may have shrunk to the KV cache
-        tokenizer, grammars = loaded.result()
-        self.inputs = InputProcessor(self.config, self.image_workers, tokenizer, grammars)
+        tokenizer, self.grammar_checks = loaded.result()
+        self.inputs = InputProcessor(self.config, self.image_workers, tokenizer, self.grammar_checks)
         self.tokenizer = self.inputs.tokenizer
         self.default_params = default_sampling_params(self.config.model_dir, self.config.generation_config)
 
@@ -273,6 +272,8 @@ class AsyncLLM:
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         if self.image_workers is not None:
             self.image_workers.close()
+        if hasattr(self, "grammar_checks"):
+            self.grammar_checks.close()
 
     # ------------------------------------------------------------------- messages from the engine process
 
@@ -298,69 +299,49 @@ class AsyncLLM:
                     )
 
     def _on_exit(self, engine: EngineProcess, reason: str, fatal: bool = False) -> None:
-        """Runs in the dead engine's receive thread: fails the streams in flight, then starts a new engine
-        (not after a fatal stop)."""
+        """Runs in the dead engine's receive thread: fails the streams in flight on it, then starts it again
+        (not after a fatal stop, nor past its budget). Its requests are not retried elsewhere: the engine may have
+        run them in part, and their streams began."""
         if engine not in self._engines or self._stopped:
             return
         replica = self._engines.index(engine)
-        if len(self._engines) > 1:
-            return self._lose_replica(replica, reason, fatal)
-        logger.error("the engine process stopped: %s", reason)
-        self.error = "the engine stopped unexpectedly and is restarting; retry shortly"
-        self._fail_all(EngineDeadError("the engine stopped unexpectedly; this request was not completed"))
-        self._on_message(StepOutputs([], EngineStats()), replica)  # nothing runs now: the gauges say so
-        if fatal:
-            return self._give_up(reason)
-        now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
-        if len(self.restarts) >= self.max_restarts:
-            return self._give_up(f"the engine stopped {len(self.restarts) + 1} times in {RESTART_WINDOW_S:.0f} s")
-        self.restarts.append(now)
-        try:
-            engine = self._start(0)
-        except Exception:  # noqa: BLE001 - logged; the server is told to exit
-            logger.exception("the engine could not be restarted")
-            return self._give_up("the engine could not be restarted")
-        if self._stopped:  # shut down while the new engine was starting
-            return engine.stop()
-        self._engines[0] = engine
-        self.error = None
-        logger.warning(
-            "engine restarted (%d of at most %d in %.0f s)", len(self.restarts), self.max_restarts, RESTART_WINDOW_S
-        )
-
-    def _lose_replica(self, replica: int, reason: str, fatal: bool) -> None:
-        """A data-parallel replica died (its process, or with Ray its node): its requests fail, the others go on
-        serving, and it is started again (with Ray, wherever the cluster has room: its host when that returns).
-        Its requests are not retried elsewhere: the engine may have run them in part, and their streams began."""
-        logger.error("data-parallel replica %d stopped: %s", replica, reason)
+        name = "the engine process" if len(self._engines) == 1 else f"data-parallel replica {replica}"
+        logger.error("%s stopped: %s", name, reason)
         self.replicas_down.add(replica)
-        error = EngineDeadError(
-            f"data-parallel replica {replica} stopped (its process or host was lost); this request was not "
-            "completed; the other replicas serve: retry"
-        )
+        if len(self.replicas_down) == len(self._engines):
+            self.error = f"{name} stopped unexpectedly and is restarting; retry shortly"
+        others = "" if len(self._engines) == 1 else " (its process or host was lost); the other replicas serve: retry"
+        error = EngineDeadError(f"{name} stopped unexpectedly{others}; this request was not completed")
         for request_id, owner in list(self._replica_of.items()):
             if owner == replica:
                 self._deliver(request_id, error)
-        self._on_message(StepOutputs([], EngineStats(serving=False)), replica)
-        if len(self.replicas_down) == len(self._engines):
-            return self._give_up("every data-parallel replica stopped")
-        if fatal:  # a tensor-parallel rank gave up: starting it again would not help
-            return logger.error("data-parallel replica %d is not restarted: %s", replica, reason)
-        for attempt in range(1, self.max_restarts + 1):
-            try:
-                engine = self._start(replica)
-            except Exception:  # noqa: BLE001 - logged; tried again
-                logger.exception("data-parallel replica %d could not be restarted (try %d)", replica, attempt)
-                time.sleep(REPLICA_RETRY_S)
-                continue
-            if self._stopped:
-                return engine.stop()
-            self._engines[replica] = engine
-            self.replicas_down.discard(replica)
-            self._on_message(StepOutputs([], EngineStats()), replica)  # its gauges: serving, idle
-            return logger.warning("data-parallel replica %d restarted", replica)
-        logger.error("data-parallel replica %d stays down after %d tries; the others serve", replica, self.max_restarts)
+        self._on_message(StepOutputs([], EngineStats(serving=False)), replica)  # nothing runs there now
+        now = time.monotonic()
+        self.restarts[replica] = [t for t in self.restarts[replica] if now - t < RESTART_WINDOW_S]
+        if fatal or len(self.restarts[replica]) >= self.max_restarts:
+            why = reason if fatal else f"it stopped {len(self.restarts[replica]) + 1} times in {RESTART_WINDOW_S:.0f} s"
+            return self._stay_down(replica, f"{name} is not restarted: {why}")
+        self.restarts[replica].append(now)
+        try:
+            engine = self._start(replica)
+        except Exception:  # noqa: BLE001 - logged; the others may serve
+            logger.exception("%s could not be restarted", name)
+            return self._stay_down(replica, f"{name} could not be restarted")
+        if self._stopped:  # shut down while the new engine was starting
+            return engine.stop()
+        self._engines[replica] = engine
+        self.replicas_down.discard(replica)
+        self.error = None
+        self._on_message(StepOutputs([], EngineStats()), replica)  # its gauges: serving, idle
+        restarts = len(self.restarts[replica])
+        logger.warning("%s restarted (%d of at most %d in %.0f s)", name, restarts, self.max_restarts, RESTART_WINDOW_S)
+
+    def _stay_down(self, replica: int, why: str) -> None:
+        """The server exits once no replica can serve."""
+        self.replicas_given_up.add(replica)
+        if len(self.replicas_given_up) == len(self._engines):
+            return self._give_up(why)
+        logger.error("%s; the other replicas serve", why)
 
     def _give_up(self, why: str) -> None:
         logger.error("%s; giving up", why)
@@ -376,7 +357,3 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
             except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
                 self._streams.pop(request_id, None)
-
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._streams):
-            self._deliver(request_id, error)

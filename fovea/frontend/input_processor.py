@@ -18,7 +18,7 @@ from fovea.config.flags import REASONING_TAGS
 from fovea.config.video import media_io_processor_kwargs
 from fovea.core.request import LoRARequest, MMItem, MMSpan, RequestInput
 from fovea.core.sampling_params import SamplingParams
-from fovea.engine.structured_outputs import GrammarCompiler, Grammars
+from fovea.engine.structured_outputs import Grammars
 from fovea.models.lora import AdapterCheck
 from fovea.multimodal.image import ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, SharedPixels, release_images, release_shared
@@ -50,15 +50,9 @@ class InputProcessor:
         self.media_io = media_io_processor_kwargs(config.media_io_kwargs)  # under each request's own
         self.vocab_size = config.model.text.vocab_size
         self._arrivals = itertools.count()
-        self.grammar_engine = grammars or Grammars(
-            self.tokenizer, self.vocab_size, config.model.eos_token_ids, config.device
-        )
+        # anything with check(params): an engine's grammars, or the server's checks in child processes
+        self.grammars = grammars or Grammars(self.tokenizer, self.vocab_size, config.model.eos_token_ids, config.device)
         self.adapter_check = AdapterCheck(config.model, config.max_lora_rank) if config.enable_lora else None
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """Structured-output grammars for this tokenizer (the front end checks that requests' grammars compile)."""
-        return self.grammar_engine.compiler
 
     def process(self, prompt, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """A prompt is a string, a list of token ids, or {"prompt" | "prompt_token_ids": ...,

@@ -56,6 +56,7 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None  # (R,)
     top_ids: torch.Tensor | None = None  # (R, k)
     top_logprobs: torch.Tensor | None = None  # (R, k)
+    finite: torch.Tensor | None = None  # (R,) bool: False where the model's logits held NaN or infinity
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
@@ -103,6 +104,7 @@ def drop_outside_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
     their bit patterns' top 16 bits; the mass per bin, summed from the top bin down, names the bin where the cut
     falls; only that bin's few weights are sorted."""
     weights = (logits - logits.amax(-1, keepdim=True).clamp(min=torch.finfo(logits.dtype).min)).exp_()
+    weights.nan_to_num_(0.0, posinf=0.0)  # a row with NaN or infinite logits: its bins stay in range
     bins = weights.view(torch.int32) >> 16
     rows = logits.shape[0]
     flat = bins + torch.arange(rows, dtype=torch.int32, device=logits.device)[:, None] * TOP_P_BINS  # row's own bins
@@ -233,6 +235,9 @@ class Sampler:
         `logits` are changed in place (penalties, bias, masks): the engine's logits buffer is rewritten every step,
         and putting a 256 x 152k batch back would cost another pass over the entries changed. `pending`: rows'
         tokens sampled by the step still on the device (apply_penalties_and_bias)."""
+        # a row whose logits hold NaN or infinity (a broken adapter, an fp16 overflow) draws a token that is still
+        # in range; the engine fails its request alone. The parameters' bounds keep the arithmetic below finite.
+        finite = logits.amax(-1).isfinite()
         logits = logits.float().contiguous()
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
@@ -252,12 +257,13 @@ class Sampler:
             index = to_device(sampled, torch.long, logits.device)
             tokens[index] = self._draw(_take(logits, sampled, index), [rows[i] for i in sampled])
         if constrained:
-            chosen = tokens[torch.tensor(constrained, device=tokens.device)].tolist()
-            for i, token in zip(constrained, chosen):
-                rows[i].grammar.consume_token(token)
+            index = torch.tensor(constrained, device=tokens.device)
+            for i, token, ok in zip(constrained, tokens[index].tolist(), finite[index].tolist()):
+                if ok:  # a nonsense token would break the grammar's state: its request fails anyway
+                    rows[i].grammar.consume_token(token)
         if raw_logprobs is None:
-            return SamplerOutput(tokens)
-        return SamplerOutput(tokens, *top_logprobs(raw_logprobs, tokens, max_logprobs))
+            return SamplerOutput(tokens, finite=finite)
+        return SamplerOutput(tokens, *top_logprobs(raw_logprobs, tokens, max_logprobs), finite=finite)
 
 
 ARGMAX_BLOCK = 128  # vocabularies are multiples of it (Qwen's 151,936 and 152,064; 64 for LLaVA's 32,064 works too)

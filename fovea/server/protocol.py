@@ -14,7 +14,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fovea.config.video import media_io_processor_kwargs
-from fovea.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from fovea.core.sampling_params import (
+    MAX_SCHEMA_DEPTH,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    schema_depth,
+)
 
 logger = logging.getLogger("fovea")
 
@@ -220,6 +226,13 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _bounded(self):
+        """The parameters become a grammar, and the chat template renders them: bounded as a schema is."""
+        if self.parameters is not None and schema_depth(self.parameters) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"function.parameters nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        return self
+
 
 class Tool(BaseModel):
     type: Literal["function"]
@@ -346,8 +359,12 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         data = json.loads(raw)
     except ValueError as error:  # not JSON, or not UTF-8
         raise InvalidBody(f"the body is not valid JSON ({getattr(error, 'msg', 'not UTF-8 text')})") from None
+    except RecursionError:
+        raise InvalidBody("the body nests objects or arrays too deeply") from None
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise InvalidBody("the body nests objects or arrays too deeply") from None
     except ValidationError as error:
         first = error.errors(include_url=False)[0]
         where = ".".join(str(part) for part in first["loc"])
