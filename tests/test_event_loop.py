@@ -149,7 +149,9 @@ def test_bodies_with_too_many_json_objects_are_refused_before_parsing(engine):
 
             return [
                 await client.post("/v1/chat/completions", json=over),
-                await client.post("/v1/chat/completions", content=chunks()),
+                await client.post(
+                    "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
+                ),
                 await client.post("/v1/chat/completions", json=near),
                 await client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2}),
             ]

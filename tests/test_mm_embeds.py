@@ -95,3 +95,45 @@ def test_shapes_that_do_not_fit_and_a_closed_door_are_named(tiny_dirs):
     closed = PromptProcessor(model_dir, config)
     with pytest.raises(ValueError, match="--enable-mm-embeds"):
         closed.process(IMAGE + "x", [{"image_embeds": embeds, "image_grid_thw": grid}])
+
+
+def test_tensors_that_claim_more_than_they_hold_are_refused_before_they_cost_memory(tiny_dirs):
+    """A 2 KB torch.save of an expanded (stride 0) tensor on a grid of 8 million patches, a 16384 x 16384 int8
+    tensor, a zero-stride grid of a billion entries, sparse and meta tensors: each is a short ValueError, and none
+    makes the process allocate what it claims (its peak resident memory grows by less than 100 MB)."""
+    import resource
+
+    model_dir = tiny_dirs["tiny-3b"]
+    config = our_model(model_dir)[0].config
+    prompts = PromptProcessor(model_dir, config, accept_embeds=True)
+    width = config.vision.output_width
+    huge_grid = [1, 2, 8388608]
+    expanded = torch.zeros(1, width).expand(huge_grid[1] * huge_grid[2] // 4, width)
+    cases = [
+        ({"image_embeds": b64(expanded), "image_grid_thw": huge_grid}, "dense tensor"),
+        ({"image_embeds": b64(torch.zeros(16384, 16384, dtype=torch.int8)), "image_grid_thw": [1, 8, 8]}, "must hold"),
+        ({"image_embeds": b64(torch.zeros(16, width)), "image_grid_thw": b64(torch.ones(1, dtype=torch.long).expand(10**9))}, "three"),
+        ({"image_embeds": b64(torch.zeros(16, width).to_sparse()), "image_grid_thw": [1, 8, 8]}, "dense tensor"),
+        ({"image_embeds": b64(torch.zeros(16, width, device="meta")), "image_grid_thw": [1, 8, 8]}, "dense tensor"),
+        ({"image_embeds": b64(torch.zeros(16, width)), "image_grid_thw": [1, 8, 8.5]}, "three integers"),
+    ]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for given, words in cases:
+        with pytest.raises(ValueError, match=words) as refused:
+            prompts.process(IMAGE + "x", [given])
+        assert len(str(refused.value)) < 200
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000 + 16384 * 16384 // 1024  # kB
+
+
+def test_the_same_values_on_two_grids_are_two_inputs(tiny_dirs):
+    """The encoder and prefix caches name embeddings by their values, grid and shape: the same 16 rows given as a
+    4 x 4 and as a 2 x 8 grid of merged patches place their tokens differently (M-RoPE), so they share nothing."""
+    model_dir = tiny_dirs["tiny-3b"]
+    config = our_model(model_dir)[0].config
+    prompts = PromptProcessor(model_dir, config, accept_embeds=True)
+    rows = torch.randn(16, config.vision.output_width)
+    square, wide = (
+        prompts.process(IMAGE + "x", [{"image_embeds": rows, "image_grid_thw": grid}]).images[0]
+        for grid in ([1, 8, 8], [1, 4, 16])
+    )
+    assert square.content_hash != wide.content_hash

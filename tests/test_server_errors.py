@@ -400,7 +400,7 @@ def test_bad_input_table(server, media):
         assert error["code"] == status and error["type"] in ("MethodNotAllowedError", "NotFoundError"), error
     chunked = httpx.post(
         server + "/v1/chat/completions",
-        headers=AUTH,  # no Content-Length: counted as it comes
+        headers=AUTH | {"content-type": "application/json"},  # no Content-Length: counted as it comes
         content=(b"x" * (1 << 16) for _ in range(20)),
     )
     assert chunked.status_code == 413

@@ -129,6 +129,11 @@ def test_a_vllm_launch_line_serves(tiny_dirs):
         "info",
     ]
     with running_server(None, *flags) as (base, proc):
+        # on a loopback address: a page that rebound its name here, a foreign page, a text/plain body are refused
+        rebound = httpx.get(base + "/health", headers={"host": "rebound.example:8000"})
+        foreign = httpx.get(base + "/v1/models", headers={"origin": "https://evil.example"})
+        form = httpx.post(base + "/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+        assert (rebound.status_code, foreign.status_code, form.status_code) == (403, 403, 415)
         models = httpx.get(base + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["first", "second"] and models[0]["max_model_len"] == 1000
         reply = httpx.post(

@@ -9,18 +9,20 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from fovea import __version__
 from fovea.config.flags import LoRAModule
 from fovea.core.sampling_params import sampling_defaults
 from fovea.frontend.async_llm import AsyncLLM
 from fovea.server.errors import add_error_handlers
-from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit
+from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit, SiteCheck
 from fovea.server.lora_routes import ServedAdapters
 from fovea.server.lora_routes import routes as lora_routes
 from fovea.server.media import MediaPolicy
 from fovea.server.metrics import ServerMetrics
 from fovea.server.playground import ROUTES as PLAYGROUND_ROUTES
+from fovea.server.playground import SETTINGS_PATH
 from fovea.server.protocol import RequestLimits
 from fovea.server.responses import ROUTES as RESPONSES_ROUTES
 from fovea.server.responses import ResponseStore
@@ -28,6 +30,10 @@ from fovea.server.routes import ROUTES, Served
 from fovea.server.tool_calls import START
 
 logger = logging.getLogger("fovea")
+
+
+# what answers without the API key (as in vLLM); the playground's page asks for the key, its settings want it
+PUBLIC_PATHS = {"/health", "/version", "/metrics"}
 
 
 @dataclass
@@ -46,6 +52,9 @@ class ServerOptions:
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses calls
     lora_modules: list[LoRAModule] = field(default_factory=list)  # --lora-modules
     playground: bool = True  # the chat page at / (--disable-playground)
+    allowed_origins: list[str] = field(default_factory=list)  # web pages that may call: same-origin only by default
+    cors: dict = field(default_factory=dict)  # allow_methods, allow_headers, allow_credentials for those pages
+    allowed_hosts: list[str] | None = None  # Host names served (None: any), loopback names on a loopback address
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
@@ -100,9 +109,15 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     )
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, max_objects=options.max_body_objects)
-    app.add_middleware(APIKeyCheck, api_key=options.api_key)  # added last: runs first
-    for path, method, route in (
-        ROUTES + RESPONSES_ROUTES + lora_routes() + (PLAYGROUND_ROUTES if options.playground else [])
-    ):
+    routes = ROUTES + RESPONSES_ROUTES + lora_routes() + (PLAYGROUND_ROUTES if options.playground else [])
+    public = PUBLIC_PATHS | {path for path, _, _ in PLAYGROUND_ROUTES if path != SETTINGS_PATH}
+    app.add_middleware(APIKeyCheck, api_key=options.api_key, public=frozenset(public))
+    if options.allowed_origins:  # their pages' preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, **options.cors)
+    hosts = None if options.allowed_hosts is None or "*" in options.allowed_hosts else options.allowed_hosts
+    origins = frozenset(origin.lower().rstrip("/") for origin in options.allowed_origins)
+    hosts = None if hosts is None else frozenset(host.lower() for host in hosts)
+    app.add_middleware(SiteCheck, allowed_origins=origins, local_names=hosts)  # added last: runs first
+    for path, method, route in routes:
         app.add_api_route(path, route, methods=[method])
     return app

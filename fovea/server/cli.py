@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -61,6 +62,24 @@ def add_serve_parser(sub) -> None:
     )
     net.add_argument("--tool-call-parser", default=None, help="how calls are written: hermes (Qwen2.5's format)")
     net.add_argument("--root-path", default="", help="path prefix when behind a proxy that strips it")
+    net.add_argument(
+        "--allowed-origins",
+        type=json_list,
+        default=[],
+        help="web pages (origins, as JSON: '[\"https://app.example\"]', or '[\"*\"]') that may call the API from a "
+        "browser; others are refused (vLLM allows any by default)",
+    )
+    net.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods for --allowed-origins")
+    net.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers for --allowed-origins")
+    net.add_argument("--allow-credentials", action="store_true", help="CORS credentials for --allowed-origins")
+    net.add_argument(
+        "--allowed-hosts",
+        type=json_list,
+        default=None,
+        help="Host header names served, as JSON; on a loopback --host only this machine's names by default (a "
+        "page that rebinds its name to 127.0.0.1 is refused); a proxy that passes its own name lists it, '[\"*\"]' "
+        "any (fovea only)",
+    )
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
     net.add_argument("--ssl-certfile", default=None, help="the certificate for --ssl-keyfile")
     net.add_argument("--disable-playground", action="store_true", help="no chat page at / and /playground (fovea only)")
@@ -89,6 +108,21 @@ def add_serve_parser(sub) -> None:
     serve.set_defaults(func=run_serve)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # as Host headers name them
+
+
+def json_list(text: str) -> list[str]:
+    """vLLM's form of --allowed-origins and its kin: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}); a list, e.g. '[\"https://app.example\"]'") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError("must be a JSON list of strings")
+    return value
+
+
 class DefaultsShown(argparse.HelpFormatter):
     """Every flag's help ends with its default, as vLLM's does."""
 
@@ -109,7 +143,7 @@ def bind(host: str, port: int) -> socket.socket:
         sys.exit(f"fovea serve: cannot listen on {host}:{port}: {error.strerror}")
     server_socket.listen(2048)
     server_socket.set_inheritable(True)
-    where = "this machine only; --host 0.0.0.0 serves others" if host in ("127.0.0.1", "localhost", "::1") else host
+    where = "this machine only; --host 0.0.0.0 serves others" if host in LOOPBACK_HOSTS else host
     print(f"fovea serve: listening on {host}:{port} ({where}); the model loads next", file=sys.stderr, flush=True)
     return server_socket
 
@@ -163,6 +197,15 @@ def run_serve(args: argparse.Namespace) -> None:
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             lora_modules=args.lora_modules,
             playground=not args.disable_playground,
+            allowed_origins=args.allowed_origins,
+            cors=dict(
+                allow_methods=args.allowed_methods,
+                allow_headers=args.allowed_headers,
+                allow_credentials=args.allow_credentials,
+            ),
+            allowed_hosts=args.allowed_hosts
+            if args.allowed_hosts is not None or args.host not in LOOPBACK_HOSTS
+            else sorted(LOOPBACK_NAMES),
         )
         try:
             app = build_app(engine, options)

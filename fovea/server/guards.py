@@ -1,5 +1,6 @@
 """Checks made before a request reaches its route, as plain ASGI middleware (Starlette's BaseHTTPMiddleware would
-hide client disconnects from the routes): the API key, and the body's limits."""
+hide client disconnects from the routes): where a browser's request comes from, the API key, and the body's
+limits."""
 
 from __future__ import annotations
 
@@ -26,23 +27,69 @@ async def send_error(send, status: int, message: str, kind: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-# /tokenize fetches images and runs the template too; the playground's settings are the server's sampling defaults
-PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize", "/playground/settings")
+def _host_name(host: str) -> str:
+    """A Host header's name, without its port ([::1]:8000 -> [::1])."""
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") and "]:" in host else host
+
+
+class SiteCheck:
+    """What keeps a web page the operator opens from driving the server (it can send requests a browser makes
+    without asking: form posts, text/plain bodies, pages that rebind their name to 127.0.0.1):
+    - a request with an `Origin` other than the server's own is refused (403) unless `allowed_origins` holds it
+      (--allowed-origins; "*" allows any, vLLM's default);
+    - a body is JSON only (415 otherwise): a text/plain POST needs no CORS preflight;
+    - `local_names`: the server listens on a loopback address, so a Host of another name is a page that rebound
+      its name to this machine (403)."""
+
+    def __init__(self, app, allowed_origins: frozenset[str] = frozenset(), local_names: frozenset[str] | None = None):
+        self.app = app
+        self.allowed_origins, self.local_names = allowed_origins, local_names
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        host = headers.get(b"host", b"").decode("latin-1").lower()
+        if self.local_names is not None and _host_name(host) not in self.local_names:
+            why = f"Host {host!r} is not this machine: the server listens on a loopback address (--host)"
+            return await send_error(send, 403, why, "PermissionDeniedError")
+        origin = headers.get(b"origin", b"").decode("latin-1").lower()
+        if origin and origin.split("://", 1)[-1] != host and not {"*", origin} & self.allowed_origins:
+            why = f"requests from web pages of {origin} are refused (--allowed-origins lists those allowed)"
+            return await send_error(send, 403, why, "PermissionDeniedError")
+        declared = headers.get(b"content-length", b"0")
+        has_body = declared not in (b"", b"0") or b"transfer-encoding" in headers
+        media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if has_body and media_type != b"application/json" and not media_type.endswith(b"+json"):
+            why = "request bodies must be JSON, sent with Content-Type: application/json"
+            return await send_error(send, 415, why, "UnsupportedMediaTypeError")
+        return await self.app(scope, receive, send)
+
+
+def route_path(scope) -> str:
+    """The path the router matches, as Starlette finds it: uvicorn puts --root-path into scope["path"], and the
+    router takes it off again (a path outside the root path is matched whole)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 class APIKeyCheck:
-    """With a key set, every /v1 route and /tokenize, /detokenize, /playground/settings want `Authorization: Bearer KEY` (401
-    otherwise). The key is compared in constant time."""
+    """With a key set, every route but the `public` ones (health, version, metrics, the playground's page and
+    files) wants `Authorization: Bearer KEY` (401 otherwise): a route added later is protected unless named here.
+    Decided on the path the router will match, whatever the root path. The key is compared in constant time."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_key: str | None, public: frozenset[str] = frozenset()):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.public = public
 
     async def __call__(self, scope, receive, send):
         if (
             self.expected
-            and scope["type"] == "http"
-            and scope["path"].startswith(PROTECTED_PATHS)
+            and scope["type"] in ("http", "websocket")
+            and route_path(scope) not in self.public
             and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected)
         ):
             return await send_error(send, 401, "invalid or missing API key", "AuthenticationError")

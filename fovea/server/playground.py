@@ -28,7 +28,7 @@ POLICY = (
     "img-src 'self' data: blob:; media-src 'self' data: blob:; base-uri 'none'; form-action 'none'; "
     "frame-ancestors 'none'"
 )
-SETTINGS_PATH = "/playground/settings"  # guarded by the API key (guards.PROTECTED_PATHS)
+SETTINGS_PATH = "/playground/settings"  # guarded by the API key (app.PUBLIC_PATHS leaves it out)
 
 
 def static(name: str):
