@@ -112,7 +112,13 @@ def test_tensors_that_claim_more_than_they_hold_are_refused_before_they_cost_mem
     cases = [
         ({"image_embeds": b64(expanded), "image_grid_thw": huge_grid}, "dense tensor"),
         ({"image_embeds": b64(torch.zeros(16384, 16384, dtype=torch.int8)), "image_grid_thw": [1, 8, 8]}, "must hold"),
-        ({"image_embeds": b64(torch.zeros(16, width)), "image_grid_thw": b64(torch.ones(1, dtype=torch.long).expand(10**9))}, "three"),
+        (
+            {
+                "image_embeds": b64(torch.zeros(16, width)),
+                "image_grid_thw": b64(torch.ones(1, dtype=torch.long).expand(10**9)),
+            },
+            "three",
+        ),
         ({"image_embeds": b64(torch.zeros(16, width).to_sparse()), "image_grid_thw": [1, 8, 8]}, "dense tensor"),
         ({"image_embeds": b64(torch.zeros(16, width, device="meta")), "image_grid_thw": [1, 8, 8]}, "dense tensor"),
         ({"image_embeds": b64(torch.zeros(16, width)), "image_grid_thw": [1, 8, 8.5]}, "three integers"),
