@@ -6,6 +6,7 @@ vision tower). The prefix cache and the encoder cache keep each adapter's entrie
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from conftest import hf_inputs, random_image
 
 from fovea import LLM, LoRARequest, SamplingParams
 from fovea.engine.block_manager import block_hashes
+from fovea.engine.engine import StepFailed
 from fovea.models.loader import load_model
 from fovea.models.lora import AdapterCheck, LoRAError, load_adapter
 
@@ -129,7 +131,7 @@ def test_adapter_a_changes_the_vision_tower_and_its_image_embeddings_are_cached_
     weights = load_adapter(model, adapters["a"], 16, torch.float32, "cpu")
     vision = [name for name, module in model.visual.named_modules() if module in weights.pairs]
     check = AdapterCheck(model.config, 16)  # what the front end keys the adapter's image embeddings by
-    assert vision and check(adapters["a"]), "adapter a holds the vision blocks' MLPs"
+    assert vision and check(adapters["a"])[1], "adapter a holds the vision blocks' MLPs"
     image = random_image(84, 56, seed=4)
     conversation = with_pil(chat("Describe it.", image), [image])
     base, adapted = (
@@ -189,6 +191,55 @@ def test_bad_adapters_fail_naming_the_problem(tiny_dirs, adapters, llm, tmp_path
     )
     with pytest.raises(LoRAError, match=r"q_proj has A \(8, 7\)"):
         llm.generate("hi", GREEDY, lora_request=LoRARequest("bent", 13, str(bent)))
+    assert llm.generate("hi", GREEDY, use_tqdm=False)[0].finished  # the engine goes on
+
+
+def test_adapters_whose_numbers_or_settings_cannot_be_served_are_refused_by_name(tiny_dirs, adapters, llm, tmp_path):
+    """NaN weights, a NaN or 1e300 lora_alpha, int64 weights of 1e18, adapter_config.json as a list or with a
+    string alpha, a rank of 0, a 1-D lora_A: each a LoRAError (a 400 when served) naming it, never another
+    exception; and an adapter whose files change after its check is refused by the engine, not loaded."""
+    from safetensors.torch import load_file, save_file
+
+    source = Path(adapters["b"].lora_path)
+    weights, config = (
+        load_file(source / "adapter_model.safetensors"),
+        json.loads((source / "adapter_config.json").read_text()),
+    )
+    name_a = next(n for n in weights if n.endswith("lora_A.weight"))
+    name_b = name_a.replace("lora_A", "lora_B")
+
+    def variant(name, tensors=None, settings=None, raw_settings=None):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({**weights, **(tensors or {})}, folder / "adapter_model.safetensors")
+        text = raw_settings if raw_settings is not None else json.dumps({**config, **(settings or {})})
+        (folder / "adapter_config.json").write_text(text)
+        return str(folder)
+
+    cases = [
+        (variant("nan", {name_a: weights[name_a] * float("nan")}), "lora_A .*beyond"),
+        (variant("alpha-nan", settings={"lora_alpha": float("nan")}), "lora_alpha must be a number"),
+        (variant("alpha-huge", settings={"lora_alpha": 1e300}), "lora_alpha must be a number"),
+        (variant("alpha-text", settings={"lora_alpha": "16"}), "lora_alpha must be a number"),
+        (variant("ints", {name_b: torch.full(weights[name_b].shape, 10**18, dtype=torch.int64)}), "not floating"),
+        (variant("list", raw_settings="[]"), "must hold an object, not list"),
+        (
+            variant(
+                "rank0",
+                {name_a: torch.zeros(0, weights[name_a].shape[1]), name_b: torch.zeros(weights[name_b].shape[0], 0)},
+            ),
+            "rank at least 1",
+        ),
+        (variant("flat", {name_a: weights[name_a].reshape(-1)}), "rank at least 1"),
+    ]
+    for i, (path, words) in enumerate(cases):
+        with pytest.raises(LoRAError, match=words):
+            llm.generate("hi", GREEDY, lora_request=LoRARequest(f"bad-{i}", 30 + i, path), use_tqdm=False)
+    changing = LoRARequest("changing", 50, variant("changing"))
+    llm.inputs.check_lora(changing)  # checked (as a server does when the adapter is loaded) ...
+    save_file({**weights, name_b: weights[name_b] * 2}, Path(changing.lora_path) / "adapter_model.safetensors")
+    with pytest.raises(StepFailed, match="changed since it was loaded"):  # ... then its file is replaced
+        llm.generate("hi", GREEDY, lora_request=changing, use_tqdm=False)
     assert llm.generate("hi", GREEDY, use_tqdm=False)[0].finished  # the engine goes on
 
 

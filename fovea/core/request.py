@@ -29,6 +29,7 @@ class LoRARequest:
     lora_int_id: int
     lora_path: str = ""
     base_model_name: str | None = None
+    digest: str = ""  # of the files the front end checked: the engine loads only those bytes (models/lora.py)
 
     def __post_init__(self):
         if self.lora_int_id < 1:

@@ -187,7 +187,9 @@ class InputProcessor:
                     )
             items += parts
             start = parts[-1].end
-        if lora is not None and self.check_lora(lora):  # its image embeddings are its own: cached apart
+        if lora is not None:
+            lora, changes_vision = self.check_lora(lora)  # as checked: the engine loads only those bytes
+        if lora is not None and changes_vision:  # its image embeddings are its own: cached apart
             items = [
                 dataclasses.replace(
                     item,
@@ -222,8 +224,9 @@ class InputProcessor:
             request.release_unsent = weakref.finalize(request, release_shared, shared)
         return request
 
-    def check_lora(self, lora: LoRARequest) -> bool:
-        """Fails naming what is wrong with the adapter; says whether it changes the vision tower."""
+    def check_lora(self, lora: LoRARequest) -> tuple[LoRARequest, bool]:
+        """Fails naming what is wrong with the adapter; the adapter with the digest of the files checked, and
+        whether it changes the vision tower."""
         if not isinstance(lora, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         if self.adapter_check is None:

@@ -10,14 +10,17 @@ share of A's inputs (row-parallel layers) or of B's outputs (column-parallel one
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from fovea.config.model import ModelConfig
@@ -47,43 +50,74 @@ class LoRAError(ValueError):
 Piece = tuple[object, str, str, float]
 
 
-def adapter_file(path: Path) -> Path:
-    file = path / "adapter_model.safetensors"
+MAX_ALPHA = 1e4  # lora_alpha; released adapters use 8 to 512
+MAX_WEIGHT = 1e4  # |A| and |B x scaling|: trained LoRA weights are small, and the logits must stay finite
+
+
+@dataclass
+class AdapterFiles:
+    """An adapter directory read once: its settings, its tensors, and a digest of the bytes they came from (the
+    engine loads only bytes with the digest the front end checked: a file replaced since is refused)."""
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    digest: str
+
+
+def read_adapter(path: Path) -> AdapterFiles:
+    settings, file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not settings.is_file():
+        raise LoRAError(f"{path} is not a PEFT adapter directory: it has no adapter_config.json")
     if not file.is_file():
         found = (
             "adapter_model.bin (a pickle, which fovea does not load)" if (path / "adapter_model.bin").is_file() else ""
         )
         raise LoRAError(f"no adapter_model.safetensors in {path}" + (f"; it has {found}" if found else ""))
-    return file
+    raw_config, raw_weights = settings.read_bytes(), file.read_bytes()
+    digest = hashlib.sha256(raw_config + b"\0" + raw_weights).hexdigest()
+    try:
+        tensors = safetensors.torch.load(raw_weights)
+    except Exception as error:  # noqa: BLE001 - the library's parse errors have no common type
+        raise LoRAError(f"adapter {path}: adapter_model.safetensors does not parse ({type(error).__name__})") from None
+    return AdapterFiles(adapter_settings(raw_config, path), tensors, digest)
 
 
-def read_adapter_config(path: Path) -> dict:
-    file = path / "adapter_config.json"
-    if not file.is_file():
-        raise LoRAError(f"{path} is not a PEFT adapter directory: it has no adapter_config.json")
-    config = json.loads(file.read_text())
+def adapter_settings(raw: bytes, path: Path) -> dict:
+    """adapter_config.json, with the settings fovea reads checked for type and range."""
+    try:
+        config = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise LoRAError(f"adapter {path}: adapter_config.json is not JSON") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"adapter {path}: adapter_config.json must hold an object, not {type(config).__name__}")
     if config.get("peft_type", "LORA") != "LORA":
-        raise LoRAError(f"adapter {path} is a {config['peft_type']} adapter; fovea serves LoRA adapters")
+        raise LoRAError(f"adapter {path} is a {str(config['peft_type'])[:40]} adapter; fovea serves LoRA adapters")
     for key, what in UNSUPPORTED.items():
         if config.get(key):
             raise LoRAError(f"adapter {path} uses {what}, which fovea does not support")
     if config.get("bias", "none") != "none":
-        raise LoRAError(f"adapter {path} trains biases (bias={config['bias']!r}), which fovea does not support")
+        raise LoRAError(
+            f"adapter {path} trains biases (bias={str(config['bias'])[:40]!r}), which fovea does not support"
+        )
+    alpha = config.setdefault("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= MAX_ALPHA:
+        raise LoRAError(f"adapter {path}: lora_alpha must be a number in (0, {MAX_ALPHA:g}]")
+    if not isinstance(config.setdefault("use_rslora", False), bool):
+        raise LoRAError(f"adapter {path}: use_rslora must be true or false")
     return config
 
 
-def plan_adapter(model: nn.Module, path: Path, max_rank: int, whole: bool = True) -> dict[LinearBase, list[Piece]]:
-    """The model's layers the adapter at `path` changes, with its tensors for each. `whole`: the layers are whole
-    (the front end's meta model), and every shape is checked against them; a rank's layers hold slices."""
-    config = read_adapter_config(path)
-    alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora", False)
-    with safe_open(str(adapter_file(path)), framework="pt") as f:
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+def plan_adapter(model: nn.Module, path: Path, adapter: AdapterFiles, max_rank: int, whole: bool = True):
+    """The model's layers the adapter changes, with its tensors for each: {layer: [Piece]}. `whole`: the layers
+    are whole (the front end's meta model), and every shape is checked against them; a rank's layers hold
+    slices."""
+    config = adapter.config
+    alpha, rslora = config["lora_alpha"], config["use_rslora"]
     modules: dict[str, dict[str, str]] = {}
-    for name in shapes:
+    for name in adapter.tensors:
         match = ADAPTER_KEY.match(name)
         if match is None:
-            raise LoRAError(f"adapter {path}: tensor {name} is not a LoRA A or B matrix (embedding adapters and "
+            raise LoRAError(f"adapter {path}: tensor {name[:200]} is not a LoRA A or B matrix (embedding adapters and "
                             "trained copies of modules are not supported)")  # fmt: skip
         modules.setdefault(match["module"], {})[match["kind"]] = name
     plan: dict[LinearBase, list[Piece]] = {}
@@ -91,18 +125,24 @@ def plan_adapter(model: nn.Module, path: Path, max_rank: int, whole: bool = True
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"adapter {path}: {module} has lora_{''.join(pair)} without its other half")
         layer, shard = find_layer(model, module, path)
-        a, b = shapes[pair["A"]], shapes[pair["B"]]
-        rank = a[0]
+        a, b = (adapter.tensors[pair[kind]] for kind in "AB")
         outputs = layer.output_size if shard is None else layer.output_piece(shard)[1]
-        fits = not whole or (a[1], b[0]) == (layer.input_size, outputs)
-        if len(a) != 2 or len(b) != 2 or b[1] != rank or not fits:
+        shapes_fit = a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[1] >= 1
+        if not shapes_fit or whole and (a.shape[1], b.shape[0]) != (layer.input_size, outputs):
             raise LoRAError(
-                f"adapter {path}: {module} has A {a} and B {b}; the model's layer needs A (rank, "
-                f"{layer.input_size}) and B ({outputs}, rank)"
+                f"adapter {path}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; the model's layer needs A "
+                f"(rank, {layer.input_size}) and B ({outputs}, rank), rank at least 1"
             )
+        rank = a.shape[0]
         if rank > max_rank:
             raise LoRAError(f"adapter {path} has rank {rank}, more than max_lora_rank {max_rank} (--max-lora-rank)")
         scaling = alpha / (rank**0.5 if rslora else rank)
+        for tensor, factor, kind in ((a, 1.0, "A"), (b, scaling, "B")):
+            if not tensor.is_floating_point():
+                raise LoRAError(f"adapter {path}: {module}'s lora_{kind} holds {tensor.dtype}, not floating point")
+            largest = float(tensor.float().abs().max()) * factor
+            if not largest <= MAX_WEIGHT:  # NaN too
+                raise LoRAError(f"adapter {path}: {module}'s lora_{kind} (scaled) holds values beyond {MAX_WEIGHT:g}")
         plan.setdefault(layer, []).append((shard, pair["A"], pair["B"], scaling))
     if not plan:
         raise LoRAError(f"adapter {path} holds no LoRA tensors")
@@ -124,32 +164,35 @@ def find_layer(model: nn.Module, module: str, path: Path) -> tuple[LinearBase, o
 
 
 def load_adapter(model: nn.Module, lora: LoRARequest, max_rank: int, dtype, device) -> LoRAWeights:
-    """The adapter's pairs for this rank's layers: one (A, B) per layer, its pieces stacked (see layers/lora.py)."""
+    """The adapter's pairs for this rank's layers: one (A, B) per layer, its pieces stacked (see layers/lora.py).
+    Only the bytes the front end checked (`lora.digest`) are loaded."""
     path = Path(lora.lora_path)
-    plan = plan_adapter(model, path, max_rank, whole=False)  # checked whole by the front end (AdapterCheck)
+    adapter = read_adapter(path)
+    if lora.digest and adapter.digest != lora.digest:
+        raise LoRAError(f"adapter {lora.lora_name!r}: its files at {path} changed since it was loaded; load it again")
+    plan = plan_adapter(model, path, adapter, max_rank, whole=False)  # checked whole by the front end
     weights = LoRAWeights(lora.lora_name)
-    with safe_open(str(adapter_file(path)), framework="pt") as f:
-        for layer, pieces in plan.items():
-            a_parts, b_parts = [], []  # B's parts: (offset in our outputs, rows) per rank block of A
-            for shard, a_name, b_name, scaling in pieces:
-                a, b = f.get_tensor(a_name).float(), f.get_tensor(b_name).float() * scaling
-                share = layer.input_share()
-                a_parts.append(a if share is None else a[:, share[0] : share[0] + share[1]])
-                whole = isinstance(layer, QKVParallelLinear) and shard is None
-                outs = layer.split_fused(b).items() if whole else [(shard, b)]
-                rows = []
-                for sid, part in outs:
-                    offset, size, start = layer.output_piece(sid)
-                    rows.append((offset, part[start : start + size]))
-                b_parts.append(rows)
-            stacked_a = torch.cat(a_parts)
-            stacked_b = torch.zeros(layer.output_size, stacked_a.shape[0])
-            column = 0
-            for a, rows in zip(a_parts, b_parts):
-                for offset, part in rows:
-                    stacked_b[offset : offset + part.shape[0], column : column + a.shape[0]] = part
-                column += a.shape[0]
-            weights.pairs[layer] = (stacked_a.to(device, dtype), stacked_b.to(device, dtype))
+    for layer, pieces in plan.items():
+        a_parts, b_parts = [], []  # B's parts: (offset in our outputs, rows) per rank block of A
+        for shard, a_name, b_name, scaling in pieces:
+            a, b = adapter.tensors[a_name].float(), adapter.tensors[b_name].float() * scaling
+            share = layer.input_share()
+            a_parts.append(a if share is None else a[:, share[0] : share[0] + share[1]])
+            whole = isinstance(layer, QKVParallelLinear) and shard is None
+            outs = layer.split_fused(b).items() if whole else [(shard, b)]
+            rows = []
+            for sid, part in outs:
+                offset, size, start = layer.output_piece(sid)
+                rows.append((offset, part[start : start + size]))
+            b_parts.append(rows)
+        stacked_a = torch.cat(a_parts)
+        stacked_b = torch.zeros(layer.output_size, stacked_a.shape[0])
+        column = 0
+        for a, rows in zip(a_parts, b_parts):
+            for offset, part in rows:
+                stacked_b[offset : offset + part.shape[0], column : column + a.shape[0]] = part
+            column += a.shape[0]
+        weights.pairs[layer] = (stacked_a.to(device, dtype), stacked_b.to(device, dtype))
     return weights
 
 
@@ -164,18 +207,22 @@ class AdapterCheck:
     def __init__(self, model_config: ModelConfig, max_rank: int):
         self.model_config, self.max_rank = model_config, max_rank
         self._model: nn.Module | None = None
-        self._checked: dict[tuple[int, str], bool] = {}
+        self._checked: dict[tuple[int, str], tuple[LoRARequest, bool]] = {}
         self._lock = threading.Lock()  # the preparation pool's threads
 
-    def __call__(self, lora: LoRARequest) -> bool:
+    def __call__(self, lora: LoRARequest) -> tuple[LoRARequest, bool]:
+        """The adapter as the engine is to load it (with the digest of the bytes checked), and whether it changes
+        the vision tower."""
         key = (lora.lora_int_id, lora.lora_path)
         with self._lock:
             if key not in self._checked:
                 if self._model is None:
                     with torch.device("meta"):
                         self._model = family(self.model_config.architecture).Model(self.model_config, ModelOptions())
-                plan = plan_adapter(self._model, Path(lora.lora_path), self.max_rank)
-                self._checked[key] = changes_vision(self._model, plan)
+                path = Path(lora.lora_path)
+                adapter = read_adapter(path)
+                plan = plan_adapter(self._model, path, adapter, self.max_rank)
+                self._checked[key] = dataclasses.replace(lora, digest=adapter.digest), changes_vision(self._model, plan)
             return self._checked[key]
 
 

@@ -34,7 +34,7 @@ class ServedAdapters:
         if module.name in self.by_name or module.name in self.base_names:
             raise APIError(400, f"The lora adapter '{module.name}' has already been loaded.", param="lora_name")
         lora = LoRARequest(module.name, next(self._ids), module.path, module.base_model_name or self.base_names[0])
-        self.check(lora)  # a LoRAError (a ValueError, 400) names what is wrong
+        lora, _ = self.check(lora)  # a LoRAError (a ValueError, 400) names what is wrong
         self.by_name[module.name] = lora
         return lora
 
