@@ -145,3 +145,14 @@ def test_a_chat_template_that_names_no_file_stops_the_server(llava_dir):
     )
     assert done.returncode != 0
     assert "--chat-template 'examples/template_llava.jinja' names no file" in done.stderr
+
+
+def test_the_content_format_cache_keeps_digests_not_templates():
+    """Four 2 MB templates once kept 311 MB in an lru_cache keyed by the template itself."""
+    from fovea.multimodal import chat_format
+
+    for i in range(4):
+        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}" + " " * (2 << 20) + str(i)
+        assert chat_format.detect_content_format(template) == "string"
+    assert all(isinstance(key, bytes) and len(key) == 16 for key in chat_format._FORMATS)
+    assert sum(len(value) for value in chat_format._FORMATS.values()) < 1000

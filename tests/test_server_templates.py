@@ -3,6 +3,7 @@ time, memory and output; the chat template options of a request are honoured."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import httpx
@@ -53,6 +54,16 @@ def test_client_templates_are_bounded(server, tiny_dirs):
         reply = chat(server, chat_template=template)
         assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
         assert time.monotonic() - start < 10, template  # the worker's limit (2 s) bounds every case
+    # reading a template's syntax is running it too: an expression 30,000 deep recurses past Python's stack in
+    # the parser (in a worker: a 400, while the server answers others at once); 2 MB of it is refused unread
+    deep, huge = "{{ " + "a+" * 30000 + "a }}", "{{ " + "a+" * 1000000 + "a }}"
+    for template, message in ((deep, "RecursionError"), (huge, "at most 65536 characters")):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(chat, server, chat_template=template)
+            health = [httpx.get(server + "/health").elapsed.total_seconds() for _ in range(5)]
+            reply = sent.result()
+        assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text[:300]
+        assert max(health) < 0.5, health
     # the workers that overran are replaced; a plain template and the server's own still work
     deadline = time.monotonic() + 60
     while (reply := chat(server, chat_template=PLAIN)).status_code != 200 and time.monotonic() < deadline:

@@ -12,8 +12,9 @@ placeholder text, e.g. LLaVA's `<image>` or Qwen's `<|vision_start|><|image_pad|
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import jinja2
@@ -33,10 +34,22 @@ def _is_content(node: nodes.Node, names: set[str]) -> bool:
     return isinstance(node, nodes.Name) and node.name in names
 
 
-@functools.lru_cache(maxsize=64)
+_FORMATS: OrderedDict[bytes, str] = OrderedDict()  # by the template's digest: the template itself is not kept
+
+
 def detect_content_format(template: str) -> str:
     """ "openai" when the template iterates over a message's content, else "string" (also for one that does not
-    parse: rendering it will say what is wrong)."""
+    parse: rendering it will say what is wrong). A client's template is read in the template sandbox only."""
+    key = hashlib.blake2b(template.encode(), digest_size=16).digest()
+    found = _FORMATS.get(key)
+    if found is None:
+        found = _FORMATS[key] = _detect_content_format(template)
+        while len(_FORMATS) > 64:
+            _FORMATS.popitem(last=False)
+    return found
+
+
+def _detect_content_format(template: str) -> str:
     try:
         tree = jinja2.Environment().parse(template)
     except jinja2.TemplateSyntaxError:

@@ -46,6 +46,9 @@ class RequestLimits:
             raise ValueError(f"stop strings may have at most {self.max_stop_string_chars} characters")
 
 
+MAX_REQUEST_TEMPLATE_CHARS = 64 << 10  # released chat templates are 2-20 kB
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -258,7 +261,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    chat_template: str | None = None
+    chat_template: str | None = Field(None, max_length=MAX_REQUEST_TEMPLATE_CHARS)  # run in the sandbox
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None

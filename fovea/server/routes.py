@@ -12,6 +12,7 @@ on the event loop, so one large request does not hold up the others' streams and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -99,8 +100,12 @@ class Served:
         return tools, tool_use, self.checked_params(body, tool_use)
 
     def render_in_sandbox(self, messages: list[dict], chat: ChatOptions):
-        normalized, media = self.engine.inputs.prompts.normalize_chat(messages, self.max_len, chat)
-        return self.sandbox.render(normalized, chat), media
+        prompts = self.engine.inputs.prompts
+        # content as lists of parts: the sandbox reads the template's content format (client input) itself
+        normalized, media = prompts.normalize_chat(
+            messages, self.max_len, dataclasses.replace(chat, content_format="openai")
+        )
+        return self.sandbox.render(normalized, chat, prompts.placeholders), media
 
     async def read_body(self, request: Request, model):
         return await self.engine.run_in_pool(parse_body, await request.body(), model)

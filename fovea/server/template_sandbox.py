@@ -1,7 +1,8 @@
 """Chat templates sent with requests (only with --trust-request-chat-template) run in worker processes.
 
 A template is a program: Jinja's sandbox keeps it from reaching Python internals, but not from looping for
-minutes or building a gigabyte string. So client templates render in separate processes (fovea/worker_pool.py),
+minutes or building a gigabyte string, and even parsing one can take seconds and recurse past Python's stack
+(a 2 MB `{{ a+a+...+a }}`). Every step of a client's template runs here: reading its content format, rendering. So client templates render in separate processes (fovea/worker_pool.py),
 each with a memory cap (RLIMIT_AS), a time limit (the worker is killed and replaced when it overruns) and a cap
 on the output's length; a request waits at most as long as the time limit for a free worker. The server's own
 template (the checkpoint's, or --chat-template) is trusted and renders in process.
@@ -9,6 +10,7 @@ template (the checkpoint's, or --chat-template) is trusted and renders in proces
 
 from __future__ import annotations
 
+from fovea.multimodal.chat_format import as_string_content, detect_content_format
 from fovea.multimodal.prompt import ChatOptions
 from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
 
@@ -26,10 +28,16 @@ def _render_worker(conn, model_dir: str, memory_bytes: int, max_chars: int) -> N
     conn.send("ready")
     while True:
         try:
-            messages, chat = conn.recv()
+            messages, chat, placeholders = conn.recv()
         except EOFError:  # the server is gone
             return
         try:
+            # reading the template's syntax is running client input too: here, under the same bounds
+            content_format = chat.content_format
+            if content_format == "auto":
+                content_format = detect_content_format(chat.template)
+            if content_format == "string":
+                messages = as_string_content(messages, placeholders)
             text = chat.render(tokenizer, messages, chat.template)
             reply = (
                 (True, text)
@@ -50,10 +58,11 @@ class TemplateSandbox:
         self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
         self.pool = WorkerPool(_render_worker, (model_dir, memory_bytes, max_chars), workers, "chat template")
 
-    def render(self, messages: list[dict], chat: ChatOptions) -> str:
-        """Blocking (call it from a thread): the rendered prompt, or ValueError saying what went wrong."""
+    def render(self, messages: list[dict], chat: ChatOptions, placeholders: dict[str, str]) -> str:
+        """Blocking (call it from a thread): the rendered prompt, or ValueError saying what went wrong. `messages`
+        hold their content as lists of parts; a "string" template gets it joined (`placeholders` per medium)."""
         try:
-            ok, result = self.pool.call((messages, chat), self.timeout_s)
+            ok, result = self.pool.call((messages, chat, placeholders), self.timeout_s)
         except TimeoutError:
             raise ValueError("all chat template workers are busy; retry shortly") from None
         except WorkerFailed:
