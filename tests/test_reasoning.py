@@ -200,3 +200,27 @@ def test_qwen3_vl_chat_with_an_image_and_a_video_over_http(server):
     video_tokens = with_video["usage"]["prompt_tokens"] - text_only["usage"]["prompt_tokens"]
     assert video_tokens == 2 * (6 + 1 + (96 // 32) * (64 // 32) + 1), with_video
     assert with_video["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stream_of_whitespace_costs_each_delta_its_own_length():
+    """48k whitespace tokens once cost 105 s of the event loop (each delta stripped the whole text held back) and
+    the stream showed nothing until its end. Now whitespace past MAX_LEAD is taken as no tag and streams as it
+    comes: 50,000 deltas in well under a second, the text out equal to the text in, and a tag after a little
+    whitespace still opens the reasoning."""
+    import time
+
+    from fovea.server.reasoning import MAX_LEAD, Reasoning
+
+    for opened, field in ((False, 1), (True, 0)):
+        parser = Reasoning("qwen3", "<think>" if opened else "")
+        start, out, late = time.monotonic(), [], 0
+        for i in range(50_000):
+            piece = parser.feed(" \n"[i % 2], False)[field]
+            out.append(piece)
+            late = late or (i > MAX_LEAD and piece == "")
+        out.append(parser.feed("", True)[field])
+        assert time.monotonic() - start < 2.0 and not late
+        assert "".join(out) == " \n" * 25_000
+    parser = Reasoning("qwen3", "")
+    parts = [parser.feed(piece, False) for piece in [" "] * 100 + ["<thi", "nk>", "why", "</think>", "so"]]
+    assert "".join(r for r, _ in parts) == "why" and "".join(c for _, c in parts) == "so"

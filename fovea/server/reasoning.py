@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from fovea.config.flags import REASONING_TAGS
 
+MAX_LEAD = 256  # whitespace before the first tag past which the output is taken not to open with one
+
 
 def partial_suffix(text: str, tag: str) -> int:
     """How many characters at the end of `text` may begin `tag` (held back until they do not)."""
@@ -27,18 +29,27 @@ class Reasoning:
         self.start, self.end = REASONING_TAGS[parser]
         self.opened = (prompt or "").rstrip().endswith(self.start)  # by the template: reasoning comes first
         self.state = "undecided"  # until the output's first characters show whether it starts with the tag
-        self.pending = ""  # text not yet sent: a tag may be forming in it
+        self.lead = ""  # while undecided: the output's leading whitespace, held back
+        self.pending = ""  # text not yet sent: a tag may be forming in it (after `lead`, while undecided)
 
     def feed(self, piece: str, final: bool) -> tuple[str, str]:
-        """(reasoning, content) that `piece` completes; `final` flushes what was held back."""
-        self.pending += piece
+        """(reasoning, content) that `piece` completes; `final` flushes what was held back. The work is that of
+        `piece` and of at most a tag's length held back: never of the whole text so far."""
         reasoning = content = ""
         if self.state == "undecided":
-            head = self.pending.lstrip()
-            if head.startswith(self.start):
-                self.state, self.pending = "reasoning", head[len(self.start) :]
-            elif final or not self.start.startswith(head):  # a model that writes the tag itself, or no tag
+            if not self.pending:  # still in the leading whitespace
+                head = piece.lstrip()
+                self.lead += piece[: len(piece) - len(head)]
+                piece = head
+            self.pending += piece
+            if self.pending.startswith(self.start):
+                self.state, self.pending, self.lead = "reasoning", self.pending[len(self.start) :], ""
+            elif final or not self.start.startswith(self.pending) or len(self.lead) > MAX_LEAD:
+                # a model that writes the tag itself, or no tag (nor after this much whitespace)
                 self.state = "reasoning" if self.opened else "content"
+                self.pending, self.lead = self.lead + self.pending, ""
+        else:
+            self.pending += piece
         if self.state == "reasoning":
             end = self.pending.find(self.end)
             if end >= 0:
