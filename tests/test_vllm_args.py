@@ -219,6 +219,7 @@ def test_serve_help_shows_every_default():
         "--skip",
         "--fp32",
         "--enable-chunked",
+        "--allow-credentials",
     )
     for entry in entries:
         if entry.strip() and not entry.strip().startswith(switches):
