@@ -174,3 +174,43 @@ def test_a_function_call_round_trip_and_previous_response_id(client):
 def test_bad_input_is_the_sdks_error(client, fields, error, words):
     with pytest.raises(error, match=words):
         client.responses.create(model="tiny", **fields)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "messages is not a Responses API field; it is input here"),
+        ({"max_tokens": 5, "max_output_tokens": 4}, "max_tokens is not a Responses API field; it is max_output_tokens"),
+        ({"top_k": "many"}, "top_k: Input should be a valid integer"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": [1]}}},
+            "must be a JSON schema (an object)",
+        ),
+    ],
+)
+def test_chat_fields_and_their_bad_values_are_400s_in_the_servers_own_words(client, extra, words):
+    """Once a TypeError (500) for a field given twice, and pydantic's report (input values, its site's links)."""
+    import httpx
+
+    reply = httpx.post(str(client.base_url) + "responses", json={"model": "tiny", "input": "hi", **extra}, timeout=60)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and words in error["message"], reply.text
+    assert "pydantic" not in error["message"] and "input_value" not in error["message"], error
+
+
+def test_the_store_holds_no_more_memory_than_its_size_says():
+    """The cap counted JSON length while the store kept Python objects, ~7x larger (1.8 GB under 256 MB)."""
+    import tracemalloc
+
+    from fovea.server.responses import ResponseStore
+
+    turn = [{"role": "user", "content": [{"type": "text", "text": f"word {i}"} for i in range(2000)]}]
+    tracemalloc.start()
+    store = ResponseStore(max_count=1000, max_bytes=4 << 20)
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(100):  # each its own objects, as each request's are
+        store.put({"id": f"resp_{i}", "output": []}, json.loads(json.dumps(turn)))
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert store.size <= 4 << 20 and held < 1.3 * (4 << 20), (store.size, held)
+    assert store.get("resp_99") == ({"id": "resp_99", "output": []}, turn) and len(store.entries) < 100

@@ -369,9 +369,15 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     except RecursionError:
         raise InvalidBody("the body nests objects or arrays too deeply") from None
     except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise InvalidBody(f"{where}: {first['msg']}" if where else first["msg"], where or None) from None
+        raise invalid_body(error) from None
+
+
+def invalid_body(error: ValidationError) -> InvalidBody:
+    """pydantic's first complaint, where it is and what is wrong (never its whole report: it names our source
+    files, echoes the input and links to pydantic's site)."""
+    first = error.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return InvalidBody(f"{where}: {first['msg']}" if where else first["msg"], where or None)
 
 
 OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")  # `<_io.BytesIO object at 0x7f...>` and its kin

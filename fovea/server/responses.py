@@ -21,10 +21,11 @@ from collections import OrderedDict
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from fovea.server import openai_serving as serving
 from fovea.server.errors import APIError
-from fovea.server.protocol import ChatCompletionRequest, ResponsesRequest
+from fovea.server.protocol import ChatCompletionRequest, ResponsesRequest, invalid_body
 from fovea.server.response_items import finished_turn, output_items, response_object, stream_events
 from fovea.server.routes import Served, start_chat
 
@@ -33,35 +34,37 @@ MAX_STORED_BYTES = int(float(os.environ.get("FOVEA_STORED_RESPONSES_MB", "256"))
 
 
 class ResponseStore:
-    """Responses and their conversations by id, newest kept, within a count and a size."""
+    """Responses and their conversations by id, newest kept, within a count and a size. Kept as their JSON bytes:
+    the size counted is the size held (as Python objects they took ~7x their JSON's length)."""
 
     def __init__(self, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
         self.max_count, self.max_bytes = max_count, max_bytes
-        self.entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self.entries: OrderedDict[str, bytes] = OrderedDict()
         self.size = 0
         self._lock = threading.Lock()
 
     def put(self, response: dict, conversation: list[dict]) -> None:
-        size = len(json.dumps(conversation)) + len(json.dumps(response))
+        kept = json.dumps([response, conversation], separators=(",", ":")).encode()
         with self._lock:
-            self.entries[response["id"]] = (response, conversation, size)
-            self.size += size
+            self.size += len(kept) - len(self.entries.pop(response["id"], b""))
+            self.entries[response["id"]] = kept
             while self.entries and (len(self.entries) > self.max_count or self.size > self.max_bytes):
-                self.size -= self.entries.popitem(last=False)[1][2]
+                self.size -= len(self.entries.popitem(last=False)[1])
 
     def get(self, response_id: str) -> tuple[dict, list[dict]]:
         with self._lock:
             found = self.entries.get(response_id)
         if found is None:
             raise APIError(404, f"Response with id '{response_id}' not found.", "NotFoundError", "response_id")
-        return found[0], found[1]
+        response, conversation = json.loads(found)
+        return response, conversation
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
         with self._lock:
             entry = self.entries.pop(response_id, None)
             if entry is not None:
-                self.size -= entry[2]
+                self.size -= len(entry)
 
 
 # ----------------------------------------------------------------------------------- request -> chat request
@@ -167,7 +170,14 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompl
     )
     # vLLM's sampling extras (top_k, seed, structured_outputs, chat_template_kwargs, ...) pass through as they are
     extras = {k: v for k, v in (body.model_extra or {}).items() if k in ChatCompletionRequest.model_fields}
-    return ChatCompletionRequest(**extras, **{k: v for k, v in fields.items() if v is not None}), conversation
+    given = {k: v for k, v in fields.items() if v is not None}
+    for name in sorted(set(extras) & set(given)):  # the chat's own name for a field the Responses API names itself
+        own = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}.get(name)
+        raise ValueError(f"{name} is not a Responses API field" + (f"; it is {own} here" if own else ""))
+    try:
+        return ChatCompletionRequest(**extras, **given), conversation
+    except ValidationError as error:
+        raise invalid_body(error) from None
 
 
 # ------------------------------------------------------------------------------------------------- routes
@@ -177,7 +187,9 @@ async def create_response(request: Request):
     served: Served = request.app.state.served
     body = await served.read_body(request, ResponsesRequest)
     store: ResponseStore = served.responses
-    history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
+    history = (
+        (await served.engine.run_in_pool(store.get, body.previous_response_id))[1] if body.previous_response_id else []
+    )
     chat, conversation = await served.engine.run_in_pool(chat_request, body, history)
     run = await start_chat(request, served, chat, "resp")
     response_id, created = "resp_" + run.request_id.removeprefix("resp-"), int(time.time())
@@ -209,7 +221,8 @@ async def create_response(request: Request):
 
 
 async def get_response(request: Request, response_id: str):
-    return request.app.state.served.responses.get(response_id)[0]
+    served = request.app.state.served
+    return (await served.engine.run_in_pool(served.responses.get, response_id))[0]
 
 
 async def delete_response(request: Request, response_id: str):
