@@ -192,6 +192,12 @@ def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
             str(tmp_path / "run.png"),
         )
         table = capsys.readouterr().out
+        # a served name and no --tokenizer: the server's own directory, not the hub (once ~50 s of retries)
+        named = bench("--base-url", base, "--model", "tiny", "--num-prompts", "2", "--random-input-len", "12",
+                      "--random-output-len", "2", "--ignore-eos")  # fmt: skip
+        assert named["completed"] == 2 and named["total_input_tokens"] == 24
+        with pytest.raises(ValueError, match="no tokenizer at .*pass --tokenizer DIR"):
+            bench("--base-url", base, "--tokenizer", str(tmp_path / "nothing-here"), "--num-prompts", "1")
         mm = bench(
             *common,
             "--num-prompts",

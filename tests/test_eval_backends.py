@@ -11,6 +11,8 @@ from serving import running_server
 
 from fovea.cli import main
 from fovea.eval.answers import extract_answer
+from fovea.eval.backends import OpenAIBackend
+from fovea.eval.registry import ModelEntry
 
 SAME_FIELDS = ("run", "id", "target", "output", "answer", "prompt_tokens", "output_tokens")
 ENGINE = ["--dtype", "float32", "--max-model-len", "1024"]
@@ -46,6 +48,8 @@ def test_in_process_server_and_ray_give_identical_predictions(tiny_dirs, task_fi
     # served under another name: the one model a server serves is the one meant
     with running_server(model, *ENGINE, "--served-model-name", "tiny") as (base, _):
         main([*common, "--base-url", f"{base}/v1", "--concurrency", "3", "--output-dir", str(tmp_path / "server")])
+        with pytest.raises(ValueError, match=r"the server serves \['tiny'\], not 'other/model'"):
+            OpenAIBackend(f"{base}/v1", ModelEntry("other", "other/model"))  # never the one served instead
     main([*common, *ENGINE, "--ray", "--num-replicas", "2", "--output-dir", str(tmp_path / "ray")])
 
     expected, results = read_outputs(tmp_path / "in-process")
@@ -114,9 +118,6 @@ def test_shipped_patch_camelyon_task_on_a_parquet_copy(tiny_dirs, tmp_path, caps
 
 def test_eval_command_errors_name_the_problem(tiny_dirs, task_file):
     from serving import free_port
-
-    from fovea.eval.backends import OpenAIBackend
-    from fovea.eval.registry import ModelEntry
 
     with pytest.raises(ValueError, match="cannot reach the server at http://127.0.0.1:"):
         OpenAIBackend(f"http://127.0.0.1:{free_port()}/v1", ModelEntry("m", "m"))

@@ -174,6 +174,9 @@ def test_refusals_come_before_the_model_loads(tiny_dirs):
     model = str(tiny_dirs["tiny-3b"])
     done, _ = fovea_serve(model, "--pipeline-parallel-size", "2")
     assert done.returncode != 0 and "pipeline parallelism is not implemented" in done.stderr
+    done, _ = fovea_serve(model, "--gpu-memory-utilization", "1.5")  # vLLM refuses more than all of it too
+    assert done.returncode != 0 and "gpu_memory_utilization must be in (0, 1], got 1.5" in done.stderr
+    assert "Traceback" not in done.stderr
     with socket.socket() as busy:
         port = free_port()
         busy.bind(("127.0.0.1", port))

@@ -238,8 +238,8 @@ def build_requests(args, tokenizer):
     )
 
 
-def served_model(httpx, base_url: str, headers: dict) -> str:
-    """The server's first model name; a clear error when the server cannot be reached or refuses the key."""
+def served_models(httpx, base_url: str, headers: dict) -> list[dict]:
+    """The server's model cards; a clear error when the server cannot be reached or refuses the key."""
     try:
         reply = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
     except httpx.HTTPError as error:
@@ -247,12 +247,34 @@ def served_model(httpx, base_url: str, headers: dict) -> str:
     if reply.status_code != 200:
         hint = " (give the key with --api-key or OPENAI_API_KEY)" if reply.status_code == 401 else ""
         raise ValueError(f"{base_url}/v1/models answered {reply.status_code}{hint}: {reply.text[:200]}")
-    return reply.json()["data"][0]["id"]
+    return reply.json()["data"]
+
+
+def served_tokenizer(cards: list[dict], model: str) -> str | None:
+    """The directory the server loaded `model` from (an adapter's base model's), where this machine sees it:
+    its tokenizer is the one the server counts with."""
+    by_id = {card["id"]: card for card in cards}
+    card = by_id.get(model)
+    if card is not None and card.get("parent") in by_id:
+        card = by_id[card["parent"]]
+    root = (card or {}).get("root")
+    return root if root and Path(root).is_dir() else None
+
+
+def load_bench_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"no tokenizer at {name!r}: not a directory here, and the hub gave none ({reason}); pass --tokenizer DIR"
+        ) from None
 
 
 def run_bench_serve(args: argparse.Namespace) -> dict:
     import httpx
-    from transformers import AutoTokenizer
 
     from fovea.bench import serve
     from fovea.bench.metrics import compute_metrics, format_table, parse_goodput
@@ -267,8 +289,9 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")  # as vLLM's bench client reads it
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model or served_model(httpx, base_url, headers)
-    tokenizer_id = args.tokenizer or model
+    cards = [] if args.model and args.tokenizer else served_models(httpx, base_url, headers)
+    model = args.model or cards[0]["id"]
+    tokenizer_id = args.tokenizer or served_tokenizer(cards, model) or model  # the server's own, before the hub
     selected = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
     unknown = set(selected) - {"ttft", "tpot", "itl", "e2el"}
     if unknown:
@@ -276,7 +299,7 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
     goodput = parse_goodput(args.goodput)
     metadata = dict(item.partition("=")[::2] for item in args.metadata)
-    requests = build_requests(args, AutoTokenizer.from_pretrained(tokenizer_id))  # images encoded once, here
+    requests = build_requests(args, load_bench_tokenizer(tokenizer_id))  # images encoded once, here
     cpu_start = time.process_time()
     results, duration = asyncio.run(
         serve.run(

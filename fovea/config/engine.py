@@ -179,6 +179,8 @@ class EngineConfig:
         ):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
+        if not 0 < config.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
         check_tensor_parallel(config)
         if not config.encoder_cache_size:  # a video's parts are at most one step's budget or one temporal patch
             vision = config.model.vision

@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 from fovea.eval.registry import ModelEntry
 from fovea.eval.tasks import data_url
@@ -109,13 +110,24 @@ class OpenAIBackend:
             raise ValueError(f"cannot reach the server at {self.root}: {exc}") from None
         if response.status_code != 200:
             raise ValueError(f"{self.root}/v1/models answered {response.status_code}: {response.text[:200]}")
-        served = [m["id"] for m in response.json().get("data", [])]
+        cards = response.json().get("data", [])
         for name in (self.entry.path, self.entry.name):
-            if name in served:
+            if any(card["id"] == name for card in cards):
                 return name
-        if len(served) == 1:  # one model: what a user pointing at a server means
-            return served[0]
+        for card in cards:  # served under another name: the server says where it loaded the model from
+            if self._loaded_from(str(card.get("root") or "")):
+                return card["id"]
+        served = [card["id"] for card in cards]
         raise ValueError(f"the server serves {served}, not {self.entry.path!r}: pass one of them as --model")
+
+    def _loaded_from(self, root: str) -> bool:
+        """Whether a served model's directory is this entry's model: the same directory, or the hub's copy of it."""
+        path = self.entry.path
+        if not root:
+            return False
+        if Path(path).is_dir():
+            return Path(path).resolve() == Path(root).resolve()
+        return f"models--{path.replace('/', '--')}" in Path(root).parts
 
     def complete(self, conversations: list[list[dict]], params: dict, desc: str | None = None) -> list[Completion]:
         return asyncio.run(self._complete_all(conversations, params, desc))

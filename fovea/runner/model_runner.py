@@ -72,6 +72,9 @@ def _queue_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Ev
     return host, ready
 
 
+LOGITS_BUFFER_ROWS = 512
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelGroups | None = None):
         self.config = config
@@ -133,9 +136,8 @@ class ModelRunner:
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would still be NaN
         self.kv_caches = [zeroed(shape, config.kv_dtype, self.device) for _ in range(self.num_layers)]
         self.kv_cache_bytes = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
-        self.logits_buffer = torch.empty(
-            config.max_num_seqs, config.model.text.vocab_size, dtype=config.dtype, device=self.device
-        )
+        rows = min(config.max_num_seqs, LOGITS_BUFFER_ROWS)  # a larger step's logits are allocated for it
+        self.logits_buffer = torch.empty(rows, config.model.text.vocab_size, dtype=config.dtype, device=self.device)
         self.graphs: DecodeGraphs | None = None
         if capture and config.model.text.moe is not None:  # the reference experts loop over the experts that
             # the step's tokens chose, a host sync a graph cannot record: decode steps run eagerly
