@@ -121,7 +121,7 @@ def run(tree: Path, label: str, model: str, bursts: list[int]) -> dict:
         time.sleep(1)
         report["grammar_crash"] = {
             "status": code,
-            "message": str(answer.get("error", {}).get("message", ""))[:200],
+            "message": str(answer.get("error", {}).get("message", "") if code else answer["error"])[:200],
             "server_running": server.poll() is None,
         }
         print(label, report["grammar_crash"], flush=True)

@@ -79,6 +79,18 @@ def test_a_failing_step_fails_its_requests_and_nothing_else(llm, tiny_dirs, monk
     assert_engine_idle(engine)
 
 
+def fail_steps_running(engine, prefix: str, monkeypatch) -> None:
+    """Every step that runs a request whose id starts with `prefix` raises."""
+    real_execute = engine.runner.execute
+
+    def execute(batch, cache, *ahead):
+        if any(seq.request.request_id.startswith(prefix) for seq in batch.seqs):
+            raise RuntimeError("injected step failure")
+        return real_execute(batch, cache, *ahead)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+
 def failures_until_idle(engine, outputs: dict | None = None) -> list[list[str]]:
     """Steps until nothing is left; the request ids of each StepFailed, in order."""
     failures = []
@@ -98,14 +110,7 @@ def test_requests_batched_with_a_failing_one_finish_with_their_own_tokens(llm, m
     engine = llm.engine
     prompts = {f"victim-{i}": f"Victim {i} writes" + " more" * i for i in range(4)}
     alone = dict(zip(prompts, llm.generate(list(prompts.values()), GREEDY.clone(max_tokens=8), use_tqdm=False)))
-    real_execute = engine.runner.execute
-
-    def execute(batch, cache, *ahead):
-        if any(seq.request.request_id.startswith("poison") for seq in batch.seqs):
-            raise RuntimeError("injected step failure")
-        return real_execute(batch, cache, *ahead)
-
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    fail_steps_running(engine, "poison", monkeypatch)
     for i, (request_id, prompt) in enumerate(prompts.items()):
         engine.add_request(request(llm, request_id, prompt, GREEDY.clone(max_tokens=8)))
         for j in range(3):
@@ -161,14 +166,7 @@ def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
     from fovea.engine.engine_core import MAX_FAILED_STEPS_IN_A_ROW, _serve
 
     engine = llm.engine
-    real_execute = engine.runner.execute
-
-    def execute(batch, cache, *ahead):
-        if any(seq.request.request_id.startswith("boom") for seq in batch.seqs):
-            raise RuntimeError("injected step failure")
-        return real_execute(batch, cache, *ahead)
-
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    fail_steps_running(engine, "boom", monkeypatch)
     command_reader, commands = multiprocessing.Pipe(duplex=False)
     results, result_writer = multiprocessing.Pipe(duplex=False)
     stopped = []
