@@ -219,6 +219,8 @@ function addUserMessage(text, attachments) {
   node.scrollIntoView({ block: "end" });
 }
 
+const RENDER_MS = 50;
+
 function addAssistantMessage() {
   const node = element("div", "msg assistant");
   const reasoning = element("details", "reasoning");
@@ -230,23 +232,46 @@ function addAssistantMessage() {
   node.append(reasoning, content, footer);
   $("messages").append(node);
   const follow = () => node.scrollIntoView({ block: "end" });
+  // The answer is drawn at most every RENDER_MS, not at every token: drawing it all again per token is quadratic,
+  // and a long answer kept the page too busy for anything else (its /metrics poll among them).
+  let latest = null;
+  let timer = null;
+  let drawnAt = 0;
+  const draw = () => {
+    timer = null;
+    drawnAt = performance.now();
+    if (latest !== null) content.innerHTML = renderMarkdown(latest);
+    follow();
+  };
+  const later = () => {
+    if (timer === null) timer = setTimeout(draw, Math.max(0, RENDER_MS - (performance.now() - drawnAt)));
+  };
+  const flush = () => {
+    if (timer !== null) {
+      clearTimeout(timer);
+      draw();
+    }
+  };
   return {
     setReasoning(text) {
       reasoning.hidden = false;
       reasoning.lastChild.textContent = text;
-      follow();
+      later();
     },
     setContent(text) {
-      content.innerHTML = renderMarkdown(text);
-      follow();
+      latest = text;
+      later();
     },
     setStats(text) {
+      flush();
       footer.textContent = text;
     },
     setStopped() {
+      flush();
       footer.append(element("span", "stopped", "stopped"));
     },
     setError(message) {
+      flush();
       footer.append(element("span", "error", message));
     },
   };
