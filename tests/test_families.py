@@ -304,3 +304,49 @@ def test_what_installed_transformers_saves_loads(family_dirs, tiny_dirs, family,
             positions = torch.arange(ids.shape[1]).expand(3, -1)
             logits = ours.compute_logits(ours(ids[0], positions, AttentionMetadata.from_lengths([ids.shape[1]])))
         assert (logits - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", *FAMILIES])
+def test_eos_token_id_as_null_int_list_or_missing(family_dirs, tiny_dirs, family, tmp_path):
+    """config.json's eos_token_id at the top or under text_config, as an int, a list, null or left out (transformers
+    5.24 writes a null): the ids given, else generation_config.json's, else the tokenizer's eos_token. A null once
+    became (None,): the grammar engine refused to start and generation never stopped at EOS."""
+    import shutil
+
+    from fovea.config.model import ModelConfig
+
+    source = tiny_dirs["tiny-3b"] if family == "qwen2.5-vl" else family_dirs[family]
+    folder = tmp_path / family
+    shutil.copytree(source, folder)
+    raw = json.loads((source / "config.json").read_text())
+    tokenizer_eos = {"llava": 2}.get(family, 151645)  # </s>, <|im_end|>
+    generation = folder / "generation_config.json"
+    saved = json.loads(generation.read_text()) if generation.is_file() else {}
+
+    def resolved(value, where: str, generation_eos="absent") -> tuple[int, ...]:
+        config = json.loads(json.dumps(raw))
+        for part in (config, config.get("text_config") or {}):
+            part.pop("eos_token_id", None)
+        target = config.get("text_config") if where == "text_config" else config
+        if value != "missing":
+            target["eos_token_id"] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        settings = {k: v for k, v in saved.items() if k != "eos_token_id"}
+        if generation_eos != "absent":
+            settings["eos_token_id"] = generation_eos
+        generation.write_text(json.dumps(settings))
+        return ModelConfig.from_dir(folder).eos_token_ids
+
+    places = ["top"] + (["text_config"] if "text_config" in raw else [])
+    for where in places:
+        assert resolved(7, where) == (7,)
+        assert resolved([7, 8], where) == (7, 8)
+        for value in (None, "missing", []):
+            assert resolved(value, where, generation_eos=[9, 10]) == (9, 10), (where, value)
+            assert resolved(value, where, generation_eos=None) == (tokenizer_eos,), (where, value)
+            assert resolved(value, where) == (tokenizer_eos,), (where, value)
+    if "text_config" in raw:  # a null under text_config leaves the top level's value
+        config = json.loads(json.dumps(raw))
+        config["eos_token_id"], config["text_config"]["eos_token_id"] = 11, None
+        (folder / "config.json").write_text(json.dumps(config))
+        assert ModelConfig.from_dir(folder).eos_token_ids == (11,)

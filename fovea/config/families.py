@@ -11,11 +11,12 @@ is a parser here and its module under fovea/models/ (registry.py there names it)
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
 from fovea.config.image import ImageProcessorConfig
-from fovea.config.model import ModelConfig, MoEConfig, TextConfig, VisionConfig, resolve_dtype
+from fovea.config.model import ModelConfig, MoEConfig, TextConfig, VisionConfig, read_json, resolve_dtype
 from fovea.config.quant import parse_quant_config
 from fovea.config.video import TimestampedVideoOptions
 
@@ -40,8 +41,12 @@ def architecture_of(raw: dict) -> str:
     return supported[0]
 
 
-def parse_model_config(raw: dict, preprocessor: dict) -> ModelConfig:
+def parse_model_config(raw: dict, preprocessor: dict, model_dir: Path | None = None) -> ModelConfig:
     config = PARSERS[architecture_of(raw)](raw, preprocessor)
+    if not config.eos_token_ids:  # null or left out in config.json: as transformers, the generation config's or
+        # the tokenizer's; the family's own only where the directory has neither
+        found = eos_from_files(model_dir) if model_dir is not None else ()
+        config = dataclasses.replace(config, eos_token_ids=found or FAMILY_EOS[config.architecture])
     quant = parse_quant_config(raw.get("quantization_config") or text_keys(raw).get("quantization_config"))
     if quant is None:
         return config
@@ -54,8 +59,9 @@ def parse_model_config(raw: dict, preprocessor: dict) -> ModelConfig:
 
 
 def text_keys(raw: dict) -> dict:
-    """The language model's keys: transformers 5 and LLaVA nest them under text_config."""
-    return {**raw, **(raw.get("text_config") or {})}
+    """The language model's keys: transformers 5 and LLaVA nest them under text_config (a null there leaves the
+    top level's value)."""
+    return {**raw, **{k: v for k, v in (raw.get("text_config") or {}).items() if v is not None}}
 
 
 def parse_text(
@@ -102,7 +108,39 @@ def checkpoint_dtype(raw: dict) -> torch.dtype:
 
 
 def eos_ids(eos) -> tuple[int, ...]:
-    return tuple(eos) if isinstance(eos, list) else (eos,)
+    """An eos_token_id field as ids: an int, a list of them, or nothing (null, missing, an empty list)."""
+    values = eos if isinstance(eos, list) else [eos]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def eos_from_files(model_dir: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id, else the tokenizer's eos_token looked up in its files."""
+    found = eos_ids(read_json(model_dir / "generation_config.json").get("eos_token_id"))
+    if found:
+        return found
+    settings = read_json(model_dir / "tokenizer_config.json")
+    token = settings.get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if not isinstance(token, str):
+        return ()
+    for token_id, added in (settings.get("added_tokens_decoder") or {}).items():
+        if isinstance(added, dict) and added.get("content") == token:
+            return (int(token_id),)
+    vocabulary = read_json(model_dir / "tokenizer.json")
+    for added in vocabulary.get("added_tokens") or []:
+        if added.get("content") == token:
+            return (added["id"],)
+    token_id = ((vocabulary.get("model") or {}).get("vocab") or {}).get(token)
+    return (token_id,) if isinstance(token_id, int) else ()
+
+
+FAMILY_EOS = {  # the released checkpoints' <|im_end|> and </s>
+    "Qwen2_5_VLForConditionalGeneration": (151645,),
+    "Qwen3VLForConditionalGeneration": (151645,),
+    "Qwen3VLMoeForConditionalGeneration": (151645,),
+    "Qwen2VLForConditionalGeneration": (151645,),
+    "LlavaForConditionalGeneration": (2,),
+}
 
 
 # -------------------------------------------------------------------------------------- Qwen2.5-VL, Qwen2-VL
@@ -147,7 +185,7 @@ def qwen_model_config(raw: dict, preprocessor: dict, text: TextConfig, vision: V
         video_token_id=raw.get("video_token_id", 151656),
         vision_start_token_id=raw.get("vision_start_token_id", 151652),
         vision_end_token_id=raw.get("vision_end_token_id", 151653),
-        eos_token_ids=eos_ids(keys.get("eos_token_id", 151645)),
+        eos_token_ids=eos_ids(keys.get("eos_token_id")),
         image=ImageProcessorConfig.dynamic(preprocessor),
     )
 
@@ -315,7 +353,7 @@ def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
         video_token_id=None,
         vision_start_token_id=None,
         vision_end_token_id=None,
-        eos_token_ids=eos_ids(text_raw.get("eos_token_id", 2)),
+        eos_token_ids=eos_ids(text_raw.get("eos_token_id")),
         image=ImageProcessorConfig.center_crop(preprocessor, patch, side),
         mrope=False,
     )

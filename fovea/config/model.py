@@ -135,13 +135,14 @@ class ModelConfig:
         video = read_json(Path(model_dir) / "video_preprocessor_config.json")
         if video:  # newer checkpoints keep the video processor's settings apart (Qwen3-VL)
             preprocessor["video_preprocessor"] = video
-        return cls.from_dict(json.loads(path.read_text()), preprocessor)
+        return cls.from_dict(json.loads(path.read_text()), preprocessor, Path(model_dir))
 
     @classmethod
-    def from_dict(cls, raw: dict, preprocessor: dict | None = None) -> ModelConfig:
+    def from_dict(cls, raw: dict, preprocessor: dict | None = None, model_dir: Path | None = None) -> ModelConfig:
+        """`model_dir`: where fields config.json leaves null are looked up (the EOS tokens)."""
         from fovea.config.families import parse_model_config  # its parsers build these dataclasses
 
-        return parse_model_config(raw, preprocessor or {})
+        return parse_model_config(raw, preprocessor or {}, model_dir)
 
 
 def read_json(path: Path) -> dict:
