@@ -464,3 +464,47 @@ def test_slow_grammars_cost_their_own_request_only(tiny_dirs, monkeypatch):
         engine.step()
     assert failure.value.request_ids == ["late"] and not engine.has_unfinished_requests()
     released.set()
+
+
+@pytest.mark.parametrize("family", ["tiny-3b", "llava"])
+def test_special_tokens_text_in_a_constraint_is_followed_or_refused_never_violated(tiny_dirs, tmp_path, family):
+    """Every added token of the tiny vocabularies inside a regex, a choice and a JSON schema's const: the output
+    satisfies the constraint, or the request fails saying the output cannot follow the grammar. `<tool_call>abc`
+    once came back as `<tool_call>` and EOS, finish reason stop: the grammar silently broken."""
+    from transformers import AutoTokenizer
+
+    from fovea.engine.engine import StepFailed
+
+    if family == "llava":
+        from fovea.testing.tiny_llava import write_llava_checkpoint
+
+        model_dir = write_llava_checkpoint(tmp_path / "llava", seed=3)
+    else:
+        model_dir = tiny_dirs[family]
+    specials = sorted(AutoTokenizer.from_pretrained(str(model_dir)).get_added_vocab())
+    llm = LLM(str(model_dir), max_model_len=256, dtype="float32")
+    refused = followed = 0
+    for token in specials:
+        for spec in (
+            StructuredOutputsParams(regex=re.escape(token) + "abc"),
+            StructuredOutputsParams(choice=[token + "yes"]),
+            StructuredOutputsParams(json={"type": "object", "properties": {"a": {"const": token}}, "required": ["a"]}),
+        ):
+            params = SamplingParams(max_tokens=24, temperature=0, structured_outputs=spec, skip_special_tokens=False)
+            try:
+                output = llm.generate("Say", params, use_tqdm=False)[0].outputs[0]
+            except StepFailed as failure:
+                assert "cannot follow the grammar" in str(failure), (token, spec)
+                refused += 1
+                continue
+            text = output.text.removesuffix(llm.get_tokenizer().eos_token or "")
+            if output.finish_reason == "stop":
+                assert (
+                    re.fullmatch(spec.regex, text)
+                    if spec.regex
+                    else text in spec.choice
+                    if spec.choice
+                    else json.loads(text) == {"a": token}
+                ), (token, spec, output.text)
+                followed += 1
+    assert refused + followed > len(specials)  # most cases end one way or the other within 24 tokens

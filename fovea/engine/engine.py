@@ -19,7 +19,7 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.request import Request, RequestInput, RequestOutput, ScheduledBatch, Sequence, SequenceStatus
-from fovea.core.sampling_params import RequestOutputKind
+from fovea.core.sampling_params import WHERE, RequestOutputKind
 from fovea.core.stats import EngineStats, LatencyEvents, record_token_time
 from fovea.engine.block_manager import BlockManager
 from fovea.engine.encoder_cache import EncoderCache
@@ -41,6 +41,7 @@ from fovea.runner.tp_workers import WorkerDied, start_workers
 logger = logging.getLogger("fovea")
 IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them
 MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even if it never failed alone
+NONFINITE = "the model's logits for this request were NaN or infinite"
 
 
 class StepFailed(RuntimeError):
@@ -96,7 +97,7 @@ class LLMEngine:
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         self._logprob_entry = LogprobEntries(self.tokenizer)
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None  # queued on the device, not yet recorded
-        self.failed_rows: StepFailed | None = None  # requests given non-finite logits, raised after the step
+        self.failed_rows: list[StepFailed] = []  # requests failed by their own row, raised after the step
         # on a GPU the step's kernels run while the host goes on: the host builds the outputs of one step while the
         # device computes the next. Not under tensor parallelism, whose ranks step in lockstep with rank 0.
         overlap = config.overlap_outputs
@@ -223,10 +224,9 @@ class LLMEngine:
             self.finished_outputs = outputs + self._report(touched) + self.finished_outputs
             raise
         outputs += self._report(touched)
-        if self.failed_rows is not None:  # the others' outputs come with the next step
-            failed, self.failed_rows = self.failed_rows, None
+        if self.failed_rows:  # the others' outputs come with the next step
             self.finished_outputs = outputs + self.finished_outputs
-            raise failed
+            raise self.failed_rows.pop(0)
         return outputs
 
     def _schedules_ahead(self, previous: tuple[ScheduledBatch, StepOutput]) -> bool:
@@ -398,9 +398,10 @@ class LLMEngine:
         for index, _ in result.row_owners:
             batch.seqs[index].pending_forks = 0
         now = time.time()
-        nonfinite = {seq.request for seq, ok in zip(row_seqs, finite) if seq is not None and not ok}
+        # requests that fail alone, and why: logits the model gave as NaN or infinity, a grammar the output broke
+        broken = {seq.request: NONFINITE for seq, ok in zip(row_seqs, finite) if seq is not None and not ok}
         for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
-            if seq is None or seq.request in nonfinite:
+            if seq is None or seq.request in broken:
                 continue
             record_token_time(seq, now, self.events)
             entry, logprob = None, 0.0
@@ -410,13 +411,16 @@ class LLMEngine:
                     k = seq.params.logprobs
                     entry = self._logprob_entry(token, logprob, ranks[row], top_ids[row][:k], top_values[row][:k])
             finished = append_token(seq, token, entry, logprob, self.config.max_model_len)
-            if finished:
+            grammar = seq.request.grammars[seq.index] if seq.request.grammars and not seq.grammar_waiting else None
+            if grammar is not None and grammar.is_error():  # never a silent violation
+                broken[seq.request] = f"{WHERE}: the output cannot follow the grammar ({grammar.get_error()[:300]})"
+            elif finished:
                 self._finish(seq, *finished)
             touched.add(seq.request)
-        if nonfinite:
-            error = FloatingPointError("the model's logits for this request were NaN or infinite")
-            self.failed_rows = self._fail(nonfinite, error)
-        return touched
+        for why in dict.fromkeys(broken.values()):
+            failed = {request for request, reason in broken.items() if reason == why}
+            self.failed_rows.append(self._fail(failed, ValueError(why)))
+        return touched - broken.keys()
 
     def _record_finish(self, request: Request) -> None:
         if self.events is not None:
