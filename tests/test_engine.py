@@ -361,7 +361,7 @@ def test_kv_cache_too_small_for_max_model_len_fails_at_start_with_advice(tiny_di
         LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024, num_gpu_blocks_override=10)
     fits = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", num_gpu_blocks_override=10)  # the model's length
     assert fits.engine.config.max_model_len == 160
-    assert "KV cache: 160 tokens, max concurrency 1.00x for max_model_len 160" in fovea_log.text
+    assert "KV cache: 160 tokens of float32, max concurrency 1.00x for max_model_len 160" in fovea_log.text
     assert "lowered from the model's 128000" in fovea_log.text
 
 

@@ -18,6 +18,10 @@ ALSO = {
     "vllm:cache_config_info": "gauge",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_prefill_kv_computed_tokens": "histogram",
 }
 
 
@@ -82,7 +86,11 @@ def test_every_dashboard_series_is_exported_with_the_values_of_the_requests(tiny
     prompt_len = value("vllm:prompt_tokens_total") / 2
     assert value("vllm:request_prompt_tokens_count") == 2 and value("vllm:request_prompt_tokens_sum") == 2 * prompt_len
     assert value("vllm:request_generation_tokens_sum") == 8 == value("vllm:generation_tokens_total")
-    assert value("vllm:request_max_num_generation_tokens_sum") == 8
+    assert value("vllm:request_max_num_generation_tokens_sum") == 8 == value("vllm:request_params_max_tokens_sum")
+    assert value("vllm:request_params_n_count") == 2 == value("vllm:request_params_n_sum")
+    assert value("vllm:request_prefill_kv_computed_tokens_sum") == 2 * prompt_len  # no prefix caching
+    assert value("vllm:request_time_per_output_token_seconds_count") == 2
+    assert 0 < value("vllm:request_time_per_output_token_seconds_sum") <= value("vllm:request_decode_time_seconds_sum")
     for phase in ("queue", "prefill", "decode", "inference"):
         assert value(f"vllm:request_{phase}_time_seconds_count") == 2, phase
     assert value("vllm:request_inference_time_seconds_sum") >= value("vllm:request_decode_time_seconds_sum") > 0
@@ -93,3 +101,30 @@ def test_every_dashboard_series_is_exported_with_the_values_of_the_requests(tiny
     info = found["vllm:cache_config_info"].samples  # labelled by the settings, not the model (as vLLM's)
     assert len(info) == 1 and info[0].value == 1
     assert info[0].labels["block_size"] == "16" and info[0].labels["num_gpu_blocks"] == "64"
+    assert info[0].labels["cache_dtype"] == "auto" and "lora_requests_info" not in text  # no LoRA here
+
+
+def test_lora_requests_info_and_the_kv_dtype_as_configured(tiny_dirs):
+    """vLLM's lora_requests_info with LoRA on (the adapters of running and waiting requests), and cache_config_info
+    says the KV cache's dtype as asked (it said auto under --kv-cache-dtype fp8)."""
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--served-model-name", "tiny", "--enable-lora"]
+    with running_server(tiny_dirs["tiny-3b"], *flags, "--max-loras", "3", "--kv-cache-dtype", "fp8") as (base, proc):
+        reply = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+        assert reply.status_code == 200
+        found = families(httpx.get(base + "/metrics").text)
+    (info,) = found["vllm:lora_requests_info"].samples
+    assert info.labels == {"max_lora": "3", "waiting_lora_adapters": "", "running_lora_adapters": ""}
+    assert found["vllm:cache_config_info"].samples[0].labels["cache_dtype"] == "fp8"
+    assert "KV cache: " in proc.output and " tokens of float8_e4m3fn" in proc.output
+
+
+def test_lora_requests_info_follows_the_adapters_in_use():
+    from prometheus_client import generate_latest
+
+    from fovea.core.stats import EngineStats
+    from fovea.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny", 256, max_loras=2)
+    metrics.update(EngineStats(running_loras=("a", "b"), waiting_loras=("c",)))
+    (info,) = families(generate_latest(metrics.registry).decode())["vllm:lora_requests_info"].samples
+    assert (info.labels["running_lora_adapters"], info.labels["waiting_lora_adapters"]) == ("a,b", "c")

@@ -133,6 +133,16 @@ def test_responses_api_gives_a_reasoning_item_then_the_message(server):
     assert thought == "Two and two make four." and sum(e.type == "response.reasoning_text.delta" for e in events) > 3
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
     assert events[-1].response.output_text == "\n\nFour."
+    # the reasoning's own tokens: those between <think> and </think> (each one token of the vocabulary)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(httpx.get(server + "/v1/models").json()["data"][0]["root"])
+    thinking = len(tokenizer.encode("Two and two make four.", add_special_tokens=False))
+    for usage in (whole.usage, events[-1].response.usage):
+        assert usage.output_tokens_details.reasoning_tokens == thinking, usage
+        assert usage.output_tokens > thinking
+    with pytest.raises(openai.BadRequestError, match="conversation is not supported"):
+        client.responses.create(model="tiny", input=ASK, extra_body={"conversation": "conv_1"})
 
 
 def test_structured_output_begins_after_the_reasoning(server):

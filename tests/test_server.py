@@ -14,6 +14,7 @@ from serving import running_server
 from fovea import LLM
 
 KEY = "sk-fovea-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=400)
 
 
@@ -329,3 +330,29 @@ def test_fields_that_ask_nothing_of_this_model_are_accepted(client):
         .message.content
     )
     assert extra == plain
+
+
+def test_prompt_logprobs_as_vllm_gives_them(server, llm):
+    """vLLM's prompt_logprobs in completions (per choice) and chat (on the response): per prompt token, None for
+    the first, then its own log-probability and the k best, by token id, as the offline engine scores them; with
+    a stream a 400, as in vLLM. It was dropped with a log line."""
+    import math
+
+    prompt = "The harbour at dawn"
+    offline = llm.generate(prompt, greedy(llm, 2).clone(prompt_logprobs=2), use_tqdm=False)[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    choice = httpx.post(server + "/v1/completions", headers=AUTH, json=body, timeout=60).json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(offline.prompt_token_ids) and entries[0] is None
+    for token, entry, expected in zip(offline.prompt_token_ids[1:], entries[1:], offline.prompt_logprobs[1:]):
+        assert str(token) in entry and 2 <= len(entry) <= 3
+        assert {int(t) for t in entry} == set(expected) and entry[str(token)]["rank"] == expected[token].rank
+        assert math.isclose(entry[str(token)]["logprob"], expected[token].logprob, abs_tol=1e-4)
+        assert entry[str(token)]["decoded_token"] == expected[token].decoded_token
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "prompt_logprobs": 0}
+    reply = httpx.post(server + "/v1/chat/completions", headers=AUTH, json=chat, timeout=60).json()
+    assert reply["prompt_logprobs"][0] is None and all(len(e) == 1 for e in reply["prompt_logprobs"][1:])
+    plain = httpx.post(server + "/v1/completions", headers=AUTH, json={**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    streamed = httpx.post(server + "/v1/completions", headers=AUTH, json={**body, "stream": True})
+    assert streamed.status_code == 400 and "not available when stream" in streamed.json()["error"]["message"]

@@ -266,3 +266,16 @@ def test_the_vllm_module_entry_point_serves(tiny_dirs):
         proc.terminate()
         output = proc.communicate(timeout=60)[0]
     assert f"listening on 127.0.0.1:{port} (this machine only; --host 0.0.0.0 serves others)" in output
+
+
+def test_vllm_skip_warmup_variable_means_skip_warmup(tiny_dirs, monkeypatch):
+    """Seed 000's launch line sets VLLM_SKIP_WARMUP=true."""
+    from fovea.cli import build_parser
+    from fovea.config.engine import EngineConfig
+    from fovea.config.flags import engine_kwargs
+
+    model = str(tiny_dirs["tiny-3b"])
+    served = engine_kwargs(build_parser().parse_args(["serve", model]))
+    assert not EngineConfig.from_args(model, **served).skip_warmup
+    monkeypatch.setenv("VLLM_SKIP_WARMUP", "true")
+    assert EngineConfig.from_args(model, **served).skip_warmup and EngineConfig.from_args(model).skip_warmup

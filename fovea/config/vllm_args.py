@@ -8,6 +8,7 @@ rather than run something else than asked), and vLLM's spellings of values fovea
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 logger = logging.getLogger("fovea")
@@ -36,6 +37,8 @@ ONLY_AT = {
 
 # vLLM's older spellings of a setting fovea has: (the setting, its value when the old switch is on)
 SWITCHES = {"disable_mm_preprocessor_cache": ("mm_processor_cache_gb", 0)}
+# vLLM's environment variables that stand for a setting fovea has (a switch the arguments leave off)
+ENVIRONMENT = {"VLLM_SKIP_WARMUP": ("skip_warmup", True)}
 
 VLLM_ONLY_ARGS = set(NO_EFFECT) | set(ONLY_AT) | set(SWITCHES)
 
@@ -50,6 +53,10 @@ def take_vllm_args(args: dict) -> dict:
     for name, (setting, value) in SWITCHES.items():
         if args.pop(name, None):
             args[setting] = value
+    for variable, (setting, value) in ENVIRONMENT.items():
+        if not args.get(setting) and os.environ.get(variable, "").lower() in ("1", "true"):
+            args[setting] = value
+            logger.info("%s is set: %s=%r", variable, setting, value)
     noted = [name for name in args if name in NO_EFFECT and args[name] is not None]
     for name in noted:
         logger.info("accepted and ignored %s=%r: %s", name, args[name], NO_EFFECT[name])

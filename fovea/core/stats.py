@@ -28,6 +28,9 @@ class LatencyEvents:
     request_prompt_tokens: list[int] = field(default_factory=list)
     request_generation_tokens: list[int] = field(default_factory=list)
     request_max_tokens: list[int] = field(default_factory=list)
+    request_n: list[int] = field(default_factory=list)
+    request_prefill_computed: list[int] = field(default_factory=list)  # prompt tokens not found in the cache
+    request_time_per_output_token: list[float] = field(default_factory=list)  # its decode time per token after one
     phases: dict[str, list[float]] = field(
         default_factory=lambda: {"queue": [], "prefill": [], "decode": [], "inference": []}
     )
@@ -42,6 +45,13 @@ class LatencyEvents:
         self.request_generation_tokens.append(sum(seq.num_output_tokens for seq in request.sequences))
         if request.params.max_tokens is not None:
             self.request_max_tokens.append(request.params.max_tokens)
+        self.request_n.append(request.params.n)
+        self.request_prefill_computed.append(len(request.prompt_token_ids) - request.num_cached_tokens)
+        generated = self.request_generation_tokens[-1]
+        if generated > 1 and times.first_token_time is not None and times.last_token_time is not None:
+            self.request_time_per_output_token.append(
+                (times.last_token_time - times.first_token_time) / (generated - 1)
+            )
         for phase, start, end in (
             ("queue", times.arrival_time, times.first_scheduled_time),
             ("prefill", times.first_scheduled_time, times.first_token_time),
@@ -68,6 +78,8 @@ class EngineStats:
     num_requests_added: int = 0  # since start
     replicas: list[EngineStats] = field(default_factory=list)  # data-parallel servers: each replica's own
     serving: bool = True  # a data-parallel replica's, as the front end knows it: False while it is down
+    running_loras: tuple[str, ...] = ()  # LoRA adapters of running and of waiting requests (vLLM's lora_requests_info)
+    waiting_loras: tuple[str, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -92,6 +104,8 @@ def combine(replicas: list[EngineStats], events: LatencyEvents) -> EngineStats:
             "num_requests_added",
         ):
             setattr(total, name, getattr(total, name) + getattr(stats, name))
+        total.running_loras = tuple(dict.fromkeys(total.running_loras + stats.running_loras))
+        total.waiting_loras = tuple(dict.fromkeys(total.waiting_loras + stats.waiting_loras))
     total.replicas = list(replicas)
     return total
 

@@ -53,6 +53,8 @@ class Scheduler:
             encoder.num_references(),
             events,
             num_requests_added,
+            running_loras=tuple(dict.fromkeys(s.request.lora.lora_name for s in self.running if s.request.lora)),
+            waiting_loras=tuple(dict.fromkeys(s.request.lora.lora_name for s in self.waiting if s.request.lora)),
         )
 
     def has_work(self) -> bool:

@@ -148,8 +148,9 @@ def fit_max_model_len(config: EngineConfig, capacity: int, kv_cache_bytes: int) 
         )
         config = dataclasses.replace(config, max_model_len=capacity)  # a longer sequence could never run
     logger.info(
-        "KV cache: %d tokens, max concurrency %.2fx for max_model_len %d",
+        "KV cache: %d tokens of %s, max concurrency %.2fx for max_model_len %d",
         capacity,
+        str(config.kv_dtype).removeprefix("torch."),
         capacity / config.max_model_len,
         config.max_model_len,
     )

@@ -77,10 +77,11 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
         config.max_model_len,
         {
             "block_size": config.block_size,
-            "cache_dtype": "auto",
+            "cache_dtype": config.kv_cache_dtype,
             "enable_prefix_caching": config.enable_prefix_caching,
             "gpu_memory_utilization": config.gpu_memory_utilization,
         },
+        max_loras=config.max_loras if config.enable_lora else 0,
     )
     metrics.update(engine.stats)
     if engine.inputs.processor_cache is not None:

@@ -7,6 +7,8 @@ snapshot, totals advance by what changed since the previous one, latency events 
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
@@ -136,8 +138,11 @@ class _ProcessorCacheCounters:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int = 1 << 20, cache_config: dict | None = None):
-        """`cache_config`: labels of the cache_config_info series (block_size, gpu_memory_utilization, ...)."""
+    def __init__(
+        self, model_name: str, max_model_len: int = 1 << 20, cache_config: dict | None = None, max_loras: int = 0
+    ):
+        """`cache_config`: labels of the cache_config_info series (block_size, gpu_memory_utilization, ...);
+        `max_loras`: with LoRA on, the lora_requests_info series."""
         own = self._own = CollectorRegistry()
         self.registry = CollectorRegistry()  # what /metrics shows: `own`, under both prefixes
         self.registry.register(_BothPrefixes(own))
@@ -180,6 +185,34 @@ class ServerMetrics:
             "max_tokens asked for per request",
             buckets=token_buckets,
         )
+        self.request_params_max_tokens = make(
+            Histogram, "fovea:request_params_max_tokens", "The max_tokens request parameter", buckets=token_buckets
+        )
+        self.request_params_n = make(
+            Histogram, "fovea:request_params_n", "The n request parameter", buckets=[1, 2, 5, 10, 20]
+        )
+        self.request_prefill_computed = make(
+            Histogram,
+            "fovea:request_prefill_kv_computed_tokens",
+            "Prompt tokens computed in prefill (the cached ones left out)",
+            buckets=token_buckets,
+        )
+        self.request_time_per_output_token = make(
+            Histogram,
+            "fovea:request_time_per_output_token_seconds",
+            "A request's decode time per output token after its first",
+            buckets=ITL_BUCKETS,
+        )
+        self.lora_info = None
+        if max_loras:  # as vLLM: only with LoRA on
+            self.lora_info = Gauge(
+                "fovea:lora_requests_info",
+                "LoRA adapters of running and waiting requests (labels; the value is the time they were read)",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=own,
+            )
+            self.max_loras = max_loras
+            self._show_loras((), ())
         self.phases = {
             phase: make(Histogram, f"fovea:request_{phase}_time_seconds", doc, buckets=E2E_BUCKETS)
             for phase, doc in (
@@ -228,6 +261,11 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.finished_by_reason(reason)  # present at zero before the first request
 
+    def _show_loras(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        self.lora_info.clear()
+        labels = dict(waiting_lora_adapters=",".join(waiting), running_lora_adapters=",".join(running))
+        self.lora_info.labels(max_lora=str(self.max_loras), **labels).set(time.time())
+
     def watch_processor_cache(self, cache) -> None:
         """The front end's multimodal processor cache (multimodal/processor_cache.py), read at each scrape."""
         self._own.register(_ProcessorCacheCounters(cache, self.model_name))
@@ -251,6 +289,9 @@ class ServerMetrics:
         for key, counter in self.totals.items():
             now, before = getattr(stats, key), getattr(self.last, key)
             counter.inc(now - before if now >= before else now)  # a restarted engine counts from 0 again
+        loras = (stats.running_loras, stats.waiting_loras)
+        if self.lora_info is not None and loras != (self.last.running_loras, self.last.waiting_loras):
+            self._show_loras(*loras)
         self.last = stats
         events = stats.events
         for value in events.time_to_first_token:
@@ -262,6 +303,10 @@ class ServerMetrics:
             (self.request_prompt_tokens, events.request_prompt_tokens),
             (self.request_generation_tokens, events.request_generation_tokens),
             (self.request_max_tokens, events.request_max_tokens),
+            (self.request_params_max_tokens, events.request_max_tokens),
+            (self.request_params_n, events.request_n),
+            (self.request_prefill_computed, events.request_prefill_computed),
+            (self.request_time_per_output_token, events.request_time_per_output_token),
             (self.iteration_tokens, events.iteration_tokens),
             *((self.phases[phase], events.phases[phase]) for phase in self.phases),
         ):

@@ -8,6 +8,7 @@ mid-stream (its step failed, the engine died) sends an OpenAI-shaped `{"error": 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -101,6 +102,17 @@ def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs(output: RequestOutput) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs field: per prompt token (None for the first), its and the top tokens' log-probability,
+    rank and text, by token id."""
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else {str(token): dataclasses.asdict(value) for token, value in entry.items()}
+        for entry in output.prompt_logprobs
+    ]
+
+
 def chat_response(
     output: RequestOutput,
     model: str,
@@ -109,6 +121,7 @@ def chat_response(
     role: str = "assistant",
     tool_use: ToolUse | None = None,
     reasoning_parser: str | None = None,
+    with_prompt_logprobs: bool = False,
 ) -> dict:
     usage = Usage()
     usage.add_prompt(output)
@@ -138,6 +151,7 @@ def chat_response(
         "model": model,
         "choices": choices,
         "usage": usage.as_dict(),
+        **({"prompt_logprobs": prompt_logprobs(output)} if with_prompt_logprobs else {}),
     }
 
 
@@ -229,7 +243,12 @@ async def chat_stream(
 
 
 def completion_choice(
-    output: RequestOutput, c: CompletionOutput, index: int, echo_text: str | None, logprobs: int | None
+    output: RequestOutput,
+    c: CompletionOutput,
+    index: int,
+    echo_text: str | None,
+    logprobs: int | None,
+    with_prompt_logprobs: bool = False,
 ) -> dict:
     text = (echo_text or "") + c.text
     lp = None
@@ -245,6 +264,7 @@ def completion_choice(
         "logprobs": lp,
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
+        **({"prompt_logprobs": prompt_logprobs(output)} if with_prompt_logprobs else {}),
     }
 
 
@@ -291,7 +311,13 @@ async def final_outputs(first, merged, num_prompts: int) -> list[RequestOutput]:
 
 
 def completion_response(
-    finals: list[RequestOutput], model: str, request_id: str, n: int, echo_prompts: bool, logprobs: int | None
+    finals: list[RequestOutput],
+    model: str,
+    request_id: str,
+    n: int,
+    echo_prompts: bool,
+    logprobs: int | None,
+    with_prompt_logprobs: bool = False,
 ) -> dict:
     """The prompts' final outputs as one text_completion; choice i*n+j is prompt i's sample j."""
     usage = Usage()
@@ -301,7 +327,7 @@ def completion_response(
         echo = output.prompt if echo_prompts else None
         for c in output.outputs:
             usage.completion_tokens += len(c.token_ids)
-            choices.append(completion_choice(output, c, i * n + c.index, echo, logprobs))
+            choices.append(completion_choice(output, c, i * n + c.index, echo, logprobs, with_prompt_logprobs))
     return {
         "id": request_id,
         "object": "text_completion",

@@ -134,6 +134,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # each prompt token's log-probability and this many top ones, as vLLM
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None  # vLLM's: how media are loaded (video num_frames, fps)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields
@@ -187,6 +188,10 @@ class SamplingFields(BaseModel):
         self, defaults: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         """`defaults`: the generation_config fields; an omitted max_tokens means up to max_model_len."""
+        if self.prompt_logprobs is not None:
+            if self.stream:  # vLLM's rule: they would come only with the last chunk
+                raise ValueError("prompt_logprobs are not available when stream is true")
+            prompt_logprobs = max(self.prompt_logprobs, prompt_logprobs or 0)
         fields = {
             name: getattr(self, name)
             for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

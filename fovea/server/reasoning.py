@@ -66,3 +66,19 @@ class Reasoning:
         """The whole text's (reasoning, content); None where a part is empty."""
         reasoning, content = self.feed(text, final=True)
         return reasoning or None, content or None
+
+
+def reasoning_tokens(parser: str, prompt: str | None, tokenizer, token_ids) -> int:
+    """How many of an output's tokens are its reasoning (the Responses API's reasoning_tokens): those after an
+    opening tag (or all from the start, when the prompt opened it) up to the closing tag, counted by the tags'
+    own token ids; by the reasoning text's tokens where a tag is not one token."""
+    start, end = REASONING_TAGS[parser]
+    start_id, end_id = (tokenizer.convert_tokens_to_ids(tag) for tag in (start, end))
+    ids = list(token_ids)
+    if start_id is None or end_id is None or start_id == tokenizer.unk_token_id or end_id == tokenizer.unk_token_id:
+        reasoning = Reasoning(parser, prompt).split(tokenizer.decode(ids))[0]
+        return len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    begin = 0 if (prompt or "").rstrip().endswith(start) else 1 if ids[:1] == [start_id] else None
+    if begin is None:
+        return 0
+    return ids.index(end_id, begin) - begin if end_id in ids[begin:] else len(ids) - begin

@@ -50,7 +50,7 @@ def response_object(body: ResponsesRequest, response_id: str, model: str, output
             "input_tokens": usage.get("prompt_tokens", 0),
             "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
             "output_tokens": usage.get("completion_tokens", 0),
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)},
             "total_tokens": usage.get("total_tokens", 0),
         },
     }
@@ -182,9 +182,12 @@ class ItemEvents:
         return events
 
 
-async def stream_events(run, body: ResponsesRequest, response_id: str, created: int, parser: str | None, finish):
+async def stream_events(
+    run, body: ResponsesRequest, response_id: str, created: int, parser: str | None, finish, count_reasoning
+):
     """A streamed response: created, in_progress, the items' events, completed (or an error event). `finish`
-    (a coroutine) makes and stores the final response from the items, the usage and the finish reason."""
+    (a coroutine) makes and stores the final response from the items, the usage and the finish reason;
+    `count_reasoning(token_ids)`: the reasoning tokens among the output's."""
     items = ItemEvents()
     tool_calls = ToolCallStream(run.tool_use) if run.tool_use and run.tool_use.choice != "none" else None
     reasoning = Reasoning(parser, run.first.prompt) if parser else None
@@ -193,11 +196,13 @@ async def stream_events(run, body: ResponsesRequest, response_id: str, created: 
     shell = response_object(body, response_id, run.model, [], {}, None, created, status="in_progress")
     yield items.event("response.created", response=shell)
     yield items.event("response.in_progress", response=shell)
+    generated: list[int] = []
     try:
         result = run.first
         while True:
             c = result.outputs[0]
             usage.completion_tokens += len(c.token_ids)
+            generated += c.token_ids
             if c.text or c.finish_reason:
                 deltas, finish_reason = serving.choice_deltas(c, tool_calls, reasoning)
                 for delta in deltas:
@@ -208,7 +213,9 @@ async def stream_events(run, body: ResponsesRequest, response_id: str, created: 
             result = await anext(run.stream)
         for event in items.close():
             yield event
-        response = await finish(items.output, usage.as_dict(), finish_reason)
+        response = await finish(
+            items.output, usage.as_dict() | {"reasoning_tokens": count_reasoning(generated)}, finish_reason
+        )
         yield items.event("response.completed", response=response)
     except Exception as error:  # noqa: BLE001 - the client hears why its stream ends early
         yield serving.error_event(error)

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from fovea.server import openai_serving as serving
 from fovea.server.errors import APIError
 from fovea.server.protocol import ChatCompletionRequest, ResponsesRequest, invalid_body
+from fovea.server.reasoning import reasoning_tokens
 from fovea.server.response_items import finished_turn, output_items, response_object, stream_events
 from fovea.server.routes import Served, start_chat
 
@@ -133,6 +134,8 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompl
     continues)."""
     if body.background:
         raise ValueError("background responses are not supported")
+    if (body.model_extra or {}).get("conversation") is not None:  # never accepted and ignored
+        raise ValueError("conversation is not supported; continue a response with previous_response_id")
     tools = []
     for tool in body.tools or []:
         if tool.get("type") != "function":
@@ -200,13 +203,17 @@ async def create_response(request: Request):
             store.put(response, conversation + [finished_turn(output)])
         return response
 
+    parser = served.engine.config.reasoning_parser
+
+    def count_reasoning(token_ids) -> int:
+        return reasoning_tokens(parser, run.first.prompt, served.engine.tokenizer, token_ids) if parser else 0
+
     if body.stream:
 
         async def finish_off_loop(*args) -> dict:  # storing measures the conversation, images and all
             return await served.engine.run_in_pool(finish, *args)
 
-        parser = served.engine.config.reasoning_parser
-        events = stream_events(run, body, response_id, created, parser, finish_off_loop)
+        events = stream_events(run, body, response_id, created, parser, finish_off_loop, count_reasoning)
         return StreamingResponse(events, media_type="text/event-stream")
     await run.stream.aclose()
 
@@ -215,7 +222,8 @@ async def create_response(request: Request):
             run.first, run.model, run.request_id, 0, "assistant", run.tool_use, served.engine.config.reasoning_parser
         )
         choice = chat_result["choices"][0]
-        return finish(output_items(choice["message"]), chat_result["usage"], choice["finish_reason"])
+        usage = chat_result["usage"] | {"reasoning_tokens": count_reasoning(run.first.outputs[0].token_ids)}
+        return finish(output_items(choice["message"]), usage, choice["finish_reason"])
 
     return await served.json_off_loop(whole)
 

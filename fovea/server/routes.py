@@ -258,7 +258,15 @@ async def chat_completions(request: Request):
         )
     await run.stream.aclose()
     return await served.json_off_loop(
-        serving.chat_response, run.first, run.model, run.request_id, top, role, run.tool_use, parser
+        serving.chat_response,
+        run.first,
+        run.model,
+        run.request_id,
+        top,
+        role,
+        run.tool_use,
+        parser,
+        body.prompt_logprobs is not None,
     )
 
 
@@ -289,7 +297,14 @@ async def completions(request: Request):
     finally:
         await merged.aclose()
     return await served.json_off_loop(
-        serving.completion_response, finals, model, request_id, body.n, body.echo, body.logprobs
+        serving.completion_response,
+        finals,
+        model,
+        request_id,
+        body.n,
+        body.echo,
+        body.logprobs,
+        body.prompt_logprobs is not None,
     )
 
 
