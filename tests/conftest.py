@@ -19,6 +19,20 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 IMAGE_TOKEN_ID = 151655
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a longer tier (more fuzzer draws); FOVEA_SLOW=1 runs it")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier is left out of the default run (CI's 20 minutes), not skipped: FOVEA_SLOW=1 adds it."""
+    if os.environ.get("FOVEA_SLOW") == "1":
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def small_gpu_share():
     """On a GPU, engines built in this process default to a small share of the card (serving.GPU_SHARE), as the

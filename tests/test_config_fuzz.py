@@ -1,0 +1,289 @@
+"""Parity on configurations we did not choose: for every family, random but valid configurations (the ranges
+below, scaled down from the released checkpoints'), written by the installed transformers' own `save_pretrained`,
+against transformers: logits (fp32, 1e-4) and greedy tokens through the engine, for text, one image and two images
+of odd sizes. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw
+per family runs by default, FOVEA_FUZZ_DRAWS more (the `slow` marker's tier runs 4).
+
+What is drawn, per family:
+- every decoder: 1-3 layers; 2 or 4 attention heads of 8, 16 or 32 dimensions; KV heads any divisor (GQA, MQA or
+  none); MLP width 48-160; tied or untied embeddings; rope theta 1e4 or 1e6; the M-RoPE sections any split of
+  half the head dimension into three (Qwen families);
+- Qwen2.5-VL's tower: 1-4 blocks of 1-4 heads of 8 or 16 dimensions, any set of full-attention blocks (none
+  too), windows of 56 or 112 pixels;
+- Qwen2-VL's tower: 1-3 blocks, MLP ratio 2 or 4;
+- Qwen3-VL's tower: 2-4 blocks, DeepStack from any 1-3 of them, a learned position grid of 4x4, 6x6 or 8x8;
+  its MoE variant: 2 or 4 experts, 1 or 2 per token, a sparse step of 1 or 2, any dense (mlp_only) layers;
+- LLaVA's CLIP tower: 2-3 layers of 1-4 heads, features from the last or the second-to-last layer.
+Weights are drawn wider than transformers' default (initializer_range 0.1): with its 0.02 a model's logits are so
+flat that a broken rule can hide; `test_the_fuzzer_sees_a_broken_rule` checks that it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from test_families import (
+    _HF,
+    MAX_TOKENS,
+    conversation,
+    hf_greedy,
+    hf_model,
+    llava_template,
+    reference_inputs,
+    with_pil,
+)
+
+from fovea import LLM, SamplingParams
+from fovea.attention.layer import AttentionMetadata
+from fovea.models.loader import load_model
+from fovea.models.mrope_positions import decode_positions
+from fovea.multimodal.patchify import patchify
+from fovea.multimodal.prompt import PromptProcessor
+from fovea.testing.tiny_llava import IMAGE_TOKEN as LLAVA_IMAGE_TOKEN
+from fovea.testing.tiny_llava import LLAVA_SHAPES
+
+LLAVA_VOCAB = LLAVA_SHAPES["tiny-llava"]["vocab"]  # the tiny LLaVA's tokenizer's
+
+SEED = int(os.environ.get("FOVEA_FUZZ_SEED") or random.SystemRandom().randrange(1 << 30))
+DRAWS = int(os.environ.get("FOVEA_FUZZ_DRAWS", "1"))
+FAMILIES = ["qwen2.5-vl", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "llava"]
+KINDS = ("text", "one_image", "two_images")
+INIT = 0.1
+TOLERANCE = 1e-4  # on logits, fp32
+
+
+def sections(rng: random.Random, half: int) -> list[int]:
+    """Any split of `half` rotary frequencies into three non-empty M-RoPE sections (t, h, w)."""
+    cuts = sorted(rng.sample(range(1, half), 2))
+    return [cuts[0], cuts[1] - cuts[0], half - cuts[1]]
+
+
+def decoder(rng: random.Random, explicit_head_dim: bool = False) -> dict:
+    heads, head_dim = rng.choice([2, 4]), rng.choice([8, 16, 32])
+    text = dict(
+        num_hidden_layers=rng.randint(1, 3),
+        num_attention_heads=heads,
+        num_key_value_heads=rng.choice([d for d in (1, 2, 4) if heads % d == 0]),
+        intermediate_size=rng.choice([48, 96, 160]),
+        hidden_size=rng.choice([32, 64, 96]) if explicit_head_dim else heads * head_dim,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=INIT,
+    )
+    if explicit_head_dim:
+        text["head_dim"] = head_dim
+    return text, head_dim
+
+
+def draw(family: str, rng: random.Random) -> dict:
+    """A config.json's content for `family` (transformers' config class takes it as keyword arguments)."""
+    tied = rng.random() < 0.5
+    if family == "llava":
+        text, _ = decoder(rng)
+        text.update(
+            model_type="llama", vocab_size=LLAVA_VOCAB, max_position_embeddings=2048, rope_theta=rng.choice([1e4, 1e6])
+        )
+        heads, layers = rng.choice([1, 2, 4]), rng.randint(2, 3)
+        vision = dict(model_type="clip_vision_model", hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads,
+                      intermediate_size=rng.choice([32, 64]), num_hidden_layers=layers, image_size=336, patch_size=14,
+                      projection_dim=32, initializer_range=INIT, initializer_factor=INIT / 0.02)  # fmt: skip
+        return dict(text_config=text, vision_config=vision, vision_feature_layer=rng.choice([-1, -2]),
+                    vision_feature_select_strategy="default", image_token_index=LLAVA_IMAGE_TOKEN,
+                    projector_hidden_act="gelu", tie_word_embeddings=tied, initializer_range=INIT)  # fmt: skip
+    qwen3 = family.startswith("qwen3")
+    text, head_dim = decoder(rng, explicit_head_dim=qwen3)
+    rope = dict(rope_type="default", rope_theta=rng.choice([1e4, 1e6]), mrope_section=sections(rng, head_dim // 2))
+    if qwen3:
+        rope["mrope_interleaved"] = True
+    text["rope_parameters"] = rope
+    heads = rng.choice([1, 2, 4])
+    width = heads * rng.choice([8, 16])
+    if family == "qwen2.5-vl":
+        depth = rng.randint(1, 4)
+        vision = dict(depth=depth, hidden_size=width, num_heads=heads, intermediate_size=rng.choice([32, 64, 96]),
+                      out_hidden_size=text["hidden_size"], window_size=rng.choice([56, 112]),
+                      fullatt_block_indexes=sorted(rng.sample(range(depth), rng.randint(0, depth))))  # fmt: skip
+    elif family == "qwen2-vl":
+        vision = dict(depth=rng.randint(1, 3), embed_dim=width, num_heads=heads, mlp_ratio=rng.choice([2, 4]),
+                      hidden_size=text["hidden_size"])  # fmt: skip
+    else:
+        depth = rng.randint(2, 4)
+        vision = dict(depth=depth, hidden_size=width, num_heads=heads, intermediate_size=rng.choice([32, 64]),
+                      out_hidden_size=text["hidden_size"], patch_size=16, num_position_embeddings=rng.choice([16, 36, 64]),
+                      deepstack_visual_indexes=sorted(rng.sample(range(depth), rng.randint(1, min(3, depth)))),
+                      hidden_act="gelu_pytorch_tanh")  # fmt: skip
+        if family == "qwen3-vl-moe":
+            layers = text["num_hidden_layers"]
+            text.update(num_experts=rng.choice([2, 4]), num_experts_per_tok=rng.choice([1, 2]),
+                        moe_intermediate_size=rng.choice([16, 24]), decoder_sparse_step=rng.choice([1, 2]),
+                        mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))))  # fmt: skip
+            text["num_experts_per_tok"] = min(text["num_experts_per_tok"], text["num_experts"])
+    vision["initializer_range"] = INIT
+    return dict(text_config=text, vision_config=vision, tie_word_embeddings=tied)
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """Each family's tiny checkpoint: its tokenizer, processor settings and chat template are the draws' too."""
+    from fovea.testing.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny_llava import write_llava_checkpoint
+    from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
+
+    root = tmp_path_factory.mktemp("fuzz-bases")
+    qwen3 = write_qwen3_vl_checkpoint(root / "qwen3-vl", seed=1)
+    return {
+        "qwen2.5-vl": write_tiny_checkpoint(root / "qwen2.5-vl", "tiny-3b", seed=1),
+        "qwen2-vl": write_tiny_checkpoint(root / "qwen2-vl", "tiny-qwen2-vl", seed=1),
+        "qwen3-vl": qwen3,
+        "qwen3-vl-moe": qwen3,
+        "llava": write_llava_checkpoint(root / "llava", seed=1),
+    }
+
+
+def materialize(family: str, config: dict, base, out, seed: int):
+    """The drawn checkpoint as transformers writes it (save_pretrained), beside the base's tokenizer and
+    processor files."""
+    import transformers
+
+    names = {"qwen2.5-vl": "Qwen2_5_VL", "qwen2-vl": "Qwen2VL", "qwen3-vl": "Qwen3VL", "qwen3-vl-moe": "Qwen3VLMoe",
+             "llava": "Llava"}  # fmt: skip
+    keep = shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json")
+    shutil.copytree(base, out, ignore=keep)
+    torch.manual_seed(seed)
+    settings = getattr(transformers, f"{names[family]}Config")(**config)
+    model = getattr(transformers, f"{names[family]}ForConditionalGeneration")(settings)
+    model.save_pretrained(str(out))
+    return out
+
+
+def logits_gap(family: str, our_dir, reference_dir, kind: str, mutate=None) -> tuple[float, bool]:
+    """(largest |ours - transformers'| over the prompt and three decode steps, same argmax everywhere) for one
+    conversation; ours read from `our_dir` (the reference's, or a copy with a rule broken), `mutate`d (to break a
+    rule in code)."""
+    model, _ = load_model(our_dir, dtype="float32")
+    if mutate is not None:
+        mutate(model)
+    template = llava_template(our_dir) if family == "llava" else None
+    prompts = PromptProcessor(our_dir, model.config, chat_template=template)
+    messages, images = conversation(kind)
+    prompt = prompts.process_chat(with_pil(messages, images))
+    reference = reference_inputs(family, reference_dir, messages, images)
+    assert prompt.token_ids == reference["input_ids"][0].tolist()
+    ids = prompt.token_ids + [5, 17, 9]
+    positions = np.concatenate([prompt.positions, decode_positions(len(prompt.token_ids), 3, prompt.mrope_delta)], 1)
+    with torch.no_grad():
+        mm = None
+        if prompt.images:
+            pixels = torch.cat([patchify(torch.from_numpy(im.pixels), model.config.image) for im in prompt.images])
+            mm = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prompt.images]))
+        hidden = model(torch.tensor(ids), torch.from_numpy(positions), AttentionMetadata.from_lengths([len(ids)]), mm)
+        ours = model.compute_logits(hidden)
+        reference["input_ids"] = torch.tensor([ids])
+        if "mm_token_type_ids" in reference:
+            reference["mm_token_type_ids"] = torch.nn.functional.pad(reference["mm_token_type_ids"], (0, 3))
+        theirs = hf_model(reference_dir)(**reference).logits[0]
+    return (ours - theirs).abs().max().item(), torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
+    seed = SEED + 1000 * draw_index + FAMILIES.index(family)
+    config = draw(family, random.Random(seed))
+    where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({family}, seed {seed}): {json.dumps(config)}"
+    model_dir = materialize(family, config, bases[family], tmp_path / f"{family}-{draw_index}", seed)
+    try:
+        for kind in KINDS:
+            gap, same = logits_gap(family, model_dir, model_dir, kind)
+            assert gap <= TOLERANCE and same, f"{kind}: logits differ by {gap:.2e} (argmax equal: {same}) at {where}"
+        cases = [conversation(kind) for kind in KINDS]
+        llm = LLM(str(model_dir), dtype="float32", max_model_len=2048, max_num_batched_tokens=256)
+        outputs = llm.chat(
+            [with_pil(m, i) for m, i in cases],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+        for (messages, images), out, kind in zip(cases, outputs, KINDS):
+            expected = hf_greedy(family, model_dir, messages, images)
+            assert out.outputs[0].token_ids == expected, f"{kind}: greedy tokens differ at {where}"
+    finally:
+        _HF.pop(str(model_dir), None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drawn_configurations_match_transformers(family, bases, tmp_path):
+    for index in range(DRAWS):
+        check_draw(family, index, bases, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_more_drawn_configurations_match_transformers(family, bases, tmp_path):
+    for index in range(DRAWS, DRAWS + 4):
+        check_draw(family, index, bases, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "family, broken",
+    [
+        ("qwen3-vl", "deepstack_dropped"),
+        ("qwen3-vl", "mrope_sections_swapped"),
+        ("qwen2.5-vl", "window_blocks_changed"),
+        ("qwen2.5-vl", "mrope_sections_swapped"),
+    ],
+)
+def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
+    """Our side read from a copy whose config.json breaks one rule transformers keeps (DeepStack features dropped,
+    the M-RoPE sections in another order, other blocks attending over whole images): the logits part by ten times
+    the fuzzer's tolerance or more on an image, with the weights these draws have."""
+    config = draw(family, random.Random(SEED))
+    text, vision = config["text_config"], config["vision_config"]
+    if family == "qwen3-vl":
+        text["head_dim"] = 16
+    else:
+        text["hidden_size"] = vision["out_hidden_size"] = text["num_attention_heads"] * 16
+    text["rope_parameters"]["mrope_section"] = [1, 2, 5]  # head dimension 16: reversed, every section moves
+    vision["depth"] = max(vision["depth"], 2)
+    if family == "qwen2.5-vl":
+        vision["fullatt_block_indexes"] = [vision["depth"] - 1]
+        vision["window_size"] = 56
+    else:
+        vision["deepstack_visual_indexes"] = [0]
+    reference = materialize(family, config, bases[family], tmp_path / "reference", SEED)
+    ours = tmp_path / "ours"
+    shutil.copytree(reference, ours)
+    raw = json.loads((ours / "config.json").read_text())
+    rope = raw["text_config"]["rope_parameters"]
+    mutate = None
+    if broken == "mrope_sections_swapped":
+        rope["mrope_section"] = rope["mrope_section"][::-1]
+    elif broken == "window_blocks_changed":
+        raw["vision_config"]["fullatt_block_indexes"] = list(range(raw["vision_config"]["depth"]))
+    else:
+        mutate = drop_deepstack
+    (ours / "config.json").write_text(json.dumps(raw))
+    try:
+        assert logits_gap(family, reference, reference, "one_image")[0] <= TOLERANCE  # intact, it matches
+        gap, _ = logits_gap(family, ours, reference, "one_image", mutate)
+        assert gap > 10 * TOLERANCE, (
+            f"{broken} went unseen (gap {gap:.2e}) at FOVEA_FUZZ_SEED={SEED}: {json.dumps(config)}"
+        )
+    finally:
+        _HF.pop(str(reference), None)
+
+
+def drop_deepstack(model) -> None:
+    """Qwen3-VL's DeepStack features zeroed before they reach the decoder's first layers."""
+    width, forward = model.config.text.hidden_size, model.forward
+
+    def without(input_ids, positions, meta, mm_embeds=None, mm_mask=None):
+        if mm_embeds is not None:
+            mm_embeds = torch.cat([mm_embeds[:, :width], torch.zeros_like(mm_embeds[:, width:])], 1)
+        return forward(input_ids, positions, meta, mm_embeds, mm_mask)
+
+    model.forward = without
