@@ -25,26 +25,11 @@ import os
 import random
 import shutil
 
-import numpy as np
 import pytest
 import torch
-from test_families import (
-    _HF,
-    MAX_TOKENS,
-    conversation,
-    hf_greedy,
-    hf_model,
-    llava_template,
-    reference_inputs,
-    with_pil,
-)
+from test_families import _HF, MAX_TOKENS, conversation, hf_greedy, logits_gap, with_pil
 
 from fovea import LLM, SamplingParams
-from fovea.attention.layer import AttentionMetadata
-from fovea.models.loader import load_model
-from fovea.models.mrope_positions import decode_positions
-from fovea.multimodal.patchify import patchify
-from fovea.multimodal.prompt import PromptProcessor
 from fovea.testing.tiny_llava import IMAGE_TOKEN as LLAVA_IMAGE_TOKEN
 from fovea.testing.tiny_llava import LLAVA_SHAPES
 
@@ -161,35 +146,6 @@ def materialize(family: str, config: dict, base, out, seed: int):
     model = getattr(transformers, f"{names[family]}ForConditionalGeneration")(settings)
     model.save_pretrained(str(out))
     return out
-
-
-def logits_gap(family: str, our_dir, reference_dir, kind: str, mutate=None) -> tuple[float, bool]:
-    """(largest |ours - transformers'| over the prompt and three decode steps, same argmax everywhere) for one
-    conversation; ours read from `our_dir` (the reference's, or a copy with a rule broken), `mutate`d (to break a
-    rule in code)."""
-    model, _ = load_model(our_dir, dtype="float32")
-    if mutate is not None:
-        mutate(model)
-    template = llava_template(our_dir) if family == "llava" else None
-    prompts = PromptProcessor(our_dir, model.config, chat_template=template)
-    messages, images = conversation(kind)
-    prompt = prompts.process_chat(with_pil(messages, images))
-    reference = reference_inputs(family, reference_dir, messages, images)
-    assert prompt.token_ids == reference["input_ids"][0].tolist()
-    ids = prompt.token_ids + [5, 17, 9]
-    positions = np.concatenate([prompt.positions, decode_positions(len(prompt.token_ids), 3, prompt.mrope_delta)], 1)
-    with torch.no_grad():
-        mm = None
-        if prompt.images:
-            pixels = torch.cat([patchify(torch.from_numpy(im.pixels), model.config.image) for im in prompt.images])
-            mm = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prompt.images]))
-        hidden = model(torch.tensor(ids), torch.from_numpy(positions), AttentionMetadata.from_lengths([len(ids)]), mm)
-        ours = model.compute_logits(hidden)
-        reference["input_ids"] = torch.tensor([ids])
-        if "mm_token_type_ids" in reference:
-            reference["mm_token_type_ids"] = torch.nn.functional.pad(reference["mm_token_type_ids"], (0, 3))
-        theirs = hf_model(reference_dir)(**reference).logits[0]
-    return (ours - theirs).abs().max().item(), torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:

@@ -122,13 +122,22 @@ def test_llava_pixels_equal_clip_image_processor(family_dirs, size):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kind", ["text", "one_image", "two_images"])
 def test_logits_match_transformers(family_dirs, family, kind):
-    model_dir = family_dirs[family]
-    model, _ = load_model(model_dir, dtype="float32")
-    template = llava_template(model_dir) if family == "llava" else None
-    prompts = PromptProcessor(model_dir, model.config, chat_template=template)
+    gap, same_argmax = logits_gap(family, family_dirs[family], family_dirs[family], kind)
+    assert gap <= 1e-4 and same_argmax
+
+
+def logits_gap(family: str, our_dir, reference_dir, kind: str, mutate=None) -> tuple[float, bool]:
+    """(largest |ours - transformers'| over the prompt and three decode steps, same argmax everywhere) for one
+    conversation; ours read from `our_dir` (the reference's, or a copy with a rule broken) and `mutate`d (a rule
+    broken in code: tests/test_config_fuzz.py). The prompts' token ids must be the same."""
+    model, _ = load_model(our_dir, dtype="float32")
+    if mutate is not None:
+        mutate(model)
+    template = llava_template(our_dir) if family == "llava" else None
+    prompts = PromptProcessor(our_dir, model.config, chat_template=template)
     messages, images = conversation(kind)
     prompt = prompts.process_chat(with_pil(messages, images))
-    reference = reference_inputs(family, model_dir, messages, images)
+    reference = reference_inputs(family, reference_dir, messages, images)
     assert prompt.token_ids == reference["input_ids"][0].tolist()
     extra = [5, 17, 9]  # decode steps after the prompt: positions continue by the model's rule
     ids = prompt.token_ids + extra
@@ -143,9 +152,8 @@ def test_logits_match_transformers(family_dirs, family, kind):
         reference["input_ids"] = torch.tensor([ids])
         if "mm_token_type_ids" in reference:
             reference["mm_token_type_ids"] = torch.nn.functional.pad(reference["mm_token_type_ids"], (0, 3))
-        ref = hf_model(model_dir)(**reference).logits[0]
-    assert (ours - ref).abs().max().item() <= 1e-4
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+        theirs = hf_model(reference_dir)(**reference).logits[0]
+    return (ours - theirs).abs().max().item(), torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 def hf_greedy(family, model_dir, messages, images) -> list[int]:
