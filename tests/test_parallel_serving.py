@@ -19,13 +19,14 @@ from fovea import LLM
 from fovea.frontend.async_llm import AsyncLLM
 
 COMMON = ("--max-model-len", "256", "--mm-processor-workers", "0")
+LONG = 200  # tokens: a request that stays in flight while another is sent
 
 
-def solo_texts(model_dir, prompts: list[str], max_tokens: int) -> list[str]:
+def solo_texts(model_dir, prompts: list[str], max_tokens: int, ignore_eos: bool = False) -> list[str]:
     """Each prompt alone on an offline engine, with the checkpoint's generation defaults as the server applies
     them: the reference for the server's answers."""
     llm = LLM(str(model_dir), max_model_len=256)
-    params = llm.get_default_sampling_params().clone(temperature=0, max_tokens=max_tokens)
+    params = llm.get_default_sampling_params().clone(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     return [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text for prompt in prompts]
 
 
@@ -69,6 +70,11 @@ def children(parent: int, marker: str) -> list[int]:
     return found
 
 
+def by_start(pids: list[int]) -> list[int]:
+    """Processes in the order they started (their start times in /proc: pids wrap around)."""
+    return sorted(pids, key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]))
+
+
 def wait_until(check, timeout: float = 120.0, every: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -83,27 +89,32 @@ def test_data_parallel_replicas_answer_like_one_engine_and_a_lost_one_comes_back
     model = tiny_dirs["tiny-3b"]
     prompts = [f"Request {i} asks about" + " the weather" * (i % 4) for i in range(32)]
     expected = solo_texts(model, prompts, 8)
+    long_text = solo_texts(model, prompts[:1], LONG, ignore_eos=True)[0]
     with running_server(model, "--data-parallel-size", "2", *COMMON) as (base, proc):
         assert asyncio.run(complete_all(base, model, prompts, 8)) == expected
         added = labelled(base, "fovea:replica_requests_added")
         assert set(added) == {"0", "1"} and sum(added.values()) == 32 and min(added.values()) >= 8, added
-        first, second = sorted(children(proc.pid, "spawn_main"))  # replica 0 started first
+        first, second = by_start(children(proc.pid, "spawn_main"))  # replica 0 started first
         os.kill(second, signal.SIGSTOP)
 
         async def one_each_then_kill():
             async with httpx.AsyncClient(timeout=120) as client:
-                sent = [
-                    asyncio.create_task(
-                        client.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0})
-                    )
-                    for p in prompts[:1] * 2  # one prompt: whichever arrives second goes to the frozen replica
-                ]
-                await asyncio.sleep(2)  # both sent: one to each replica (the fewest in flight)
+
+                def send(max_tokens: int):
+                    body = {"prompt": prompts[0], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                    return asyncio.create_task(client.post(base + "/v1/completions", json=body))
+
+                # a long request keeps replica 0 busy (both idle: the first replica takes it), so the next one goes
+                # to the frozen replica 1 (the fewest in flight), however fast the first would have finished
+                long = send(LONG)
+                await asyncio.sleep(0.5)
+                short = send(8)
+                await asyncio.sleep(2)
                 os.kill(second, signal.SIGKILL)
-                return sorted(await asyncio.gather(*sent), key=lambda response: response.status_code)
+                return await long, await short
 
         answered, lost = asyncio.run(one_each_then_kill())
-        assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == expected[0]
+        assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == long_text
         assert lost.status_code == 503 and "data-parallel replica 1 stopped" in lost.json()["error"]["message"]
         assert proc.poll() is None  # still serving
         wait_until(lambda: httpx.get(base + "/health").json() == {})  # restarted
@@ -116,7 +127,7 @@ def test_data_parallel_replicas_answer_like_one_engine_and_a_lost_one_comes_back
             statuses = list(
                 pool.map(lambda _: httpx.post(base + "/v1/completions", json=poison).status_code, range(50))
             )
-        assert statuses == [400] * 50 and sorted(children(proc.pid, "spawn_main")) == [first, restarted]
+        assert statuses == [400] * 50 and set(children(proc.pid, "spawn_main")) == {first, restarted}
         # both replicas die at once: nothing serves for a while (503), both come back under the restart budget
         for pid in (first, restarted):
             os.kill(pid, signal.SIGKILL)
