@@ -278,9 +278,7 @@ class LLMEngine:
         try:
             result = self.runner.execute(batch, self.encoder_cache.get, previous, pending_rows)
         except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
-            failed = self._step_failed(batch, error)
-            if failed is not None:
-                raise failed from error
+            self._step_failed(batch, error)
             return
         self.scheduler.launched(batch)
         for index, fork in result.row_owners:
@@ -303,20 +301,18 @@ class LLMEngine:
             record_prompt_logprobs(batch, result.prompt_logprobs, self._logprob_entry)
             touched = self._record_samples(batch, result)
         except Exception as error:  # noqa: BLE001
-            failed = self._step_failed(batch, error)
-            if failed is not None:
-                raise failed from error
+            self._step_failed(batch, error)
             return self.scheduler.requests_in(batch)  # those that ended before it failed are reported
         if result.row_owners and len(touched) == 1:
             self.scheduler.cleared(next(iter(touched)))
         return touched
 
-    def _step_failed(self, batch: ScheduledBatch, error: Exception) -> Exception | None:
-        """What a failed step raises: nothing when its requests go on alone (Scheduler.isolate), a StepFailed
-        naming the one request it ran, or those in MAX_FAILED_STEPS failed steps."""
+    def _step_failed(self, batch: ScheduledBatch, error: Exception) -> None:
+        """A failed step returns when its requests go on alone (Scheduler.isolate); it raises StepFailed naming
+        the one request it ran, or those in MAX_FAILED_STEPS failed steps."""
         if self.workers is not None and self.workers.died():
             self.close()
-            return WorkerDied(self.workers.failure)
+            raise WorkerDied(self.workers.failure) from error
         if self.config.device.type == "cuda":
             torch.cuda.synchronize(self.config.device)  # a broken device raises here: no request is to blame
         requests = {r for r in self.scheduler.requests_in(batch) if not r.finished}
@@ -327,7 +323,8 @@ class LLMEngine:
             dropped = {r for r in requests if r.failed_steps >= MAX_FAILED_STEPS}
             self.scheduler.isolate(requests - dropped)
             requests = dropped
-        return self._fail(requests, error) if requests else None
+        if requests:
+            raise self._fail(requests, error) from error
 
     def _report(self, touched: set[Request]) -> list[RequestOutput]:
         """The outputs callers asked for of the requests a step touched. A request failed or aborted since is

@@ -40,6 +40,12 @@ class Scheduler:
     def stats(self, events: LatencyEvents, num_requests_added: int) -> EngineStats:
         """The gauges and totals of the requests, the KV blocks and the caches this scheduler holds."""
         encoder = self.encoder_cache
+        loras = {}
+        if self.config.enable_lora:  # read every step: only where there can be adapters
+            loras = {
+                f"{kind}_loras": tuple(dict.fromkeys(s.request.lora.lora_name for s in seqs if s.request.lora))
+                for kind, seqs in (("running", self.running), ("waiting", self.waiting))
+            }
         return EngineStats(
             len({seq.request.request_id for seq in self.running}),
             len({seq.request.request_id for seq in self.waiting}),
@@ -53,8 +59,7 @@ class Scheduler:
             encoder.num_references(),
             events,
             num_requests_added,
-            running_loras=tuple(dict.fromkeys(s.request.lora.lora_name for s in self.running if s.request.lora)),
-            waiting_loras=tuple(dict.fromkeys(s.request.lora.lora_name for s in self.waiting if s.request.lora)),
+            **loras,
         )
 
     def has_work(self) -> bool:

@@ -107,10 +107,12 @@ def adapter_settings(raw: bytes, path: Path) -> dict:
     return config
 
 
-def plan_adapter(model: nn.Module, path: Path, adapter: AdapterFiles, max_rank: int, whole: bool = True):
+def plan_adapter(
+    model: nn.Module, path: Path, adapter: AdapterFiles, max_rank: int, whole: bool = True, values: bool = True
+):
     """The model's layers the adapter changes, with its tensors for each: {layer: [Piece]}. `whole`: the layers
     are whole (the front end's meta model), and every shape is checked against them; a rank's layers hold
-    slices."""
+    slices. `values`: read every weight's range (not again for bytes the front end checked)."""
     config = adapter.config
     alpha, rslora = config["lora_alpha"], config["use_rslora"]
     modules: dict[str, dict[str, str]] = {}
@@ -137,7 +139,7 @@ def plan_adapter(model: nn.Module, path: Path, adapter: AdapterFiles, max_rank: 
         if rank > max_rank:
             raise LoRAError(f"adapter {path} has rank {rank}, more than max_lora_rank {max_rank} (--max-lora-rank)")
         scaling = alpha / (rank**0.5 if rslora else rank)
-        for tensor, factor, kind in ((a, 1.0, "A"), (b, scaling, "B")):
+        for tensor, factor, kind in ((a, 1.0, "A"), (b, scaling, "B")) if values else ():
             if not tensor.is_floating_point():
                 raise LoRAError(f"adapter {path}: {module}'s lora_{kind} holds {tensor.dtype}, not floating point")
             largest = float(tensor.float().abs().max()) * factor
@@ -170,7 +172,7 @@ def load_adapter(model: nn.Module, lora: LoRARequest, max_rank: int, dtype, devi
     adapter = read_adapter(path)
     if lora.digest and adapter.digest != lora.digest:
         raise LoRAError(f"adapter {lora.lora_name!r}: its files at {path} changed since it was loaded; load it again")
-    plan = plan_adapter(model, path, adapter, max_rank, whole=False)  # checked whole by the front end
+    plan = plan_adapter(model, path, adapter, max_rank, whole=False, values=not lora.digest)  # checked whole
     weights = LoRAWeights(lora.lora_name)
     for layer, pieces in plan.items():
         a_parts, b_parts = [], []  # B's parts: (offset in our outputs, rows) per rank block of A
