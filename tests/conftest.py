@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # our Triton kernels run under the interprete
     os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-IMAGE_TOKEN_ID = 151655
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 151655, 151656
 
 
 def pytest_configure(config):
@@ -140,9 +140,12 @@ def video_file(frames: np.ndarray, fps: int, lossless: bool = True) -> bytes:
     return buf.getvalue()
 
 
-def hf_inputs(model_dir, messages, images, max_pixels=None):
+def hf_inputs(model_dir, messages, images, max_pixels=None, videos=()):
     """The reference inputs, built with transformers only: its tokenizer + chat template, its PIL image
-    processor, and the string-level placeholder expansion its Qwen2.5-VL processor performs."""
+    processor, and the string-level placeholder expansion its Qwen2.5-VL processor performs. `videos`: (frames as
+    our processor sized them, seconds per temporal patch or None for Qwen2-VL): transformers resizes frames with
+    torchvision, which this machine lacks; the rest (normalising, the patch layout, the placeholders) is done here
+    as published."""
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -153,15 +156,38 @@ def hf_inputs(model_dir, messages, images, max_pixels=None):
         kwargs = {"max_pixels": max_pixels} if max_pixels else {}
         proc = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir), **kwargs)
         feats = proc(images=images, return_tensors="pt")
-        pieces = text.split("<|image_pad|>")
-        assert len(pieces) == len(images) + 1
-        counts = (feats["image_grid_thw"].prod(-1) // 4).tolist()
-        text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:]))
+        text = expand_placeholders(text, "<|image_pad|>", (feats["image_grid_thw"].prod(-1) // 4).tolist())
         out.update(pixel_values=feats["pixel_values"], image_grid_thw=feats["image_grid_thw"])
+    if videos:
+        from fovea.config.image import ImageProcessorConfig
+
+        config = ImageProcessorConfig()
+        grids = [(len(f) // 2, f.shape[1] // 14, f.shape[2] // 14) for f, _ in videos]
+        text = expand_placeholders(text, "<|video_pad|>", [t * h * w // 4 for t, h, w in grids])
+        patches = np.concatenate([published_video_patches(frames, config) for frames, _ in videos])
+        out.update(pixel_values_videos=torch.from_numpy(patches), video_grid_thw=torch.tensor(grids))
+        if videos[0][1] is not None:
+            out["second_per_grid_ts"] = torch.tensor([second for _, second in videos])
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     out["input_ids"] = ids
-    out["mm_token_type_ids"] = (ids == IMAGE_TOKEN_ID).long()
+    out["mm_token_type_ids"] = (ids == IMAGE_TOKEN_ID).long() + 2 * (ids == VIDEO_TOKEN_ID).long()
     return out
+
+
+def expand_placeholders(text: str, placeholder: str, counts: list[int]) -> str:
+    pieces = text.split(placeholder)
+    assert len(pieces) == len(counts) + 1
+    return pieces[0] + "".join(placeholder * n + p for n, p in zip(counts, pieces[1:]))
+
+
+def published_video_patches(frames: np.ndarray, config) -> np.ndarray:
+    """transformers' Qwen2-VL video patch layout, written out: (T, C, H, W) normalized, cut as published."""
+    x = (frames.astype(np.float32) / np.float32(255) - np.float32(config.image_mean)) / np.float32(config.image_std)
+    x = x.transpose(0, 3, 1, 2)
+    t, c, h, w = x.shape
+    p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
+    x = x.reshape(t // tp, tp, c, h // p // m, m, p, w // p // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t // tp * (h // p) * (w // p), c * tp * p * p)
 
 
 # Published shapes (shared/reference/qwen2_5_vl-facts.md): hidden, layers, heads, kv heads, intermediate, vocab, tied

@@ -40,16 +40,24 @@ def family_dirs(tmp_path_factory):
 _HF: dict = {}
 
 
-def hf_model(model_dir):
+def hf_model(model_dir, dtype=torch.float32):
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    if str(model_dir) not in _HF:
+    key = (str(model_dir), dtype)
+    if key not in _HF:
+        # float64: MoE experts as a loop (grouped matmuls take no float64)
+        experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
         model = AutoModelForImageTextToText.from_pretrained(
-            str(model_dir), dtype=torch.float32, attn_implementation="eager"
+            str(model_dir), dtype=dtype, attn_implementation="eager", **experts
         ).eval()
         model.generation_config = GenerationConfig(do_sample=False)  # plain greedy, no stop token
-        _HF[str(model_dir)] = model
-    return _HF[str(model_dir)]
+        _HF[key] = model
+    return _HF[key]
+
+
+def forget_hf_models(model_dir) -> None:
+    for key in [key for key in _HF if key[0] == str(model_dir)]:
+        del _HF[key]
 
 
 def llava_template(model_dir) -> str:
@@ -130,34 +138,67 @@ def logits_gap(family: str, our_dir, reference_dir, kind: str, mutate=None) -> t
     """(largest |ours - transformers'| over the prompt and three decode steps, same argmax everywhere) for one
     conversation; ours read from `our_dir` (the reference's, or a copy with a rule broken) and `mutate`d (a rule
     broken in code: tests/test_config_fuzz.py). The prompts' token ids must be the same."""
-    model, _ = load_model(our_dir, dtype="float32")
-    if mutate is not None:
-        mutate(model)
-    template = llava_template(our_dir) if family == "llava" else None
-    prompts = PromptProcessor(our_dir, model.config, chat_template=template)
-    messages, images = conversation(kind)
-    prompt = prompts.process_chat(with_pil(messages, images))
-    reference = reference_inputs(family, reference_dir, messages, images)
-    assert prompt.token_ids == reference["input_ids"][0].tolist()
-    extra = [5, 17, 9]  # decode steps after the prompt: positions continue by the model's rule
-    ids = prompt.token_ids + extra
-    positions = np.concatenate([prompt.positions, decode_positions(len(prompt.token_ids), 3, prompt.mrope_delta)], 1)
-    with torch.no_grad():
-        mm = None
-        if prompt.images:
-            pixels = torch.cat([patchify(torch.from_numpy(im.pixels), model.config.image) for im in prompt.images])
-            mm = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prompt.images]))
-        hidden = model(torch.tensor(ids), torch.from_numpy(positions), AttentionMetadata.from_lengths([len(ids)]), mm)
-        ours = model.compute_logits(hidden)
-        reference["input_ids"] = torch.tensor([ids])
-        if "mm_token_type_ids" in reference:
-            reference["mm_token_type_ids"] = torch.nn.functional.pad(reference["mm_token_type_ids"], (0, 3))
-        theirs = hf_model(reference_dir)(**reference).logits[0]
+    ours = our_logits(family, our_dir, kind, mutate)
+    theirs = reference_logits(family, reference_dir, kind)
     return (ours - theirs).abs().max().item(), torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
+EXTRA = [5, 17, 9]  # decode steps after the prompt: positions continue by the model's rule
+
+
+def our_logits(family: str, model_dir, kind: str, mutate=None) -> torch.Tensor:
+    """Our model's fp32 logits over `kind`'s prompt and EXTRA; the prompt's token ids must be transformers'."""
+    model, prompts = our_model_and_prompts(family, model_dir)
+    if mutate is not None:
+        mutate(model)
+    messages, images = conversation(kind)
+    prompt = prompts.process_chat(with_pil(messages, images))
+    assert prompt.token_ids == reference_inputs(family, model_dir, messages, images)["input_ids"][0].tolist()
+    return prompt_logits(model, prompt)
+
+
+def our_model_and_prompts(family: str, model_dir):
+    model, _ = load_model(model_dir, dtype="float32")
+    template = llava_template(model_dir) if family == "llava" else None
+    return model, PromptProcessor(model_dir, model.config, chat_template=template)
+
+
+def prompt_logits(model, prompt) -> torch.Tensor:
+    """Logits over a processed prompt and EXTRA, images and videos encoded, in one pass."""
+    ids = prompt.token_ids + EXTRA
+    positions = np.concatenate(
+        [prompt.positions, decode_positions(len(prompt.token_ids), len(EXTRA), prompt.mrope_delta)], 1
+    )
+    with torch.no_grad():
+        mm = None
+        if prompt.images:  # one at a time: an image's patches hold one frame, a video's two
+            pixels = [patchify(torch.from_numpy(im.pixels), model.config.image) for im in prompt.images]
+            mm = torch.cat([model.encode_images(p, [im.grid_thw])[0] for p, im in zip(pixels, prompt.images)])
+        hidden = model(torch.tensor(ids), torch.from_numpy(positions), AttentionMetadata.from_lengths([len(ids)]), mm)
+        return model.compute_logits(hidden)
+
+
+def reference_logits(family: str, model_dir, kind: str, dtype=torch.float32) -> torch.Tensor:
+    return hf_logits(model_dir, reference_inputs(family, model_dir, *conversation(kind)), dtype)
+
+
+def hf_logits(model_dir, inputs: dict, dtype=torch.float32) -> torch.Tensor:
+    """transformers' logits over `inputs`' prompt and EXTRA, its model run in `dtype`."""
+    inputs = dict(inputs, input_ids=torch.cat([inputs["input_ids"], torch.tensor([EXTRA])], 1))
+    if "mm_token_type_ids" in inputs:
+        inputs["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, len(EXTRA)))
+    for name in ("pixel_values", "pixel_values_videos"):
+        if name in inputs:
+            inputs[name] = inputs[name].to(dtype)
+    with torch.no_grad():
+        return hf_model(model_dir, dtype)(**inputs).logits[0]
+
+
 def hf_greedy(family, model_dir, messages, images) -> list[int]:
-    inputs = reference_inputs(family, model_dir, messages, images)
+    return hf_generate(model_dir, reference_inputs(family, model_dir, messages, images))
+
+
+def hf_generate(model_dir, inputs: dict) -> list[int]:
     with torch.no_grad():
         out = hf_model(model_dir).generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, random_image
+from conftest import hf_model, published_video_patches, random_image
 
 from fovea import LLM, SamplingParams
 from fovea.config.image import ImageProcessorConfig, smart_resize
@@ -66,16 +66,6 @@ def test_frame_size_shrinks_with_the_frame_count():
     processed = processed_video(np.zeros((16, 91, 333, 3), np.uint8))  # 16 frames at the default 2 fps: all kept
     assert processed.grid_thw == (8, expected[0] // 14, expected[1] // 14) and processed.second_per_grid_t == 1.0
     assert processed.pixels.shape == (16, *expected, 3)
-
-
-def published_video_patches(frames: np.ndarray, config: ImageProcessorConfig) -> np.ndarray:
-    """transformers' Qwen2-VL video patch layout, written out: (T, C, H, W) normalized, cut as published."""
-    x = (frames.astype(np.float32) / np.float32(255) - np.float32(config.image_mean)) / np.float32(config.image_std)
-    x = x.transpose(0, 3, 1, 2)
-    t, c, h, w = x.shape
-    p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
-    x = x.reshape(t // tp, tp, c, h // p // m, m, p, w // p // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(t // tp * (h // p) * (w // p), c * tp * p * p)
 
 
 @pytest.mark.parametrize("count", [1, 5, 6])
