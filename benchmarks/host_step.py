@@ -246,7 +246,8 @@ def summarize(case: dict, prefix: str) -> dict:
     decode = [i for i, s in enumerate(steps) if s["tokens"] == batch and s["rows"] == batch]
     window = [i for i in decode if i + 1 < len(steps) and i + 1 in decode][2:-2]
     if len(window) < 4:
-        raise RuntimeError(f"only {len(window)} steps where every request decodes: raise --steps")
+        shapes = [(s["tokens"], s["rows"]) for s in steps]
+        raise RuntimeError(f"only {len(window)} steps where every request decodes: raise --steps ({shapes})")
     gaps = [steps[i + 1]["start"] - steps[i]["sampled"] for i in window]
     walls = [steps[i + 1]["start"] - steps[i]["start"] for i in window]
     forward = [steps[i]["end"] - steps[i]["start"] for i in window]
@@ -346,9 +347,11 @@ def main() -> None:
             for sampling in args.samplings.split(","):
                 for batch in batches:
                     for context in contexts:
+                        # served requests arrive while the first ones prefill, and so end that many steps apart
+                        prefill_steps = -(-batch * context // 8192) + 2
                         for name, tree in trees[::-1]:  # the baseline first, then this tree
                             case = dict(tree=name, mode=mode, sampling=sampling, batch=batch, context=context,
-                                        stream=args.stream, model=str(model), max_tokens=steps + 12)  # fmt: skip
+                                        stream=args.stream, model=str(model), max_tokens=steps + 12 + prefill_steps)  # fmt: skip
                             result = run_case(case, tree, work)
                             results.append(result)
                             print(

@@ -221,6 +221,9 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # of each sequence, this step
     encode: list[MMItem] = field(default_factory=list)  # images to hand to the encoder (ImageEncoder)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, forks' partial blocks
+    # sequences whose block tables changed other than by growing since the last step run (freed: finished,
+    # preempted, isolated; or blocks swapped for cached ones): the runner lays them out afresh
+    relaid: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

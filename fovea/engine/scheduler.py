@@ -31,6 +31,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept in arrival order, preempted sequences included
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
+        self.relaid: list[int] = []  # sequence ids, for the runner's input batch (ScheduledBatch.relaid)
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, found in the cache
@@ -92,6 +93,7 @@ class Scheduler:
         for eligible in self._turns():
             self._fill(batch, eligible)
             if batch.seqs:
+                batch.relaid, self.relaid = self.relaid, []
                 break
         return batch
 
@@ -175,6 +177,7 @@ class Scheduler:
         taken = self.blocks.adopt_cached(seq.block_table, seq.block_hashes, first, seq.num_tokens)
         if not taken:
             return
+        self.relaid.append(seq.seq_id)  # blocks of its table were swapped
         skipped = (first + taken) * block_size - seq.num_computed_tokens
         seq.num_computed_tokens += skipped
         seq.num_registered_blocks = first + taken
@@ -292,6 +295,8 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
+        if seq.status == SequenceStatus.RUNNING:  # the runner may have a row for it
+            self.relaid.append(seq.seq_id)
         for item in seq.request.mm_items:
             self.encoder_cache.release(item.content_hash, seq.seq_id)
 

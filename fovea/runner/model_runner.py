@@ -28,6 +28,7 @@ from fovea.multimodal.patchify import patchify
 from fovea.runner.cuda_graphs import DecodeGraphs
 from fovea.runner.encoder_buckets import EncoderBuckets
 from fovea.runner.grammar_masks import GrammarMasks
+from fovea.runner.input_batch import InputBatch
 from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget, zeroed
 from fovea.runner.penalties import to_device
 from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
@@ -128,6 +129,7 @@ class ModelRunner:
             if not config.skip_warmup:
                 self.encoder_buckets.warm_up()
         self.sampler = Sampler(config.seed)
+        self.inputs = InputBatch(-(-config.max_model_len // config.block_size))  # rank 0's rows (execute)
         self.num_blocks = self._count_kv_blocks()
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_blocks = parallel.min_over_ranks(self.num_blocks)
@@ -186,7 +188,7 @@ class ModelRunner:
         hash (the engine's encoder cache holds every image the batch's chunks show). `previous`, `pending_rows`:
         the step still on the device and each sequence's sample row in it, for sequences whose new token it
         samples (async scheduling)."""
-        step, mm_embeds, plan = build_step(batch, encoded, self.config.block_size, pending_rows)
+        step, mm_embeds, plan = build_step(batch, encoded, self.config.block_size, self.inputs, pending_rows)
         masks = GrammarMasks.start([row.grammar for row in plan.rows], self.config.model.text.vocab_size)
         if self.parallel is not None:
             self.parallel.send(step, self.parallel.lm_control)

@@ -8,7 +8,6 @@ samples: the sampling parameters and RNGs of the rows it scores, and the targets
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from fovea.core.request import LoRARequest, ScheduledBatch
+from fovea.runner.input_batch import InputBatch, make_sample_row
 from fovea.runner.sampler import SampleRow
 
 
@@ -63,97 +63,90 @@ class SamplePlan:
     pending: list[tuple[int, int]] = field(default_factory=list)
 
 
-def block_table_array(tables: list[list[int]]) -> np.ndarray:
-    """The block tables as one (sequences, longest table) int32 array padded with 0, filled in one go."""
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    array = np.zeros((len(tables), int(lengths.max())), dtype=np.int32)
-    array[np.arange(array.shape[1])[None, :] < lengths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum())
-    )
-    return array
-
-
 def build_step(
     batch: ScheduledBatch,
     encoded: Callable[[str], torch.Tensor],
     block_size: int,
+    inputs: InputBatch,
     pending_rows: dict[int, int] | None = None,
 ) -> tuple[StepInput, torch.Tensor | None, SamplePlan]:
-    """`pending_rows`: sequence id -> its sample's row in the step still on the device (async scheduling); a
-    sequence with a pending token decodes it, read there."""
-    total = batch.num_tokens
-    ids: list[int] = []
-    fill_rows, fill_from = [], []
+    """`inputs`: the runner's rows, brought up to date with the batch. `pending_rows`: sequence id -> its sample's
+    row in the step still on the device (async scheduling); a sequence with a pending token decodes it, read there."""
+    seqs, total = batch.seqs, batch.num_tokens
+    rows = inputs.rows(batch)
+    starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
+    prompt_lens = np.fromiter((seq.num_prompt_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
+    lengths = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
+    q_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=offsets[1:])
+    ids = np.empty(total, dtype=np.int64)
     positions = np.empty((3, total), dtype=np.int64)
     slots = np.empty(total, dtype=np.int64)
+    fill_rows, fill_from = [], []
     mm_embeds, mm_mask = [], np.zeros(total, dtype=bool)
     logits_rows, logprob_spans = [], []
     plan = SamplePlan([], [], [])
-    decode_rows, decode_positions, decode_slots = [], [], []  # written into the arrays once, below
-    offset = 0
-    for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+    # decodes, the common case: a sequence's last token, generated, one sample (forks split off after a prompt),
+    # laid out together
+    decode = (q_lens == 1) & (starts >= prompt_lens) & (starts + 1 == lengths)
+    which = np.flatnonzero(decode)
+    if which.size:
+        at, start, decode_rows = offsets[which], starts[which], rows[which]
+        positions[:, at] = start + inputs.mrope_deltas[decode_rows]
+        slots[at] = inputs.tables[decode_rows, start // block_size] * block_size + start % block_size
+        for index, offset, token_index, row in zip(which.tolist(), at.tolist(), start.tolist(), decode_rows.tolist()):
+            seq = seqs[index]
+            if seq.num_pending:  # its one new token is the pending one
+                fill_rows.append(offset)
+                fill_from.append(pending_rows[seq.seq_id])
+                plan.pending.append((len(plan.rows), fill_from[-1]))
+                ids[offset] = 0
+            else:
+                ids[offset] = seq.token_ids[token_index]
+            plan.rows.append(inputs.sample_row(row, seq))
+        logits_rows += at.tolist()
+        plan.owners += [(index, 0) for index in which.tolist()]
+    for index in np.flatnonzero(~decode).tolist():
+        seq, offset, n = seqs[index], int(offsets[index]), int(q_lens[index])
+        start, end = int(starts[index]), int(starts[index]) + n
         request = seq.request
-        if seq.num_pending:  # its one new token is the pending one
+        if seq.num_pending:  # a prompt's last token recomputed with its sample still on the device
             fill_rows.append(offset)
             fill_from.append(pending_rows[seq.seq_id])
-            ids.append(0)
+            ids[offset] = 0
         else:
-            ids += seq.token_ids[start:end]
-        if n == 1 and start >= seq.num_prompt_tokens:  # decode: the common case, kept cheap
-            decode_rows.append(offset)
-            decode_positions.append(start + request.mrope_delta)
-            decode_slots.append(seq.block_table[start // block_size] * block_size + start % block_size)
-        else:
-            prompt_end = min(end, seq.num_prompt_tokens)
-            positions[:, offset : offset + max(prompt_end - start, 0)] = request.positions[:, start:prompt_end]
-            generated = np.arange(max(start, seq.num_prompt_tokens), end)
-            positions[:, offset + n - generated.size : offset + n] = generated + request.mrope_delta
-            token_index = np.arange(start, end)
-            slots[offset : offset + n] = (
-                np.asarray(seq.block_table)[token_index // block_size] * block_size + token_index % block_size
+            ids[offset : offset + n] = seq.token_ids[start:end]
+        prompt_end = min(end, seq.num_prompt_tokens)
+        positions[:, offset : offset + max(prompt_end - start, 0)] = request.positions[:, start:prompt_end]
+        generated = np.arange(max(start, seq.num_prompt_tokens), end)
+        positions[:, offset + n - generated.size : offset + n] = generated + request.mrope_delta
+        token_index = np.arange(start, end)
+        slots[offset : offset + n] = (
+            inputs.tables[rows[index], token_index // block_size] * block_size + token_index % block_size
+        )
+        for item in request.mm_items:
+            lo, hi = max(start, item.span.start), min(end, item.end)
+            if lo < hi:
+                embeds = encoded(item.content_hash)
+                mm_embeds.append(embeds[lo - item.span.start : hi - item.span.start])
+                mm_mask[offset + lo - start : offset + hi - start] = True
+        if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            # rows start..end-1 predict tokens start+1..end, those inside the prompt are wanted
+            count = min(end, seq.num_prompt_tokens - 1) - start
+            logprob_spans.append((offset, count))
+            plan.prompt_logprobs.append(
+                (index, seq.token_ids[start + 1 : start + 1 + count], seq.params.prompt_logprobs)
             )
-            for item in request.mm_items:
-                lo, hi = max(start, item.span.start), min(end, item.end)
-                if lo < hi:
-                    rows = encoded(item.content_hash)
-                    mm_embeds.append(rows[lo - item.span.start : hi - item.span.start])
-                    mm_mask[offset + lo - start : offset + hi - start] = True
-            if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                # rows start..end-1 predict tokens start+1..end, those inside the prompt are wanted
-                count = min(end, seq.num_prompt_tokens - 1) - start
-                logprob_spans.append((offset, count))
-                plan.prompt_logprobs.append(
-                    (index, seq.token_ids[start + 1 : start + 1 + count], seq.params.prompt_logprobs)
-                )
         if end == seq.num_tokens:
             if seq.num_pending:
                 plan.pending.append((len(plan.rows), fill_from[-1]))
-            for fork in range(1 + seq.pending_forks):
+            for fork in range(1 + seq.pending_forks):  # samples split off after the prompt: once
                 logits_rows.append(offset + n - 1)
                 plan.owners.append((index, fork))
-                sample = seq.index + fork
-                plan.rows.append(
-                    SampleRow(
-                        seq.params,
-                        seq.token_ids,
-                        seq.num_prompt_tokens,
-                        request.generators[sample],
-                        request.stop_ids,
-                        request.grammars[sample] if request.grammars and not seq.grammar_waiting else None,
-                        (seq.seq_id, fork),
-                    )
-                )
-        offset += n
-    if decode_rows:
-        positions[:, decode_rows] = decode_positions
-        slots[decode_rows] = decode_slots
-    q_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
-    query_starts = np.zeros(len(batch) + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=query_starts[1:])
-    seq_lens = np.fromiter(
-        (s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)), dtype=np.int32, count=len(batch)
-    )
+                plan.rows.append(inputs.sample_row(int(rows[index]), seq) if fork == 0 else make_sample_row(seq, fork))
+    query_starts = offsets.astype(np.int32)
+    seq_lens = (starts + q_lens).astype(np.int32)
     embeds = torch.cat(mm_embeds) if mm_embeds else None
     adapters: dict[LoRARequest, int] = {}
     lora_of_seq = None
@@ -163,12 +156,12 @@ def build_step(
             dtype=np.int32,
         )
     step = StepInput(
-        np.asarray(ids, dtype=np.int64),
+        ids,
         positions,
         slots,
         query_starts,
         seq_lens,
-        block_table_array([seq.block_table for seq in batch.seqs]),
+        inputs.block_tables(rows),
         mm_mask,
         0 if embeds is None else embeds.shape[0],
         logits_rows,
