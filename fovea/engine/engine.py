@@ -388,15 +388,16 @@ class LLMEngine:
                 row_seqs.append(None)
                 continue
             if fork:
+                seq.pending_forks = 0  # (its own row, fork 0, is in this step too)
                 child = self._new_sequence(seq.request, seq.index + fork)
                 self.scheduler.fork(seq, child)
                 seq = child
             row_seqs.append(seq)
-        for index, _ in result.row_owners:
-            batch.seqs[index].pending_forks = 0
         now = time.time()
         # requests that fail alone, and why: logits the model gave as NaN or infinity, a grammar the output broke
-        broken = {seq.request: NONFINITE for seq, ok in zip(row_seqs, finite) if seq is not None and not ok}
+        broken = {}
+        if not all(finite):
+            broken = {seq.request: NONFINITE for seq, ok in zip(row_seqs, finite) if seq is not None and not ok}
         for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
             if seq is None or seq.request in broken:
                 continue

@@ -109,10 +109,11 @@ class Scheduler:
 
     def _fill(self, batch: ScheduledBatch, eligible) -> None:
         budget = self.config.max_num_batched_tokens
+        block_size = self.blocks.block_size
         preempted = False
         decodes, prefills = [], []
-        for seq in self.running:
-            (prefills if seq.is_prefill else decodes).append(seq)
+        for seq in self.running:  # (the arithmetic of Sequence.is_prefill, here and below: hundreds a step)
+            (prefills if len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens > 1 else decodes).append(seq)
         computing: set[bytes] = set()  # hashes of the blocks this step fills: one sequence computes each
         for seq in decodes + prefills:
             if budget == 0:
@@ -121,28 +122,31 @@ class Scheduler:
                 continue
             if seq.status != SequenceStatus.RUNNING or (seq.num_pending and self._ends_with_pending_token(seq)):
                 continue  # preempted earlier in this loop, or nothing left to compute
-            if seq.is_prefill and self._shares_blocks(seq):
+            tokens = len(seq.token_ids) + seq.num_pending
+            if tokens - seq.num_computed_tokens > 1 and self._shares_blocks(seq):
                 self._adopt_cached(seq)
                 if self._block_at(seq, seq.num_computed_tokens) in computing:
                     continue  # another sequence fills that block now; this one takes it next step
             start = seq.num_computed_tokens
-            n = min(seq.num_tokens - start, budget)
+            n = min(tokens - start, budget)
             if seq.request.mm_items:
                 n = self._fit_encoder(seq, start, n, batch)
                 if n == 0:
                     continue
             extra = self._fork_blocks(seq, start + n)
-            while not self.blocks.can_append(seq.block_table, start + n, extra):
-                victim = self._pick_victim(batch)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                continue
-            self.blocks.append_slots(seq.block_table, start + n)
+            if extra or len(seq.block_table) * block_size < start + n:  # (a decode mostly has room already)
+                while not self.blocks.can_append(seq.block_table, start + n, extra):
+                    victim = self._pick_victim(batch)
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+                self.blocks.append_slots(seq.block_table, start + n)
             self._add_to_batch(batch, seq, n)
-            self._note_filled(seq, start, n, computing)
+            if self.blocks.enable_prefix_caching:
+                self._note_filled(seq, start, n, computing)
             budget -= n
         if not preempted:
             self._admit_waiting(batch, budget, computing, eligible)
@@ -268,7 +272,7 @@ class Scheduler:
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
-        for item in seq.request.mm_items:
+        for item in seq.request.mm_items:  # (usually none)
             if item.span.start < start + n and item.end > start:
                 self.encoder_cache.acquire(item.content_hash, seq.seq_id)
         batch.seqs.append(seq)
