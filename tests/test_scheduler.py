@@ -1,0 +1,120 @@
+"""The scheduler alone, with no model: steps are simulated (schedule, launch, one token sampled where a sequence's
+last token ran, record). Decodes before prompt chunks under the token budget, admission in arrival order within
+max_num_seqs, preemption of the latest arrival when KV blocks run out (named for the runner's input batch), prefix
+cache hits, and the encoder's budget and readiness cutting a chunk before an image."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from fovea.core.request import MMItem, MMSpan, Request, RequestInput, Sequence
+from fovea.core.sampling_params import SamplingParams
+from fovea.engine.block_manager import BlockManager
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.scheduler import Scheduler
+
+BLOCK = 4
+
+
+def scheduler(budget=16, max_seqs=8, blocks=64, prefix_caching=True, encoder_tokens=0, encoder_budget=None):
+    config = SimpleNamespace(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        enable_lora=False,
+        max_loras=1,
+        encoder_budget=encoder_budget or budget,
+        max_model_len=1024,
+    )
+    return Scheduler(config, BlockManager(blocks, BLOCK, prefix_caching), EncoderCache(encoder_tokens))
+
+
+def sequence(seq_id: int, prompt: list[int], max_tokens=100, images: list[MMItem] = ()) -> Sequence:
+    request = Request(RequestInput(f"r{seq_id}", prompt, SamplingParams(max_tokens=max_tokens), mm_items=list(images)))
+    request.input.arrival_index = seq_id
+    seq = Sequence(seq_id, request)
+    request.sequences.append(seq)
+    return seq
+
+
+def image(start: int, length: int, key: str) -> MMItem:
+    return MMItem(MMSpan(start, length, key), (1, 2, 2 * length), np.zeros((1, 1, 3), np.uint8))
+
+
+def step(sched: Scheduler) -> dict[int, int]:
+    """One step: {sequence id: tokens it ran}; a sequence whose last token ran gains a sampled one."""
+    batch = sched.schedule()
+    sched.launched(batch)
+    for seq in batch.seqs:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+    sched.step_done(batch)
+    return dict(zip((s.seq_id for s in batch.seqs), batch.num_new_tokens))
+
+
+def test_decodes_first_then_prompt_chunks_under_the_budget():
+    sched = scheduler(budget=16)
+    first = sequence(0, list(range(10)))
+    sched.add(first)
+    assert step(sched) == {0: 10}  # the whole prompt fits
+    long = sequence(1, list(range(100, 140)))  # 40 tokens: chunked
+    sched.add(long)
+    assert step(sched) == {0: 1, 1: 15}  # the decode first, the chunk fills what is left
+    assert step(sched) == {0: 1, 1: 15}
+    assert step(sched) == {0: 1, 1: 10}  # the prompt's last chunk, then both decode
+    assert step(sched) == {0: 1, 1: 1}
+
+
+def test_admission_in_arrival_order_within_max_num_seqs():
+    sched = scheduler(budget=64, max_seqs=2)
+    seqs = [sequence(i, [i] * 5) for i in range(4)]
+    for seq in reversed(seqs):  # added in any order, admitted by arrival
+        sched.add(seq)
+    assert step(sched) == {0: 5, 1: 5}
+    sched.finish(seqs[0])
+    assert step(sched) == {1: 1, 2: 5}
+
+
+def test_the_latest_arrival_is_preempted_when_blocks_run_out_and_is_named_for_the_runner():
+    sched = scheduler(budget=64, blocks=6, prefix_caching=False)
+    early, late = sequence(0, list(range(8))), sequence(1, list(range(50, 58)))
+    sched.add(early)
+    sched.add(late)
+    assert step(sched) == {0: 8, 1: 8}  # 2 blocks each, 2 free
+    for _ in range(4):  # each grows into its third block (4 tokens)
+        assert step(sched) == {0: 1, 1: 1}
+    batch = sched.schedule()  # the next token needs a fourth block each: the late one gives its blocks up
+    assert sched.num_preemptions == 1 and [s.seq_id for s in batch.seqs] == [0]
+    assert late.num_computed_tokens == 0 and late.block_table == [] and late in sched.waiting
+    assert batch.relaid == [1]  # the runner lays it out afresh when it comes back
+
+
+def test_a_second_sequence_starts_after_the_cached_prefix():
+    sched = scheduler(budget=64)
+    shared = list(range(12))  # three full blocks
+    sched.add(sequence(0, shared + [99]))
+    step(sched)
+    second = sequence(1, shared + [55, 56])
+    sched.add(second)
+    assert step(sched) == {0: 1, 1: 2}  # only what the cache lacks
+    assert second.num_computed_tokens == 14 and sched.prefix_cache_hits == 12
+    assert second.request.num_cached_tokens == 12
+
+
+def test_a_chunk_stops_before_an_image_the_encoder_has_not_finished():
+    sched = scheduler(budget=64, encoder_tokens=100, encoder_budget=8)
+    first = sequence(0, [1, 2] + [9] * 8 + [3] * 4 + [9] * 8 + [4], images=[image(2, 8, "a"), image(14, 8, "b")])
+    sched.add(first)
+    batch = sched.schedule()  # the text before the first image; both images go to the encoder, one per step
+    assert batch.num_new_tokens == [2] and [i.content_hash for i in batch.encode] == ["a"]
+    sched.launched(batch)
+    sched.step_done(batch)
+    sched.encoder_cache.put("a", torch.zeros(8, 4))
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [12] and [i.content_hash for i in batch.encode] == ["b"]  # up to image b
+    sched.launched(batch)
+    sched.step_done(batch)
+    sched.encoder_cache.put("b", torch.zeros(8, 4))
+    assert step(sched) == {0: 9}  # the rest of the prompt
