@@ -154,7 +154,7 @@ class Request:
             [None] if params.prompt_logprobs is not None else None
         )
         self.aborted = False
-        self.prompt_sent = False  # a DELTA output carried the prompt already
+        self.prompt_sent = False  # a report carried the prompt's log-probabilities and the metrics already
         self.num_finished_sequences = 0  # kept by the scheduler
         # a step it ran in failed: it runs in steps of its own until one samples for it (scheduler.isolate)
         self.suspect = False
@@ -191,10 +191,9 @@ class Sequence:
         self.num_decoded = self.num_prompt_tokens  # tokens whose text is in `text` (engine/outputs.py)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.detokenizer = None  # set by the engine
+        self.detokenizer = None  # set by the engine where its text is checked (stop strings, a reasoning end tag)
         self.grammar_waiting = request.input.grammar_after is not None  # its structured output has not begun
-        self.sent_tokens = 0  # how much a DELTA output has already handed out
-        self.sent_text = 0
+        self.sent_tokens = 0  # output tokens already reported (RequestDelta)
 
     @property
     def num_tokens(self) -> int:
@@ -231,6 +230,33 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+
+@dataclass
+class SampleDelta:
+    """What one sample of a request gained since the request's last report; its text is made where the caller
+    is (engine/outputs.py OutputAssembler), not in the engine's step loop."""
+
+    index: int
+    token_ids: list[int]  # new since the last report
+    logprobs: list[dict[int, Logprob]] | None  # their entries, where logprobs were asked for
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_len: int | None = None  # finished by a stop string: the length of the output text once cut
+
+
+@dataclass
+class RequestDelta:
+    """A request's report from an engine step: what its samples gained; the prompt's log-probabilities and the
+    metrics come with the first and the last report."""
+
+    request_id: str
+    outputs: list[SampleDelta]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

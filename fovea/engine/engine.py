@@ -18,7 +18,15 @@ from collections.abc import Callable
 import torch
 
 from fovea.config.engine import EngineConfig
-from fovea.core.request import Request, RequestInput, RequestOutput, ScheduledBatch, Sequence, SequenceStatus
+from fovea.core.request import (
+    Request,
+    RequestDelta,
+    RequestInput,
+    RequestOutput,
+    ScheduledBatch,
+    Sequence,
+    SequenceStatus,
+)
 from fovea.core.sampling_params import WHERE, RequestOutputKind
 from fovea.core.stats import EngineStats, LatencyEvents, record_token_time
 from fovea.engine.block_manager import BlockManager
@@ -26,9 +34,10 @@ from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.outputs import (
     IncrementalDetokenizer,
     LogprobEntries,
+    OutputAssembler,
     append_token,
     record_prompt_logprobs,
-    request_output,
+    request_delta,
 )
 from fovea.engine.scheduler import Scheduler
 from fovea.engine.structured_outputs import GrammarBuild, Grammars, too_slow_error
@@ -59,8 +68,11 @@ class LLMEngine:
         runner: ModelRunner | None = None,
         on_worker_failure: Callable[[str], None] | None = None,
         tokenizer=None,
+        assemble_outputs: bool = True,
     ):
-        """`tokenizer`: a front end's in the same process (transformers'), else the engine loads its own."""
+        """`tokenizer`: a front end's in the same process (transformers'), else the engine loads its own.
+        `assemble_outputs`: `step` makes the callers' RequestOutputs (an in-process caller); an engine process
+        sends `step_deltas` and its front end assembles them."""
         self.config = config
         self.workers = None  # tensor-parallel ranks 1..N-1
         if runner is None and config.distributed:
@@ -92,7 +104,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.compiling: list[tuple[Request, GrammarBuild]] = []  # requests whose matchers are being built
         self.num_requests_added = 0
-        self.finished_outputs: list[RequestOutput] = []  # aborts, reported with the next step's outputs
+        self.finished_outputs: list[RequestDelta] = []  # aborts, reported with the next step's outputs
+        self.assemblers: dict[str, OutputAssembler] | None = {} if assemble_outputs else None
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         self._logprob_entry = LogprobEntries(self.tokenizer)
@@ -129,6 +142,8 @@ class LLMEngine:
             for i in range(request.params.n)
         ]
         self.requests[request.request_id] = request
+        if self.assemblers is not None:
+            self.assemblers[request.request_id] = OutputAssembler(self.tokenizer, input)
         self.num_requests_added += 1
         if request.params.structured_outputs is not None:  # one grammar state per sample, built off the step loop
             self.grammars.warm_up()
@@ -160,7 +175,8 @@ class LLMEngine:
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, index)
-        if request.params.detokenize:
+        params = request.params
+        if params.detokenize and (params.stop_strings or request.input.grammar_after is not None):  # text checked
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 request.prompt_token_ids,
@@ -182,7 +198,7 @@ class LLMEngine:
                     self.scheduler.finish(seq)  # its KV blocks are free from now on
             request.metrics.finished_time = time.time()
             self._record_finish(request)
-            self.finished_outputs.append(request_output(request, final=True))
+            self.finished_outputs.append(request_delta(request, final=True))
 
     def close(self) -> None:
         """Stops the image encoder's thread and the tensor-parallel workers."""
@@ -197,6 +213,17 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
+        """`step_deltas`, assembled into the outputs callers see (an engine made with assemble_outputs)."""
+        outputs = []
+        for delta in self.step_deltas():
+            assembler = self.assemblers.get(delta.request_id)
+            if assembler is not None:
+                outputs.append(assembler(delta))
+                if delta.finished:
+                    del self.assemblers[delta.request_id]
+        return outputs
+
+    def step_deltas(self) -> list[RequestDelta]:
         """Queues a step on the device, records one, reports what the recorded step produced. In order (a CPU
         engine): queue a step, record it. Overlapped (a GPU engine): record the step in flight, queue the next;
         its outputs are built, and sent by the engine process, while the device computes. Ahead (async
@@ -326,7 +353,7 @@ class LLMEngine:
         if requests:
             raise self._fail(requests, error) from error
 
-    def _report(self, touched: set[Request]) -> list[RequestOutput]:
+    def _report(self, touched: set[Request]) -> list[RequestDelta]:
         """The outputs callers asked for of the requests a step touched. A request failed or aborted since is
         left out: it was reported then."""
         outputs = []
@@ -337,7 +364,7 @@ class LLMEngine:
                 self.requests.pop(request.request_id)
                 self._record_finish(request)
             if request.finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(request_output(request, final=request.finished))
+                outputs.append(request_delta(request, final=request.finished))
         return outputs
 
     def _fail(self, requests: set[Request], error: Exception) -> StepFailed:
@@ -345,6 +372,8 @@ class LLMEngine:
         logger.error("a step failed; failing its %d request(s)", len(requests), exc_info=error)
         for request in requests:
             self.requests.pop(request.request_id, None)
+            if self.assemblers is not None:
+                self.assemblers.pop(request.request_id, None)
             for seq in request.sequences:
                 if seq.status != SequenceStatus.FINISHED:
                     seq.finish_reason = "error"

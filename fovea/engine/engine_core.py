@@ -66,7 +66,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
         os._exit(1)
 
     try:
-        engine = LLMEngine(config, on_worker_failure=worker_failed)
+        engine = LLMEngine(config, on_worker_failure=worker_failed, assemble_outputs=False)  # the front end does
         engine.grammars.warm_up()  # before the server answers: the first structured request is not slow
     except BaseException:  # noqa: BLE001 - the front end reports why start-up failed
         send(StartFailed(traceback.format_exc()))
@@ -107,7 +107,7 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
                     engine.abort_request(request_ids)
             wait = 0
         try:
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            outputs = engine.step_deltas() if engine.has_unfinished_requests() else []
             failed_in_a_row = 0
         except WorkerDied:
             raise

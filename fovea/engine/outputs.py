@@ -16,10 +16,12 @@ from fovea.core.request import (
     CompletionOutput,
     Logprob,
     Request,
+    RequestDelta,
+    RequestInput,
     RequestOutput,
+    SampleDelta,
     ScheduledBatch,
     Sequence,
-    SequenceStatus,
 )
 from fovea.core.sampling_params import RequestOutputKind
 
@@ -139,45 +141,114 @@ class LogprobEntries:
         return entry
 
 
-def request_output(request: Request, final: bool) -> RequestOutput:
-    """What the caller gets now: everything so far (CUMULATIVE, FINAL_ONLY) or what is new since the last
-    output (DELTA). Text that may still turn into a stop string is held back until it cannot."""
-    delta = request.params.output_kind == RequestOutputKind.DELTA
-    holdback = 0 if final else request.params.stop_holdback  # a stop string may still be forming
-    completions = []
+def request_delta(request: Request, final: bool) -> RequestDelta:
+    """What the request's samples gained since its last report: ids, logprob entries, how they finished. Text is
+    the assembler's (OutputAssembler), wherever the caller is: this is all the engine's step loop builds."""
+    samples = []
     for seq in request.sequences:
-        decode_pending(seq)
-        done = seq.status == SequenceStatus.FINISHED
-        text_end = len(seq.text) if done else max(len(seq.text) - holdback, 0)
-        token_start = seq.sent_tokens if delta else 0
-        text_start = min(seq.sent_text, text_end) if delta else 0
-        completions.append(
-            CompletionOutput(
+        start = seq.num_prompt_tokens + seq.sent_tokens
+        samples.append(
+            SampleDelta(
                 seq.index,
-                seq.text[text_start:text_end],
-                seq.token_ids[seq.num_prompt_tokens + token_start :],
+                seq.token_ids[start:],
+                seq.logprobs[seq.sent_tokens :] if seq.logprobs is not None else None,
                 seq.cumulative_logprob if seq.logprobs is not None else None,
-                seq.logprobs[token_start:] if seq.logprobs is not None else None,
                 seq.finish_reason,
                 seq.stop_reason,
+                len(seq.text) if isinstance(seq.stop_reason, str) else None,
             )
         )
-        seq.sent_tokens, seq.sent_text = len(seq.token_ids) - seq.num_prompt_tokens, text_end
-    completions.sort(key=lambda c: c.index)  # forks finish in any order
-    if delta and request.prompt_sent and not final:  # streaming: the prompt travels with the first and last
-        return RequestOutput(request.request_id, None, [], None, completions, final, request.num_cached_tokens)
-    request.prompt_sent = True
-    return RequestOutput(
-        request.request_id,
-        request.input.prompt,
-        request.prompt_token_ids,
-        request.prompt_logprobs,
-        completions,
-        final,
-        request.num_cached_tokens,
-        request.metrics,
-        sum(span.length for span in request.mm_spans),
-    )
+        seq.sent_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+    delta = RequestDelta(request.request_id, samples, final, request.num_cached_tokens)
+    if final or not request.prompt_sent:
+        delta.prompt_logprobs, delta.metrics = request.prompt_logprobs, request.metrics
+        request.prompt_sent = True
+    return delta
+
+
+class SampleText:
+    """One sample's output as its caller has it: every token so far and their text."""
+
+    def __init__(self, tokenizer, input: RequestInput):
+        params = input.params
+        self.detokenizer = (
+            IncrementalDetokenizer(
+                tokenizer, input.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+            if params.detokenize
+            else None
+        )
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.sent_tokens = self.sent_text = 0  # how much DELTA outputs handed out
+
+    def add(self, delta: SampleDelta) -> None:
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs += delta.logprobs
+        if self.detokenizer is not None:
+            self.text += "".join(self.detokenizer.decode(token) for token in delta.token_ids)
+        if delta.text_len is not None:  # a stop string: cut where the engine cut its own text of the same tokens
+            self.text = self.text[: delta.text_len]
+
+
+class OutputAssembler:
+    """A request's `RequestOutput`s from the engine's reports (RequestDelta): the samples' text, detokenized as
+    tokens arrive; everything so far (CUMULATIVE, FINAL_ONLY) or what is new since the last output (DELTA). Text
+    that may still turn into a stop string is held back until it cannot. It runs where the caller is: the front
+    end's process for a server, the caller's thread for `LLM`."""
+
+    def __init__(self, tokenizer, input: RequestInput):
+        self.tokenizer, self.input = tokenizer, input
+        self.samples: dict[int, SampleText] = {}
+        self.prompt_logprobs, self.metrics = None, None
+        self.prompt_sent = False  # a DELTA output carried the prompt already
+
+    def __call__(self, delta: RequestDelta) -> RequestOutput:
+        params, final = self.input.params, delta.finished
+        if delta.metrics is not None:
+            self.prompt_logprobs, self.metrics = delta.prompt_logprobs, delta.metrics
+        incremental = params.output_kind == RequestOutputKind.DELTA
+        holdback = 0 if final else params.stop_holdback  # a stop string may still be forming
+        completions = []
+        for sample_delta in delta.outputs:
+            sample = self.samples.get(sample_delta.index)
+            if sample is None:
+                sample = self.samples[sample_delta.index] = SampleText(self.tokenizer, self.input)
+            sample.add(sample_delta)
+            done = sample_delta.finish_reason is not None
+            text_end = len(sample.text) if done else max(len(sample.text) - holdback, 0)
+            token_start = sample.sent_tokens if incremental else 0
+            text_start = min(sample.sent_text, text_end) if incremental else 0
+            logprobs = params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    sample_delta.index,
+                    sample.text[text_start:text_end],
+                    sample.token_ids[token_start:],
+                    sample_delta.cumulative_logprob if logprobs else None,
+                    sample.logprobs[token_start:] if logprobs else None,
+                    sample_delta.finish_reason,
+                    sample_delta.stop_reason,
+                )
+            )
+            sample.sent_tokens, sample.sent_text = len(sample.token_ids), text_end
+        completions.sort(key=lambda c: c.index)  # forks finish in any order
+        if incremental and self.prompt_sent and not final:  # streaming: the prompt travels with the first and last
+            return RequestOutput(self.input.request_id, None, [], None, completions, final, delta.num_cached_tokens)
+        self.prompt_sent = True
+        return RequestOutput(
+            self.input.request_id,
+            self.input.prompt,
+            self.input.prompt_token_ids,
+            self.prompt_logprobs,
+            completions,
+            final,
+            delta.num_cached_tokens,
+            self.metrics,
+            sum(item.span.length for item in self.input.mm_items),
+        )
 
 
 def record_prompt_logprobs(batch: ScheduledBatch, scored: dict[int, tuple], entry: LogprobEntries) -> None:

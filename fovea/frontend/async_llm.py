@@ -37,6 +37,7 @@ from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected,
 from fovea.core.request import LoRARequest, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
+from fovea.engine.outputs import OutputAssembler
 from fovea.frontend.engine_process import EngineProcess
 from fovea.frontend.grammar_checks import GrammarChecks
 from fovea.frontend.input_processor import InputProcessor
@@ -90,6 +91,7 @@ class AsyncLLM:
         self.max_restarts = max_restarts
         self.restarts: list[list[float]] = [[] for _ in range(config.data_parallel_size)]  # per replica
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._assemblers: dict[str, OutputAssembler] = {}  # request id -> its outputs, made from the engine's reports
         self._ids = itertools.count()
         # Python's default pool size: decoding and resizing images release the GIL, so threads help up to the cores
         threads = prepare_threads or min(32, (os.cpu_count() or 1) + 4)
@@ -225,6 +227,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         outputs: asyncio.Queue = asyncio.Queue()
+        self._assemblers[request_id] = OutputAssembler(self.tokenizer, request)
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
         live = [r for r in range(len(self._engines)) if r not in self.replicas_down] or [0]  # none: _check_alive
@@ -250,6 +253,7 @@ class AsyncLLM:
         finally:
             self._in_flight[replica] -= 1
             self._streams.pop(request_id, None)
+            self._assemblers.pop(request_id, None)
             self._replica_of.pop(request_id, None)
             if not finished:
                 engine.send(AbortRequests([request_id]))  # harmless if the engine never had it
@@ -282,8 +286,10 @@ class AsyncLLM:
             case StepOutputs(outputs, stats):
                 self._replica_stats[replica] = stats
                 self.stats = combine(self._replica_stats, stats.events) if len(self._replica_stats) > 1 else stats
-                for output in outputs:
-                    self._deliver(output.request_id, output)
+                for delta in outputs:  # detokenized here, in the receiving thread: not in the engine's step loop
+                    assembler = self._assemblers.get(delta.request_id)
+                    if assembler is not None:
+                        self._deliver(delta.request_id, assembler(delta))
                 if self.on_stats is not None:
                     try:
                         self.on_stats(self.stats)
