@@ -14,6 +14,7 @@ from test_engine_vs_hf import LOREM, assert_engine_idle
 
 from fovea import LLM, SamplingParams
 from fovea.core.messages import AddRequest, RequestsFailed, StepOutputs
+from fovea.core.request import RequestDelta
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.engine import StepFailed
 
@@ -189,13 +190,15 @@ def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
     commands.send(AddRequest(request(llm, "boom-1", LOREM)))
     assert until(RequestsFailed) == RequestsFailed(["boom-1"], "RuntimeError: injected step failure")
     commands.send(AddRequest(request(llm, "fine", "Hello", GREEDY.clone(max_tokens=3))))
-    while not any(o.request_id == "fine" and o.finished for o in until(StepOutputs).outputs):
+    while not any(o.request_id == "fine" and o.finished for o in map(RequestDelta._make, until(StepOutputs).outputs)):
         pass
     for i in range(3 * MAX_FAILED_STEPS_IN_A_ROW):  # one failing request after another: none ends the loop
         commands.send(AddRequest(request(llm, f"boom-again-{i}", LOREM)))
         assert until(RequestsFailed).request_ids == [f"boom-again-{i}"]
     commands.send(AddRequest(request(llm, "fine-again", "Hello", GREEDY.clone(max_tokens=3))))
-    while not any(o.request_id == "fine-again" and o.finished for o in until(StepOutputs).outputs):
+    while not any(
+        o.request_id == "fine-again" and o.finished for o in map(RequestDelta._make, until(StepOutputs).outputs)
+    ):
         pass
     monkeypatch.setattr(engine.scheduler, "schedule", lambda: (_ for _ in ()).throw(RuntimeError("scheduler bug")))
     commands.send(AddRequest(request(llm, "unlucky", "Hello", GREEDY.clone(max_tokens=3))))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fovea.core.request import RequestDelta, RequestInput
+from fovea.core.request import RequestInput
 from fovea.core.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class StartFailed:
 
 @dataclass
 class StepOutputs:
-    outputs: list[RequestDelta]  # the front end assembles the RequestOutputs (engine/outputs.py)
+    outputs: list[tuple]  # RequestDelta tuples: the front end assembles the RequestOutputs (engine/outputs.py)
     stats: EngineStats
 
 

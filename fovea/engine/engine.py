@@ -104,7 +104,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.compiling: list[tuple[Request, GrammarBuild]] = []  # requests whose matchers are being built
         self.num_requests_added = 0
-        self.finished_outputs: list[RequestDelta] = []  # aborts, reported with the next step's outputs
+        self.finished_outputs: list[tuple] = []  # aborts (RequestDelta tuples), reported with the next step
         self.assemblers: dict[str, OutputAssembler] | None = {} if assemble_outputs else None
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
@@ -215,7 +215,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """`step_deltas`, assembled into the outputs callers see (an engine made with assemble_outputs)."""
         outputs = []
-        for delta in self.step_deltas():
+        for delta in map(RequestDelta._make, self.step_deltas()):
             assembler = self.assemblers.get(delta.request_id)
             if assembler is not None:
                 outputs.append(assembler(delta))
@@ -223,7 +223,7 @@ class LLMEngine:
                     del self.assemblers[delta.request_id]
         return outputs
 
-    def step_deltas(self) -> list[RequestDelta]:
+    def step_deltas(self) -> list[tuple]:
         """Queues a step on the device, records one, reports what the recorded step produced. In order (a CPU
         engine): queue a step, record it. Overlapped (a GPU engine): record the step in flight, queue the next;
         its outputs are built, and sent by the engine process, while the device computes. Ahead (async
@@ -353,7 +353,7 @@ class LLMEngine:
         if requests:
             raise self._fail(requests, error) from error
 
-    def _report(self, touched: set[Request]) -> list[RequestDelta]:
+    def _report(self, touched: set[Request]) -> list[tuple]:
         """The outputs callers asked for of the requests a step touched. A request failed or aborted since is
         left out: it was reported then."""
         outputs = []

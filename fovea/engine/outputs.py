@@ -141,29 +141,30 @@ class LogprobEntries:
         return entry
 
 
-def request_delta(request: Request, final: bool) -> RequestDelta:
-    """What the request's samples gained since its last report: ids, logprob entries, how they finished. Text is
-    the assembler's (OutputAssembler), wherever the caller is: this is all the engine's step loop builds."""
+def request_delta(request: Request, final: bool) -> tuple:
+    """What the request's samples gained since its last report, as a RequestDelta's plain tuple: ids, logprob
+    entries, how they finished. Text is the assembler's (OutputAssembler), wherever the caller is: this is all
+    the engine's step loop builds."""
     samples = []
     for seq in request.sequences:
         start = seq.num_prompt_tokens + seq.sent_tokens
+        logprobs = seq.logprobs is not None
         samples.append(
-            SampleDelta(
+            (
                 seq.index,
                 seq.token_ids[start:],
-                seq.logprobs[seq.sent_tokens :] if seq.logprobs is not None else None,
-                seq.cumulative_logprob if seq.logprobs is not None else None,
+                seq.logprobs[seq.sent_tokens :] if logprobs else None,
+                seq.cumulative_logprob if logprobs else None,
                 seq.finish_reason,
                 seq.stop_reason,
                 len(seq.text) if isinstance(seq.stop_reason, str) else None,
             )
         )
         seq.sent_tokens = len(seq.token_ids) - seq.num_prompt_tokens
-    delta = RequestDelta(request.request_id, samples, final, request.num_cached_tokens)
     if final or not request.prompt_sent:
-        delta.prompt_logprobs, delta.metrics = request.prompt_logprobs, request.metrics
         request.prompt_sent = True
-    return delta
+        return request.request_id, samples, final, request.num_cached_tokens, request.prompt_logprobs, request.metrics
+    return request.request_id, samples, final, request.num_cached_tokens, None, None
 
 
 class SampleText:
@@ -205,14 +206,16 @@ class OutputAssembler:
         self.prompt_logprobs, self.metrics = None, None
         self.prompt_sent = False  # a DELTA output carried the prompt already
 
-    def __call__(self, delta: RequestDelta) -> RequestOutput:
+    def __call__(self, report: tuple) -> RequestOutput:
+        """`report`: a RequestDelta, or its plain tuple."""
+        delta = RequestDelta._make(report)
         params, final = self.input.params, delta.finished
         if delta.metrics is not None:
             self.prompt_logprobs, self.metrics = delta.prompt_logprobs, delta.metrics
         incremental = params.output_kind == RequestOutputKind.DELTA
         holdback = 0 if final else params.stop_holdback  # a stop string may still be forming
         completions = []
-        for sample_delta in delta.outputs:
+        for sample_delta in map(SampleDelta._make, delta.outputs):
             sample = self.samples.get(sample_delta.index)
             if sample is None:
                 sample = self.samples[sample_delta.index] = SampleText(self.tokenizer, self.input)

@@ -286,10 +286,10 @@ class AsyncLLM:
             case StepOutputs(outputs, stats):
                 self._replica_stats[replica] = stats
                 self.stats = combine(self._replica_stats, stats.events) if len(self._replica_stats) > 1 else stats
-                for delta in outputs:  # detokenized here, in the receiving thread: not in the engine's step loop
-                    assembler = self._assemblers.get(delta.request_id)
+                for report in outputs:  # detokenized here, in the receiving thread: not in the engine's step loop
+                    assembler = self._assemblers.get(report[0])  # RequestDelta.request_id
                     if assembler is not None:
-                        self._deliver(delta.request_id, assembler(delta))
+                        self._deliver(report[0], assembler(report))
                 if self.on_stats is not None:
                     try:
                         self.on_stats(self.stats)
