@@ -1,7 +1,10 @@
 """The engine: requests in, one batched step at a time, outputs back.
 
-step() = schedule -> run the model -> for each sampled token: record it (forking n > 1 requests after their
-prompt), detokenize, check stop conditions, free finished sequences -> build the outputs callers asked for.
+step_deltas() = schedule -> run the model -> for each sampled token: record it (forking n > 1 requests after
+their prompt), check stop conditions (text only for requests with stop strings or a reasoning end tag), free
+finished sequences -> report what the callers asked for (RequestDelta tuples: ids and finish, no text). The front
+end makes the RequestOutputs of them (engine/outputs.py OutputAssembler); step() does it here for an in-process
+caller (LLM).
 A step that raises fails only the requests it ran: one alone (StepFailed names it); several are recomputed, each in
 steps of its own (Scheduler.isolate), so that only the one that fails again alone is failed. A request whose
 logits the model gave as NaN or infinity fails alone. The engine stays consistent and goes on.

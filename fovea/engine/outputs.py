@@ -1,5 +1,6 @@
-"""From a sampled token to what the caller sees: its text (detokenized as tokens arrive), the stop checks, logprob
-entries, and the `RequestOutput` of a request.
+"""From a sampled token to what the caller sees. In the engine: the token recorded, the stop checks, logprob
+entries, and the request's report (`request_delta`: ids and finish). Where the caller is (the front end's process,
+or an in-process `LLM`): the text, detokenized as tokens arrive, and the `RequestOutput` (`OutputAssembler`).
 
 The tokenizers library's DecodeStream does the incremental part: it holds back a token whose bytes end inside
 a multi-byte UTF-8 character until the character is complete, so no stream ever shows a broken character.
