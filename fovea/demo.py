@@ -21,10 +21,11 @@ def run_demo(model: str | None, image: str | None, prompt: str, max_tokens: int,
     from fovea.core.sampling_params import RequestOutputKind, SamplingParams
     from fovea.engine.engine import LLMEngine
     from fovea.frontend.input_processor import InputProcessor
+    from fovea.frontend.outputs import OutputAssembler
     from fovea.multimodal.prompt import load_tokenizer
 
     config = EngineConfig.from_args(model, dtype=dtype, max_model_len=4096)
-    engine = LLMEngine(config, tokenizer=load_tokenizer(config.model_dir))
+    engine = LLMEngine(config, tokenizer=load_tokenizer(config.model_dir), assembler=OutputAssembler)
     inputs = InputProcessor(engine.config, tokenizer=engine.tokenizer, grammars=engine.grammars)
     picture = (
         {"type": "image_pil", "image_pil": demo_image()}

@@ -12,6 +12,7 @@ from fovea.core.request import LoRARequest, RequestOutput
 from fovea.core.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
 from fovea.engine.engine import LLMEngine
 from fovea.frontend.input_processor import InputProcessor
+from fovea.frontend.outputs import OutputAssembler
 from fovea.multimodal.prompt import ChatOptions, load_tokenizer
 
 
@@ -26,7 +27,7 @@ class LLM:
                 "data_parallel_size > 1 is for `fovea serve` (one engine process per replica); offline, "
                 "run one LLM per replica (as `fovea eval --ray --num-replicas N` does)"
             )
-        self.engine = LLMEngine(config, tokenizer=load_tokenizer(config.model_dir))
+        self.engine = LLMEngine(config, tokenizer=load_tokenizer(config.model_dir), assembler=OutputAssembler)
         # prompts are prepared here, with the engine's tokenizer and grammars (its config: max_model_len may have
         # been lowered to what the KV cache holds)
         self.inputs = InputProcessor(self.engine.config, tokenizer=self.engine.tokenizer, grammars=self.engine.grammars)

@@ -47,7 +47,7 @@ class StartFailed:
 
 @dataclass
 class StepOutputs:
-    outputs: list[tuple]  # RequestDelta tuples: the front end assembles the RequestOutputs (engine/outputs.py)
+    outputs: list[tuple]  # RequestDelta tuples: the front end makes the RequestOutputs (frontend/outputs.py)
     stats: EngineStats
 
 

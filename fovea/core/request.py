@@ -235,7 +235,7 @@ class ScheduledBatch:
 
 class SampleDelta(NamedTuple):
     """What one sample of a request gained since the request's last report; its text is made where the caller
-    is (engine/outputs.py OutputAssembler), not in the engine's step loop."""
+    is (frontend/outputs.py OutputAssembler), not in the engine's step loop."""
 
     index: int
     token_ids: list[int]  # new since the last report

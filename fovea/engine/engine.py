@@ -3,8 +3,8 @@
 step_deltas() = schedule -> run the model -> for each sampled token: record it (forking n > 1 requests after
 their prompt), check stop conditions (text only for requests with stop strings or a reasoning end tag), free
 finished sequences -> report what the callers asked for (RequestDelta tuples: ids and finish, no text). The front
-end makes the RequestOutputs of them (engine/outputs.py OutputAssembler); step() does it here for an in-process
-caller (LLM).
+end makes the RequestOutputs of them (frontend/outputs.py); step() does it here for an in-process caller (LLM),
+with the assembler it was given.
 A step that raises fails only the requests it ran: one alone (StepFailed names it); several are recomputed, each in
 steps of its own (Scheduler.isolate), so that only the one that fails again alone is failed. A request whose
 logits the model gave as NaN or infinity fails alone. The engine stays consistent and goes on.
@@ -37,7 +37,6 @@ from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.outputs import (
     IncrementalDetokenizer,
     LogprobEntries,
-    OutputAssembler,
     append_token,
     record_prompt_logprobs,
     request_delta,
@@ -71,11 +70,11 @@ class LLMEngine:
         runner: ModelRunner | None = None,
         on_worker_failure: Callable[[str], None] | None = None,
         tokenizer=None,
-        assemble_outputs: bool = True,
+        assembler: Callable | None = None,
     ):
         """`tokenizer`: a front end's in the same process (transformers'), else the engine loads its own.
-        `assemble_outputs`: `step` makes the callers' RequestOutputs (an in-process caller); an engine process
-        sends `step_deltas` and its front end assembles them."""
+        `assembler`: an in-process caller's (LLM) maker of RequestOutputs, frontend/outputs.py's OutputAssembler:
+        `step` returns outputs made with it. An engine process sends `step_deltas` to its front end instead."""
         self.config = config
         self.workers = None  # tensor-parallel ranks 1..N-1
         if runner is None and config.distributed:
@@ -108,7 +107,8 @@ class LLMEngine:
         self.compiling: list[tuple[Request, GrammarBuild]] = []  # requests whose matchers are being built
         self.num_requests_added = 0
         self.finished_outputs: list[tuple] = []  # aborts (RequestDelta tuples), reported with the next step
-        self.assemblers: dict[str, OutputAssembler] | None = {} if assemble_outputs else None
+        self.assembler = assembler
+        self.assemblers: dict[str, Callable] | None = {} if assembler is not None else None  # by request id
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         self._logprob_entry = LogprobEntries(self.tokenizer)
@@ -146,7 +146,7 @@ class LLMEngine:
         ]
         self.requests[request.request_id] = request
         if self.assemblers is not None:
-            self.assemblers[request.request_id] = OutputAssembler(self.tokenizer, input)
+            self.assemblers[request.request_id] = self.assembler(self.tokenizer, input)
         self.num_requests_added += 1
         if request.params.structured_outputs is not None:  # one grammar state per sample, built off the step loop
             self.grammars.warm_up()
@@ -216,7 +216,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """`step_deltas`, assembled into the outputs callers see (an engine made with assemble_outputs)."""
+        """`step_deltas`, made into the outputs callers see (an engine given an `assembler`)."""
         outputs = []
         for delta in map(RequestDelta._make, self.step_deltas()):
             assembler = self.assemblers.get(delta.request_id)

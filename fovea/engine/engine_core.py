@@ -66,7 +66,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
         os._exit(1)
 
     try:
-        engine = LLMEngine(config, on_worker_failure=worker_failed, assemble_outputs=False)  # the front end does
+        engine = LLMEngine(config, on_worker_failure=worker_failed)  # its front end makes the outputs
         engine.grammars.warm_up()  # before the server answers: the first structured request is not slow
     except BaseException:  # noqa: BLE001 - the front end reports why start-up failed
         send(StartFailed(traceback.format_exc()))

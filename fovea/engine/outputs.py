@@ -1,6 +1,6 @@
-"""From a sampled token to what the caller sees. In the engine: the token recorded, the stop checks, logprob
-entries, and the request's report (`request_delta`: ids and finish). Where the caller is (the front end's process,
-or an in-process `LLM`): the text, detokenized as tokens arrive, and the `RequestOutput` (`OutputAssembler`).
+"""From a sampled token to the request's report: the token recorded, the stop checks (on text only where they
+read it), logprob entries, and `request_delta` (ids and finish). The text and the `RequestOutput` are made where
+the caller is (frontend/outputs.py).
 
 The tokenizers library's DecodeStream does the incremental part: it holds back a token whose bytes end inside
 a multi-byte UTF-8 character until the character is complete, so no stream ever shows a broken character.
@@ -14,17 +14,11 @@ import functools
 from tokenizers.decoders import DecodeStream
 
 from fovea.core.request import (
-    CompletionOutput,
     Logprob,
     Request,
-    RequestDelta,
-    RequestInput,
-    RequestOutput,
-    SampleDelta,
     ScheduledBatch,
     Sequence,
 )
-from fovea.core.sampling_params import RequestOutputKind
 
 PRIME_TOKENS = 4  # prompt tokens fed first, so the first generated token decodes in context (leading spaces)
 
@@ -166,93 +160,6 @@ def request_delta(request: Request, final: bool) -> tuple:
         request.prompt_sent = True
         return request.request_id, samples, final, request.num_cached_tokens, request.prompt_logprobs, request.metrics
     return request.request_id, samples, final, request.num_cached_tokens, None, None
-
-
-class SampleText:
-    """One sample's output as its caller has it: every token so far and their text."""
-
-    def __init__(self, tokenizer, input: RequestInput):
-        params = input.params
-        self.detokenizer = (
-            IncrementalDetokenizer(
-                tokenizer, input.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
-            )
-            if params.detokenize
-            else None
-        )
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, Logprob]] = []
-        self.sent_tokens = self.sent_text = 0  # how much DELTA outputs handed out
-
-    def add(self, delta: SampleDelta) -> None:
-        self.token_ids += delta.token_ids
-        if delta.logprobs is not None:
-            self.logprobs += delta.logprobs
-        if self.detokenizer is not None:
-            self.text += "".join(self.detokenizer.decode(token) for token in delta.token_ids)
-        if delta.text_len is not None:  # a stop string: cut where the engine cut its own text of the same tokens
-            self.text = self.text[: delta.text_len]
-
-
-class OutputAssembler:
-    """A request's `RequestOutput`s from the engine's reports (RequestDelta): the samples' text, detokenized as
-    tokens arrive; everything so far (CUMULATIVE, FINAL_ONLY) or what is new since the last output (DELTA). Text
-    that may still turn into a stop string is held back until it cannot. It runs where the caller is: the front
-    end's process for a server, the caller's thread for `LLM`."""
-
-    def __init__(self, tokenizer, input: RequestInput):
-        self.tokenizer, self.input = tokenizer, input
-        self.samples: dict[int, SampleText] = {}
-        self.prompt_logprobs, self.metrics = None, None
-        self.prompt_sent = False  # a DELTA output carried the prompt already
-
-    def __call__(self, report: tuple) -> RequestOutput:
-        """`report`: a RequestDelta, or its plain tuple."""
-        delta = RequestDelta._make(report)
-        params, final = self.input.params, delta.finished
-        if delta.metrics is not None:
-            self.prompt_logprobs, self.metrics = delta.prompt_logprobs, delta.metrics
-        incremental = params.output_kind == RequestOutputKind.DELTA
-        holdback = 0 if final else params.stop_holdback  # a stop string may still be forming
-        completions = []
-        for sample_delta in map(SampleDelta._make, delta.outputs):
-            sample = self.samples.get(sample_delta.index)
-            if sample is None:
-                sample = self.samples[sample_delta.index] = SampleText(self.tokenizer, self.input)
-            sample.add(sample_delta)
-            done = sample_delta.finish_reason is not None
-            text_end = len(sample.text) if done else max(len(sample.text) - holdback, 0)
-            token_start = sample.sent_tokens if incremental else 0
-            text_start = min(sample.sent_text, text_end) if incremental else 0
-            logprobs = params.logprobs is not None
-            completions.append(
-                CompletionOutput(
-                    sample_delta.index,
-                    sample.text[text_start:text_end],
-                    sample.token_ids[token_start:],
-                    sample_delta.cumulative_logprob if logprobs else None,
-                    sample.logprobs[token_start:] if logprobs else None,
-                    sample_delta.finish_reason,
-                    sample_delta.stop_reason,
-                )
-            )
-            sample.sent_tokens, sample.sent_text = len(sample.token_ids), text_end
-        completions.sort(key=lambda c: c.index)  # forks finish in any order
-        if incremental and self.prompt_sent and not final:  # streaming: the prompt travels with the first and last
-            return RequestOutput(self.input.request_id, None, [], None, completions, final, delta.num_cached_tokens)
-        self.prompt_sent = True
-        return RequestOutput(
-            self.input.request_id,
-            self.input.prompt,
-            self.input.prompt_token_ids,
-            self.prompt_logprobs,
-            completions,
-            final,
-            delta.num_cached_tokens,
-            self.metrics,
-            sum(item.span.length for item in self.input.mm_items),
-        )
 
 
 def record_prompt_logprobs(batch: ScheduledBatch, scored: dict[int, tuple], entry: LogprobEntries) -> None:

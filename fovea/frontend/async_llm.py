@@ -37,10 +37,10 @@ from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected,
 from fovea.core.request import LoRARequest, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
-from fovea.engine.outputs import OutputAssembler
 from fovea.frontend.engine_process import EngineProcess
 from fovea.frontend.grammar_checks import GrammarChecks
 from fovea.frontend.input_processor import InputProcessor
+from fovea.frontend.outputs import OutputAssembler
 from fovea.multimodal.image_workers import ImageWorkers, default_workers
 from fovea.multimodal.prompt import ChatOptions, load_tokenizer
 
