@@ -108,7 +108,7 @@ class LLMEngine:
         self.num_requests_added = 0
         self.finished_outputs: list[tuple] = []  # aborts (RequestDelta tuples), reported with the next step
         self.assembler = assembler
-        self.assemblers: dict[str, Callable] | None = {} if assembler is not None else None  # by request id
+        self.assemblers: dict[str, Callable] = {}  # by request id, with an assembler
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         self._logprob_entry = LogprobEntries(self.tokenizer)
@@ -145,7 +145,7 @@ class LLMEngine:
             for i in range(request.params.n)
         ]
         self.requests[request.request_id] = request
-        if self.assemblers is not None:
+        if self.assembler is not None:
             self.assemblers[request.request_id] = self.assembler(self.tokenizer, input)
         self.num_requests_added += 1
         if request.params.structured_outputs is not None:  # one grammar state per sample, built off the step loop
@@ -217,6 +217,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """`step_deltas`, made into the outputs callers see (an engine given an `assembler`)."""
+        if self.assembler is None:
+            raise RuntimeError("this engine was given no assembler: its caller reads step_deltas()")
         outputs = []
         for delta in map(RequestDelta._make, self.step_deltas()):
             assembler = self.assemblers.get(delta.request_id)
@@ -375,8 +377,7 @@ class LLMEngine:
         logger.error("a step failed; failing its %d request(s)", len(requests), exc_info=error)
         for request in requests:
             self.requests.pop(request.request_id, None)
-            if self.assemblers is not None:
-                self.assemblers.pop(request.request_id, None)
+            self.assemblers.pop(request.request_id, None)
             for seq in request.sequences:
                 if seq.status != SequenceStatus.FINISHED:
                     seq.finish_reason = "error"

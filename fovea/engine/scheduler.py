@@ -112,8 +112,8 @@ class Scheduler:
         block_size = self.blocks.block_size
         preempted = False
         decodes, prefills = [], []
-        for seq in self.running:  # (the arithmetic of Sequence.is_prefill, here and below: hundreds a step)
-            (prefills if len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens > 1 else decodes).append(seq)
+        for seq in self.running:
+            (prefills if seq.is_prefill else decodes).append(seq)
         computing: set[bytes] = set()  # hashes of the blocks this step fills: one sequence computes each
         for seq in decodes + prefills:
             if budget == 0:
@@ -122,8 +122,8 @@ class Scheduler:
                 continue
             if seq.status != SequenceStatus.RUNNING or (seq.num_pending and self._ends_with_pending_token(seq)):
                 continue  # preempted earlier in this loop, or nothing left to compute
-            tokens = len(seq.token_ids) + seq.num_pending
-            if tokens - seq.num_computed_tokens > 1 and self._shares_blocks(seq):
+            tokens = seq.num_tokens  # read once: hundreds of sequences a step
+            if tokens - seq.num_computed_tokens > 1 and self._shares_blocks(seq):  # a prefill
                 self._adopt_cached(seq)
                 if self._block_at(seq, seq.num_computed_tokens) in computing:
                     continue  # another sequence fills that block now; this one takes it next step

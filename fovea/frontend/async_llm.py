@@ -34,7 +34,7 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected, RequestsFailed, StepOutputs
-from fovea.core.request import LoRARequest, RequestInput, RequestOutput
+from fovea.core.request import LoRARequest, RequestDelta, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
 from fovea.frontend.engine_process import EngineProcess
@@ -286,10 +286,10 @@ class AsyncLLM:
             case StepOutputs(outputs, stats):
                 self._replica_stats[replica] = stats
                 self.stats = combine(self._replica_stats, stats.events) if len(self._replica_stats) > 1 else stats
-                for report in outputs:  # detokenized here, in the receiving thread: not in the engine's step loop
-                    assembler = self._assemblers.get(report[0])  # RequestDelta.request_id
+                for delta in map(RequestDelta._make, outputs):  # detokenized here: not in the engine's step loop
+                    assembler = self._assemblers.get(delta.request_id)
                     if assembler is not None:
-                        self._deliver(report[0], assembler(report))
+                        self._deliver(delta.request_id, assembler(delta))
                 if self.on_stats is not None:
                     try:
                         self.on_stats(self.stats)

@@ -53,14 +53,13 @@ class OutputAssembler:
         self.prompt_logprobs, self.metrics = None, None
         self.prompt_sent = False  # a DELTA output carried the prompt already
 
-    def __call__(self, report: tuple) -> RequestOutput:
-        """`report`: a RequestDelta, or its plain tuple."""
-        delta = RequestDelta._make(report)
+    def __call__(self, delta: RequestDelta) -> RequestOutput:
         params, final = self.input.params, delta.finished
         if delta.metrics is not None:
             self.prompt_logprobs, self.metrics = delta.prompt_logprobs, delta.metrics
         incremental = params.output_kind == RequestOutputKind.DELTA
         holdback = 0 if final else params.stop_holdback  # a stop string may still be forming
+        logprobs = params.logprobs is not None
         completions = []
         for sample_delta in map(SampleDelta._make, delta.outputs):
             sample = self.samples.get(sample_delta.index)
@@ -71,7 +70,6 @@ class OutputAssembler:
             text_end = len(sample.text) if done else max(len(sample.text) - holdback, 0)
             token_start = sample.sent_tokens if incremental else 0
             text_start = min(sample.sent_text, text_end) if incremental else 0
-            logprobs = params.logprobs is not None
             completions.append(
                 CompletionOutput(
                     sample_delta.index,

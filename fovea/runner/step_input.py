@@ -111,12 +111,7 @@ def build_step(
         seq, offset, n = seqs[index], int(offsets[index]), int(q_lens[index])
         start, end = int(starts[index]), int(starts[index]) + n
         request = seq.request
-        if seq.num_pending:  # a prompt's last token recomputed with its sample still on the device
-            fill_rows.append(offset)
-            fill_from.append(pending_rows[seq.seq_id])
-            ids[offset] = 0
-        else:
-            ids[offset : offset + n] = seq.token_ids[start:end]
+        ids[offset : offset + n] = seq.token_ids[start:end]  # (a pending token is only ever a decode's)
         prompt_end = min(end, seq.num_prompt_tokens)
         positions[:, offset : offset + max(prompt_end - start, 0)] = request.positions[:, start:prompt_end]
         generated = np.arange(max(start, seq.num_prompt_tokens), end)
@@ -139,8 +134,6 @@ def build_step(
                 (index, seq.token_ids[start + 1 : start + 1 + count], seq.params.prompt_logprobs)
             )
         if end == seq.num_tokens:
-            if seq.num_pending:
-                plan.pending.append((len(plan.rows), fill_from[-1]))
             for fork in range(1 + seq.pending_forks):  # samples split off after the prompt: once
                 logits_rows.append(offset + n - 1)
                 plan.owners.append((index, fork))
