@@ -84,10 +84,11 @@ def fail_steps_running(engine, prefix: str, monkeypatch) -> None:
     """Every step that runs a request whose id starts with `prefix` raises."""
     real_execute = engine.runner.execute
 
-    def execute(batch, cache, *ahead):
-        if any(seq.request.request_id.startswith(prefix) for seq in batch.seqs):
+    def execute(step, cache, *ahead):
+        requests = [r for r in engine.requests.values() if r.request_id.startswith(prefix)]
+        if {seq.seq_id for r in requests for seq in r.sequences}.intersection(step.seq_ids):
             raise RuntimeError("injected step failure")
-        return real_execute(batch, cache, *ahead)
+        return real_execute(step, cache, *ahead)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
 

@@ -1,19 +1,27 @@
-"""The runner's persistent input batch (runner/input_batch.py): over many steps of decodes, new blocks, prefill
-chunks that adopt cached blocks in place, preemptions that come back with other blocks (also straight into a
-decode), forks and finished sequences, each step's arrays equal the ones laid out from scratch from the sequences'
-state as it is then, and equal the published layout (slot = block * block_size + offset, positions + delta)."""
+"""The runner's persistent input batch (runner/input_batch.py), told each step only what changed (ScheduledStep, as
+the scheduler writes it): over many steps of decodes, new blocks, prefill chunks that adopt cached blocks in place,
+preemptions that come back with other blocks (also straight into a decode), and finished sequences, each step's
+arrays equal the ones laid out from scratch from the sequences' state as it is then (every sequence sent whole),
+and equal the published layout (slot = block * block_size + offset, positions + delta); the tokens the runner
+records from its samples are the engine's."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
 import torch
 
-from fovea.core.request import Request, RequestInput, ScheduledBatch, Sequence
+from fovea.config.engine import EngineConfig
+from fovea.core.request import RequestInput
 from fovea.core.sampling_params import SamplingParams
+from fovea.engine.block_manager import BlockManager
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.scheduler import Scheduler
+from fovea.engine.sequence import Request, ScheduledBatch, Sequence
 from fovea.runner.input_batch import InputBatch
-from fovea.runner.step_input import build_step
+from fovea.runner.step_input import ScheduledStep, build_step
 
 BLOCK = 4
 MAX_BLOCKS = 64
@@ -39,9 +47,21 @@ def blocks_for(tokens: int, rng: random.Random) -> list[int]:
     return rng.sample(range(1, 500), -(-tokens // BLOCK))
 
 
-def layout(batch: ScheduledBatch, inputs: InputBatch):
-    step, _, plan = build_step(batch, lambda key: None, BLOCK, inputs)
-    return step, plan
+def scheduler() -> Scheduler:
+    config = EngineConfig.__new__(EngineConfig)
+    config.__dict__.update(max_num_batched_tokens=64, max_num_seqs=4, enable_lora=False, encoder_budget=0)
+    return Scheduler(config, BlockManager(64, BLOCK, False), EncoderCache(0))
+
+
+def layout(step: ScheduledStep, inputs: InputBatch):
+    step_input, _, plan, _ = build_step(step, lambda key: None, BLOCK, inputs)
+    return step_input, plan
+
+
+def from_scratch(batch: ScheduledBatch) -> ScheduledStep:
+    """The step with every sequence sent whole, as to a runner that has seen none of them."""
+    new = [copy.copy(seq).for_runner() for seq in batch.seqs]
+    return ScheduledStep([s.seq_id for s in batch.seqs], list(batch.num_new_tokens), new)
 
 
 def expected_slots_and_positions(batch: ScheduledBatch):
@@ -59,31 +79,31 @@ def expected_slots_and_positions(batch: ScheduledBatch):
 def test_rows_kept_between_steps_give_the_arrays_laid_out_from_scratch():
     rng = random.Random(5)
     inputs = InputBatch(MAX_BLOCKS)
+    sched = scheduler()  # writes each step's description (ScheduledStep) as it does when it schedules
     running: list[Sequence] = []
     next_id = 0
-    relaid: list[int] = []  # as the scheduler names them: freed, or blocks swapped
-    checked = {"preempted into a decode": 0, "adopted": 0, "decode": 0}
+    checked = {"preempted into a decode": 0, "adopted": 0, "decode": 0, "new blocks": 0}
     for _ in range(300):
         while len(running) < 6:  # admitted: a prefill from the start, or from a cached prefix
             seq = new_sequence(next_id, rng)
             next_id += 1
             seq.block_table = blocks_for(seq.num_tokens, rng)
             running.append(seq)
-        batch = ScheduledBatch(relaid=relaid)
-        relaid = []
+        batch = ScheduledBatch()
         for seq in rng.sample(running, rng.randint(1, len(running))):  # some sit this step out
             left = seq.num_tokens - seq.num_computed_tokens
             if left > 1 and rng.random() < 0.3:  # a prefill adopting cached blocks: its table changes in place
                 first = seq.num_computed_tokens // BLOCK
                 seq.block_table[first:] = blocks_for(seq.num_tokens - first * BLOCK, rng)
-                batch.relaid.append(seq.seq_id)
+                sched.relay(seq)
                 checked["adopted"] += 1
             n = rng.randint(1, left) if left > 1 else 1
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            checked["new blocks"] += seq.on_runner and len(seq.block_table) != seq.blocks_sent
+            sched._add_to_batch(batch, seq, n)
             checked["decode"] += n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-        step, plan = layout(batch, inputs)
-        fresh, fresh_plan = layout(ScheduledBatch(list(batch.seqs), list(batch.num_new_tokens)), InputBatch(MAX_BLOCKS))
+        batch.step.relaid, sched.relaid = sched.relaid, []
+        step, plan = layout(batch.step, inputs)
+        fresh, fresh_plan = layout(from_scratch(batch), InputBatch(MAX_BLOCKS))
         slots, positions = expected_slots_and_positions(batch)
         assert np.array_equal(step.slots, slots) and np.array_equal(step.positions, positions)
         for name in ("token_ids", "slots", "positions", "query_starts", "seq_lens", "block_tables"):
@@ -96,18 +116,22 @@ def test_rows_kept_between_steps_give_the_arrays_laid_out_from_scratch():
         ]
         assert sorted(plan.owners) == [(i, 0) for i in ends]  # a sample where a sequence's last token is computed
         assert [r.key for r in plan.rows] == [r.key for r in fresh_plan.rows]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):  # the step ran: tokens computed, one sampled
+        sampled = np.array([rng.randrange(1000) for _ in plan.rows])
+        inputs.record(plan, sampled)  # the engine reads the samples: the runner's rows take them too
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):  # the step ran: tokens computed
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(rng.randrange(1000))
-                if len(seq.block_table) * BLOCK < seq.num_tokens:
-                    seq.block_table.append(rng.randrange(1, 500))
+        for (index, _), token in zip(plan.owners, sampled.tolist()):
+            seq = batch.seqs[index]
+            seq.token_ids.append(token)
+            assert plan.rows[plan.owners.index((index, 0))].token_ids == seq.token_ids
+            if len(seq.block_table) * BLOCK < seq.num_tokens:
+                seq.block_table.append(rng.randrange(1, 500))
         for seq in list(running):
             if seq.num_tokens > 40 or rng.random() < 0.03:  # finished
                 running.remove(seq)
-                relaid.append(seq.seq_id)
+                sched.relay(seq)
             elif rng.random() < 0.05:  # preempted: back with other blocks, maybe straight into a decode
-                relaid.append(seq.seq_id)
+                sched.relay(seq)
                 seq.block_table = blocks_for(seq.num_tokens, rng)
                 cached = seq.num_output_tokens > 0 and rng.random() < 0.5
                 seq.num_computed_tokens = seq.num_tokens - 1 if cached else 0
@@ -115,45 +139,51 @@ def test_rows_kept_between_steps_give_the_arrays_laid_out_from_scratch():
     assert all(count >= 5 for count in checked.values()), checked
 
 
-def test_the_scheduler_names_what_it_freed_once():
-    """Finished sequences reach the runner in the next batch that runs, whatever empty steps come between; a
-    waiting sequence that never ran is not named."""
-    from fovea.config.engine import EngineConfig
-    from fovea.engine.block_manager import BlockManager
-    from fovea.engine.encoder_cache import EncoderCache
-    from fovea.engine.scheduler import Scheduler
-
-    config = EngineConfig.__new__(EngineConfig)
-    config.__dict__.update(max_num_batched_tokens=64, max_num_seqs=4, enable_lora=False, encoder_budget=0)
-    scheduler = Scheduler(config, BlockManager(64, BLOCK, False), EncoderCache(0))
+def test_a_sequence_is_sent_once_and_what_is_freed_is_named_once():
+    """A sequence's data reaches the runner in the first step that runs it, and not again; finished sequences
+    are named in the next step that runs, whatever empty steps come between; a waiting sequence that never ran
+    is not named."""
+    sched = scheduler()
     rng = random.Random(1)
     seqs = [new_sequence(i, rng) for i in range(3)]
     for seq in seqs:
-        scheduler.add(seq)
-    first = scheduler.schedule()
-    assert [s.seq_id for s in first.seqs] == [0, 1, 2] and first.relaid == []
-    scheduler.finish(seqs[0])
-    scheduler.finish(seqs[1])
+        sched.add(seq)
+    first = sched.schedule().step
+    assert first.seq_ids == [0, 1, 2] and [s.seq_id for s in first.new] == [0, 1, 2] and first.relaid == []
+    sched.finish(seqs[0])
+    sched.finish(seqs[1])
     waiting = new_sequence(9, rng)
-    scheduler.add(waiting)
-    scheduler.finish(waiting)  # never ran: no row to drop
-    scheduler.running.clear()  # nothing runs in this step: the names wait for one that does
-    assert scheduler.schedule().relaid == []
-    scheduler.running.append(seqs[2])
-    assert scheduler.schedule().relaid == [0, 1]
-    assert scheduler.schedule().relaid == []
+    sched.add(waiting)
+    sched.finish(waiting)  # never ran: no row to drop
+    sched.running.clear()  # nothing runs in this step: the names wait for one that does
+    assert sched.schedule().step.relaid == []
+    sched.running.append(seqs[2])
+    step = sched.schedule().step
+    assert step.relaid == [0, 1] and step.seq_ids == [2] and step.new == []
+    assert sched.schedule().step.relaid == []
 
 
 def test_sample_rows_are_made_once_per_sequence():
     rng = random.Random(2)
-    inputs = InputBatch(MAX_BLOCKS)
+    inputs, sched = InputBatch(MAX_BLOCKS), scheduler()
     seq = new_sequence(0, rng)
     seq.block_table = blocks_for(seq.num_tokens + 1, rng)
-    _, plan = layout(ScheduledBatch([seq], [seq.num_tokens]), inputs)
-    seq.num_computed_tokens = seq.num_tokens
-    seq.token_ids.append(7)
-    _, again = layout(ScheduledBatch([seq], [1]), inputs)
-    assert again.rows[0] is plan.rows[0] and again.rows[0].token_ids is seq.token_ids
-    _, after_free = layout(ScheduledBatch([seq], [1], relaid=[0]), inputs)
-    assert after_free.rows[0] is not plan.rows[0]
-    assert torch.equal(torch.tensor(after_free.rows[0].key), torch.tensor((0, 0)))
+
+    def run(n: int):
+        batch = ScheduledBatch()
+        sched._add_to_batch(batch, seq, n)
+        batch.step.relaid, sched.relaid = sched.relaid, []
+        _, plan = layout(batch.step, inputs)
+        seq.num_computed_tokens += n
+        inputs.record(plan, np.array([7]))
+        seq.token_ids.append(7)
+        return plan
+
+    plan = run(seq.num_tokens)
+    again = run(1)
+    assert again.rows[0] is plan.rows[0] and again.rows[0].token_ids == seq.token_ids
+    assert again.rows[0].token_ids is not seq.token_ids  # the runner's own
+    sched.relay(seq)
+    after_relay = run(1)
+    assert after_relay.rows[0] is not plan.rows[0]
+    assert torch.equal(torch.tensor(after_relay.rows[0].key), torch.tensor((0, 0)))

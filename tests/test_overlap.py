@@ -60,9 +60,9 @@ def test_overlapped_and_ahead_steps_give_what_steps_in_order_give(engines, monke
     runner = engines["ahead"].engine.runner
     real_execute = runner.execute
 
-    def execute(batch, encoded, previous=None, pending_rows=None):
-        ahead.append(bool(pending_rows))
-        return real_execute(batch, encoded, previous, pending_rows)
+    def execute(step, encoded, previous=None):
+        ahead.append(previous is not None)
+        return real_execute(step, encoded, previous)
 
     monkeypatch.setattr(runner, "execute", execute)
     image = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe.", "multi_modal_data": {}}

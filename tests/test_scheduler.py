@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from fovea.core.request import MMItem, MMSpan, Request, RequestInput, Sequence
+from fovea.core.request import MMItem, MMSpan, RequestInput
+from fovea.engine.sequence import Request, Sequence
 from fovea.core.sampling_params import SamplingParams
 from fovea.engine.block_manager import BlockManager
 from fovea.engine.encoder_cache import EncoderCache
@@ -88,7 +89,7 @@ def test_the_latest_arrival_is_preempted_when_blocks_run_out_and_is_named_for_th
     batch = sched.schedule()  # the next token needs a fourth block each: the late one gives its blocks up
     assert sched.num_preemptions == 1 and [s.seq_id for s in batch.seqs] == [0]
     assert late.num_computed_tokens == 0 and late.block_table == [] and late in sched.waiting
-    assert batch.relaid == [1]  # the runner lays it out afresh when it comes back
+    assert batch.step.relaid == [1]  # the runner lays it out afresh when it comes back
 
 
 def test_a_second_sequence_starts_after_the_cached_prefix():
@@ -108,12 +109,12 @@ def test_a_chunk_stops_before_an_image_the_encoder_has_not_finished():
     first = sequence(0, [1, 2] + [9] * 8 + [3] * 4 + [9] * 8 + [4], images=[image(2, 8, "a"), image(14, 8, "b")])
     sched.add(first)
     batch = sched.schedule()  # the text before the first image; both images go to the encoder, one per step
-    assert batch.num_new_tokens == [2] and [i.content_hash for i in batch.encode] == ["a"]
+    assert batch.num_new_tokens == [2] and [i.content_hash for i in batch.step.encode] == ["a"]
     sched.launched(batch)
     sched.step_done(batch)
     sched.encoder_cache.put("a", torch.zeros(8, 4))
     batch = sched.schedule()
-    assert batch.num_new_tokens == [12] and [i.content_hash for i in batch.encode] == ["b"]  # up to image b
+    assert batch.num_new_tokens == [12] and [i.content_hash for i in batch.step.encode] == ["b"]  # up to image b
     sched.launched(batch)
     sched.step_done(batch)
     sched.encoder_cache.put("b", torch.zeros(8, 4))

@@ -1,22 +1,18 @@
-"""What the front end hands the engine per request, what the engine tracks for it, and what it hands back.
+"""The types that cross between the front end and the engine: what the front end hands the engine per request,
+and what the engine hands back.
 
 A `RequestInput` is what the user asked for, prepared by the front end: a prompt (token ids, M-RoPE positions,
-images) and sampling parameters; it crosses to the engine process as it is. The engine makes a `Request` of it,
-its own record: one `Sequence` per sample (it owns a KV block table and a count of tokens whose KV is computed),
-the samples' RNGs and grammars, metrics and what was already sent. Sequences are what the scheduler batches into
-a `ScheduledBatch`, one step. With n > 1 the request runs as one sequence until its prompt is prefilled; then it
-forks into n sequences sharing the prompt's blocks.
+images) and sampling parameters; it crosses to the engine process as it is. The engine keeps its own record of it
+(engine/sequence.py) and reports `RequestDelta`s, which the front end makes into `RequestOutput`s.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from fovea.core.sampling_params import SamplingParams
 
@@ -85,12 +81,6 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 @dataclass
 class RequestInput:
     """A prepared request, as the front end sends it to the engine. The engine changes nothing in it but its
@@ -124,113 +114,6 @@ class RequestInput:
                     taken[item.pixels.name] = item.pixels.take()
                 whole = taken[item.pixels.name]
                 item.pixels = whole[item.frames[0] : item.frames[1]] if item.frames else whole
-
-
-class Request:
-    """The engine's record of one request: its input (what the steps read of it copied out) and its state."""
-
-    def __init__(self, input: RequestInput):
-        self.input = input
-        self.request_id, self.params = input.request_id, input.params
-        self.prompt_token_ids, self.mrope_delta, self.mm_items = (
-            input.prompt_token_ids,
-            input.mrope_delta,
-            input.mm_items,
-        )
-        length = len(input.prompt_token_ids)
-        self.positions = np.broadcast_to(np.arange(length), (3, length)) if input.positions is None else input.positions
-        self.mm_spans = [item.span for item in self.mm_items]
-        self.lora = input.lora
-        self.hash_salt = b"" if input.lora is None else b"lora:%d" % input.lora.lora_int_id  # block_manager.py
-        params = self.params
-        self.eos_token_ids = () if params.ignore_eos else tuple(input.eos_token_ids)
-        self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
-        self.stop_token_set = frozenset(params.stop_token_ids)
-        self.generators: list[torch.Generator | None] = []  # one per sample, on the engine's device
-        self.grammars: list = []  # structured outputs: an llguidance matcher per sample
-        self.metrics = RequestMetrics(input.arrival_time)
-        self.sequences: list[Sequence] = []
-        self.num_cached_tokens = 0
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
-        self.aborted = False
-        self.prompt_sent = False  # a report carried the prompt's log-probabilities and the metrics already
-        self.num_finished_sequences = 0  # kept by the scheduler
-        # a step it ran in failed: it runs in steps of its own until one samples for it (scheduler.isolate)
-        self.suspect = False
-        self.failed_steps = 0
-
-    @property
-    def finished(self) -> bool:
-        # every sample finished (an aborted request never forks the samples it has not reached yet)
-        return self.num_finished_sequences == (len(self.sequences) if self.aborted else self.params.n)
-
-
-class Sequence:
-    def __init__(self, seq_id: int, request: Request, index: int = 0):
-        self.seq_id = seq_id
-        self.request = request
-        self.params = request.params
-        self.index = index  # which of the request's n samples
-        self.token_ids: list[int] = list(request.prompt_token_ids)
-        self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.num_computed_tokens = 0
-        # a token sampled by a step still on the device (the engine's `in_flight`), not yet in token_ids
-        self.num_pending = 0
-        self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
-        self.block_hashes: list[bytes] = []
-        self.num_registered_blocks = 0
-        self.order = (request.input.fair_rank, request.input.arrival_index, index)
-        self.pending_forks = request.params.n - 1 if index == 0 else 0  # samples to split off after the prefill
-        self.queried_images: set[str] = set()  # images this sequence looked up in the encoder cache
-        self.cumulative_logprob = 0.0
-        self.last_token_time: float | None = None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
-        self.text = ""
-        self.num_decoded = self.num_prompt_tokens  # tokens whose text is in `text` (engine/outputs.py)
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.detokenizer = None  # set by the engine where its text is checked (stop strings, a reasoning end tag)
-        self.grammar_waiting = request.input.grammar_after is not None  # its structured output has not begun
-        self.sent_tokens = 0  # output tokens already reported (RequestDelta)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids) + self.num_pending
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_tokens - self.num_computed_tokens > 1
-
-
-@dataclass
-class ScheduledBatch:
-    """One engine step as the scheduler decides it and the model runner runs it."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)  # of each sequence, this step
-    encode: list[MMItem] = field(default_factory=list)  # images to hand to the encoder (ImageEncoder)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, forks' partial blocks
-    # sequences whose block tables changed other than by growing since the last step run (freed: finished,
-    # preempted, isolated; or blocks swapped for cached ones): the runner lays them out afresh
-    relaid: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
 
 
 class SampleDelta(NamedTuple):

@@ -10,10 +10,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fovea.core.request import Sequence
 
 
 @dataclass
@@ -110,8 +106,8 @@ def combine(replicas: list[EngineStats], events: LatencyEvents) -> EngineStats:
     return total
 
 
-def record_token_time(seq: Sequence, now: float, events: LatencyEvents | None) -> None:
-    """A sequence's token came at `now`: its request's first and last token times, and the latency events."""
+def record_token_time(seq, now: float, events: LatencyEvents | None) -> None:
+    """An engine Sequence's token came at `now`: its request's first and last token times, and the latency events."""
     metrics = seq.request.metrics
     if events is not None:
         if metrics.first_token_time is None:

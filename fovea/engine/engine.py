@@ -21,15 +21,7 @@ from collections.abc import Callable
 import torch
 
 from fovea.config.engine import EngineConfig
-from fovea.core.request import (
-    Request,
-    RequestDelta,
-    RequestInput,
-    RequestOutput,
-    ScheduledBatch,
-    Sequence,
-    SequenceStatus,
-)
+from fovea.core.request import RequestDelta, RequestInput, RequestOutput
 from fovea.core.sampling_params import WHERE, RequestOutputKind
 from fovea.core.stats import EngineStats, LatencyEvents, record_token_time
 from fovea.engine.block_manager import BlockManager
@@ -42,6 +34,7 @@ from fovea.engine.outputs import (
     request_delta,
 )
 from fovea.engine.scheduler import Scheduler
+from fovea.engine.sequence import Request, ScheduledBatch, Sequence, SequenceStatus
 from fovea.engine.structured_outputs import GrammarBuild, Grammars, too_slow_error
 from fovea.engine.tokenizer import load_engine_tokenizer
 from fovea.runner.image_encoder import ImageEncoder
@@ -281,8 +274,8 @@ class LLMEngine:
         if failed is not None:
             raise failed
         batch = self.scheduler.schedule()
-        if batch.encode:
-            self.image_encoder.submit(batch.encode)  # encoded beside this and the next steps
+        if batch.step.encode:
+            self.image_encoder.submit(batch.step.encode)  # encoded beside this and the next steps
         if not batch.seqs:
             if self.image_encoder.in_flight:  # everything waits for images: wait for the encoder, briefly
                 failed = self._collect_images(wait_s=IDLE_WAIT_S)
@@ -303,12 +296,8 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
-        previous, pending_rows = None, None
-        if ahead is not None:
-            previous = ahead[1]
-            pending_rows = {ahead[0].seqs[index].seq_id: row for row, (index, _) in enumerate(previous.row_owners)}
         try:
-            result = self.runner.execute(batch, self.encoder_cache.get, previous, pending_rows)
+            result = self.runner.execute(batch.step, self.encoder_cache.get, None if ahead is None else ahead[1])
         except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
             self._step_failed(batch, error)
             return
@@ -405,7 +394,7 @@ class LLMEngine:
         touched = set()
         if result.sampled is None:
             return touched
-        sampled = result.sampled_on_host()
+        sampled = self.runner.read_samples(result)
         tokens = sampled.token_ids.tolist()
         finite = sampled.finite.tolist() if sampled.finite is not None else [True] * len(tokens)
         if sampled.logprobs is not None:  # computed for the whole batch; turned into entries only where asked
@@ -441,7 +430,10 @@ class LLMEngine:
                 if seq.logprobs is not None:
                     k = seq.params.logprobs
                     entry = self._logprob_entry(token, logprob, ranks[row], top_ids[row][:k], top_values[row][:k])
+            waiting = seq.grammar_waiting
             finished = append_token(seq, token, entry, logprob, self.config.max_model_len)
+            if waiting and not seq.grammar_waiting:
+                self.scheduler.relay(seq)  # its runner row is made again, with the grammar
             grammar = seq.request.grammars[seq.index] if seq.request.grammars and not seq.grammar_waiting else None
             if grammar is not None and grammar.is_error():  # never a silent violation
                 broken[seq.request] = f"{WHERE}: the output cannot follow the grammar ({grammar.get_error()[:300]})"

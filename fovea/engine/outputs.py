@@ -13,12 +13,8 @@ import functools
 
 from tokenizers.decoders import DecodeStream
 
-from fovea.core.request import (
-    Logprob,
-    Request,
-    ScheduledBatch,
-    Sequence,
-)
+from fovea.core.request import Logprob
+from fovea.engine.sequence import Request, ScheduledBatch, Sequence
 
 PRIME_TOKENS = 4  # prompt tokens fed first, so the first generated token decodes in context (leading spaces)
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import bisect
 
 from fovea.config.engine import EngineConfig
-from fovea.core.request import Request, ScheduledBatch, Sequence, SequenceStatus
 from fovea.core.stats import EngineStats, LatencyEvents
 from fovea.engine.block_manager import BlockManager, extend_block_hashes
 from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.sequence import Request, ScheduledBatch, Sequence, SequenceStatus
+from fovea.runner.step_input import ScheduledStep
 
 
 class Scheduler:
@@ -31,7 +32,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept in arrival order, preempted sequences included
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
-        self.relaid: list[int] = []  # sequence ids, for the runner's input batch (ScheduledBatch.relaid)
+        self.relaid: list[int] = []  # sequences whose runner rows are dropped (ScheduledStep.relaid)
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, found in the cache
@@ -88,12 +89,12 @@ class Scheduler:
             self.suspects.remove(request)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(block_copies=self.pending_copies)
+        batch = ScheduledBatch(step=ScheduledStep(block_copies=self.pending_copies))
         self.pending_copies = []
         for eligible in self._turns():
             self._fill(batch, eligible)
             if batch.seqs:
-                batch.relaid, self.relaid = self.relaid, []
+                batch.step.relaid, self.relaid = self.relaid, []
                 break
         return batch
 
@@ -181,7 +182,7 @@ class Scheduler:
         taken = self.blocks.adopt_cached(seq.block_table, seq.block_hashes, first, seq.num_tokens)
         if not taken:
             return
-        self.relaid.append(seq.seq_id)  # blocks of its table were swapped
+        self.relay(seq)  # blocks of its table were swapped
         skipped = (first + taken) * block_size - seq.num_computed_tokens
         seq.num_computed_tokens += skipped
         seq.num_registered_blocks = first + taken
@@ -247,7 +248,7 @@ class Scheduler:
     def _fit_encoder(self, seq: Sequence, start: int, n: int, batch: ScheduledBatch) -> int:
         """How many of the `n` tokens from `start` can run: the chunk stops before the first image whose
         embeddings are not ready. Every image the `n` tokens reach and the cache lacks is handed to the encoder
-        (batch.encode) while this step's encoder budget and the cache have room; the sequence holds the entries
+        (ScheduledStep.encode) while this step's encoder budget and the cache have room; the sequence holds the entries
         until it is past them."""
         cache, cut = self.encoder_cache, n
         for item in seq.request.mm_items:
@@ -258,12 +259,12 @@ class Scheduler:
                 seq.queried_images.add(key)
                 cache.hits += cache.contains(key)
             if not cache.contains(key):
-                planned = sum(i.span.length for i in batch.encode)
+                planned = sum(i.span.length for i in batch.step.encode)
                 if (not planned or planned + item.span.length <= self.config.encoder_budget) and cache.can_reserve(
                     item.span.length
                 ):
                     cache.reserve(key, item.span.length)
-                    batch.encode.append(item)
+                    batch.step.encode.append(item)
             if cache.contains(key):
                 cache.acquire(key, seq.seq_id)
             if not cache.ready(key):
@@ -276,7 +277,14 @@ class Scheduler:
             if item.span.start < start + n and item.end > start:
                 self.encoder_cache.acquire(item.content_hash, seq.seq_id)
         batch.seqs.append(seq)
-        batch.num_new_tokens.append(n)
+        step = batch.step
+        step.seq_ids.append(seq.seq_id)
+        step.num_new_tokens.append(n)
+        if not seq.on_runner:
+            step.new.append(seq.for_runner())
+        elif len(seq.block_table) != seq.blocks_sent:
+            step.new_blocks.append((seq.seq_id, seq.block_table[seq.blocks_sent :]))
+            seq.blocks_sent = len(seq.block_table)
 
     def _pick_victim(self, batch: ScheduledBatch) -> Sequence:
         scheduled = {s.seq_id for s in batch.seqs}
@@ -299,14 +307,19 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
-        if seq.status == SequenceStatus.RUNNING:  # the runner may have a row for it
-            self.relaid.append(seq.seq_id)
+        self.relay(seq)
         for item in seq.request.mm_items:
             self.encoder_cache.release(item.content_hash, seq.seq_id)
 
+    def relay(self, seq: Sequence) -> None:
+        """Its runner row is dropped before the next step: it is sent again (ScheduledStep.new) when it runs."""
+        if seq.on_runner:
+            seq.on_runner = False
+            self.relaid.append(seq.seq_id)
+
     def requests_in(self, batch: ScheduledBatch) -> set[Request]:
         """The batch's requests, and those whose forked blocks this step was to copy."""
-        copied_to = {dst for _, dst in batch.block_copies}
+        copied_to = {dst for _, dst in batch.step.block_copies}
         forks = [seq for seq in self.running if copied_to.intersection(seq.block_table)]
         return {seq.request for seq in batch.seqs + forks}
 

@@ -1,20 +1,23 @@
 """The sequences the runner has seen, one row each, kept from step to step (a persistent input batch).
 
-A decode step changes little: each row gains a token and, every `block_size` tokens, a KV block. So the block
-tables live in one array that rows append to, and each sequence's sampling row (its parameters, RNG and token
-list) is made once. A step's arrays are gathered from the rows (numpy, no per-token Python); only prefill chunks
-are laid out one sequence at a time. A running sequence's block table only grows; the scheduler names those whose
-tables changed otherwise (`ScheduledBatch.relaid`: freed when finished, preempted or isolated, or given cached
-blocks in place of its own): their rows are dropped before the step's sequences are looked up, so that they are
-laid out afresh.
+A row holds what the runner needs of its sequence, given once (`NewSequence`): the tokens known on the host, the
+prompt's positions and images, the block table, the sampling row. A decode step changes little: each row gains a
+token, which the runner writes in itself when the engine reads the step's samples (`record`), and, every
+`block_size` tokens, a KV block (`ScheduledStep.new_blocks`). So the counts and block tables live in arrays, and a
+step's arrays are gathered from the rows (numpy, no per-token Python); only prefill chunks are laid out one sequence
+at a time. A row whose sequence changed otherwise is dropped (`ScheduledStep.relaid`) and sent again.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from fovea.core.request import ScheduledBatch, Sequence
 from fovea.runner.sampler import SampleRow
+
+if TYPE_CHECKING:
+    from fovea.runner.step_input import NewSequence, SamplePlan, ScheduledStep
 
 
 class InputBatch:
@@ -24,34 +27,52 @@ class InputBatch:
         self.free_rows: list[int] = []
         self.tables = np.zeros((0, max_blocks_per_seq), dtype=np.int32)
         self.table_lens = np.zeros(0, dtype=np.int64)
-        self.mrope_deltas = np.zeros(0, dtype=np.int64)  # what a generated token adds to its index: its position
+        self.seq_ids = np.zeros(0, dtype=np.int64)  # -1: a free row
+        self.computed = np.zeros(0, dtype=np.int64)  # tokens whose KV is computed or queued on the device
+        self.known = np.zeros(0, dtype=np.int64)  # tokens in the row's list
+        self.pending = np.zeros(0, dtype=np.int64)  # its samples still on the device (async scheduling)
+        self.prompt_lens = np.zeros(0, dtype=np.int64)
+        self.mrope_deltas = np.zeros(0, dtype=np.int64)
+        self.seqs: list[NewSequence | None] = []
+        self.token_ids: list[list[int] | None] = []  # each row's tokens known on the host
         self.sample_rows: list[SampleRow | None] = []  # each row's first sample (forks are made when they split)
 
-    def rows(self, batch: ScheduledBatch) -> np.ndarray:
-        """The rows of the batch's sequences, in order, their block tables brought up to date."""
-        for seq_id in batch.relaid:
+    def update(self, step: ScheduledStep) -> np.ndarray:
+        """Drops the relaid rows, adds the new ones, appends blocks; the rows of the step's sequences, in order."""
+        for seq_id in step.relaid:
             row = self.row_of.pop(seq_id, None)
             if row is not None:
                 self.tables[row, : self.table_lens[row]] = 0  # padding for whoever takes the row next
                 self.table_lens[row] = 0
+                self.seq_ids[row] = -1
                 self.free_rows.append(row)
-                self.sample_rows[row] = None
-        rows = np.empty(len(batch.seqs), dtype=np.int64)
-        for i, seq in enumerate(batch.seqs):
-            row = self.row_of.get(seq.seq_id)
-            if row is None:
-                row = self._add(seq)
-            if len(seq.block_table) != self.table_lens[row]:
-                self._write_table(row, seq.block_table, int(self.table_lens[row]))
-            rows[i] = row
-        return rows
+                self.seqs[row] = self.token_ids[row] = self.sample_rows[row] = None
+        for seq in step.new:
+            self._add(seq)
+        for seq_id, blocks in step.new_blocks:
+            row = self.row_of[seq_id]
+            start = int(self.table_lens[row])
+            self.tables[row, start : start + len(blocks)] = blocks
+            self.table_lens[row] = start + len(blocks)
+        return np.fromiter(map(self.row_of.__getitem__, step.seq_ids), dtype=np.int64, count=len(step.seq_ids))
 
-    def sample_row(self, row: int, seq: Sequence) -> SampleRow:
-        """The row's first sample; a request with a grammar gets a new one each step (the grammar starts only once
-        its reasoning has ended)."""
+    def record(self, plan: SamplePlan, sampled: np.ndarray) -> None:
+        """A step's samples (`sampled`: its token ids), read on the host: appended to the rows that still hold the
+        sequences they were drawn for (async scheduling drops and reuses rows before the samples of the step in
+        flight are read)."""
+        plan.read = True
+        kept = np.flatnonzero(self.seq_ids[plan.sample_rows] == plan.sample_seq_ids)
+        rows = plan.sample_rows[kept]
+        for row, token in zip(rows.tolist(), sampled[plan.sample_index[kept]].tolist()):
+            self.token_ids[row].append(token)
+        self.known[rows] += 1
+        self.pending[rows] -= 1
+
+    def sample_row(self, row: int) -> SampleRow:
+        """The row's first sample."""
         cached = self.sample_rows[row]
-        if cached is None or seq.request.grammars:
-            cached = self.sample_rows[row] = make_sample_row(seq, 0)
+        if cached is None:
+            cached = self.sample_rows[row] = make_sample_row(self.seqs[row], self.token_ids[row], 0)
         return cached
 
     def block_tables(self, rows: np.ndarray) -> np.ndarray:
@@ -59,35 +80,38 @@ class InputBatch:
         width = max(1, int(self.table_lens[rows].max())) if rows.size else 1
         return self.tables[rows, :width]
 
-    def _add(self, seq: Sequence) -> int:
+    def _add(self, seq: NewSequence) -> None:
         if not self.free_rows:
-            grown = max(16, 2 * len(self.table_lens))
-            self.free_rows = list(range(grown - 1, len(self.table_lens) - 1, -1))
-            self.tables = np.concatenate([self.tables, np.zeros((grown - len(self.tables), self.max_blocks), np.int32)])
-            more = np.zeros(grown - len(self.table_lens), np.int64)
-            self.table_lens, self.mrope_deltas = (
-                np.concatenate([self.table_lens, more]),
-                np.concatenate([self.mrope_deltas, more]),
-            )
-            self.sample_rows += [None] * (grown - len(self.sample_rows))
+            self._grow()
         row = self.free_rows.pop()
         self.row_of[seq.seq_id] = row
-        self.mrope_deltas[row] = seq.request.mrope_delta
-        return row
+        self.seq_ids[row] = seq.seq_id
+        self.seqs[row], self.token_ids[row] = seq, list(seq.token_ids)
+        self.computed[row], self.known[row], self.pending[row] = seq.num_computed_tokens, len(seq.token_ids), 0
+        self.prompt_lens[row], self.mrope_deltas[row] = seq.num_prompt_tokens, seq.mrope_delta
+        self.tables[row, : len(seq.block_table)] = seq.block_table
+        self.table_lens[row] = len(seq.block_table)
 
-    def _write_table(self, row: int, table: list[int], start: int) -> None:
-        self.tables[row, start : len(table)] = table[start:]
-        self.table_lens[row] = len(table)
+    def _grow(self) -> None:
+        size = len(self.table_lens)
+        grown = max(16, 2 * size)
+        self.free_rows = list(range(grown - 1, size - 1, -1))
+        self.tables = np.concatenate([self.tables, np.zeros((grown - size, self.max_blocks), np.int32)])
+        for name in ("table_lens", "seq_ids", "computed", "known", "pending", "prompt_lens", "mrope_deltas"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grown - size, np.int64)]))
+        self.seq_ids[size:] = -1
+        for name in ("seqs", "token_ids", "sample_rows"):
+            getattr(self, name).extend([None] * (grown - size))
 
 
-def make_sample_row(seq: Sequence, fork: int) -> SampleRow:
-    request, sample = seq.request, seq.index + fork
+def make_sample_row(seq: NewSequence, token_ids: list[int], fork: int) -> SampleRow:
+    sample = seq.index + fork
     return SampleRow(
         seq.params,
-        seq.token_ids,
+        token_ids,
         seq.num_prompt_tokens,
-        request.generators[sample],
-        request.stop_ids,
-        request.grammars[sample] if request.grammars and not seq.grammar_waiting else None,
+        seq.generators[sample],
+        seq.stop_ids,
+        seq.grammars[sample] if seq.grammars else None,
         (seq.seq_id, fork),
     )

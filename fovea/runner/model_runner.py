@@ -13,12 +13,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from fovea.attention import BACKENDS, features_needed, make_backend
 from fovea.attention.backend import PagedAttentionMetadata
 from fovea.config.engine import EngineConfig
-from fovea.core.request import MMItem, ScheduledBatch
+from fovea.core.request import MMItem
 from fovea.distributed import SINGLE, ParallelGroups
 from fovea.layers.lora import lora_rows
 from fovea.models.base import ModelOptions
@@ -32,7 +33,7 @@ from fovea.runner.input_batch import InputBatch
 from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget, zeroed
 from fovea.runner.penalties import to_device
 from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
-from fovea.runner.step_input import StepInput, build_step
+from fovea.runner.step_input import SamplePlan, ScheduledStep, StepInput, build_step
 
 logger = logging.getLogger("fovea")
 
@@ -53,6 +54,7 @@ class StepOutput:
     # plain copy would also wait for the step queued after this one (async scheduling)
     host: SamplerOutput | None = None
     ready: torch.cuda.Event | None = None
+    plan: SamplePlan | None = None  # whose samples these are
 
     def sampled_on_host(self) -> SamplerOutput | None:
         if self.ready is not None:
@@ -178,41 +180,47 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self,
-        batch: ScheduledBatch,
-        encoded: Callable[[str], torch.Tensor],
-        previous: StepOutput | None = None,
-        pending_rows: dict[int, int] | None = None,
+        self, step: ScheduledStep, encoded: Callable[[str], torch.Tensor], previous: StepOutput | None = None
     ) -> StepOutput:
         """Rank 0: builds the step, has every rank run it, samples. `encoded`: an image's embeddings by content
-        hash (the engine's encoder cache holds every image the batch's chunks show). `previous`, `pending_rows`:
-        the step still on the device and each sequence's sample row in it, for sequences whose new token it
-        samples (async scheduling)."""
-        step, mm_embeds, plan = build_step(batch, encoded, self.config.block_size, self.inputs, pending_rows)
+        hash (the engine's encoder cache holds every image the step's chunks show). `previous`: the step still on
+        the device, whose samples are the new tokens of the sequences it sampled for (async scheduling)."""
+        pending_from = None
+        if previous is not None and previous.plan is not None:
+            pending_from = np.full(len(self.inputs.seq_ids), -1, dtype=np.int64)
+            pending_from[previous.plan.sample_rows] = previous.plan.sample_index
+        step_input, mm_embeds, plan, rows = build_step(step, encoded, self.config.block_size, self.inputs, pending_from)
         masks = GrammarMasks.start([row.grammar for row in plan.rows], self.config.model.text.vocab_size)
         if self.parallel is not None:
-            self.parallel.send(step, self.parallel.lm_control)
+            self.parallel.send(step_input, self.parallel.lm_control)
             if mm_embeds is not None:
                 self.parallel.broadcast(mm_embeds.to(self.config.dtype).contiguous())
         previous_tokens = None if previous is None or previous.sampled is None else previous.sampled.token_ids
-        logits, hidden = self.run_step(step, mm_embeds, previous_tokens)
-        out = StepOutput(row_owners=plan.owners)
+        logits, hidden = self.run_step(step_input, mm_embeds, previous_tokens)
+        out = StepOutput(row_owners=plan.owners, plan=plan)
         if logits is not None:
             pending = None
             if plan.pending:
-                rows, sources = zip(*plan.pending)
-                pending = (list(rows), previous_tokens[to_device(list(sources), torch.long, self.device)])
+                pending_rows, sources = zip(*plan.pending)
+                pending = (list(pending_rows), previous_tokens[to_device(list(sources), torch.long, self.device)])
             out.sampled = self.sampler(logits, plan.rows, masks, pending)
             if self.device.type == "cuda":
                 out.host, out.ready = _queue_to_host(out.sampled)
         parts: list[list[tuple]] = [[] for _ in plan.prompt_logprobs]
-        for span, offset, rows in self.span_logits(hidden, step.logprob_spans):
+        for span, offset, logits_rows in self.span_logits(hidden, step_input.logprob_spans):
             _, targets, k = plan.prompt_logprobs[span]
-            ids = torch.tensor(targets[offset : offset + len(rows)], device=self.device)
-            parts[span].append(top_logprobs(rows.float().log_softmax(-1), ids, k))
+            ids = torch.tensor(targets[offset : offset + len(logits_rows)], device=self.device)
+            parts[span].append(top_logprobs(logits_rows.float().log_softmax(-1), ids, k))
         for (index, _, _), blocks in zip(plan.prompt_logprobs, parts):  # the blocks joined field by field
             out.prompt_logprobs[index] = tuple(None if field[0] is None else torch.cat(field) for field in zip(*blocks))
         return out
+
+    def read_samples(self, out: StepOutput) -> SamplerOutput | None:
+        """A step's samples on the host (waiting for the device): its sequences' new tokens join their rows."""
+        sampled = out.sampled_on_host()
+        if sampled is not None and not out.plan.read:
+            self.inputs.record(out.plan, sampled.token_ids.numpy())
+        return sampled
 
     def span_logits(self, hidden: torch.Tensor, spans: list[tuple[int, int]]):
         """(span number, offset in the span, logits) of the prompt log-probability spans, a block of rows at a

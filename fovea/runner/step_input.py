@@ -1,9 +1,13 @@
-"""A scheduled batch flattened into what the model runs on.
+"""What the scheduler tells the runner about a step, and that step flattened into what the model runs on.
 
-`StepInput` is what every tensor-parallel rank needs for one step of the language model: host arrays only (token
-ids, M-RoPE positions, KV slots, block tables, which rows to score), small enough to send to the other ranks each
-step. The image embeddings of the step travel beside it as one tensor. `SamplePlan` stays on rank 0, which alone
-samples: the sampling parameters and RNGs of the rows it scores, and the targets of prompt log-probabilities.
+`ScheduledStep` is the scheduler's description of one step: the sequences it runs and how many tokens each, with
+everything about a sequence the runner has no row for yet (`NewSequence`, sent once) and, for the others, only what
+changed (blocks appended, rows to drop). The runner keeps its rows (runner/input_batch.py) and never reads the
+engine's objects. `StepInput` is what every tensor-parallel rank needs for one step of the language model: host
+arrays only (token ids, M-RoPE positions, KV slots, block tables, which rows to score), small enough to send to the
+other ranks each step. The image embeddings of the step travel beside it as one tensor. `SamplePlan` stays on rank
+0, which alone samples: the sampling parameters and RNGs of the rows it scores, and the targets of prompt
+log-probabilities.
 """
 
 from __future__ import annotations
@@ -14,9 +18,55 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fovea.core.request import LoRARequest, ScheduledBatch
+from fovea.core.request import LoRARequest, MMItem
+from fovea.core.sampling_params import SamplingParams
 from fovea.runner.input_batch import InputBatch, make_sample_row
 from fovea.runner.sampler import SampleRow
+
+
+@dataclass
+class NewSequence:
+    """A sequence the runner has no row for (new, forked, or relaid: its row was dropped), with all the runner reads
+    of it. The token ids are the ones known on the host: a sequence is never sent with a sample still on the device."""
+
+    seq_id: int
+    token_ids: list[int]  # the runner copies them
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose KV is in the cache (a cached prefix, or computed before it was relaid)
+    block_table: list[int]
+    positions: np.ndarray  # (3, prompt length) M-RoPE positions of the prompt
+    mrope_delta: int  # what a generated token adds to its index: its position
+    mm_items: list[MMItem]
+    params: SamplingParams
+    index: int  # which of its request's samples it is
+    generators: list  # the request's RNGs, one per sample (None: unseeded)
+    grammars: list | None  # the request's grammar matchers, one per sample, once its structured output has begun
+    stop_ids: tuple[int, ...]  # banned while fewer than min_tokens are generated
+    forks: int  # samples that split off it after its prompt's last token (n > 1)
+    prompt_logprobs: int | None  # top-k of the prompt's log-probabilities, where asked for
+    lora: LoRARequest | None
+
+
+@dataclass
+class ScheduledStep:
+    """One step as the scheduler decides it: the sequences in order, and what the runner does not know of them."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # of each sequence, this step
+    new: list[NewSequence] = field(default_factory=list)  # those the runner has no row for, their data once
+    new_blocks: list[tuple[int, list[int]]] = field(default_factory=list)  # (sequence id, blocks appended)
+    # sequences whose rows the runner drops before the step: finished, preempted, isolated, given cached blocks in
+    # place of their own, or changed otherwise; one that runs again comes back among `new`
+    relaid: list[int] = field(default_factory=list)
+    encode: list[MMItem] = field(default_factory=list)  # images to hand to the encoder (ImageEncoder)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, forks' partial blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
 
 
 @dataclass
@@ -61,24 +111,29 @@ class SamplePlan:
     prompt_logprobs: list[tuple[int, list[int], int]]  # per logprob span: (batch index, target ids, top k)
     # (logits row, its sequence's sample row in the step on the device): the penalties count that token too
     pending: list[tuple[int, int]] = field(default_factory=list)
+    sampled_rows: list[int] = field(default_factory=list)  # the runner's row of each logits row, -1 for a fork
+    # the samples of the step's sequences (not forks): their index among the samples, rows and sequence ids
+    sample_index: np.ndarray | None = None
+    sample_rows: np.ndarray | None = None
+    sample_seq_ids: np.ndarray | None = None
+    read: bool = False  # the runner's rows have the samples (InputBatch.record)
 
 
 def build_step(
-    batch: ScheduledBatch,
+    step: ScheduledStep,
     encoded: Callable[[str], torch.Tensor],
     block_size: int,
     inputs: InputBatch,
-    pending_rows: dict[int, int] | None = None,
-) -> tuple[StepInput, torch.Tensor | None, SamplePlan]:
-    """`inputs`: the runner's rows, brought up to date with the batch. `pending_rows`: sequence id -> its sample's
-    row in the step still on the device (async scheduling); a sequence with a pending token decodes it, read there."""
-    seqs, total = batch.seqs, batch.num_tokens
-    rows = inputs.rows(batch)
-    starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
-    prompt_lens = np.fromiter((seq.num_prompt_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
-    lengths = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
-    q_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    pending_from: np.ndarray | None = None,
+) -> tuple[StepInput, torch.Tensor | None, SamplePlan, np.ndarray]:
+    """`inputs`: the runner's rows, brought up to date with the step here. `pending_from`: by row, its sample's
+    row in the step still on the device (async scheduling); a row with a sample there decodes it, read there.
+    Also returns the step's rows."""
+    rows, total = inputs.update(step), step.num_tokens
+    starts, prompt_lens = inputs.computed[rows], inputs.prompt_lens[rows]
+    lengths = inputs.known[rows] + inputs.pending[rows]
+    q_lens = np.asarray(step.num_new_tokens, dtype=np.int32)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=offsets[1:])
     ids = np.empty(total, dtype=np.int64)
     positions = np.empty((3, total), dtype=np.int64)
@@ -95,60 +150,65 @@ def build_step(
         at, start, decode_rows = offsets[which], starts[which], rows[which]
         positions[:, at] = start + inputs.mrope_deltas[decode_rows]
         slots[at] = inputs.tables[decode_rows, start // block_size] * block_size + start % block_size
-        for index, offset, token_index, row in zip(which.tolist(), at.tolist(), start.tolist(), decode_rows.tolist()):
-            seq = seqs[index]
-            if seq.num_pending:  # its one new token is the pending one
-                fill_rows.append(offset)
-                fill_from.append(pending_rows[seq.seq_id])
-                plan.pending.append((len(plan.rows), fill_from[-1]))
-                ids[offset] = 0
-            else:
-                ids[offset] = seq.token_ids[token_index]
-            plan.rows.append(inputs.sample_row(row, seq))
+        pending = inputs.pending[decode_rows] > 0  # its one new token is the sample on the device
+        if pending.any():
+            fill_rows, fill_from = at[pending].tolist(), pending_from[decode_rows[pending]].tolist()
+            plan.pending = list(zip(np.flatnonzero(pending).tolist(), fill_from))
+            ids[at[pending]] = 0
+        known = ~pending
+        ids[at[known]] = [inputs.token_ids[row][-1] for row in decode_rows[known].tolist()]
+        plan.rows += map(inputs.sample_row, decode_rows.tolist())
+        plan.sampled_rows += decode_rows.tolist()
         logits_rows += at.tolist()
         plan.owners += [(index, 0) for index in which.tolist()]
     for index in np.flatnonzero(~decode).tolist():
-        seq, offset, n = seqs[index], int(offsets[index]), int(q_lens[index])
+        row, offset, n = int(rows[index]), int(offsets[index]), int(q_lens[index])
+        seq, tokens = inputs.seqs[row], inputs.token_ids[row]
         start, end = int(starts[index]), int(starts[index]) + n
-        request = seq.request
-        ids[offset : offset + n] = seq.token_ids[start:end]  # (a pending token is only ever a decode's)
+        ids[offset : offset + n] = tokens[start:end]  # (a pending token is only ever a decode's)
         prompt_end = min(end, seq.num_prompt_tokens)
-        positions[:, offset : offset + max(prompt_end - start, 0)] = request.positions[:, start:prompt_end]
+        positions[:, offset : offset + max(prompt_end - start, 0)] = seq.positions[:, start:prompt_end]
         generated = np.arange(max(start, seq.num_prompt_tokens), end)
-        positions[:, offset + n - generated.size : offset + n] = generated + request.mrope_delta
+        positions[:, offset + n - generated.size : offset + n] = generated + seq.mrope_delta
         token_index = np.arange(start, end)
         slots[offset : offset + n] = (
-            inputs.tables[rows[index], token_index // block_size] * block_size + token_index % block_size
+            inputs.tables[row, token_index // block_size] * block_size + token_index % block_size
         )
-        for item in request.mm_items:
+        for item in seq.mm_items:
             lo, hi = max(start, item.span.start), min(end, item.end)
             if lo < hi:
                 embeds = encoded(item.content_hash)
                 mm_embeds.append(embeds[lo - item.span.start : hi - item.span.start])
                 mm_mask[offset + lo - start : offset + hi - start] = True
-        if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+        if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
             # rows start..end-1 predict tokens start+1..end, those inside the prompt are wanted
             count = min(end, seq.num_prompt_tokens - 1) - start
             logprob_spans.append((offset, count))
-            plan.prompt_logprobs.append(
-                (index, seq.token_ids[start + 1 : start + 1 + count], seq.params.prompt_logprobs)
-            )
-        if end == seq.num_tokens:
-            for fork in range(1 + seq.pending_forks):  # samples split off after the prompt: once
+            plan.prompt_logprobs.append((index, tokens[start + 1 : start + 1 + count], seq.prompt_logprobs))
+        if end == lengths[index]:
+            forks, seq.forks = seq.forks, 0  # samples split off after the prompt: once
+            for fork in range(1 + forks):
                 logits_rows.append(offset + n - 1)
                 plan.owners.append((index, fork))
-                plan.rows.append(inputs.sample_row(int(rows[index]), seq) if fork == 0 else make_sample_row(seq, fork))
+                plan.rows.append(inputs.sample_row(row) if fork == 0 else make_sample_row(seq, tokens, fork))
+                plan.sampled_rows.append(-1 if fork else row)
+    inputs.computed[rows] += q_lens
+    sampled_rows = np.asarray(plan.sampled_rows, dtype=np.int64)
+    plan.sample_index = np.flatnonzero(sampled_rows >= 0)
+    plan.sample_rows = sampled_rows[plan.sample_index]
+    plan.sample_seq_ids = inputs.seq_ids[plan.sample_rows]
+    inputs.pending[plan.sample_rows] += 1  # until the engine reads them (InputBatch.record)
     query_starts = offsets.astype(np.int32)
     seq_lens = (starts + q_lens).astype(np.int32)
     embeds = torch.cat(mm_embeds) if mm_embeds else None
     adapters: dict[LoRARequest, int] = {}
     lora_of_seq = None
-    if any(seq.request.lora for seq in batch.seqs):
+    seqs = [inputs.seqs[row] for row in rows.tolist()]
+    if any(seq.lora for seq in seqs):
         lora_of_seq = np.array(
-            [-1 if s.request.lora is None else adapters.setdefault(s.request.lora, len(adapters)) for s in batch.seqs],
-            dtype=np.int32,
+            [-1 if seq.lora is None else adapters.setdefault(seq.lora, len(adapters)) for seq in seqs], dtype=np.int32
         )
-    step = StepInput(
+    step_input = StepInput(
         ids,
         positions,
         slots,
@@ -159,10 +219,10 @@ def build_step(
         0 if embeds is None else embeds.shape[0],
         logits_rows,
         logprob_spans,
-        batch.block_copies,
+        step.block_copies,
         list(adapters),
         lora_of_seq,
         fill_rows,
         fill_from,
     )
-    return step, embeds, plan
+    return step_input, embeds, plan, rows
