@@ -78,7 +78,7 @@ def expected_slots_and_positions(batch: ScheduledBatch):
 
 def test_rows_kept_between_steps_give_the_arrays_laid_out_from_scratch():
     rng = random.Random(5)
-    inputs = InputBatch(MAX_BLOCKS)
+    inputs = InputBatch(MAX_BLOCKS * BLOCK, BLOCK)
     sched = scheduler()  # writes each step's description (ScheduledStep) as it does when it schedules
     running: list[Sequence] = []
     next_id = 0
@@ -103,7 +103,7 @@ def test_rows_kept_between_steps_give_the_arrays_laid_out_from_scratch():
             checked["decode"] += n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         batch.step.relaid, sched.relaid = sched.relaid, []
         step, plan = layout(batch.step, inputs)
-        fresh, fresh_plan = layout(from_scratch(batch), InputBatch(MAX_BLOCKS))
+        fresh, fresh_plan = layout(from_scratch(batch), InputBatch(MAX_BLOCKS * BLOCK, BLOCK))
         slots, positions = expected_slots_and_positions(batch)
         assert np.array_equal(step.slots, slots) and np.array_equal(step.positions, positions)
         for name in ("token_ids", "slots", "positions", "query_starts", "seq_lens", "block_tables"):
@@ -123,7 +123,7 @@ def test_rows_kept_between_steps_give_the_arrays_laid_out_from_scratch():
         for (index, _), token in zip(plan.owners, sampled.tolist()):
             seq = batch.seqs[index]
             seq.token_ids.append(token)
-            assert plan.rows[plan.owners.index((index, 0))].token_ids == seq.token_ids
+            assert list(plan.rows[plan.owners.index((index, 0))].token_ids) == seq.token_ids
             if len(seq.block_table) * BLOCK < seq.num_tokens:
                 seq.block_table.append(rng.randrange(1, 500))
         for seq in list(running):
@@ -165,7 +165,7 @@ def test_a_sequence_is_sent_once_and_what_is_freed_is_named_once():
 
 def test_sample_rows_are_made_once_per_sequence():
     rng = random.Random(2)
-    inputs, sched = InputBatch(MAX_BLOCKS), scheduler()
+    inputs, sched = InputBatch(MAX_BLOCKS * BLOCK, BLOCK), scheduler()
     seq = new_sequence(0, rng)
     seq.block_table = blocks_for(seq.num_tokens + 1, rng)
 
@@ -181,7 +181,7 @@ def test_sample_rows_are_made_once_per_sequence():
 
     plan = run(seq.num_tokens)
     again = run(1)
-    assert again.rows[0] is plan.rows[0] and again.rows[0].token_ids == seq.token_ids
+    assert again.rows[0] is plan.rows[0] and list(again.rows[0].token_ids) == seq.token_ids
     assert again.rows[0].token_ids is not seq.token_ids  # the runner's own
     sched.relay(seq)
     after_relay = run(1)

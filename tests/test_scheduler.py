@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from fovea.core.request import MMItem, MMSpan, RequestInput
-from fovea.engine.sequence import Request, Sequence
 from fovea.core.sampling_params import SamplingParams
 from fovea.engine.block_manager import BlockManager
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.scheduler import Scheduler
+from fovea.engine.sequence import Request, Sequence
 
 BLOCK = 4
 

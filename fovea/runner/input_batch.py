@@ -3,9 +3,9 @@
 A row holds what the runner needs of its sequence, given once (`NewSequence`): the tokens known on the host, the
 prompt's positions and images, the block table, the sampling row. A decode step changes little: each row gains a
 token, which the runner writes in itself when the engine reads the step's samples (`record`), and, every
-`block_size` tokens, a KV block (`ScheduledStep.new_blocks`). So the counts and block tables live in arrays, and a
-step's arrays are gathered from the rows (numpy, no per-token Python); only prefill chunks are laid out one sequence
-at a time. A row whose sequence changed otherwise is dropped (`ScheduledStep.relaid`) and sent again.
+`block_size` tokens, a KV block (`ScheduledStep.new_blocks`). So tokens, counts and block tables live in arrays, and
+a step's arrays are gathered from the rows (numpy, no per-token Python); only prefill chunks are laid out one
+sequence at a time. A row whose sequence changed otherwise is dropped (`ScheduledStep.relaid`) and sent again.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ if TYPE_CHECKING:
 
 
 class InputBatch:
-    def __init__(self, max_blocks_per_seq: int):
-        self.max_blocks = max_blocks_per_seq
+    def __init__(self, max_model_len: int, block_size: int):
+        self.max_len, self.max_blocks = max_model_len + 1, -(-max_model_len // block_size)
+        self.tokens = np.zeros((0, self.max_len), dtype=np.int32)  # each row's tokens known on the host
         self.row_of: dict[int, int] = {}  # sequence id -> row
         self.free_rows: list[int] = []
-        self.tables = np.zeros((0, max_blocks_per_seq), dtype=np.int32)
+        self.tables = np.zeros((0, self.max_blocks), dtype=np.int32)
         self.table_lens = np.zeros(0, dtype=np.int64)
         self.seq_ids = np.zeros(0, dtype=np.int64)  # -1: a free row
         self.computed = np.zeros(0, dtype=np.int64)  # tokens whose KV is computed or queued on the device
@@ -34,7 +35,6 @@ class InputBatch:
         self.prompt_lens = np.zeros(0, dtype=np.int64)
         self.mrope_deltas = np.zeros(0, dtype=np.int64)
         self.seqs: list[NewSequence | None] = []
-        self.token_ids: list[list[int] | None] = []  # each row's tokens known on the host
         self.sample_rows: list[SampleRow | None] = []  # each row's first sample (forks are made when they split)
 
     def update(self, step: ScheduledStep) -> np.ndarray:
@@ -46,7 +46,7 @@ class InputBatch:
                 self.table_lens[row] = 0
                 self.seq_ids[row] = -1
                 self.free_rows.append(row)
-                self.seqs[row] = self.token_ids[row] = self.sample_rows[row] = None
+                self.seqs[row] = self.sample_rows[row] = None
         for seq in step.new:
             self._add(seq)
         for seq_id, blocks in step.new_blocks:
@@ -63,8 +63,7 @@ class InputBatch:
         plan.read = True
         kept = np.flatnonzero(self.seq_ids[plan.sample_rows] == plan.sample_seq_ids)
         rows = plan.sample_rows[kept]
-        for row, token in zip(rows.tolist(), sampled[plan.sample_index[kept]].tolist()):
-            self.token_ids[row].append(token)
+        self.tokens[rows, self.known[rows]] = sampled[plan.sample_index[kept]]
         self.known[rows] += 1
         self.pending[rows] -= 1
 
@@ -72,7 +71,7 @@ class InputBatch:
         """The row's first sample."""
         cached = self.sample_rows[row]
         if cached is None:
-            cached = self.sample_rows[row] = make_sample_row(self.seqs[row], self.token_ids[row], 0)
+            cached = self.sample_rows[row] = make_sample_row(self.seqs[row], RowTokens(self, row), 0)
         return cached
 
     def block_tables(self, rows: np.ndarray) -> np.ndarray:
@@ -86,7 +85,8 @@ class InputBatch:
         row = self.free_rows.pop()
         self.row_of[seq.seq_id] = row
         self.seq_ids[row] = seq.seq_id
-        self.seqs[row], self.token_ids[row] = seq, list(seq.token_ids)
+        self.seqs[row] = seq
+        self.tokens[row, : len(seq.token_ids)] = seq.token_ids
         self.computed[row], self.known[row], self.pending[row] = seq.num_computed_tokens, len(seq.token_ids), 0
         self.prompt_lens[row], self.mrope_deltas[row] = seq.num_prompt_tokens, seq.mrope_delta
         self.tables[row, : len(seq.block_table)] = seq.block_table
@@ -97,14 +97,30 @@ class InputBatch:
         grown = max(16, 2 * size)
         self.free_rows = list(range(grown - 1, size - 1, -1))
         self.tables = np.concatenate([self.tables, np.zeros((grown - size, self.max_blocks), np.int32)])
+        self.tokens = np.concatenate([self.tokens, np.zeros((grown - size, self.max_len), np.int32)])
         for name in ("table_lens", "seq_ids", "computed", "known", "pending", "prompt_lens", "mrope_deltas"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grown - size, np.int64)]))
         self.seq_ids[size:] = -1
-        for name in ("seqs", "token_ids", "sample_rows"):
+        for name in ("seqs", "sample_rows"):
             getattr(self, name).extend([None] * (grown - size))
 
 
-def make_sample_row(seq: NewSequence, token_ids: list[int], fork: int) -> SampleRow:
+class RowTokens:
+    """A row's tokens known on the host, read as a sequence (the penalties read what a sample has seen)."""
+
+    __slots__ = ("batch", "row")
+
+    def __init__(self, batch: InputBatch, row: int):
+        self.batch, self.row = batch, row
+
+    def __len__(self) -> int:
+        return int(self.batch.known[self.row])
+
+    def __getitem__(self, index):
+        return self.batch.tokens[self.row, : self.batch.known[self.row]][index]
+
+
+def make_sample_row(seq: NewSequence, token_ids: RowTokens, fork: int) -> SampleRow:
     sample = seq.index + fork
     return SampleRow(
         seq.params,

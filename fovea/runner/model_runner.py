@@ -131,7 +131,7 @@ class ModelRunner:
             if not config.skip_warmup:
                 self.encoder_buckets.warm_up()
         self.sampler = Sampler(config.seed)
-        self.inputs = InputBatch(-(-config.max_model_len // config.block_size))  # rank 0's rows (execute)
+        self.inputs = InputBatch(config.max_model_len, config.block_size)  # rank 0's rows (execute)
         self.num_blocks = self._count_kv_blocks()
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_blocks = parallel.min_over_ranks(self.num_blocks)

@@ -49,7 +49,7 @@ class SeenTokens:
                 self.num_generated += 1
             return self.generated[: self.num_generated]
         new = row.token_ids[start:]
-        if new:
+        if len(new):
             ids = np.asarray(new, dtype=np.int64)
             ids = ids[(ids >= 0) & (ids < self.vocab)]
             end = self.num_generated + ids.size

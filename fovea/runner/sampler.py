@@ -16,6 +16,7 @@ exponential noise for 64 x 152k was 210 ms on one CPU core, the cumulative sum 1
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +31,11 @@ MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary 
 
 @dataclass
 class SampleRow:
-    """One token to draw: the parameters, the sequence's tokens so far (not copied), its RNG."""
+    """One token to draw: the parameters, the sequence's tokens so far (not copied: a list, or the runner's
+    RowTokens), its RNG."""
 
     params: SamplingParams
-    token_ids: list[int]
+    token_ids: Sequence[int]
     num_prompt_tokens: int
     generator: torch.Generator | None
     stop_ids: tuple[int, ...]  # banned while fewer than min_tokens are generated
@@ -41,11 +43,11 @@ class SampleRow:
     key: tuple | None = None  # (sequence id, fork): names the sample across steps (the penalties' SeenTokens)
 
     @property
-    def prompt_ids(self) -> list[int]:
+    def prompt_ids(self) -> Sequence[int]:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
-    def output_ids(self) -> list[int]:
+    def output_ids(self) -> Sequence[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
 

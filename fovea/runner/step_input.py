@@ -20,7 +20,7 @@ import torch
 
 from fovea.core.request import LoRARequest, MMItem
 from fovea.core.sampling_params import SamplingParams
-from fovea.runner.input_batch import InputBatch, make_sample_row
+from fovea.runner.input_batch import InputBatch, RowTokens, make_sample_row
 from fovea.runner.sampler import SampleRow
 
 
@@ -156,14 +156,14 @@ def build_step(
             plan.pending = list(zip(np.flatnonzero(pending).tolist(), fill_from))
             ids[at[pending]] = 0
         known = ~pending
-        ids[at[known]] = [inputs.token_ids[row][-1] for row in decode_rows[known].tolist()]
+        ids[at[known]] = inputs.tokens[decode_rows[known], start[known]]
         plan.rows += map(inputs.sample_row, decode_rows.tolist())
         plan.sampled_rows += decode_rows.tolist()
         logits_rows += at.tolist()
         plan.owners += [(index, 0) for index in which.tolist()]
     for index in np.flatnonzero(~decode).tolist():
         row, offset, n = int(rows[index]), int(offsets[index]), int(q_lens[index])
-        seq, tokens = inputs.seqs[row], inputs.token_ids[row]
+        seq, tokens = inputs.seqs[row], inputs.tokens[row]
         start, end = int(starts[index]), int(starts[index]) + n
         ids[offset : offset + n] = tokens[start:end]  # (a pending token is only ever a decode's)
         prompt_end = min(end, seq.num_prompt_tokens)
@@ -184,13 +184,15 @@ def build_step(
             # rows start..end-1 predict tokens start+1..end, those inside the prompt are wanted
             count = min(end, seq.num_prompt_tokens - 1) - start
             logprob_spans.append((offset, count))
-            plan.prompt_logprobs.append((index, tokens[start + 1 : start + 1 + count], seq.prompt_logprobs))
+            plan.prompt_logprobs.append((index, tokens[start + 1 : start + 1 + count].tolist(), seq.prompt_logprobs))
         if end == lengths[index]:
             forks, seq.forks = seq.forks, 0  # samples split off after the prompt: once
             for fork in range(1 + forks):
                 logits_rows.append(offset + n - 1)
                 plan.owners.append((index, fork))
-                plan.rows.append(inputs.sample_row(row) if fork == 0 else make_sample_row(seq, tokens, fork))
+                plan.rows.append(
+                    inputs.sample_row(row) if fork == 0 else make_sample_row(seq, RowTokens(inputs, row), fork)
+                )
                 plan.sampled_rows.append(-1 if fork else row)
     inputs.computed[rows] += q_lens
     sampled_rows = np.asarray(plan.sampled_rows, dtype=np.int64)
