@@ -299,7 +299,7 @@ def hook_dir(work: Path) -> Path:
 
 
 def run_case(case: dict, tree: Path, work: Path) -> dict:
-    tag = f"{case['tree']}-{case['mode']}-{case['sampling']}-{case['batch']}x{case['context']}"
+    tag = f"{case['tree']}-{case['mode']}-{case['sampling']}-{case['batch']}x{case['context']}-{case['repeat']}"
     prefix = str(work / tag)
     case = dict(case, frontend_clock=prefix + ".frontend.json")
     env = dict(os.environ, FOVEA_HOST_STEP=prefix, PYTHONPATH=f"{hook_dir(work)}:{tree}", OMP_NUM_THREADS="1")
@@ -326,6 +326,7 @@ def main() -> None:
     parser.add_argument("--samplings", default="greedy,default")
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed per case")
     parser.add_argument("--stream", action="store_true", help="served requests stream (DELTA outputs)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each case, the trees alternating")
     parser.add_argument("--quick", action="store_true", help="a dry run: batch 2, context 64, 8 steps")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -349,9 +350,11 @@ def main() -> None:
                     for context in contexts:
                         # served requests arrive while the first ones prefill, and so end that many steps apart
                         prefill_steps = -(-batch * context // 8192) + 2
-                        for name, tree in trees[::-1]:  # the baseline first, then this tree
+                        runs = [(name, tree, repeat) for repeat in range(args.repeats) for name, tree in trees[::-1]]
+                        for name, tree, repeat in runs:  # the baseline first, then this tree, and again
                             case = dict(tree=name, mode=mode, sampling=sampling, batch=batch, context=context,
-                                        stream=args.stream, model=str(model), max_tokens=steps + 12 + prefill_steps)  # fmt: skip
+                                        stream=args.stream, model=str(model), max_tokens=steps + 12 + prefill_steps,
+                                        repeat=repeat)  # fmt: skip
                             result = run_case(case, tree, work)
                             results.append(result)
                             print(
