@@ -172,6 +172,10 @@ class LLMEngine:
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, index)
         params = request.params
+        seq.length_limit = min(
+            self.config.max_model_len,
+            seq.num_prompt_tokens + (1 << 62 if params.max_tokens is None else params.max_tokens),
+        )
         if params.detokenize and (params.stop_strings or request.input.grammar_after is not None):  # text checked
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -420,10 +424,20 @@ class LLMEngine:
         broken = {}
         if not all(finite):
             broken = {seq.request: NONFINITE for seq, ok in zip(row_seqs, finite) if seq is not None and not ok}
+        events = self.events
         for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
             if seq is None or seq.request in broken:
                 continue
-            record_token_time(seq, now, self.events)
+            record_token_time(seq, now, events)
+            request = seq.request
+            touched.add(request)
+            if seq.plain:  # most decodes: no text checks, logprobs, grammar or min_tokens (append_token's checks)
+                seq.token_ids.append(token)
+                if token in request.stop_set:
+                    self._finish(seq, "stop", None if token in request.eos_token_ids else token)
+                elif len(seq.token_ids) >= seq.length_limit:
+                    self._finish(seq, "length", None)
+                continue
             entry, logprob = None, 0.0
             if sampled.logprobs is not None:
                 logprob = logprobs[row]
@@ -439,7 +453,6 @@ class LLMEngine:
                 broken[seq.request] = f"{WHERE}: the output cannot follow the grammar ({grammar.get_error()[:300]})"
             elif finished:
                 self._finish(seq, *finished)
-            touched.add(seq.request)
         for why in dict.fromkeys(broken.values()):
             failed = {request for request, reason in broken.items() if reason == why}
             self.failed_rows.append(self._fail(failed, ValueError(why)))

@@ -45,6 +45,7 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else tuple(input.eos_token_ids)
         self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
         self.stop_token_set = frozenset(params.stop_token_ids)
+        self.stop_set = self.stop_token_set.union(self.eos_token_ids)
         self.generators: list[torch.Generator | None] = []  # one per sample, on the engine's device
         self.grammars: list = []  # structured outputs: an llguidance matcher per sample
         self.metrics = RequestMetrics(input.arrival_time)
@@ -94,6 +95,15 @@ class Sequence:
         self.detokenizer = None  # set by the engine where its text is checked (stop strings, a reasoning end tag)
         self.grammar_waiting = request.input.grammar_after is not None  # its structured output has not begun
         self.sent_tokens = 0  # output tokens already reported (RequestDelta)
+        # its tokens need none of append_token's checks but a stop token and the length (LLMEngine._record_samples)
+        self.plain = (
+            self.logprobs is None
+            and not self.params.stop_strings
+            and request.input.grammar_after is None
+            and self.params.structured_outputs is None
+            and self.params.min_tokens == 0
+        )
+        self.length_limit = 0  # tokens at which it finishes by length, set by the engine (max_model_len)
         self.on_runner = False  # the runner has a row for it (ScheduledStep)
         self.blocks_sent = 0  # blocks of its table the runner has
 

@@ -29,6 +29,7 @@ class InputBatch:
         self.tables = np.zeros((0, self.max_blocks), dtype=np.int32)
         self.table_lens = np.zeros(0, dtype=np.int64)
         self.seq_ids = np.zeros(0, dtype=np.int64)  # -1: a free row
+        self.num_dropped = 0  # rows dropped so far
         self.computed = np.zeros(0, dtype=np.int64)  # tokens whose KV is computed or queued on the device
         self.known = np.zeros(0, dtype=np.int64)  # tokens in the row's list
         self.pending = np.zeros(0, dtype=np.int64)  # its samples still on the device (async scheduling)
@@ -42,6 +43,7 @@ class InputBatch:
         for seq_id in step.relaid:
             row = self.row_of.pop(seq_id, None)
             if row is not None:
+                self.num_dropped += 1
                 self.tables[row, : self.table_lens[row]] = 0  # padding for whoever takes the row next
                 self.table_lens[row] = 0
                 self.seq_ids[row] = -1
@@ -61,9 +63,11 @@ class InputBatch:
         sequences they were drawn for (async scheduling drops and reuses rows before the samples of the step in
         flight are read)."""
         plan.read = True
-        kept = np.flatnonzero(self.seq_ids[plan.sample_rows] == plan.sample_seq_ids)
-        rows = plan.sample_rows[kept]
-        self.tokens[rows, self.known[rows]] = sampled[plan.sample_index[kept]]
+        rows, index = plan.sample_rows, plan.sample_index
+        if self.num_dropped != plan.num_dropped:  # rows were dropped since the step was built
+            kept = np.flatnonzero(self.seq_ids[rows] == plan.sample_seq_ids)
+            rows, index = rows[kept], index[kept]
+        self.tokens[rows, self.known[rows]] = sampled[index]
         self.known[rows] += 1
         self.pending[rows] -= 1
 

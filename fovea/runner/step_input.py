@@ -117,6 +117,7 @@ class SamplePlan:
     sample_rows: np.ndarray | None = None
     sample_seq_ids: np.ndarray | None = None
     read: bool = False  # the runner's rows have the samples (InputBatch.record)
+    num_dropped: int = 0  # InputBatch.num_dropped when the step was built
 
 
 def build_step(
@@ -200,6 +201,7 @@ def build_step(
     plan.sample_rows = sampled_rows[plan.sample_index]
     plan.sample_seq_ids = inputs.seq_ids[plan.sample_rows]
     inputs.pending[plan.sample_rows] += 1  # until the engine reads them (InputBatch.record)
+    plan.num_dropped = inputs.num_dropped
     query_starts = offsets.astype(np.int32)
     seq_lens = (starts + q_lens).astype(np.int32)
     embeds = torch.cat(mm_embeds) if mm_embeds else None
