@@ -3,7 +3,8 @@ sampler, recording, detokenizing, outputs, and served: the engine process's pipe
 replaced by fixed logits over the real 151,936-token vocabulary.
 
     python benchmarks/host_step.py --out FILE [--baseline TREE] [--batches 1,16,64,256] [--contexts 1000,8000]
-        [--modes offline,served] [--samplings greedy,default] [--steps 40] [--stream] [--quick]
+        [--modes offline,served] [--samplings greedy,default] [--steps 40] [--stream] [--repeats 1] [--vocab N]
+        [--quick]
 
 Each case (mode x sampling x batch x context, one fresh process per case and tree, the trees alternating) fills
 the engine with `batch` prompts of random ids, then times the decode steps where every request decodes. Per step:
@@ -22,6 +23,10 @@ on PYTHONPATH, so an earlier tree is measured the same way side by side: `--base
 of the baseline commit) runs every case on that tree as well, interleaved with this one. The checkpoint is
 fovea.testing.tiny's tiny-3b (the real Qwen2 vocabulary and tokenizer, Qwen2.5-VL's generation_config: the
 `default` sampling is repetition_penalty 1.05, temperature 0.1, top_p 0.001, top_k 1).
+
+`--vocab N` has the stub return only the first N logit columns. On this CPU the sampler's pass over a step's
+logits (256 x 151,936 fp32: 155 MB) evicts the host's caches, so the host work after it runs cold; on a GPU the
+logits stay in device memory and the host's caches stay warm. A small N measures the host as a GPU leaves it.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ def install() -> None:
         if log.steps % FLUSH_EVERY == 0:
             log.flush()
         if not fixed:  # rows of random logits; each step takes a window that moves, so tokens vary
-            vocab = self.config.model.text.vocab_size
+            vocab = int(os.environ.get("FOVEA_HOST_STEP_VOCAB") or self.config.model.text.vocab_size)
             fixed.append(torch.randn(768, vocab, generator=torch.Generator().manual_seed(0)).mul_(3).to(self.device))
         start, cpu = time.monotonic(), time.process_time()
         rows = len(step.logits_rows)
@@ -303,6 +308,7 @@ def run_case(case: dict, tree: Path, work: Path) -> dict:
     prefix = str(work / tag)
     case = dict(case, frontend_clock=prefix + ".frontend.json")
     env = dict(os.environ, FOVEA_HOST_STEP=prefix, PYTHONPATH=f"{hook_dir(work)}:{tree}", OMP_NUM_THREADS="1")
+    env["FOVEA_HOST_STEP_VOCAB"] = str(case["vocab"] or "")
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(case)],
@@ -327,6 +333,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed per case")
     parser.add_argument("--stream", action="store_true", help="served requests stream (DELTA outputs)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each case, the trees alternating")
+    parser.add_argument("--vocab", type=int, help="logit columns the stub returns (default: the whole vocabulary)")
     parser.add_argument("--quick", action="store_true", help="a dry run: batch 2, context 64, 8 steps")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -354,7 +361,7 @@ def main() -> None:
                         for name, tree, repeat in runs:  # the baseline first, then this tree, and again
                             case = dict(tree=name, mode=mode, sampling=sampling, batch=batch, context=context,
                                         stream=args.stream, model=str(model), max_tokens=steps + 12 + prefill_steps,
-                                        repeat=repeat)  # fmt: skip
+                                        repeat=repeat, vocab=args.vocab)  # fmt: skip
                             result = run_case(case, tree, work)
                             results.append(result)
                             print(
