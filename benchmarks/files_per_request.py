@@ -1,0 +1,151 @@
+"""How many of the project's files one chat with an image runs through (issue 54's "<= 45 files" target).
+
+    python benchmarks/files_per_request.py [--out FILE] [--stream]
+
+Starts `fovea serve` on the embedded demo model with a tracer in every Python process it starts (the HTTP server,
+the engine process, the image decoding workers; a sitecustomize on PYTHONPATH installs it), sends one chat
+completion with an image to warm up, then a second with another image, and counts the files under fovea/ whose
+code ran between the second request's start and its response, in any process. Python function calls are traced
+(sys.setprofile), so a file counts when a function of it (or its module body, on a late import) runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = str(ROOT / "fovea") + os.sep
+
+TRACER = """
+import os, sys, threading, time
+if os.environ.get("FOVEA_TRACE_FILES"):
+    _root, _last = os.environ["FOVEA_TRACE_ROOT"], {}
+    _out = open(os.environ["FOVEA_TRACE_FILES"] + f".{os.getpid()}.log", "a", buffering=1)
+
+    def _profile(frame, event, arg):
+        if event == "call":
+            name = frame.f_code.co_filename
+            if name.startswith(_root):
+                now = time.monotonic()
+                if now - _last.get(name, -1.0) > 0.001:  # a line per file and millisecond at most
+                    _last[name] = now
+                    _out.write(f"{now:.6f} {name}\\n")
+
+    sys.setprofile(_profile)
+    threading.setprofile(_profile)
+"""
+
+
+def image_url(shade: int) -> str:
+    from fovea.demo import demo_image
+
+    picture = demo_image()
+    picture.paste((shade, 90, 200), (10, 10, 60, 60))
+    data = io.BytesIO()
+    picture.save(data, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(data.getvalue()).decode()
+
+
+def chat(base: str, shade: int, stream: bool) -> None:
+    body = {
+        "model": "demo",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_url(shade)}},
+                    {"type": "text", "text": "What is in the picture?"},
+                ],
+            }
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+    }
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as response:
+        response.read()
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {response.text}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    parser.add_argument("--stream", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="files-per-request-") as tmp:
+        work = Path(tmp)
+        (work / "hook").mkdir()
+        (work / "hook" / "sitecustomize.py").write_text(TRACER)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(
+            os.environ,
+            PYTHONPATH=f"{work / 'hook'}:{ROOT}",
+            FOVEA_TRACE_FILES=str(work / "trace"),
+            FOVEA_TRACE_ROOT=PACKAGE,
+            OMP_NUM_THREADS="1",
+        )
+        server = subprocess.Popen(
+            [sys.executable, "-m", "fovea.cli", "serve", "--port", str(port), "--served-model-name", "demo"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 600
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError("the server exited at start-up")
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError("the server did not start")
+                time.sleep(0.5)
+            chat(base, 10, args.stream)  # warm-up: first-time paths and late imports
+            time.sleep(1.0)
+            start = time.monotonic()
+            chat(base, 240, args.stream)
+            end = time.monotonic()
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+        files: dict[str, set[int]] = defaultdict(set)  # file -> processes that ran it in the window
+        for log in work.glob("trace.*.log"):
+            pid = int(log.name.split(".")[1])
+            for line in log.read_text().splitlines():
+                stamp, name = line.split(" ", 1)
+                if start <= float(stamp) <= end:
+                    files[name.removeprefix(str(ROOT) + os.sep)].add(pid)
+    names = sorted(files)
+    for name in names:
+        print(f"{len(files[name])} process(es)  {name}")
+    print(f"{len(names)} files ran for one chat completion with an image{' (streamed)' if args.stream else ''}")
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        result = {"commit": commit.stdout.strip(), "stream": args.stream, "count": len(names), "files": names}
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
