@@ -20,17 +20,20 @@ IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 151655, 151656
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a longer tier (more fuzzer draws); FOVEA_SLOW=1 runs it")
+    config.addinivalue_line(
+        "markers", "slow: a test left out of the fast tier (pytest -m 'not slow', under 3 minutes); CI runs it"
+    )
+    config.addinivalue_line("markers", "extended: a longer tier (more fuzzer draws); FOVEA_EXTENDED=1 runs it")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tier is left out of the default run (CI's 20 minutes), not skipped: FOVEA_SLOW=1 adds it."""
-    if os.environ.get("FOVEA_SLOW") == "1":
+    """The extended tier is left out of the default run (CI's 20 minutes), not skipped: FOVEA_EXTENDED=1 adds it."""
+    if os.environ.get("FOVEA_EXTENDED") == "1":
         return
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    extended = [item for item in items if item.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,7 +3,7 @@ below, scaled down from the released checkpoints'), written by the installed tra
 against transformers: logits (fp32, within 1e-4 of transformers' float64 ones: `parity`) and greedy tokens through
 the engine, for text, one image and two images of odd sizes, and (the Qwen families) an image then a video of an
 odd frame count. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw
-per family runs by default, FOVEA_FUZZ_DRAWS more (the `slow` marker's tier runs 4).
+per family runs by default, FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
 
 What is drawn, per family:
 - every decoder: 1-3 layers; 2 or 4 attention heads of 8, 16 or 32 dimensions; KV heads any divisor (GQA, MQA or
@@ -241,7 +241,7 @@ def test_drawn_configurations_match_transformers(family, bases, tmp_path):
         check_draw(family, index, bases, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("family", FAMILIES)
 def test_more_drawn_configurations_match_transformers(family, bases, tmp_path):
     for index in range(DRAWS, DRAWS + 4):

@@ -134,7 +134,7 @@ def apply_penalties_and_bias(
     banned = [
         i * vocab + t
         for i, r in enumerate(rows)
-        if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
+        if r.params.min_tokens and len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
         for t in r.stop_ids
         if 0 <= t < vocab
     ]
