@@ -16,8 +16,6 @@ import base64
 import io
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +26,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from serving import running_server  # noqa: E402 - the tests' way of starting `fovea serve`
+
 PACKAGE = str(ROOT / "fovea") + os.sep
 
 TRACER = """
@@ -91,45 +92,15 @@ def main() -> None:
         work = Path(tmp)
         (work / "hook").mkdir()
         (work / "hook" / "sitecustomize.py").write_text(TRACER)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         env = dict(
-            os.environ,
-            PYTHONPATH=f"{work / 'hook'}:{ROOT}",
-            FOVEA_TRACE_FILES=str(work / "trace"),
-            FOVEA_TRACE_ROOT=PACKAGE,
-            OMP_NUM_THREADS="1",
+            PYTHONPATH=f"{work / 'hook'}:{ROOT}", FOVEA_TRACE_FILES=str(work / "trace"), FOVEA_TRACE_ROOT=PACKAGE
         )
-        server = subprocess.Popen(
-            [sys.executable, "-m", "fovea.cli", "serve", "--port", str(port), "--served-model-name", "demo"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + 600
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError("the server exited at start-up")
-                try:
-                    if httpx.get(base + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline:
-                    raise RuntimeError("the server did not start")
-                time.sleep(0.5)
+        with running_server(None, "--served-model-name", "demo", startup_s=600, env=env) as (base, _):
             chat(base, 10, args.stream)  # warm-up: first-time paths and late imports
             time.sleep(1.0)
             start = time.monotonic()
             chat(base, 240, args.stream)
             end = time.monotonic()
-        finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
         files: dict[str, set[int]] = defaultdict(set)  # file -> processes that ran it in the window
         for log in work.glob("trace.*.log"):
             pid = int(log.name.split(".")[1])
