@@ -187,3 +187,33 @@ def test_sample_rows_are_made_once_per_sequence():
     after_relay = run(1)
     assert after_relay.rows[0] is not plan.rows[0]
     assert torch.equal(torch.tensor(after_relay.rows[0].key), torch.tensor((0, 0)))
+
+
+def test_samples_of_a_step_read_after_its_rows_were_reused_go_nowhere():
+    """Scheduling ahead: step 2 is built before step 1's samples are read, and drops the row of a sequence that
+    finished meanwhile; a new sequence takes that row. Step 1's sample for the finished one must not land in it."""
+    rng = random.Random(3)
+    inputs, sched = InputBatch(MAX_BLOCKS * BLOCK, BLOCK), scheduler()
+    finished, kept = new_sequence(0, rng), new_sequence(1, rng)
+    for seq in (finished, kept):
+        seq.block_table = blocks_for(seq.num_tokens + 8, rng)
+
+    def build(seqs_and_counts):
+        batch = ScheduledBatch()
+        for seq, n in seqs_and_counts:
+            sched._add_to_batch(batch, seq, n)
+        batch.step.relaid, sched.relaid = sched.relaid, []
+        return layout(batch.step, inputs)[1]
+
+    plan = build([(finished, finished.num_tokens), (kept, kept.num_tokens)])
+    for seq in (finished, kept):
+        seq.num_computed_tokens = seq.num_tokens
+    row_of_finished = inputs.row_of[finished.seq_id]
+    sched.relay(finished)  # it finished (on a stop token, say) while step 1 was on the device
+    newcomer = new_sequence(2, rng)
+    newcomer.block_table = blocks_for(newcomer.num_tokens, rng)
+    build([(newcomer, newcomer.num_tokens)])  # step 2, built ahead
+    assert inputs.row_of[newcomer.seq_id] == row_of_finished  # the freed row, taken
+    inputs.record(plan, np.array([111, 222]))  # step 1's samples, read now
+    assert list(inputs.sample_row(row_of_finished).token_ids) == newcomer.token_ids
+    assert list(inputs.sample_row(inputs.row_of[kept.seq_id]).token_ids) == kept.token_ids + [222]
