@@ -312,7 +312,8 @@ class LLMEngine:
         self.in_flight = (batch, result)
 
     def _record(self, launched: tuple[ScheduledBatch, StepOutput] | None) -> set[Request]:
-        """The tokens of a launched step (waiting for the device), into its sequences; the requests touched."""
+        """The tokens of a launched step (waiting for the device), into its sequences; the requests with something
+        to report."""
         if launched is None:
             return set()
         batch, result = launched
@@ -324,13 +325,13 @@ class LLMEngine:
                 self.events.iteration_tokens.append(batch.num_tokens)
             self.scheduler.step_done(batch)
             record_prompt_logprobs(batch, result.prompt_logprobs, self._logprob_entry)
-            touched = self._record_samples(batch, result)
+            sampled, to_report = self._record_samples(batch, result)
         except Exception as error:  # noqa: BLE001
             self._step_failed(batch, error)
             return self.scheduler.requests_in(batch)  # those that ended before it failed are reported
-        if result.row_owners and len(touched) == 1:
-            self.scheduler.cleared(next(iter(touched)))
-        return touched
+        if result.row_owners and len(sampled) == 1:
+            self.scheduler.cleared(next(iter(sampled)))
+        return to_report
 
     def _step_failed(self, batch: ScheduledBatch, error: Exception) -> None:
         """A failed step returns when its requests go on alone (Scheduler.isolate); it raises StepFailed naming
@@ -394,10 +395,13 @@ class LLMEngine:
             failed = self._fail(requests, result.error)
         return failed
 
-    def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> set[Request]:
-        touched = set()
+    def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> tuple[set[Request], set[Request]]:
+        """The requests that sampled, and of those the ones with something to report: finished, or asking for every
+        step's output. Picked here, where each request is at hand: a later pass over 256 requests costs a cache miss
+        each on the CPU (benchmarks/README, issue 54)."""
+        touched, to_report = set(), set()
         if result.sampled is None:
-            return touched
+            return touched, to_report
         sampled = self.runner.read_samples(result)
         tokens = sampled.token_ids.tolist()
         finite = sampled.finite.tolist() if sampled.finite is not None else [True] * len(tokens)
@@ -431,12 +435,16 @@ class LLMEngine:
             record_token_time(seq, now, events)
             request = seq.request
             touched.add(request)
+            if request.streams:
+                to_report.add(request)
             if seq.plain:  # most decodes: no text checks, logprobs, grammar or min_tokens (append_token's checks)
                 seq.token_ids.append(token)
                 if token in request.stop_set:
                     self._finish(seq, "stop", None if token in request.eos_token_ids else token)
+                    to_report.add(request)
                 elif len(seq.token_ids) >= seq.length_limit:
                     self._finish(seq, "length", None)
+                    to_report.add(request)
                 continue
             entry, logprob = None, 0.0
             if sampled.logprobs is not None:
@@ -453,10 +461,11 @@ class LLMEngine:
                 broken[seq.request] = f"{WHERE}: the output cannot follow the grammar ({grammar.get_error()[:300]})"
             elif finished:
                 self._finish(seq, *finished)
+                to_report.add(request)
         for why in dict.fromkeys(broken.values()):
             failed = {request for request, reason in broken.items() if reason == why}
             self.failed_rows.append(self._fail(failed, ValueError(why)))
-        return touched - broken.keys()
+        return touched - broken.keys(), to_report - broken.keys()
 
     def _record_finish(self, request: Request) -> None:
         if self.events is not None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fovea.core.request import Logprob, RequestInput, RequestMetrics
+from fovea.core.sampling_params import RequestOutputKind
 from fovea.runner.step_input import NewSequence, ScheduledStep
 
 
@@ -46,6 +47,7 @@ class Request:
         self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back
         self.stop_token_set = frozenset(params.stop_token_ids)
         self.stop_set = self.stop_token_set.union(self.eos_token_ids)
+        self.streams = params.output_kind != RequestOutputKind.FINAL_ONLY  # reported after every step it samples in
         self.generators: list[torch.Generator | None] = []  # one per sample, on the engine's device
         self.grammars: list = []  # structured outputs: an llguidance matcher per sample
         self.metrics = RequestMetrics(input.arrival_time)
