@@ -49,7 +49,8 @@ def step(sched: Scheduler) -> dict[int, int]:
     batch = sched.schedule()
     sched.launched(batch)
     for seq in batch.seqs:
-        if seq.num_computed_tokens == seq.num_tokens:
+        if seq.num_pending:  # its last token ran: one is sampled
+            seq.num_pending -= 1
             seq.token_ids.append(7)
     sched.step_done(batch)
     return dict(zip((s.seq_id for s in batch.seqs), batch.num_new_tokens))

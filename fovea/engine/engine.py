@@ -296,19 +296,12 @@ class LLMEngine:
                 stuck = (self.scheduler.running or self.scheduler.waiting)[0].request
                 raise self._fail({stuck}, RuntimeError("the request cannot be scheduled even with the engine idle"))
             return
-        now = time.time()
-        for seq in batch.seqs:
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
         try:
             result = self.runner.execute(batch.step, self.encoder_cache.get, None if ahead is None else ahead[1])
         except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
             self._step_failed(batch, error)
             return
         self.scheduler.launched(batch)
-        for index, fork in result.row_owners:
-            if not fork:
-                batch.seqs[index].num_pending += 1
         self.in_flight = (batch, result)
 
     def _record(self, launched: tuple[ScheduledBatch, StepOutput] | None) -> set[Request]:

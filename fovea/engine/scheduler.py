@@ -15,6 +15,7 @@ until a step samples for it; the others run in the steps between, without them.
 from __future__ import annotations
 
 import bisect
+import time
 
 from fovea.config.engine import EngineConfig
 from fovea.core.stats import EngineStats, LatencyEvents
@@ -280,8 +281,11 @@ class Scheduler:
         step = batch.step
         step.seq_ids.append(seq.seq_id)
         step.num_new_tokens.append(n)
-        if not seq.on_runner:
+        if not seq.on_runner:  # (first scheduled, or relaid)
             step.new.append(seq.for_runner())
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = time.time()
         elif len(seq.block_table) != seq.blocks_sent:
             step.new_blocks.append((seq.seq_id, seq.block_table[seq.blocks_sent :]))
             seq.blocks_sent = len(seq.block_table)
@@ -325,9 +329,12 @@ class Scheduler:
 
     def launched(self, batch: ScheduledBatch) -> None:
         """The batch is queued on the device: its tokens count as computed from now on (the next step, scheduled
-        before this one is recorded under async scheduling, starts after them)."""
+        before this one is recorded under async scheduling, starts after them), and a sequence whose every token
+        is computed has a sample on its way (`num_pending`, until the engine records it)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.num_pending += 1
 
     def step_done(self, batch: ScheduledBatch) -> None:
         """Records that the batch's KV is written: caches full blocks, drops images the sequences are past."""
