@@ -170,12 +170,8 @@ class LLMEngine:
         return self._fail({request for request, _ in failed}, failed[0][1]) if failed else None
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
-        seq = Sequence(next(self._seq_ids), request, index)
+        seq = Sequence(next(self._seq_ids), request, index, self.config.max_model_len)
         params = request.params
-        seq.length_limit = min(
-            self.config.max_model_len,
-            seq.num_prompt_tokens + (1 << 62 if params.max_tokens is None else params.max_tokens),
-        )
         if params.detokenize and (params.stop_strings or request.input.grammar_after is not None):  # text checked
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -446,7 +442,7 @@ class LLMEngine:
                     k = seq.params.logprobs
                     entry = self._logprob_entry(token, logprob, ranks[row], top_ids[row][:k], top_values[row][:k])
             waiting = seq.grammar_waiting
-            finished = append_token(seq, token, entry, logprob, self.config.max_model_len)
+            finished = append_token(seq, token, entry, logprob)
             if waiting and not seq.grammar_waiting:
                 self.scheduler.relay(seq)  # its runner row is made again, with the grammar
             grammar = seq.request.grammars[seq.index] if seq.request.grammars and not seq.grammar_waiting else None

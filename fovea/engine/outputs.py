@@ -82,7 +82,7 @@ def decode_pending(seq: Sequence) -> int:
     return len(seq.text) - before
 
 
-def append_token(seq: Sequence, token: int, entry: dict | None, logprob: float, max_model_len: int):
+def append_token(seq: Sequence, token: int, entry: dict | None, logprob: float):
     """Records a sampled token on its sequence (ids, logprobs, and text where a check reads it); returns why
     the sequence finishes with it, (finish_reason, stop_reason), or None. A stop string found is cut from the
     text (kept with include_stop_str_in_output)."""
@@ -111,7 +111,7 @@ def append_token(seq: Sequence, token: int, entry: dict | None, logprob: float, 
             stop, index = found
             seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
             return "stop", stop
-    if (params.max_tokens is not None and generated >= params.max_tokens) or len(seq.token_ids) >= max_model_len:
+    if len(seq.token_ids) >= seq.length_limit:
         return "length", None
     return None
 

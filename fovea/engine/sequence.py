@@ -70,7 +70,7 @@ class Request:
 
 
 class Sequence:
-    def __init__(self, seq_id: int, request: Request, index: int = 0):
+    def __init__(self, seq_id: int, request: Request, index: int = 0, max_model_len: int = 1 << 62):
         self.seq_id = seq_id
         self.request = request
         self.params = request.params
@@ -105,7 +105,9 @@ class Sequence:
             and self.params.structured_outputs is None
             and self.params.min_tokens == 0
         )
-        self.length_limit = 0  # tokens at which it finishes by length, set by the engine (max_model_len)
+        max_tokens = self.params.max_tokens
+        # tokens at which it finishes by length: max_tokens generated, or max_model_len in all
+        self.length_limit = min(max_model_len, self.num_prompt_tokens + (1 << 62 if max_tokens is None else max_tokens))
         self.on_runner = False  # the runner has a row for it (ScheduledStep)
         self.blocks_sent = 0  # blocks of its table the runner has
 

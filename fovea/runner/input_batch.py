@@ -62,7 +62,6 @@ class InputBatch:
         """A step's samples (`sampled`: its token ids), read on the host: appended to the rows that still hold the
         sequences they were drawn for (async scheduling drops and reuses rows before the samples of the step in
         flight are read)."""
-        plan.read = True
         rows, index = plan.sample_rows, plan.sample_index
         if self.num_dropped != plan.num_dropped:  # rows were dropped since the step was built
             kept = np.flatnonzero(self.seq_ids[rows] == plan.sample_seq_ids)

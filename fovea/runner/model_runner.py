@@ -45,8 +45,7 @@ PROMPT_LOGPROB_BLOCK = 1 << 24
 
 @dataclass
 class StepOutput:
-    # (batch index, fork number) of each sampled row: fork 0 is the sequence itself, k > 0 its k-th new sample
-    row_owners: list[tuple[int, int]] = field(default_factory=list)
+    plan: SamplePlan  # what was sampled for whom
     sampled: SamplerOutput | None = None
     # batch index -> (token logprob, rank, top ids, top logprobs) for the prompt tokens this chunk predicted
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)
@@ -54,7 +53,11 @@ class StepOutput:
     # plain copy would also wait for the step queued after this one (async scheduling)
     host: SamplerOutput | None = None
     ready: torch.cuda.Event | None = None
-    plan: SamplePlan | None = None  # whose samples these are
+
+    @property
+    def row_owners(self) -> list[tuple[int, int]]:
+        """(batch index, fork number) of each sampled row: fork 0 is the sequence itself, k > 0 its k-th new one."""
+        return self.plan.owners
 
     def sampled_on_host(self) -> SamplerOutput | None:
         if self.ready is not None:
@@ -186,7 +189,7 @@ class ModelRunner:
         hash (the engine's encoder cache holds every image the step's chunks show). `previous`: the step still on
         the device, whose samples are the new tokens of the sequences it sampled for (async scheduling)."""
         pending_from = None
-        if previous is not None and previous.plan is not None:
+        if previous is not None:
             pending_from = np.full(len(self.inputs.seq_ids), -1, dtype=np.int64)
             pending_from[previous.plan.sample_rows] = previous.plan.sample_index
         step_input, mm_embeds, plan, rows = build_step(step, encoded, self.config.block_size, self.inputs, pending_from)
@@ -197,7 +200,7 @@ class ModelRunner:
                 self.parallel.broadcast(mm_embeds.to(self.config.dtype).contiguous())
         previous_tokens = None if previous is None or previous.sampled is None else previous.sampled.token_ids
         logits, hidden = self.run_step(step_input, mm_embeds, previous_tokens)
-        out = StepOutput(row_owners=plan.owners, plan=plan)
+        out = StepOutput(plan)
         if logits is not None:
             pending = None
             if plan.pending:
@@ -216,9 +219,10 @@ class ModelRunner:
         return out
 
     def read_samples(self, out: StepOutput) -> SamplerOutput | None:
-        """A step's samples on the host (waiting for the device): its sequences' new tokens join their rows."""
+        """A step's samples on the host (waiting for the device): its sequences' new tokens join their rows. The
+        engine reads each step once."""
         sampled = out.sampled_on_host()
-        if sampled is not None and not out.plan.read:
+        if sampled is not None:
             self.inputs.record(out.plan, sampled.token_ids.numpy())
         return sampled
 

@@ -116,7 +116,6 @@ class SamplePlan:
     sample_index: np.ndarray | None = None
     sample_rows: np.ndarray | None = None
     sample_seq_ids: np.ndarray | None = None
-    read: bool = False  # the runner's rows have the samples (InputBatch.record)
     num_dropped: int = 0  # InputBatch.num_dropped when the step was built
 
 
