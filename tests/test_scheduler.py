@@ -105,6 +105,19 @@ def test_a_second_sequence_starts_after_the_cached_prefix():
     assert second.request.num_cached_tokens == 12
 
 
+def test_blocks_filled_by_generated_tokens_are_cached_for_a_next_turn():
+    sched = scheduler(budget=64)
+    first = sequence(0, list(range(6)))  # one full block and 2 tokens
+    sched.add(first)
+    for _ in range(7):  # the prompt, then 6 decodes: tokens 0-11 computed; blocks 1 and 2 filled by decodes
+        step(sched)
+    assert first.num_computed_tokens == 12 and len(first.token_ids) == 13
+    turn = sequence(1, first.token_ids + [55])  # a next turn: the conversation so far, then more
+    sched.add(turn)
+    assert step(sched) == {0: 1, 1: 2}  # blocks 0-2 came from the cache, 6 generated tokens included
+    assert turn.request.num_cached_tokens == 12
+
+
 def test_a_chunk_stops_before_an_image_the_encoder_has_not_finished():
     sched = scheduler(budget=64, encoder_tokens=100, encoder_budget=8)
     first = sequence(0, [1, 2] + [9] * 8 + [3] * 4 + [9] * 8 + [4], images=[image(2, 8, "a"), image(14, 8, "b")])

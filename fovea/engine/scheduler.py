@@ -274,10 +274,14 @@ class Scheduler:
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
-        for item in seq.request.mm_items:  # (usually none)
+        mm_items = seq.request.mm_items
+        for item in mm_items:  # (usually none)
             if item.span.start < start + n and item.end > start:
                 self.encoder_cache.acquire(item.content_hash, seq.seq_id)
         batch.seqs.append(seq)
+        blocks = self.blocks
+        if mm_items or (blocks.enable_prefix_caching and (start + n) // blocks.block_size > seq.num_registered_blocks):
+            batch.filling.append(seq)
         step = batch.step
         step.seq_ids.append(seq.seq_id)
         step.num_new_tokens.append(n)
@@ -337,12 +341,13 @@ class Scheduler:
                 seq.num_pending += 1
 
     def step_done(self, batch: ScheduledBatch) -> None:
-        """Records that the batch's KV is written: caches full blocks, drops images the sequences are past."""
-        block_size = self.blocks.block_size
-        for seq in batch.seqs:
+        """Records that the batch's KV is written: caches full blocks, drops images the sequences are past. A block
+        that fills in a later step scheduled before this one is recorded (async scheduling) is cached then."""
+        block_size, caching = self.blocks.block_size, self.blocks.enable_prefix_caching
+        for seq in batch.filling:
             if seq.status == SequenceStatus.FINISHED:  # aborted while its step ran: its blocks are gone
                 continue
-            if seq.num_computed_tokens // block_size > seq.num_registered_blocks:  # a block filled up
+            if caching and seq.num_computed_tokens // block_size > seq.num_registered_blocks:  # a block filled up
                 request = seq.request
                 extend_block_hashes(seq.block_hashes, seq.token_ids, block_size, request.mm_spans, request.hash_salt)
                 seq.num_registered_blocks = self.blocks.mark_computed(

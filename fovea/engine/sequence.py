@@ -157,6 +157,8 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     step: ScheduledStep = field(default_factory=ScheduledStep)
+    # those whose step fills a KV block or shows an image: what Scheduler.step_done looks at, not all of them
+    filling: list[Sequence] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> list[int]:

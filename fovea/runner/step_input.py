@@ -206,8 +206,8 @@ def build_step(
     embeds = torch.cat(mm_embeds) if mm_embeds else None
     adapters: dict[LoRARequest, int] = {}
     lora_of_seq = None
-    seqs = [inputs.seqs[row] for row in rows.tolist()]
-    if any(seq.lora for seq in seqs):
+    if inputs.num_lora_rows:
+        seqs = [inputs.seqs[row] for row in rows.tolist()]
         lora_of_seq = np.array(
             [-1 if seq.lora is None else adapters.setdefault(seq.lora, len(adapters)) for seq in seqs], dtype=np.int32
         )
