@@ -6,7 +6,8 @@ Starts `fovea serve` on the embedded demo model with a tracer in every Python pr
 the engine process, the image decoding workers; a sitecustomize on PYTHONPATH installs it), sends one chat
 completion with an image to warm up, then a second with another image, and counts the files under fovea/ whose
 code ran between the second request's start and its response, in any process. Python function calls are traced
-(sys.setprofile), so a file counts when a function of it (or its module body, on a late import) runs.
+(sys.setprofile), so a file counts when a function of it (or its module body, on a late import) runs. It also
+prints the places (process, thread) that code ran in, in time order.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ if os.environ.get("FOVEA_TRACE_FILES"):
         if event == "call":
             name = frame.f_code.co_filename
             if name.startswith(_root):
-                now = time.monotonic()
-                if now - _last.get(name, -1.0) > 0.001:  # a line per file and millisecond at most
-                    _last[name] = now
-                    _out.write(f"{now:.6f} {name}\\n")
+                now, thread = time.monotonic(), threading.current_thread().name
+                if now - _last.get((thread, name), -1.0) > 0.001:  # a line per thread, file and millisecond at most
+                    _last[thread, name] = now
+                    _out.write(f"{now:.6f} {thread.replace(' ', '_')} {name}:{frame.f_code.co_name}\\n")
 
     sys.setprofile(_profile)
     threading.setprofile(_profile)
@@ -102,20 +103,52 @@ def main() -> None:
             chat(base, 240, args.stream)
             end = time.monotonic()
         files: dict[str, set[int]] = defaultdict(set)  # file -> processes that ran it in the window
+        calls = []  # (time, process, thread, file:function) in the window
         for log in work.glob("trace.*.log"):
             pid = int(log.name.split(".")[1])
             for line in log.read_text().splitlines():
-                stamp, name = line.split(" ", 1)
+                stamp, thread, where = line.split(" ", 2)
                 if start <= float(stamp) <= end:
-                    files[name.removeprefix(str(ROOT) + os.sep)].add(pid)
+                    where = where.removeprefix(str(ROOT) + os.sep)
+                    files[where.rsplit(":", 1)[0]].add(pid)
+                    calls.append((float(stamp), pid, thread, where))
     names = sorted(files)
     for name in names:
         print(f"{len(files[name])} process(es)  {name}")
     print(f"{len(names)} files ran for one chat completion with an image{' (streamed)' if args.stream else ''}")
+    path = places(calls)
+    for place, first_call in path:
+        print(f"  {place:40s} {first_call}")
+    print(f"{len(path) - 1} changes of place in time order (concurrent work interleaves: see places())")
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        result = {"commit": commit.stdout.strip(), "stream": args.stream, "count": len(names), "files": names}
+        result = {
+            "commit": commit.stdout.strip(),
+            "stream": args.stream,
+            "count": len(names),
+            "files": names,
+            "places": path,
+        }
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def places(calls: list[tuple]) -> list[tuple[str, str]]:
+    """The places (process, thread) where the project's code ran in the window, in time order, each with the
+    first call there; a place comes again each time work comes back to it. The event loop's check that the client
+    is still there (every DISCONNECT_POLL_S) is left out. Not a count of hops by itself: work beside the request
+    interleaves (the engine's stats messages while it waits for the image, a prompt chunk stepped beside the
+    encoder), and a thread that runs no project code (the engine pipe's send thread, the event loop writing the
+    response) is not seen; benchmarks/README lists the hops."""
+    path: list[tuple[str, str]] = []
+    roles: dict[int, str] = {}
+    for _, pid, thread, where in sorted(calls):
+        if where.endswith(("unless_disconnected", "is_disconnected")):
+            continue
+        roles.setdefault(pid, f"process {len(roles) + 1}")
+        place = f"{roles[pid]}/{thread}"
+        if not path or path[-1][0] != place:
+            path.append((place, where))
+    return path
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from conftest import random_image
 from test_engine_vs_hf import LOREM, assert_engine_idle
 
 from fovea import LLM, SamplingParams
-from fovea.core.messages import AddRequest, RequestsFailed, StepOutputs
+from fovea.core.messages import AddRequest, RequestsFailed, Shutdown, StepOutputs
 from fovea.core.request import RequestDelta
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.engine import StepFailed
@@ -208,6 +208,29 @@ def test_the_engine_process_loop_goes_on_after_failed_steps(llm, monkeypatch):
     engine.abort_request(list(engine.requests))
     engine.finished_outputs.clear()
     assert_engine_idle(engine)
+
+
+def test_the_engine_process_sends_a_message_when_a_step_reports_or_the_stats_are_due(llm, monkeypatch):
+    """A non-streamed request's steps send nothing up the pipe until it finishes; the gauges come with that
+    report (and, while steps go on, at most every STATS_EVERY_S, here never)."""
+    from fovea.engine import engine_core
+
+    monkeypatch.setattr(engine_core, "STATS_EVERY_S", 1e9)
+    command_reader, commands = multiprocessing.Pipe(duplex=False)
+    results, result_writer = multiprocessing.Pipe(duplex=False)
+    thread = threading.Thread(target=engine_core._serve, args=(llm.engine, command_reader, result_writer.send))
+    thread.start()
+    try:
+        commands.send(AddRequest(request(llm, "quiet", "Hello", GREEDY.clone(max_tokens=8))))
+        message = results.recv()
+        assert isinstance(message, StepOutputs)
+        assert [(o.request_id, o.finished) for o in map(RequestDelta._make, message.outputs)] == [("quiet", True)]
+        assert len(message.outputs[0][1][0][1]) == 8  # its 8 tokens, in 8 steps with no message before
+        assert message.stats.num_running == 0
+    finally:
+        commands.send(Shutdown())
+        thread.join(timeout=60)
+    assert not results.poll()
 
 
 def test_a_request_with_many_prompts_does_not_hold_the_others_back(tiny_dirs):

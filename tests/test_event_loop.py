@@ -163,3 +163,34 @@ def test_bodies_with_too_many_json_objects_are_refused_before_parsing(engine):
         assert "more than 1000 JSON objects and arrays (FOVEA_MAX_BODY_OBJECTS" in error["message"]
     assert near_limit.status_code == 200, near_limit.text
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_chat_with_an_inline_image_is_prepared_in_one_pool_job(engine, monkeypatch):
+    """Body, parameters, template, tokens and image in one preparation job (issue 54: the pool round trips were
+    three); a remote image still waits for its download between two jobs. The other job is the response."""
+    import base64
+    import threading
+
+    from conftest import jpeg_bytes, random_image
+
+    threads: dict[str, set[int]] = {"parse": set(), "params": set(), "prepare": set()}
+    jobs = []
+
+    def note(name, original):
+        return lambda *args, **kwargs: threads[name].add(threading.get_ident()) or original(*args, **kwargs)
+
+    monkeypatch.setattr(routes, "parse_body", note("parse", routes.parse_body))
+    monkeypatch.setattr(routes.Served, "chat_params", note("params", routes.Served.chat_params))
+    monkeypatch.setattr(engine, "make_request", note("prepare", engine.make_request))
+    run_in_pool = engine.run_in_pool
+    monkeypatch.setattr(engine, "run_in_pool", lambda fn, *args: jobs.append(fn) or run_in_pool(fn, *args))
+    url = "data:image/jpeg;base64," + base64.b64encode(jpeg_bytes(random_image(64, 48, seed=1))).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 3, "temperature": 0}
+    (reply,) = send_all(build_app(engine, ServerOptions(["tiny"])), [("/v1/chat/completions", body)])
+    assert reply.status_code == 200, reply.text[:300]
+    assert reply.json()["usage"]["prompt_tokens"] > 20  # the image's placeholders are in the prompt
+    assert len(jobs) == 2  # the preparation, then the response
+    (thread,) = threads["parse"]
+    assert threads == {"parse": {thread}, "params": {thread}, "prepare": {thread}}
+    assert thread != threading.get_ident()

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -39,6 +40,7 @@ from fovea.runner.tp_workers import WorkerDied
 from fovea.worker_pool import ignore_group_signals  # stops when the front end says so, after in-flight requests
 
 MAX_FAILED_STEPS_IN_A_ROW = 3
+STATS_EVERY_S = 0.05
 logger = logging.getLogger("fovea")
 
 
@@ -88,7 +90,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
 def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None:
     from fovea.engine.engine import StepFailed  # loaded with the engine, in this process only
 
-    failed_in_a_row = 0
+    failed_in_a_row, last_stats = 0, time.monotonic()
     while True:
         wait = None if not engine.has_unfinished_requests() else 0  # idle: sleep until a command comes
         while commands.poll(wait):
@@ -120,4 +122,9 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
                 raise
             logger.exception("an engine step failed")
             outputs = []
-        send(StepOutputs(outputs, engine.stats()))
+        now = time.monotonic()
+        # a step with nothing to report, while others follow, sends the gauges and latency events (which
+        # accumulate) at most every STATS_EVERY_S: a non-streamed batch's steps cost no message and no count
+        if outputs or now - last_stats >= STATS_EVERY_S or not engine.has_unfinished_requests():
+            send(StepOutputs(outputs, engine.stats()))
+            last_stats = now

@@ -166,7 +166,7 @@ class AsyncLLM:
         self._check_alive()
         arrival = time.time()  # latencies count the preparation below
         request = await self.run_in_pool(
-            self._make_request,
+            self.make_request,
             request_id or f"req-{next(self._ids)}",
             prompt,
             messages,
@@ -195,7 +195,7 @@ class AsyncLLM:
 
         def make_all():
             return [
-                self._make_request(
+                self.make_request(
                     f"{request_id}-{i}",
                     prompt,
                     None,
@@ -211,9 +211,12 @@ class AsyncLLM:
 
         return await self.run_in_pool(make_all)
 
-    def _make_request(
+    def make_request(
         self, request_id, prompt, messages, params, mm_processor_kwargs, chat, arrival, fair_rank=0, lora=None
     ) -> RequestInput:
+        """A prompt (any form LLM.generate takes) or chat `messages` made into the engine's request: the template,
+        tokens, images and every admission check. Blocking: the preparation pool's work (generate, or a route's
+        own pool job); `stream` sends the request it returns."""
         processed = (
             self.inputs.process_chat(messages, mm_processor_kwargs, chat)
             if messages is not None

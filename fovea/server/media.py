@@ -68,10 +68,11 @@ def media_urls(messages: list[dict]) -> list[tuple[dict, str, str]]:
     return found
 
 
-async def fetch_media(messages: list[dict], policy: MediaPolicy, limits: dict[str, int] | None = None) -> list[dict]:
-    """`messages` with every http(s) and file:// image or video replaced by its bytes; raises ValueError for a
-    refused URL, too many items (`limits`: limit_mm_per_prompt) or a failed download (the request's other
-    downloads are then cancelled)."""
+def media_to_fetch(
+    messages: list[dict], policy: MediaPolicy, limits: dict[str, int] | None = None
+) -> list[tuple[dict, str, str]]:
+    """The http(s) and file:// images and videos of `messages` (part, url, kind), after the checks that need no
+    download: ValueError for a refused URL or too many items (`limits`: limit_mm_per_prompt)."""
     found = media_urls(messages)
     for kind, limit in (limits or {}).items():
         count = sum(found_kind == kind for _, _, found_kind in found)
@@ -79,7 +80,13 @@ async def fetch_media(messages: list[dict], policy: MediaPolicy, limits: dict[st
             raise ValueError(f"the prompt has {count} {kind}s but limit_mm_per_prompt allows {limit}")
     for _, url, kind in found:
         check_url(url, policy, kind)
-    remote = [(part, url, kind) for part, url, kind in found if not url.startswith("data:")]
+    return [(part, url, kind) for part, url, kind in found if not url.startswith("data:")]
+
+
+async def fetch_media(messages: list[dict], policy: MediaPolicy, limits: dict[str, int] | None = None) -> list[dict]:
+    """`messages` with every http(s) and file:// image or video replaced by its bytes; raises ValueError as
+    media_to_fetch does, or for a failed download (the request's other downloads are then cancelled)."""
+    remote = media_to_fetch(messages, policy, limits)
     if not remote:
         return messages
     cancel, now = Cancellation(), time.monotonic()

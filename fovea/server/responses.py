@@ -194,7 +194,7 @@ async def create_response(request: Request):
         (await served.engine.run_in_pool(store.get, body.previous_response_id))[1] if body.previous_response_id else []
     )
     chat, conversation = await served.engine.run_in_pool(chat_request, body, history)
-    run = await start_chat(request, served, chat, "resp")
+    run = await start_chat(request, served, lambda: chat, "resp")
     response_id, created = "resp_" + run.request_id.removeprefix("resp-"), int(time.time())
 
     def finish(output: list[dict], usage: dict, finish_reason: str | None) -> dict:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +29,7 @@ from fovea.frontend.async_llm import AsyncLLM
 from fovea.multimodal.prompt import ChatOptions
 from fovea.server import openai_serving as serving
 from fovea.server.errors import APIError, ClientDisconnected, error_response
-from fovea.server.media import fetch_media
+from fovea.server.media import fetch_media, media_to_fetch
 from fovea.server.metrics import ServerMetrics
 from fovea.server.protocol import (
     ChatCompletionRequest,
@@ -179,6 +181,7 @@ async def models(request: Request):
 class ChatRun:
     """A chat request that has started: its first output (bad input failed before it) and the rest to come."""
 
+    body: ChatCompletionRequest
     first: object  # RequestOutput
     stream: object  # AsyncIterator[RequestOutput]
     model: str
@@ -186,31 +189,50 @@ class ChatRun:
     tool_use: ToolUse | None
 
 
-async def start_chat(request: Request, served: Served, body: ChatCompletionRequest, id_prefix: str) -> ChatRun:
-    """What chat completions and the Responses API share: params, tools, media, the engine's first output."""
+async def start_chat(
+    request: Request, served: Served, read_chat: Callable[[], ChatCompletionRequest], id_prefix: str
+) -> ChatRun:
+    """What chat completions and the Responses API share: the body (`read_chat`), params, tools, media, the
+    engine's first output. One preparation-pool job reads the body, checks it and, unless it names media to
+    download or brings its own chat template, makes the engine's request (template, tokens, images): a chat of
+    inline images goes from the event loop to the pool and back once before it is sent."""
     engine, options = served.engine, served.options
-    model = served.model_name(body.model)
-    tools, tool_use, params = await engine.run_in_pool(served.chat_params, body)
-    if body.chat_template is not None and served.sandbox is None:
-        raise APIError(
-            400,
-            "chat_template in a request needs the server to run with --trust-request-chat-template",
-            param="chat_template",
-        )
-    chat = ChatOptions(
-        body.chat_template or options.chat_template,
-        body.add_generation_prompt,
-        tools,
-        body.chat_template_kwargs,
-        options.chat_template_content_format,
-    )
     request_id = serving.new_id(id_prefix)
+    arrival = time.time()  # latencies count the preparation
+
+    def prepare():
+        body = read_chat()
+        model = served.model_name(body.model)
+        tools, tool_use, params = served.chat_params(body)
+        if body.chat_template is not None and served.sandbox is None:
+            raise APIError(
+                400,
+                "chat_template in a request needs the server to run with --trust-request-chat-template",
+                param="chat_template",
+            )
+        chat = ChatOptions(
+            body.chat_template or options.chat_template,
+            body.add_generation_prompt,
+            tools,
+            body.chat_template_kwargs,
+            options.chat_template_content_format,
+        )
+        prepared = None
+        if body.chat_template is None and not media_to_fetch(body.messages, options.media, limits):
+            prepared = engine.make_request(
+                request_id, None, body.messages, params, body.processor_kwargs(), chat, arrival, 0, served.lora(model)
+            )
+        return body, model, tool_use, params, chat, prepared
+
+    limits = engine.config.limit_mm_per_prompt
+    body, model, tool_use, params, chat, prepared = await unless_disconnected(request, engine.run_in_pool(prepare))
 
     async def start():
-        messages = await fetch_media(body.messages, options.media, engine.config.limit_mm_per_prompt)
-        if body.chat_template is None:
+        if prepared is not None:
+            stream = engine.stream(prepared)
+        elif body.chat_template is None:
             stream = engine.generate(
-                messages=messages,
+                messages=await fetch_media(body.messages, options.media, limits),
                 sampling_params=params,
                 request_id=request_id,
                 mm_processor_kwargs=body.processor_kwargs(),
@@ -218,6 +240,7 @@ async def start_chat(request: Request, served: Served, body: ChatCompletionReque
                 lora_request=served.lora(model),
             )
         else:  # a thread of its own, not the pool: it waits up to 2 s for a sandbox process
+            messages = await fetch_media(body.messages, options.media, limits)
             text, media = await asyncio.to_thread(served.render_in_sandbox, messages, chat)
             data = {"image": media.images, "video": media.videos}
             stream = engine.generate(
@@ -231,13 +254,14 @@ async def start_chat(request: Request, served: Served, body: ChatCompletionReque
 
     stream, first = await unless_disconnected(request, start())
     served.log_request(request_id, len(first.prompt_token_ids), params)
-    return ChatRun(first, stream, model, request_id, tool_use)
+    return ChatRun(body, first, stream, model, request_id, tool_use)
 
 
 async def chat_completions(request: Request):
     served: Served = request.app.state.served
-    body = await served.read_body(request, ChatCompletionRequest)
-    run = await start_chat(request, served, body, "chatcmpl")
+    raw = await request.body()
+    run = await start_chat(request, served, lambda: parse_body(raw, ChatCompletionRequest), "chatcmpl")
+    body = run.body
     top, role, parser = body.top_logprobs or 0, served.options.response_role, served.engine.config.reasoning_parser
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
