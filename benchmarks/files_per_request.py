@@ -127,6 +127,9 @@ def main() -> None:
             "stream": args.stream,
             "count": len(names),
             "files": names,
+            "functions": {
+                name: sorted({w.rsplit(":", 1)[1] for *_, w in calls if w.startswith(name + ":")}) for name in names
+            },
             "places": path,
         }
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

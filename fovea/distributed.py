@@ -20,7 +20,7 @@ import datetime
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,12 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object = None  # torch.distributed.ProcessGroup
+    # False for SINGLE; a real group of one rank still calls its collectives (to measure their cost). A field,
+    # not a property: layers read it in every forward
+    communicates: bool = field(init=False)
 
-    @property
-    def communicates(self) -> bool:
-        """False for SINGLE; a real group of one rank still calls its collectives (to measure their cost)."""
-        return self.group is not None
+    def __post_init__(self):
+        object.__setattr__(self, "communicates", self.group is not None)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.communicates:

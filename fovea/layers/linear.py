@@ -18,6 +18,7 @@ from torch import nn
 
 from fovea.config.quant import QuantConfig
 from fovea.distributed import current_tp
+from fovea.layers.lora import active as active_lora
 from fovea.layers.lora import add_lora
 from fovea.layers.quantized import tagged, weight_scheme
 
@@ -51,7 +52,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_lora(self, x, self.scheme.apply(self, x, self.bias))
+        out = self.scheme.apply(self, x, self.bias)
+        return out if active_lora.groups is None else add_lora(self, x, out)
 
     def output_piece(self, shard_id=None) -> tuple[int, int, int]:
         """Where piece `shard_id` of the layer's outputs is: (offset in this rank's outputs, size here, start of

@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-_active = threading.local()
+
+class _Active(threading.local):
+    groups: list | None = None  # this thread's adapters and their rows (lora_rows); None: no adapter is active
+
+
+active = _Active()  # read by every linear layer's forward before it calls add_lora
 
 
 @dataclass
@@ -33,20 +38,17 @@ class LoRAWeights:
 @contextlib.contextmanager
 def lora_rows(groups: list[tuple[torch.Tensor | None, LoRAWeights]]):
     """Within it, this thread's forward passes add each adapter to its rows (None: all rows)."""
-    previous = getattr(_active, "groups", None)
-    _active.groups = groups or None
+    previous = active.groups
+    active.groups = groups or None
     try:
         yield
     finally:
-        _active.groups = previous
+        active.groups = previous
 
 
 def add_lora(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` (the layer's base output for input `x`) plus the active adapters' parts."""
-    groups = getattr(_active, "groups", None)
-    if groups is None:
-        return out
-    for rows, adapter in groups:
+    for rows, adapter in active.groups or ():
         pair = adapter.pairs.get(layer)
         if pair is None:
             continue

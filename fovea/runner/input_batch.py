@@ -36,7 +36,8 @@ class InputBatch:
         self.prompt_lens = np.zeros(0, dtype=np.int64)
         self.mrope_deltas = np.zeros(0, dtype=np.int64)
         self.seqs: list[NewSequence | None] = []
-        self.num_lora_rows = 0  # rows of sequences with a LoRA adapter (a step without any skips looking)
+        # rows of sequences with a LoRA adapter, and with grammars: a step with none skips looking for them
+        self.num_lora_rows = self.num_grammar_rows = 0
         self.sample_rows: list[SampleRow | None] = []  # each row's first sample (forks are made when they split)
 
     def update(self, step: ScheduledStep) -> np.ndarray:
@@ -50,6 +51,7 @@ class InputBatch:
                 self.seq_ids[row] = -1
                 self.free_rows.append(row)
                 self.num_lora_rows -= self.seqs[row].lora is not None
+                self.num_grammar_rows -= self.seqs[row].grammars is not None
                 self.seqs[row] = self.sample_rows[row] = None
         for seq in step.new:
             self._add(seq)
@@ -92,6 +94,7 @@ class InputBatch:
         self.seq_ids[row] = seq.seq_id
         self.seqs[row] = seq
         self.num_lora_rows += seq.lora is not None
+        self.num_grammar_rows += seq.grammars is not None
         self.tokens[row, : len(seq.token_ids)] = seq.token_ids
         self.computed[row], self.known[row], self.pending[row] = seq.num_computed_tokens, len(seq.token_ids), 0
         self.prompt_lens[row], self.mrope_deltas[row] = seq.num_prompt_tokens, seq.mrope_delta

@@ -193,7 +193,9 @@ class ModelRunner:
             pending_from = np.full(len(self.inputs.seq_ids), -1, dtype=np.int64)
             pending_from[previous.plan.sample_rows] = previous.plan.sample_index
         step_input, mm_embeds, plan, rows = build_step(step, encoded, self.config.block_size, self.inputs, pending_from)
-        masks = GrammarMasks.start([row.grammar for row in plan.rows], self.config.model.text.vocab_size)
+        masks = None
+        if self.inputs.num_grammar_rows:
+            masks = GrammarMasks.start([row.grammar for row in plan.rows], self.config.model.text.vocab_size)
         if self.parallel is not None:
             self.parallel.send(step_input, self.parallel.lm_control)
             if mm_embeds is not None:
