@@ -109,21 +109,22 @@ def test_rows_kept_between_steps_give_the_arrays_laid_out_from_scratch():
         for name in ("token_ids", "slots", "positions", "query_starts", "seq_lens", "block_tables"):
             assert np.array_equal(getattr(step, name), getattr(fresh, name)), name
         assert step.logits_rows == fresh.logits_rows and plan.owners == fresh_plan.owners
+        assert plan.forks == fresh_plan.forks == [0] * len(plan.owners)
         ends = [
             i
             for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
             if s.num_computed_tokens + n == s.num_tokens
         ]
-        assert sorted(plan.owners) == [(i, 0) for i in ends]  # a sample where a sequence's last token is computed
+        assert sorted(plan.owners) == ends  # a sample where a sequence's last token is computed
         assert [r.key for r in plan.rows] == [r.key for r in fresh_plan.rows]
         sampled = np.array([rng.randrange(1000) for _ in plan.rows])
         inputs.record(plan, sampled)  # the engine reads the samples: the runner's rows take them too
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # the step ran: tokens computed
             seq.num_computed_tokens += n
-        for (index, _), token in zip(plan.owners, sampled.tolist()):
+        for index, token in zip(plan.owners, sampled.tolist()):
             seq = batch.seqs[index]
             seq.token_ids.append(token)
-            assert list(plan.rows[plan.owners.index((index, 0))].token_ids) == seq.token_ids
+            assert list(plan.rows[plan.owners.index(index)].token_ids) == seq.token_ids
             if len(seq.block_table) * BLOCK < seq.num_tokens:
                 seq.block_table.append(rng.randrange(1, 500))
         for seq in list(running):

@@ -72,7 +72,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # read and written for every token (engine/sequence.py's slots say why that matters)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None

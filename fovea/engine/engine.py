@@ -260,7 +260,7 @@ class LLMEngine:
         if not self.config.schedules_ahead or self.workers is not None:
             return False
         batch, result = previous
-        for index, fork in result.row_owners:
+        for index, fork in result.row_owners():
             seq = batch.seqs[index]
             if fork or seq.request.grammars or seq.params.min_tokens > seq.num_output_tokens:
                 return False
@@ -306,7 +306,7 @@ class LLMEngine:
         if launched is None:
             return set()
         batch, result = launched
-        for index, fork in result.row_owners:
+        for index, fork in result.row_owners():
             if not fork:
                 batch.seqs[index].num_pending -= 1  # in token_ids from here on
         try:
@@ -318,7 +318,7 @@ class LLMEngine:
         except Exception as error:  # noqa: BLE001
             self._step_failed(batch, error)
             return self.scheduler.requests_in(batch)  # those that ended before it failed are reported
-        if result.row_owners and len(sampled) == 1:
+        if result.plan.owners and len(sampled) == 1:
             self.scheduler.cleared(next(iter(sampled)))
         return to_report
 
@@ -401,7 +401,7 @@ class LLMEngine:
             top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else no_top
         # forks first: a parent that finishes on this very token must still hold the blocks its samples share
         row_seqs = []
-        for index, fork in result.row_owners:
+        for index, fork in result.row_owners():
             seq = batch.seqs[index]
             if seq.status == SequenceStatus.FINISHED:  # aborted while its step ran
                 row_seqs.append(None)

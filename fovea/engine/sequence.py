@@ -29,6 +29,15 @@ class SequenceStatus(enum.Enum):
 class Request:
     """The engine's record of one request: its input (what the steps read of it copied out) and its state."""
 
+    # slots, those every step reads first: a step at batch 256 pays a cache miss per line of per-request state
+    # it touches (benchmarks/README, issue 54)
+    __slots__ = (
+        "streams", "stop_set", "metrics", "sequences", "eos_token_ids", "request_id", "mm_items", "lora", "suspect",
+        "prompt_logprobs", "params", "input", "prompt_token_ids", "mrope_delta", "positions", "mm_spans", "hash_salt",
+        "stop_ids", "stop_token_set", "generators", "grammars", "num_cached_tokens", "aborted", "prompt_sent",
+        "num_finished_sequences", "failed_steps", "__weakref__",
+    )  # fmt: skip
+
     def __init__(self, input: RequestInput):
         self.input = input
         self.request_id, self.params = input.request_id, input.params
@@ -70,6 +79,15 @@ class Request:
 
 
 class Sequence:
+    # slots, those a decode step reads first (as Request's)
+    __slots__ = (
+        "status", "request", "plain", "token_ids", "length_limit", "num_pending", "num_computed_tokens",
+        "last_token_time", "block_table", "num_registered_blocks", "on_runner", "blocks_sent", "seq_id",
+        "pending_forks", "params", "index", "num_prompt_tokens", "block_hashes", "order", "queried_images",
+        "cumulative_logprob", "logprobs", "text", "num_decoded", "finish_reason", "stop_reason", "detokenizer",
+        "grammar_waiting", "sent_tokens", "__weakref__",
+    )  # fmt: skip
+
     def __init__(self, seq_id: int, request: Request, index: int = 0, max_model_len: int = 1 << 62):
         self.seq_id = seq_id
         self.request = request

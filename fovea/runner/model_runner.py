@@ -54,10 +54,11 @@ class StepOutput:
     host: SamplerOutput | None = None
     ready: torch.cuda.Event | None = None
 
-    @property
-    def row_owners(self) -> list[tuple[int, int]]:
-        """(batch index, fork number) of each sampled row: fork 0 is the sequence itself, k > 0 its k-th new one."""
-        return self.plan.owners
+    def row_owners(self):
+        """(batch index, fork number) of each sampled row: fork 0 is the sequence itself, k > 0 its k-th new one.
+        Made as they are read, from the plan's lists of ints (tuples made when the step was built would be cold
+        by the time the engine reads them: issue 54)."""
+        return zip(self.plan.owners, self.plan.forks)
 
     def sampled_on_host(self) -> SamplerOutput | None:
         if self.ready is not None:

@@ -29,7 +29,7 @@ CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut firs
 MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path
 
 
-@dataclass
+@dataclass(slots=True)  # one per row and step (engine/sequence.py's slots say why)
 class SampleRow:
     """One token to draw: the parameters, the sequence's tokens so far (not copied: a list, or the runner's
     RowTokens), its RNG."""

@@ -107,8 +107,10 @@ class StepInput:
 @dataclass
 class SamplePlan:
     rows: list[SampleRow]  # one per logits row
-    owners: list[tuple[int, int]]  # (batch index, fork number) of each logits row
+    owners: list[int]  # the batch index of each logits row's sequence
     prompt_logprobs: list[tuple[int, list[int], int]]  # per logprob span: (batch index, target ids, top k)
+    # the fork number of each logits row: 0 for the sequence itself, k > 0 for its k-th new one (n > 1)
+    forks: list[int] = field(default_factory=list)
     # (logits row, its sequence's sample row in the step on the device): the penalties count that token too
     pending: list[tuple[int, int]] = field(default_factory=list)
     sampled_rows: list[int] = field(default_factory=list)  # the runner's row of each logits row, -1 for a fork
@@ -160,7 +162,8 @@ def build_step(
         plan.rows += map(inputs.sample_row, decode_rows.tolist())
         plan.sampled_rows += decode_rows.tolist()
         logits_rows += at.tolist()
-        plan.owners += [(index, 0) for index in which.tolist()]
+        plan.owners += which.tolist()
+        plan.forks += [0] * which.size
     for index in np.flatnonzero(~decode).tolist():
         row, offset, n = int(rows[index]), int(offsets[index]), int(q_lens[index])
         seq, tokens = inputs.seqs[row], inputs.tokens[row]
@@ -189,7 +192,8 @@ def build_step(
             forks, seq.forks = seq.forks, 0  # samples split off after the prompt: once
             for fork in range(1 + forks):
                 logits_rows.append(offset + n - 1)
-                plan.owners.append((index, fork))
+                plan.owners.append(index)
+                plan.forks.append(fork)
                 plan.rows.append(
                     inputs.sample_row(row) if fork == 0 else make_sample_row(seq, RowTokens(inputs, row), fork)
                 )
