@@ -65,9 +65,6 @@ class Scheduler:
             **loras,
         )
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.order)
