@@ -111,8 +111,9 @@ class Scheduler:
         block_size = self.blocks.block_size
         preempted = False
         decodes, prefills = [], []
-        for seq in self.running:
-            (prefills if seq.is_prefill else decodes).append(seq)
+        for seq in self.running:  # (is_prefill, spelled out: a call per property costs at 256 sequences a step)
+            pending = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
+            (prefills if pending > 1 else decodes).append(seq)
         computing: set[bytes] = set()  # hashes of the blocks this step fills: one sequence computes each
         for seq in decodes + prefills:
             if budget == 0:
@@ -132,7 +133,7 @@ class Scheduler:
                 n = self._fit_encoder(seq, start, n, batch)
                 if n == 0:
                     continue
-            extra = self._fork_blocks(seq, start + n)
+            extra = seq.pending_forks if start + n >= tokens else 0  # (_fork_blocks)
             if extra or len(seq.block_table) * block_size < start + n:  # (a decode mostly has room already)
                 while not self.blocks.can_append(seq.block_table, start + n, extra):
                     victim = self._pick_victim(batch)
@@ -334,7 +335,7 @@ class Scheduler:
         is computed has a sample on its way (`num_pending`, until the engine records it)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_pending:  # (num_tokens, spelled out)
                 seq.num_pending += 1
 
     def step_done(self, batch: ScheduledBatch) -> None:

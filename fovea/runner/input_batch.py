@@ -38,7 +38,7 @@ class InputBatch:
         self.seqs: list[NewSequence | None] = []
         # rows of sequences with a LoRA adapter, and with grammars: a step with none skips looking for them
         self.num_lora_rows = self.num_grammar_rows = 0
-        self.sample_rows: list[SampleRow | None] = []  # each row's first sample (forks are made when they split)
+        self.first_samples: list[SampleRow | None] = []  # each row's first sample (forks are made when they split)
 
     def update(self, step: ScheduledStep) -> np.ndarray:
         """Drops the relaid rows, adds the new ones, appends blocks; the rows of the step's sequences, in order."""
@@ -52,7 +52,7 @@ class InputBatch:
                 self.free_rows.append(row)
                 self.num_lora_rows -= self.seqs[row].lora is not None
                 self.num_grammar_rows -= self.seqs[row].grammars is not None
-                self.seqs[row] = self.sample_rows[row] = None
+                self.seqs[row] = self.first_samples[row] = None
         for seq in step.new:
             self._add(seq)
         for seq_id, blocks in step.new_blocks:
@@ -76,10 +76,7 @@ class InputBatch:
 
     def sample_row(self, row: int) -> SampleRow:
         """The row's first sample."""
-        cached = self.sample_rows[row]
-        if cached is None:
-            cached = self.sample_rows[row] = make_sample_row(self.seqs[row], RowTokens(self, row), 0)
-        return cached
+        return self.first_samples[row]
 
     def block_tables(self, rows: np.ndarray) -> np.ndarray:
         """(rows, longest table) int32, padded with 0."""
@@ -93,6 +90,7 @@ class InputBatch:
         self.row_of[seq.seq_id] = row
         self.seq_ids[row] = seq.seq_id
         self.seqs[row] = seq
+        self.first_samples[row] = make_sample_row(seq, RowTokens(self, row), 0)
         self.num_lora_rows += seq.lora is not None
         self.num_grammar_rows += seq.grammars is not None
         self.tokens[row, : len(seq.token_ids)] = seq.token_ids
@@ -110,7 +108,7 @@ class InputBatch:
         for name in ("table_lens", "seq_ids", "computed", "known", "pending", "prompt_lens", "mrope_deltas"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grown - size, np.int64)]))
         self.seq_ids[size:] = -1
-        for name in ("seqs", "sample_rows"):
+        for name in ("seqs", "first_samples"):
             getattr(self, name).extend([None] * (grown - size))
 
 

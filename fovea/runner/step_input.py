@@ -159,8 +159,9 @@ def build_step(
             ids[at[pending]] = 0
         known = ~pending
         ids[at[known]] = inputs.tokens[decode_rows[known], start[known]]
-        plan.rows += map(inputs.sample_row, decode_rows.tolist())
-        plan.sampled_rows += decode_rows.tolist()
+        decode_rows_list = decode_rows.tolist()
+        plan.rows += [inputs.first_samples[row] for row in decode_rows_list]
+        plan.sampled_rows += decode_rows_list
         logits_rows += at.tolist()
         plan.owners += which.tolist()
         plan.forks += [0] * which.size
