@@ -418,11 +418,20 @@ class LLMEngine:
         if not all(finite):
             broken = {seq.request: NONFINITE for seq, ok in zip(row_seqs, finite) if seq is not None and not ok}
         events = self.events
+        inter_token = events.inter_token if events is not None else None
         for row, (seq, token) in enumerate(zip(row_seqs, tokens)):
-            if seq is None or seq.request in broken:
+            if seq is None:
                 continue
-            record_token_time(seq, now, events)
             request = seq.request
+            if broken and request in broken:
+                continue
+            metrics, last = request.metrics, seq.last_token_time
+            if last is None or metrics.first_token_time is None:  # a request's first token, or a fork's
+                record_token_time(seq, now, events)
+            else:  # (record_token_time's other case, spelled out: it is every decode's)
+                metrics.last_token_time = seq.last_token_time = now
+                if inter_token is not None:
+                    inter_token.append(now - last)
             touched.add(request)
             if request.streams:
                 to_report.add(request)

@@ -65,6 +65,8 @@ class ImageEncoder:
         """What finished since the last call; with `wait_s`, waits that long for the first result (a step with
         nothing else to do), or encodes a queued piece itself. On a GPU the current stream is made to wait for
         each result's kernels."""
+        if not self.in_flight:  # nothing submitted is out: most steps (the queue's locks cost at 256 rows a step)
+            return []
         if wait_s and self.shares > 1:
             try:
                 items = self._jobs.get_nowait()
