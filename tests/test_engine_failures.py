@@ -126,6 +126,30 @@ def test_requests_batched_with_a_failing_one_finish_with_their_own_tokens(llm, m
     assert_engine_idle(engine)
 
 
+def test_a_suspect_runs_with_the_others_again_once_a_step_samples_for_it(llm, monkeypatch):
+    """After a failed step its requests are suspects, each run alone; one that a step samples for is cleared and
+    joins the batch again: the step after everyone is cleared runs all of them together."""
+    engine = llm.engine
+    real_execute, sizes, failed = engine.runner.execute, [], []
+
+    def execute(step, cache, *ahead):
+        if not failed and len(step.seq_ids) == 3:  # the first step that runs all three: fails once
+            failed.append(True)
+            raise RuntimeError("injected step failure")
+        sizes.append(len(step.seq_ids))
+        return real_execute(step, cache, *ahead)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    for i in range(3):
+        engine.add_request(request(llm, f"suspect-{i}", f"Suspect {i} says", GREEDY.clone(max_tokens=12)))
+    assert failures_until_idle(engine) == []
+    assert failed and 3 in sizes, sizes
+    together = sizes.index(3)
+    assert sizes[:together].count(1) >= 3  # each recomputed alone until a step sampled for it,
+    assert sizes.count(3) >= 5  # then all three together again (until the first finishes)
+    assert_engine_idle(engine)
+
+
 def test_a_row_of_nan_logits_fails_its_request_alone(llm, monkeypatch):
     """The model gives one request NaN logits and another +inf (a broken adapter, an fp16 overflow), with top_p
     drawing over whole rows: those requests fail naming the cause, the others draw what they draw alone."""

@@ -385,12 +385,12 @@ class LLMEngine:
         return failed
 
     def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> tuple[set[Request], set[Request]]:
-        """The requests that sampled, and of those the ones with something to report: finished, or asking for every
-        step's output. Picked here, where each request is at hand: a later pass over 256 requests costs a cache miss
-        each on the CPU (benchmarks/README, issue 54)."""
-        touched, to_report = set(), set()
+        """The requests that sampled (looked for only while there are suspects: Scheduler.isolate), and the ones
+        with something to report: finished, or asking for every step's output. Picked here, where each request is at
+        hand: a later pass over 256 requests costs a cache miss each on the CPU (benchmarks/README, issue 54)."""
+        to_report = set()
         if result.sampled is None:
-            return touched, to_report
+            return set(), to_report
         sampled = self.runner.read_samples(result)
         tokens = sampled.token_ids.tolist()
         finite = sampled.finite.tolist() if sampled.finite is not None else [True] * len(tokens)
@@ -432,7 +432,6 @@ class LLMEngine:
                 metrics.last_token_time = seq.last_token_time = now
                 if inter_token is not None:
                     inter_token.append(now - last)
-            touched.add(request)
             if request.streams:
                 to_report.add(request)
             if seq.plain:  # most decodes: no text checks, logprobs, grammar or min_tokens (append_token's checks)
@@ -463,7 +462,8 @@ class LLMEngine:
         for why in dict.fromkeys(broken.values()):
             failed = {request for request, reason in broken.items() if reason == why}
             self.failed_rows.append(self._fail(failed, ValueError(why)))
-        return touched - broken.keys(), to_report - broken.keys()
+        sampled_requests = {seq.request for seq in row_seqs if seq is not None} if self.scheduler.suspects else set()
+        return sampled_requests - broken.keys(), to_report - broken.keys()
 
     def _record_finish(self, request: Request) -> None:
         if self.events is not None:
