@@ -1,7 +1,7 @@
 """Memory under a long run of mixed traffic (issue 56): does any server process grow?
 
     python benchmarks/soak.py --minutes 60 --out FILE [--plot PNG] [--rate 6] [--warmup-minutes 5] [--seed 0]
-        [--base-url URL | -- SERVER FLAGS]
+        [--kinds K1,K2] [--server-env KEY=VALUE ...] [--base-url URL | -- SERVER FLAGS]
 
 Starts `fovea serve` on the embedded demo model (or the model and flags given after `--`; the log goes to FILE.log)
 with its caches sized to fill within minutes (`--mm-processor-cache-gb 0.25`, FOVEA_STORED_RESPONSES=200), or
@@ -197,9 +197,11 @@ KINDS = {  # kind: weight
 }  # fmt: skip
 
 
-async def drive(traffic: Traffic, minutes: float, rate: float, outcomes: Counter, rng: random.Random) -> None:
+async def drive(
+    traffic: Traffic, minutes: float, rate: float, outcomes: Counter, rng: random.Random, kinds: dict[str, int]
+) -> None:
     limit = asyncio.Semaphore(CONCURRENCY)
-    kinds, weights = zip(*KINDS.items())
+    kinds, weights = zip(*kinds.items())
 
     async def one(client, kind):
         try:
@@ -344,7 +346,7 @@ def commands(samples: list[dict]) -> dict[int, str]:
     return out
 
 
-def start_server(flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(flags: list[str], log: Path, extra_env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from serving import free_port  # noqa: E402 - the tests' helper
 
@@ -353,7 +355,7 @@ def start_server(flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     defaults += ["--tool-call-parser", "hermes", "--allowed-media-domains", "127.0.0.1"]
     defaults += ["--num-gpu-blocks-override", "400"]  # 6,400 tokens: two long prompts at once preempt others
     cmd = [sys.executable, "-m", "fovea.cli", "serve", "--port", str(port), *(flags or defaults)]
-    env = {**os.environ, "FOVEA_STORED_RESPONSES": "200", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "FOVEA_STORED_RESPONSES": "200", "OMP_NUM_THREADS": "1", **extra_env}
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     for _ in range(1200):
@@ -379,6 +381,8 @@ def main() -> None:
     parser.add_argument("--plot")
     parser.add_argument("--base-url", help="a running server (loopback), whose process tree is sampled")
     parser.add_argument("--model", default="demo", help="the served model name to ask for")
+    parser.add_argument("--kinds", help=f"only these kinds of request, comma-separated ({', '.join(KINDS)})")
+    parser.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server's processes")
     parser.add_argument("flags", nargs="*", help="after --: `fovea serve` arguments instead of the defaults")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -389,7 +393,8 @@ def main() -> None:
         pids = [c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
         root = psutil.Process(pids[0])
     else:
-        server, base = start_server(args.flags, Path(args.out + ".log"))
+        env = dict(item.split("=", 1) for item in args.server_env)
+        server, base = start_server(args.flags, Path(args.out + ".log"), env)
         root = psutil.Process(server.pid)
     images = ImageHost()
     traffic = Traffic(base, args.model, rng, images)
@@ -397,7 +402,8 @@ def main() -> None:
     sampler.start()
     outcomes: Counter = Counter()
     try:
-        asyncio.run(drive(traffic, args.minutes, args.rate, outcomes, rng))
+        kinds = {kind: KINDS[kind] for kind in args.kinds.split(",")} if args.kinds else KINDS
+        asyncio.run(drive(traffic, args.minutes, args.rate, outcomes, rng, kinds))
         time.sleep(5)  # idle: whatever is still held now stays
         idle = {**sample(root, base, sampler.start_time), **gauges(base)}
         processes = commands(sampler.samples)
@@ -409,6 +415,8 @@ def main() -> None:
             server.wait(60)
     named = series(sampler.samples)
     result = {
+        "kinds": args.kinds or ",".join(KINDS),
+        "server_env": args.server_env,
         "processes": processes,
         "minutes": args.minutes,
         "rate": args.rate,
