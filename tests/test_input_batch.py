@@ -216,5 +216,5 @@ def test_samples_of_a_step_read_after_its_rows_were_reused_go_nowhere():
     build([(newcomer, newcomer.num_tokens)])  # step 2, built ahead
     assert inputs.row_of[newcomer.seq_id] == row_of_finished  # the freed row, taken
     inputs.record(plan, np.array([111, 222]))  # step 1's samples, read now
-    assert list(inputs.sample_row(row_of_finished).token_ids) == newcomer.token_ids
-    assert list(inputs.sample_row(inputs.row_of[kept.seq_id]).token_ids) == kept.token_ids + [222]
+    assert list(inputs.first_samples[row_of_finished].token_ids) == newcomer.token_ids
+    assert list(inputs.first_samples[inputs.row_of[kept.seq_id]].token_ids) == kept.token_ids + [222]

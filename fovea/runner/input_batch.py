@@ -74,10 +74,6 @@ class InputBatch:
         self.known[rows] += 1
         self.pending[rows] -= 1
 
-    def sample_row(self, row: int) -> SampleRow:
-        """The row's first sample."""
-        return self.first_samples[row]
-
     def block_tables(self, rows: np.ndarray) -> np.ndarray:
         """(rows, longest table) int32, padded with 0."""
         width = max(1, int(self.table_lens[rows].max())) if rows.size else 1

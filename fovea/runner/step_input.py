@@ -196,7 +196,7 @@ def build_step(
                 plan.owners.append(index)
                 plan.forks.append(fork)
                 plan.rows.append(
-                    inputs.sample_row(row) if fork == 0 else make_sample_row(seq, RowTokens(inputs, row), fork)
+                    inputs.first_samples[row] if fork == 0 else make_sample_row(seq, RowTokens(inputs, row), fork)
                 )
                 plan.sampled_rows.append(-1 if fork else row)
     inputs.computed[rows] += q_lens

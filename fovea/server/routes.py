@@ -199,6 +199,7 @@ async def start_chat(
     engine, options = served.engine, served.options
     request_id = serving.new_id(id_prefix)
     arrival = time.time()  # latencies count the preparation
+    limits = engine.config.limit_mm_per_prompt
 
     def prepare():
         body = read_chat()
@@ -224,7 +225,6 @@ async def start_chat(
             )
         return body, model, tool_use, params, chat, prepared
 
-    limits = engine.config.limit_mm_per_prompt
     body, model, tool_use, params, chat, prepared = await unless_disconnected(request, engine.run_in_pool(prepare))
 
     async def start():
