@@ -302,7 +302,8 @@ def test_a_grammar_past_its_time_kills_its_child_and_is_refused_at_once_after(ti
     checks = GrammarChecks(load_tokenizer(tiny_dirs["tiny-3b"]), model.text.vocab_size, model.eos_token_ids)
     try:
         checks.check(StructuredOutputsParams(choice=["warm"]))  # the child has read the vocabulary
-        wide = StructuredOutputsParams(json={"type": "object", "properties": {f"p{i}": PERSON for i in range(40)}})
+        # ~0.16 s to compile here (40 properties took 14 ms, close enough to the 5 ms limit to pass it under load)
+        wide = StructuredOutputsParams(json={"type": "object", "properties": {f"p{i}": PERSON for i in range(400)}})
         monkeypatch.setattr(so, "COMPILE_TIMEOUT_S", 0.005)
         with pytest.raises(ValueError, match="did not compile within"):
             checks.check(wide)
