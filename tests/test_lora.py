@@ -6,6 +6,7 @@ vision tower). The prefix cache and the encoder cache keep each adapter's entrie
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from conftest import hf_inputs, random_image
 
 from fovea import LLM, LoRARequest, SamplingParams
+from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.block_manager import block_hashes
 from fovea.engine.engine import StepFailed
 from fovea.models.loader import load_model
@@ -157,6 +159,24 @@ def test_prefix_cache_is_keyed_by_adapter(tiny_dirs, adapters, llm):
     assert block_hashes(ids, 16, salt=b"lora:1") != block_hashes(ids, 16) != block_hashes(ids, 16, salt=b"lora:2")
 
 
+def test_an_unloaded_adapter_leaves_the_engine_after_its_last_request(adapters, llm):
+    """Unloaded while a request still runs with it, an adapter keeps its weights until that request ends (not
+    read again from disk every step); then the next step frees them."""
+    engine, held = llm.engine, llm.engine.runner.adapters
+    lora = LoRARequest("a-again", 99, adapters["a"].lora_path)  # an id of its own: the module's LLM keeps a's
+    params = GREEDY.clone(max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request(llm.inputs.make_request("kept", llm.inputs.process("Count to ten.", None), params, lora=lora))
+    engine.step()
+    weights = held.get(lora)
+    engine.remove_lora(99)
+    outputs = engine.step()
+    assert held.get(lora) is weights and not outputs  # still running, on the weights it had
+    while engine.has_unfinished_requests():
+        engine.step()
+    llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert 99 not in held
+
+
 def test_more_adapters_than_max_loras_take_turns(tiny_dirs, adapters):
     """max_loras=1: the second adapter's requests wait until the first's are done; all answers stay right."""
     with LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", enable_lora=True, max_loras=1) as one:
@@ -251,16 +271,27 @@ def test_an_adapter_without_enable_lora_is_refused(tiny_dirs, adapters):
 
 def test_served_adapters_load_unload_and_answer_as_offline(tiny_dirs, adapters, llm, tmp_path):
     """`fovea serve --enable-lora --lora-modules`: adapters are models in /v1/models, a request's `model` picks
-    one (several in flight at once), and the runtime endpoints add and remove them (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    one (several in flight at once), and the runtime endpoints add and remove them (VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    An unloaded adapter's weights leave the engine with its next step (room for four: no eviction hides it)."""
     import concurrent.futures
 
     import httpx
     import openai
-    from serving import running_server
+    from serving import metric, running_server
 
     a, b = adapters["a"], adapters["b"]
     b_json = json.dumps({"name": "b", "path": b.lora_path})
-    flags = ["--dtype", "float32", "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2"]
+    flags = [
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "4",
+    ]
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     with running_server(tiny_dirs["tiny-3b"], *flags, "--lora-modules", f"a={a.lora_path}", b_json, env=env) as (
         base,
@@ -295,6 +326,11 @@ def test_served_adapters_load_unload_and_answer_as_offline(tiny_dirs, adapters, 
         with pytest.raises(openai.NotFoundError, match="The model `c` does not exist"):
             answer("c")
 
+        def held() -> float:
+            time.sleep(0.2)  # the gauges come with the engine's next report after the step
+            return metric(base, "fovea:lora_adapters_held")
+
+        assert held() == 2  # a and b, used above
         load = lambda **body: httpx.post(base + "/v1/load_lora_adapter", json=body, timeout=60)  # noqa: E731
         unload = lambda **body: httpx.post(base + "/v1/unload_lora_adapter", json=body, timeout=60)  # noqa: E731
         reply = load(lora_name="c", lora_path=a.lora_path)
@@ -313,6 +349,10 @@ def test_served_adapters_load_unload_and_answer_as_offline(tiny_dirs, adapters, 
             answer("c")
         assert unload(lora_name="c").json()["error"]["type"] == "NotFoundError"
         assert answer("a") == expected["a"]
+        assert held() == 2  # a and b: c went with the step that answered
+        assert unload(lora_name="b").status_code == 200
+        answer("tiny")
+        assert held() == 1
 
 
 def test_runtime_adapter_routes_need_the_variable(monkeypatch):

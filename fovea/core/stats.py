@@ -76,6 +76,10 @@ class EngineStats:
     serving: bool = True  # a data-parallel replica's, as the front end knows it: False while it is down
     running_loras: tuple[str, ...] = ()  # LoRA adapters of running and of waiting requests (vLLM's lora_requests_info)
     waiting_loras: tuple[str, ...] = ()
+    # what the engine's caches hold, against their bounds (a soak checks them: benchmarks/soak.py)
+    encoder_cache_tokens: int = 0  # image-embedding rows cached, referenced or not
+    encoder_cache_capacity: int = 0
+    loras_held: int = 0  # adapters whose weights rank 0 holds (at most max_cpu_loras)
 
     @property
     def kv_usage(self) -> float:
@@ -98,6 +102,9 @@ def combine(replicas: list[EngineStats], events: LatencyEvents) -> EngineStats:
             "num_preemptions",
             "encoder_cache_references",
             "num_requests_added",
+            "encoder_cache_tokens",
+            "encoder_cache_capacity",
+            "loras_held",
         ):
             setattr(total, name, getattr(total, name) + getattr(stats, name))
         total.running_loras = tuple(dict.fromkeys(total.running_loras + stats.running_loras))

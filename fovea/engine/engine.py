@@ -100,6 +100,7 @@ class LLMEngine:
         self.compiling: list[tuple[Request, GrammarBuild]] = []  # requests whose matchers are being built
         self.num_requests_added = 0
         self.finished_outputs: list[tuple] = []  # aborts (RequestDelta tuples), reported with the next step
+        self.unloaded_loras: set[int] = set()  # adapters whose weights every rank drops once no request uses them
         self.assembler = assembler
         self.assemblers: dict[str, Callable] = {}  # by request id, with an assembler
         self._seq_ids = itertools.count()
@@ -195,6 +196,17 @@ class LLMEngine:
             request.metrics.finished_time = time.time()
             self._record_finish(request)
             self.finished_outputs.append(request_delta(request, final=True))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """An adapter the server unloaded: its weights go with the first step after its last request (they travel
+        with a step so that every tensor-parallel rank drops them; an idle engine holds them until the next)."""
+        self.unloaded_loras.add(lora_int_id)
+
+    def _droppable_loras(self) -> list[int]:
+        in_use = {request.lora.lora_int_id for request in self.requests.values() if request.lora is not None}
+        dropped = self.unloaded_loras - in_use
+        self.unloaded_loras -= dropped
+        return sorted(dropped)
 
     def close(self) -> None:
         """Stops the image encoder's thread and the tensor-parallel workers."""
@@ -292,6 +304,8 @@ class LLMEngine:
                 stuck = (self.scheduler.running or self.scheduler.waiting)[0].request
                 raise self._fail({stuck}, RuntimeError("the request cannot be scheduled even with the engine idle"))
             return
+        if self.unloaded_loras:
+            batch.step.dropped_loras = self._droppable_loras()
         try:
             result = self.runner.execute(batch.step, self.encoder_cache.get, None if ahead is None else ahead[1])
         except Exception as error:  # noqa: BLE001 - a bug or a device error: fail what this step ran, go on
@@ -473,7 +487,10 @@ class LLMEngine:
         """The engine's state now, and the latency events since the previous call (the first call starts
         the recording)."""
         events, self.events = self.events or LatencyEvents(), LatencyEvents()
-        return self.scheduler.stats(events, self.num_requests_added)
+        stats = self.scheduler.stats(events, self.num_requests_added)
+        if self.runner.adapters is not None:
+            stats.loras_held = len(self.runner.adapters)
+        return stats
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason

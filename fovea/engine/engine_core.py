@@ -31,6 +31,7 @@ from fovea.core.messages import (
     Fatal,
     Ready,
     Rejected,
+    RemoveLoRA,
     RequestsFailed,
     Shutdown,
     StartFailed,
@@ -107,6 +108,8 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
                         send(RequestsFailed([request.request_id], f"{type(error).__name__}: {error}"[:500]))
                 case AbortRequests(request_ids):
                     engine.abort_request(request_ids)
+                case RemoveLoRA(lora_int_id):
+                    engine.remove_lora(lora_int_id)
             wait = 0
         try:
             outputs = engine.step_deltas() if engine.has_unfinished_requests() else []

@@ -63,6 +63,8 @@ class Scheduler:
             events,
             num_requests_added,
             **loras,
+            encoder_cache_tokens=encoder.used,
+            encoder_cache_capacity=encoder.capacity,
         )
 
     def add(self, seq: Sequence) -> None:

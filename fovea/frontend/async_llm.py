@@ -33,7 +33,15 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from fovea.config.engine import EngineConfig
-from fovea.core.messages import AbortRequests, AddRequest, FromEngine, Rejected, RequestsFailed, StepOutputs
+from fovea.core.messages import (
+    AbortRequests,
+    AddRequest,
+    FromEngine,
+    Rejected,
+    RemoveLoRA,
+    RequestsFailed,
+    StepOutputs,
+)
 from fovea.core.request import LoRARequest, RequestDelta, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
@@ -264,6 +272,11 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         for engine in self._engines:
             engine.send(AbortRequests([request_id]))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """An unloaded adapter: every engine frees its weights once its requests are done."""
+        for engine in self._engines:
+            engine.send(RemoveLoRA(lora_int_id))
 
     def _check_alive(self) -> None:
         if self.error is not None:

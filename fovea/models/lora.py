@@ -248,6 +248,12 @@ class LoadedAdapters:
             self._held.move_to_end(lora.lora_int_id)
             return weights
 
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, lora_int_id: int) -> bool:
+        return lora_int_id in self._held
+
     def drop(self, lora_int_id: int) -> None:
         with self._lock:
             self._held.pop(lora_int_id, None)

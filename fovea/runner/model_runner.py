@@ -256,6 +256,8 @@ class ModelRunner:
         """Every rank: the forward pass, the logits of the rows to sample, and the hidden states (whose prompt
         log-probability spans `span_logits` scores). `previous_tokens`: the samples of the step still on the
         device, which `step.fill_rows` take (async scheduling)."""
+        for lora_int_id in step.dropped_loras:
+            self.adapters.drop(lora_int_id)
         for src, dst in step.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])

@@ -60,6 +60,7 @@ class ScheduledStep:
     relaid: list[int] = field(default_factory=list)
     encode: list[MMItem] = field(default_factory=list)  # images to hand to the encoder (ImageEncoder)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, forks' partial blocks
+    dropped_loras: list[int] = field(default_factory=list)  # ids of unloaded adapters whose weights go
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +88,7 @@ class StepInput:
     # async scheduling: rows whose token is the sample `fill_from` (its row) of the step still on the device
     fill_rows: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
+    dropped_loras: list[int] = field(default_factory=list)  # adapters every rank frees before the step
 
     def lora_rows(self) -> list[tuple[np.ndarray, LoRARequest]]:
         """The rows (tokens) of each adapter of the step."""
@@ -232,5 +234,6 @@ def build_step(
         lora_of_seq,
         fill_rows,
         fill_from,
+        step.dropped_loras,
     )
     return step_input, embeds, plan, rows

@@ -3,7 +3,8 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING variable is set, POST /v1/load_lora_adapter and
 running. A request names an adapter in its `model`; /v1/models lists each with the base model as its parent.
 
 Each adapter is checked against the model when it is added (fovea/models/lora.py), so a bad one is a 400 then,
-never a failed request later. An unloaded name loaded again gets a new id: nothing cached for the old one is used.
+never a failed request later. An unloaded name loaded again gets a new id: nothing cached for the old one is used, and the engine frees the old
+one's weights once the requests that use it are done.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ class ServedAdapters:
         self.by_name[module.name] = lora
         return lora
 
-    def remove(self, name: str) -> None:
-        if self.by_name.pop(name, None) is None:
+    def remove(self, name: str) -> LoRARequest:
+        lora = self.by_name.pop(name, None)
+        if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
+        return lora
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -62,7 +65,7 @@ async def unload_lora_adapter(request: Request):
     body = await served.read_body(request, LoadLoRAAdapterRequest)
     if not body.lora_name:
         raise APIError(400, "'lora_name' must be provided.", param="lora_name")
-    served.loras.remove(body.lora_name)
+    served.engine.remove_lora(served.loras.remove(body.lora_name).lora_int_id)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

@@ -245,6 +245,18 @@ class ServerMetrics:
         self.encoder_references = make(
             Gauge, "fovea:encoder_cache_references", "Image embeddings held in the encoder cache for running sequences"
         )
+        self.cache_gauges = {  # EngineStats field -> gauge: what the engine's caches hold, against their bounds
+            key: make(Gauge, name, doc)
+            for key, name, doc in (
+                (
+                    "encoder_cache_tokens",
+                    "fovea:encoder_cache_used_tokens",
+                    "Image-embedding rows the encoder cache holds",
+                ),
+                ("encoder_cache_capacity", "fovea:encoder_cache_capacity_tokens", "The encoder cache's bound, in rows"),
+                ("loras_held", "fovea:lora_adapters_held", "LoRA adapters whose weights the engine holds"),
+            )
+        }
         self.totals = {key: make(Counter, name, doc) for key, (name, doc) in TOTALS.items()}
         # data-parallel servers: the same figures per replica, labelled replica="0", "1", ...
         self.per_replica = {
@@ -282,6 +294,8 @@ class ServerMetrics:
         self.kv_used_blocks.set(stats.kv_used_blocks)
         self.kv_total_blocks.set(stats.kv_total_blocks)
         self.encoder_references.set(stats.encoder_cache_references)
+        for key, gauge in self.cache_gauges.items():
+            gauge.set(getattr(stats, key))
         for replica, own in enumerate(stats.replicas):
             values = (own.num_running, own.num_waiting, own.kv_usage, own.num_requests_added, int(own.serving))
             for gauge, value in zip(self.per_replica.values(), values):
