@@ -14,7 +14,8 @@ and evict cached prefixes.
 
 Every second it samples each process of the server (the front end and its children: the engine, image decoding
 workers, tensor-parallel ranks): RSS, USS, open files, threads; the /dev/shm segments; and the engine's gauges
-from /metrics (KV blocks used, requests running and waiting, encoder-cache references). After the traffic, an
+from /metrics (KV blocks used, requests running and waiting, the encoder cache's references and rows against its
+bound, LoRA adapters held). After the traffic, an
 idle sample. The verdict, per series after the warm-up: its growth from the first to the last minute, and its
 least-squares slope per hour; memory that grows by more than 1 % and 20 MB, or a count that keeps climbing,
 fails it. JSON (every sample and the verdict) and, with --plot, a PNG of every series.
@@ -45,7 +46,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY = 32
 GAUGES = ("fovea:kv_cache_used_blocks", "fovea:num_requests_running", "fovea:num_requests_waiting")
-GAUGES += ("fovea:encoder_cache_references",)
+GAUGES += ("fovea:encoder_cache_references", "fovea:encoder_cache_used_tokens", "fovea:encoder_cache_capacity_tokens")
+GAUGES += ("fovea:lora_adapters_held",)
 GROWTH_PCT, GROWTH_MB = 1.0, 20.0  # memory grows when both are exceeded (issue 56's target)
 
 # ------------------------------------------------------------------------------------------------ the traffic

@@ -151,6 +151,9 @@ def bind(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from fovea.server.allocator import settle_allocator
+
+    settle_allocator()  # first: before the threads and processes that allocate
     from fovea.frontend.async_llm import AsyncLLM
     from fovea.server.app import ServerOptions, build_app
     from fovea.server.errors import APIError

@@ -1,0 +1,47 @@
+"""glibc's allocator, set up for a server that runs for days (issue 56; the figures are in benchmarks/README
+"Memory under mixed traffic").
+
+Left to its defaults, glibc gives threads that allocate at once arenas of their own (up to eight per core) and
+raises its mmap threshold each time a large block is freed, up to 32 MB. Image traffic allocates and frees pixel
+arrays of every size from several threads, so after a while those arrays come from arenas instead of mmap, and
+the freed ones stay there in pieces that no later array fits: memory grows without any object being alive. Fixed
+settings keep large blocks in mmap (given back when freed) and few arenas, trimmed sooner.
+
+`fovea serve` applies them to its own process with mallopt and to every process it starts (the engine, the image
+decoders, the template sandbox, tensor-parallel ranks) through the environment, which glibc reads at start. A
+variable the user set wins; FOVEA_MALLOC=default leaves glibc's defaults everywhere. Ray actors on other hosts
+start from their node's environment, not this one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+# glibc's mallopt parameters (malloc.h) and the values this server runs with
+SETTINGS = (
+    ("MALLOC_ARENA_MAX", -8, 2),
+    ("MALLOC_MMAP_THRESHOLD_", -3, 128 * 1024),
+    ("MALLOC_TRIM_THRESHOLD_", -1, 256 * 1024),
+)
+
+
+def settle_allocator() -> list[str]:
+    """Applies the settings to this process and its children-to-be; returns the ones applied (none off glibc)."""
+    if os.environ.get("FOVEA_MALLOC") == "default":
+        return []
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # noqa: B018 - present in glibc only (musl and macOS lack it)
+    except (OSError, AttributeError):
+        return []
+    applied = []
+    for variable, parameter, value in SETTINGS:
+        if variable in os.environ:
+            continue  # glibc read the user's value when this process started
+        if mallopt(parameter, value) == 1:  # returns 1 on success
+            os.environ[variable] = str(value)
+            applied.append(f"{variable}={value}")
+    return applied
