@@ -49,7 +49,7 @@ from fovea.frontend.engine_process import EngineProcess
 from fovea.frontend.grammar_checks import GrammarChecks
 from fovea.frontend.input_processor import InputProcessor
 from fovea.frontend.outputs import OutputAssembler
-from fovea.multimodal.image_workers import ImageWorkers, default_workers
+from fovea.multimodal.image_workers import ImageWorkers, default_workers, release_shared
 from fovea.multimodal.prompt import ChatOptions, load_tokenizer
 
 logger = logging.getLogger("fovea")
@@ -108,6 +108,7 @@ class AsyncLLM:
         self._replica_stats = [EngineStats() for _ in range(config.data_parallel_size)]
         self._in_flight = [0] * config.data_parallel_size  # requests per replica
         self._replica_of: dict[str, int] = {}  # request id -> the replica running it
+        self._sent_pixels: dict[str, list] = {}  # request id -> its shared pixels, freed here if its engine dies
         self.replicas_down: set[int] = set()  # replicas that died: being restarted, or given up
         self.replicas_given_up: set[int] = set()  # past their restart budget, or stopped for good (fatal)
         # the front end's own start (tokenizer, decoding processes, and the grammar compiler that checks requests'
@@ -252,7 +253,7 @@ class AsyncLLM:
             self._check_alive()
             engine = self._engines[replica]
             if request.release_unsent is not None:  # its shared pixels are the engine's to free now
-                request.release_unsent.detach()
+                _, _, (self._sent_pixels[request_id],), _ = request.release_unsent.detach()
                 request.release_unsent = None
             engine.send(AddRequest(request))
             while not finished:
@@ -266,6 +267,7 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             self._assemblers.pop(request_id, None)
             self._replica_of.pop(request_id, None)
+            self._sent_pixels.pop(request_id, None)
             if not finished:
                 engine.send(AbortRequests([request_id]))  # harmless if the engine never had it
 
@@ -336,6 +338,7 @@ class AsyncLLM:
         error = EngineDeadError(f"{name} stopped unexpectedly{others}; this request was not completed")
         for request_id, owner in list(self._replica_of.items()):
             if owner == replica:
+                release_shared(self._sent_pixels.pop(request_id, []))  # those it had not taken yet are ours again
                 self._deliver(request_id, error)
         self._on_message(StepOutputs([], EngineStats(serving=False)), replica)  # nothing runs there now
         now = time.monotonic()

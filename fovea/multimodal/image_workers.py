@@ -13,6 +13,7 @@ the segment (`take`). A worker that crashes on a crafted file, or hangs, fails o
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -39,7 +40,10 @@ class SharedPixels:
 
     @classmethod
     def create(cls, pixels: np.ndarray) -> SharedPixels:
-        segment = shared_memory.SharedMemory(create=True, size=max(pixels.nbytes, 1))
+        """In a decoding worker: the segment is named after the front end (its parent), so that what a server
+        leaves in /dev/shm can be told apart (`segment_prefix`)."""
+        name = f"{segment_prefix(os.getppid())}{secrets.token_hex(8)}"
+        segment = shared_memory.SharedMemory(name, create=True, size=max(pixels.nbytes, 1))
         view = np.ndarray(pixels.shape, np.uint8, buffer=segment.buf)
         view[:] = pixels
         del view  # the segment cannot be closed while an array looks into it
@@ -69,6 +73,10 @@ class SharedPixels:
             return  # taken already
         segment.close()
         segment.unlink()
+
+
+def segment_prefix(front_end_pid: int) -> str:
+    return f"fovea{front_end_pid}_"
 
 
 def release_images(images) -> None:

@@ -1,0 +1,84 @@
+"""Issue 56 in CI: a server's memory stays flat under mixed traffic (a short benchmarks/soak.py run), and a server
+process killed mid-traffic leaves nothing behind once the server has recovered: no shared-memory segment, no
+open file, no child process."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import os
+import signal
+import time
+
+import httpx
+import psutil
+from conftest import jpeg_bytes, random_image
+from serving import metric, running_server
+from test_hostile_load import engine_pid
+
+from fovea.multimodal.image_workers import segment_prefix
+
+
+def image_chat(base: str, seed: int) -> int:
+    """A chat with a fresh JPEG of its own size (a data URL): its pixels cross to the engine in shared memory."""
+    image = jpeg_bytes(random_image(64 + 37 * (seed % 13), 48 + 29 * (seed % 11), seed=seed))
+    url = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "ignore_eos": True}
+    try:
+        return httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def segments(server_pid: int) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(segment_prefix(server_pid))]
+
+
+def decoder(front_end: psutil.Process) -> int:
+    """An image decoding worker: a child with Pillow's decoders and without torch (the engine has both)."""
+    for child in front_end.children():
+        maps = open(f"/proc/{child.pid}/maps").read()
+        if "PIL/_imaging" in maps and "libtorch" not in maps:
+            return child.pid
+    raise AssertionError("no decoding worker")
+
+
+def wait_until(check, timeout_s: float = 120) -> None:
+    deadline = time.time() + timeout_s
+    while not check():
+        assert time.time() < deadline, "the server did not recover"
+        time.sleep(0.3)
+
+
+def traffic_then_kill(base: str, victim, seeds: range) -> list[int]:
+    """Image chats, 12 at a time; `victim()` (a pid) is killed once they are under way."""
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(image_chat, base, seed) for seed in seeds]
+        time.sleep(1.5)
+        os.kill(victim(), signal.SIGKILL)
+        return [future.result() for future in futures]
+
+
+def test_a_killed_engine_or_decoder_leaves_no_segment_file_or_process(tiny_dirs):
+    flags = ["--dtype", "float32", "--max-engine-restarts", "3", "--mm-processor-workers", "2"]
+    with running_server(tiny_dirs["tiny-3b"], *flags) as (base, server):
+        front_end = psutil.Process(server.pid)
+        assert {image_chat(base, seed) for seed in range(4)} == {200}
+        files, children = front_end.num_fds(), len(front_end.children())
+
+        engine = engine_pid(server.pid)
+        statuses = traffic_then_kill(base, lambda: engine, range(100, 160))
+        assert 503 in statuses and set(statuses) <= {200, 503}, statuses
+        wait_until(lambda: httpx.get(base + "/health").status_code == 200)
+        assert {image_chat(base, seed) for seed in range(200, 204)} == {200}
+
+        statuses = traffic_then_kill(base, lambda: decoder(front_end), range(300, 360))
+        assert set(statuses) <= {200, 400, 500, 503}, statuses
+        assert {image_chat(base, seed) for seed in range(400, 404)} == {200}
+        wait_until(lambda: metric(base, "fovea:num_requests_running") == 0)
+
+        wait_until(lambda: not segments(server.pid), timeout_s=10)
+        wait_until(lambda: len(front_end.children()) == children, timeout_s=30)
+        assert not [c for c in front_end.children() if c.status() == psutil.STATUS_ZOMBIE]
+        assert front_end.num_fds() <= files + 2, (files, front_end.num_fds())
