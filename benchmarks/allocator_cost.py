@@ -1,11 +1,13 @@
-"""What glibc's settings for long runs (fovea/server/allocator.py) cost in throughput and in memory at the end.
+"""What glibc's settings for long runs (fovea/core/memory.py) cost in throughput, and what they save in memory.
 
-    python benchmarks/allocator_cost.py --rounds 3 --num-prompts 300 --out results/allocator_cost_cpu_COMMIT.json
+    python benchmarks/allocator_cost.py --rounds 2 --passes 3 --num-prompts 300 \
+        --out results/allocator_cost_cpu_COMMIT.json [--variant NAME=KEY=VALUE,KEY=VALUE ...]
 
-Each round starts `fovea serve` on the demo model twice, once as it runs by default (the settings) and once with
-FOVEA_MALLOC=default (glibc's own), in alternating order, and saturates each with `fovea bench serve`: chats with
-fresh random images of 256x256 and 1280x720 (random-mm), all sent at once. It records each run's throughput and
-latencies, and the resident memory of the front end and the engine after it.
+Each round starts `fovea serve` on the demo model once per variant (the rounds alternate the order): fovea's
+settings, glibc's defaults (FOVEA_MALLOC=default) and any given (glibc's own MALLOC_* variables over its defaults).
+Each server is saturated `--passes` times in a row by `fovea bench serve` with chats carrying fresh random images of
+256x256 and 1280x720 (random-mm), all sent at once; after each pass, the resident memory of the front end and the
+engine. Throughput per pass, and memory growth from pass to pass on the same server, side by side.
 """
 
 from __future__ import annotations
@@ -43,20 +45,28 @@ def served(env: dict[str, str]):
     raise RuntimeError("the server did not start")
 
 
-def run(env: dict[str, str], num_prompts: int) -> dict:
+def bench(base: str, num_prompts: int, seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "fovea.cli", "bench", "serve", "--base-url", base, "--seed", str(seed)]
+        cmd += ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "random-mm"]
+        cmd += ["--num-prompts", str(num_prompts), "--request-rate", "inf", "--random-input-len", "64"]
+        cmd += ["--random-output-len", "16", "--ignore-eos", "--save-result", "--result-dir", out]
+        subprocess.run([*cmd, "--result-filename", "r.json"], check=True, capture_output=True)
+        result = json.loads((Path(out) / "r.json").read_text())
+    keys = ("completed", "failed", "duration", "request_throughput", "median_ttft_ms", "median_tpot_ms")
+    return {key: result[key] for key in keys}
+
+
+def run(env: dict[str, str], num_prompts: int, passes: int) -> list[dict]:
     server, base = served(env)
     try:
-        with tempfile.TemporaryDirectory() as out:
-            bench = [sys.executable, "-m", "fovea.cli", "bench", "serve", "--base-url", base]
-            bench += ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "random-mm"]
-            bench += ["--num-prompts", str(num_prompts), "--request-rate", "inf", "--random-input-len", "64"]
-            bench += ["--random-output-len", "16", "--ignore-eos", "--save-result", "--result-dir", out]
-            subprocess.run([*bench, "--result-filename", "r.json"], check=True, capture_output=True)
-            result = json.loads((Path(out) / "r.json").read_text())
-        processes = [psutil.Process(server.pid), *psutil.Process(server.pid).children()]
-        rss = sorted((p.memory_info().rss / 2**20 for p in processes), reverse=True)
-        keys = ("completed", "failed", "duration", "request_throughput", "median_ttft_ms", "median_tpot_ms")
-        return {**{key: result[key] for key in keys}, "largest_rss_mb": rss[:2]}  # the engine's and the front end's
+        rows = []
+        for index in range(passes):
+            row = bench(base, num_prompts, seed=index)
+            processes = [psutil.Process(server.pid), *psutil.Process(server.pid).children()]
+            row["largest_rss_mb"] = sorted((p.memory_info().rss / 2**20 for p in processes), reverse=True)[:2]
+            rows.append(row)  # largest_rss_mb: the engine's and the front end's, whichever is larger first
+        return rows
     finally:
         server.terminate()
         server.wait(60)
@@ -64,18 +74,24 @@ def run(env: dict[str, str], num_prompts: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=300)
+    parser.add_argument("--variant", action="append", default=[], help="NAME=KEY=VALUE,KEY=VALUE over glibc's defaults")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    variants = dict(VARIANTS)
+    for text in args.variant:
+        name, settings = text.split("=", 1)
+        variants[name] = {"FOVEA_MALLOC": "default", **dict(item.split("=", 1) for item in settings.split(","))}
     runs = []
     for round_index in range(args.rounds):
-        names = list(VARIANTS) if round_index % 2 == 0 else list(VARIANTS)[::-1]
-        for name in names:
-            runs.append({"variant": name, "round": round_index, **run(VARIANTS[name], args.num_prompts)})
-            row = runs[-1]
-            print(f"{name:14s} {row['request_throughput']:6.2f} req/s  TTFT {row['median_ttft_ms']:7.0f} ms  "
-                  f"TPOT {row['median_tpot_ms']:5.1f} ms  RSS {row['largest_rss_mb'][0]:.0f}, {row['largest_rss_mb'][1]:.0f} MB")  # fmt: skip
+        for name in list(variants) if round_index % 2 == 0 else list(variants)[::-1]:
+            for index, row in enumerate(run(variants[name], args.num_prompts, args.passes)):
+                runs.append({"variant": name, "env": variants[name], "round": round_index, "pass": index, **row})
+                print(f"{name:22s} pass {index}: {row['request_throughput']:6.2f} req/s  "
+                      f"TTFT {row['median_ttft_ms']:6.0f} ms  TPOT {row['median_tpot_ms']:5.1f} ms  "
+                      f"RSS {row['largest_rss_mb'][0]:5.0f}, {row['largest_rss_mb'][1]:5.0f} MB", flush=True)  # fmt: skip
     Path(args.out).write_text(json.dumps({"num_prompts": args.num_prompts, "runs": runs}, indent=1) + "\n")
 
 

@@ -1,5 +1,5 @@
-"""glibc's allocator, set up for a server that runs for days (issue 56; the figures are in benchmarks/README
-"Memory under mixed traffic").
+"""A server's memory over days (issue 56; the figures are in benchmarks/README "Memory under mixed traffic"): glibc's
+allocator set up for it, and an opt-in report of where Python allocations grow.
 
 Left to its defaults, glibc gives threads that allocate at once arenas of their own (up to eight per core) and
 raises its mmap threshold each time a large block is freed, up to 32 MB. Image traffic allocates and frees pixel
@@ -11,14 +11,25 @@ settings keep large blocks in mmap (given back when freed) and few arenas, trimm
 decoders, the template sandbox, tensor-parallel ranks) through the environment, which glibc reads at start. A
 variable the user set wins; FOVEA_MALLOC=default leaves glibc's defaults everywhere. Ray actors on other hosts
 start from their node's environment, not this one.
+
+FOVEA_TRACEMALLOC=SECONDS makes the front end and the engine trace Python's allocations (slower) and log, every
+SECONDS, the sites whose memory grew most since the first report: what a soak run that grows should look at first.
+Memory that torch or glibc hold for arrays is not Python's and does not show there.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
+import threading
+import time
+import tracemalloc
 
+logger = logging.getLogger("fovea")
+
+TOP_SITES = 15
 # glibc's mallopt parameters (malloc.h) and the values this server runs with
 SETTINGS = (
     ("MALLOC_ARENA_MAX", -8, 2),
@@ -45,3 +56,27 @@ def settle_allocator() -> list[str]:
             os.environ[variable] = str(value)
             applied.append(f"{variable}={value}")
     return applied
+
+
+def trace_growth_if_asked(process: str) -> None:
+    """With FOVEA_TRACEMALLOC=SECONDS set: starts tracing, and a thread that logs the top growing sites."""
+    interval = float(os.environ.get("FOVEA_TRACEMALLOC") or 0)
+    if interval <= 0:
+        return
+    tracemalloc.start()
+
+    def report() -> None:
+        time.sleep(interval)
+        first = tracemalloc.take_snapshot()
+        while True:
+            time.sleep(interval)
+            growth = tracemalloc.take_snapshot().compare_to(first, "lineno")[:TOP_SITES]
+            lines = [
+                f"{stat.size_diff / 2**20:+.1f} MB in {stat.count_diff:+d} blocks at {stat.traceback}"
+                for stat in growth
+            ]
+            logger.warning(
+                "%s: Python allocations grown most since the first report:\n  %s", process, "\n  ".join(lines)
+            )
+
+    threading.Thread(target=report, name="fovea-tracemalloc", daemon=True).start()
