@@ -40,26 +40,40 @@ SETTINGS = (
 
 def settle_allocator() -> list[str]:
     """Applies the settings to this process and its children-to-be; returns the ones applied (none off glibc)."""
-    if os.environ.get("FOVEA_MALLOC") == "default":
-        return []
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # noqa: B018 - present in glibc only (musl and macOS lack it)
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if os.environ.get("FOVEA_MALLOC") == "default" or libc is None:
         return []
     applied = []
     for variable, parameter, value in SETTINGS:
         if variable in os.environ:
             continue  # glibc read the user's value when this process started
-        if mallopt(parameter, value) == 1:  # returns 1 on success
+        if libc.mallopt(parameter, value) == 1:  # returns 1 on success
             os.environ[variable] = str(value)
             applied.append(f"{variable}={value}")
     return applied
 
 
-def trace_growth_if_asked(process: str) -> None:
-    """With FOVEA_TRACEMALLOC=SECONDS set: starts tracing, and a thread that logs the top growing sites."""
+def _glibc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 - present in glibc only (musl and macOS lack it)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def watch_memory(process: str) -> None:
+    """In the front end and the engine: FOVEA_MALLOC_TRIM_S=SECONDS hands glibc's free pages back that often
+    (malloc_trim); FOVEA_TRACEMALLOC=SECONDS traces and reports Python's allocations."""
+    trim_s, libc = float(os.environ.get("FOVEA_MALLOC_TRIM_S") or 0), _glibc()
+    if trim_s > 0 and libc is not None:
+
+        def trim() -> None:
+            while True:
+                time.sleep(trim_s)
+                libc.malloc_trim(0)
+
+        threading.Thread(target=trim, name="fovea-malloc-trim", daemon=True).start()
     interval = float(os.environ.get("FOVEA_TRACEMALLOC") or 0)
     if interval <= 0:
         return

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from fovea.config.engine import EngineConfig
-from fovea.core.memory import trace_growth_if_asked
+from fovea.core.memory import watch_memory
 from fovea.core.messages import (
     AbortRequests,
     AddRequest,
@@ -52,7 +52,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
     from fovea.engine.engine import LLMEngine
 
     ignore_group_signals()
-    trace_growth_if_asked("the engine")
+    watch_memory("the engine")
     torch.set_num_threads(num_threads)
     if config.device.type == "cuda" and config.device.index is not None:
         torch.cuda.set_device(config.device)  # a data-parallel replica's first GPU

@@ -151,10 +151,10 @@ def bind(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from fovea.core.memory import settle_allocator, trace_growth_if_asked
+    from fovea.core.memory import settle_allocator, watch_memory
 
     settle_allocator()  # first: before the threads and processes that allocate
-    trace_growth_if_asked("the front end")
+    watch_memory("the front end")
     from fovea.frontend.async_llm import AsyncLLM
     from fovea.server.app import ServerOptions, build_app
     from fovea.server.errors import APIError
