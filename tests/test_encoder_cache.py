@@ -29,3 +29,26 @@ def test_an_entry_encoded_for_a_sequence_that_was_not_scheduled_is_evictable():
     assert cache.can_reserve(6)
     cache.reserve("next", 6)
     assert not cache.contains("orphan")
+
+
+def test_images_encoded_together_are_cached_each_in_its_own_memory(tiny_dirs):
+    """The tower runs a step's images as one batch and splits its output by image. A cached entry that kept a
+    slice would keep the whole batch's output alive: the cache would hold many times what its capacity counts."""
+    from conftest import random_image
+
+    from fovea import LLM, SamplingParams
+
+    with LLM(str(tiny_dirs["tiny-3b"]), dtype="float32") as llm:
+        conversations = [
+            [{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(56 + 28 * i, 84, seed=i)}]}]
+            for i in range(6)
+        ]
+        model, batches = llm.engine.runner.model, []
+        split = model.split_by_item
+        model.split_by_item = lambda merged, grids: batches.append(len(grids)) or split(merged, grids)
+        llm.chat(conversations, SamplingParams(max_tokens=1), use_tqdm=False)
+        assert max(batches) > 1, batches  # the case in question happened
+        entries = list(llm.engine.encoder_cache.embeddings.values())
+    assert len(entries) == 6
+    # each holds its own rows alone: evicting it frees them, whatever else was encoded beside it
+    assert [entry.untyped_storage().nbytes() for entry in entries] == [entry.nbytes for entry in entries]

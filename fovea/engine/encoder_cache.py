@@ -51,6 +51,10 @@ class EncoderCache:
     def put(self, key: str, embeddings: torch.Tensor) -> None:
         if key not in self.sizes:
             return  # its reservation was dropped meanwhile (a failure): nobody is waiting for these
+        if embeddings.untyped_storage().nbytes() > embeddings.nbytes:
+            # one item's rows of a batch's output: kept as they are, they would keep the whole batch alive, and
+            # the cache would hold up to a batch's worth more than its capacity says (issue 56)
+            embeddings = embeddings.clone()
         self.embeddings[key] = embeddings
         if key not in self.refs:  # reserved for a sequence that did not get scheduled after all: evictable
             self.unreferenced[key] = None
