@@ -9,8 +9,9 @@ drives a server already running at `--base-url` (loopback only). Requests arrive
 per second, at most CONCURRENCY at once, each one of KINDS: chats with fresh and repeated images of many sizes and
 formats (data URLs, and a local HTTP image host), videos, streams that ~30 % of clients leave early, clients that
 give up, structured outputs with ever-new JSON schemas and regexes, tools, n=2 with logprobs, Responses chains
-with `store` and `previous_response_id`, requests that fail validation, and prompts long enough to preempt others
-and evict cached prefixes.
+with `store` and `previous_response_id`, LoRA adapters loaded under a new name, used once and unloaded (the server
+then runs with --enable-lora and runtime adapter updates), requests that fail validation, and prompts long enough
+to preempt others and evict cached prefixes.
 
 Every second it samples each process of the server (the front end and its children: the engine, image decoding
 workers, tensor-parallel ranks): RSS, USS, open files, threads; the /dev/shm segments; and the engine's gauges
@@ -104,8 +105,8 @@ class ImageHost:
 class Traffic:
     """What each kind of request sends; `run` returns (kind, status) or raises what the client saw."""
 
-    def __init__(self, base: str, model: str, rng: random.Random, images: ImageHost):
-        self.base, self.model, self.rng, self.images = base, model, rng, images
+    def __init__(self, base: str, model: str, rng: random.Random, images: ImageHost, adapter: Path | None = None):
+        self.base, self.model, self.rng, self.images, self.adapter = base, model, rng, images, adapter
         self.repeated = [data_url(image_bytes(rng, (224 + 32 * i, 224), "PNG")[0], "image/png") for i in range(8)]
         self.videos = [video_url(rng) for _ in range(3)]
         self.responses: list[str] = []  # ids of stored responses to continue
@@ -187,6 +188,14 @@ class Traffic:
                 self.chat("x", n=0),
             ]
             return (await post(rng.choice(bodies))).status_code
+        if kind == "lora":  # an adapter loaded under a new name, used once, unloaded
+            name = f"adapter-{self.counter}"
+            loaded = await post({"lora_name": name, "lora_path": str(self.adapter)}, "/v1/load_lora_adapter")
+            if loaded.status_code != 200:
+                return loaded.status_code
+            answered = await post(self.chat("Name a colour.", model=name))
+            unloaded = await post({"lora_name": name}, "/v1/unload_lora_adapter")
+            return max(answered.status_code, unloaded.status_code)
         if kind == "long_prompt":
             start = rng.randrange(1000)
             return (await post(self.chat(self.long_text[start:] + f" {self.counter}", max_tokens=16))).status_code
@@ -196,7 +205,31 @@ class Traffic:
 KINDS = {  # kind: weight
     "image_fresh": 4, "image_repeated": 4, "image_http": 2, "video": 1, "stream": 3, "gives_up": 1,
     "json_schema": 1, "regex": 1, "tools": 1, "n2_logprobs": 1, "responses": 2, "invalid": 1, "long_prompt": 1,
+    "lora": 1,
 }  # fmt: skip
+
+
+def write_adapter(model_dir: Path, out: Path, rank: int = 4) -> Path:
+    """A PEFT adapter of random weights on the language model's q_proj layers, shaped from the checkpoint."""
+    import safetensors.torch
+    import torch
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    tensors = {}
+    for shard in model_dir.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as checkpoint:
+            for key in checkpoint.keys():
+                if key.endswith("self_attn.q_proj.weight") and "visual" not in key:
+                    outputs, inputs = checkpoint.get_slice(key).get_shape()
+                    module = "base_model.model." + key.removesuffix(".weight")
+                    tensors[module + ".lora_A.weight"] = torch.randn(rank, inputs) * 0.05
+                    tensors[module + ".lora_B.weight"] = torch.randn(outputs, rank) * 0.05
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj"], "bias": "none"}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
 
 
 async def drive(
@@ -348,7 +381,7 @@ def commands(samples: list[dict]) -> dict[int, str]:
     return out
 
 
-def start_server(flags: list[str], log: Path, extra_env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+def start_server(flags: list[str], log: Path, extra_env: dict[str, str], lora: bool) -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from serving import free_port  # noqa: E402 - the tests' helper
 
@@ -356,8 +389,11 @@ def start_server(flags: list[str], log: Path, extra_env: dict[str, str]) -> tupl
     defaults = ["--served-model-name", "demo", "--mm-processor-cache-gb", "0.25", "--enable-auto-tool-choice"]
     defaults += ["--tool-call-parser", "hermes", "--allowed-media-domains", "127.0.0.1"]
     defaults += ["--num-gpu-blocks-override", "400"]  # 6,400 tokens: two long prompts at once preempt others
+    if lora:
+        defaults += ["--enable-lora", "--max-lora-rank", "8", "--max-cpu-loras", "4"]
     cmd = [sys.executable, "-m", "fovea.cli", "serve", "--port", str(port), *(flags or defaults)]
     env = {**os.environ, "FOVEA_STORED_RESPONSES": "200", "OMP_NUM_THREADS": "1", **extra_env}
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     for _ in range(1200):
@@ -388,7 +424,12 @@ def main() -> None:
     parser.add_argument("flags", nargs="*", help="after --: `fovea serve` arguments instead of the defaults")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    server = None
+    kinds = {kind: KINDS[kind] for kind in args.kinds.split(",")} if args.kinds else KINDS
+    server, adapter = None, None
+    if "lora" in kinds:
+        from fovea.testing.tiny import demo_model_dir
+
+        adapter = write_adapter(demo_model_dir(), Path(args.out + ".adapter"))
     if args.base_url:
         base = args.base_url.rstrip("/")
         port = int(base.rsplit(":", 1)[1])
@@ -396,15 +437,14 @@ def main() -> None:
         root = psutil.Process(pids[0])
     else:
         env = dict(item.split("=", 1) for item in args.server_env)
-        server, base = start_server(args.flags, Path(args.out + ".log"), env)
+        server, base = start_server(args.flags, Path(args.out + ".log"), env, lora=adapter is not None)
         root = psutil.Process(server.pid)
     images = ImageHost()
-    traffic = Traffic(base, args.model, rng, images)
+    traffic = Traffic(base, args.model, rng, images, adapter)
     sampler = Sampler(root, base)
     sampler.start()
     outcomes: Counter = Counter()
     try:
-        kinds = {kind: KINDS[kind] for kind in args.kinds.split(",")} if args.kinds else KINDS
         asyncio.run(drive(traffic, args.minutes, args.rate, outcomes, rng, kinds))
         time.sleep(5)  # idle: whatever is still held now stays
         idle = {**sample(root, base, sampler.start_time), **gauges(base)}
@@ -425,6 +465,7 @@ def main() -> None:
         "outcomes": {f"{kind} {status}": n for (kind, status), n in sorted(outcomes.items(), key=str)},
         "idle": idle,
         "verdict": verdict(named, args.warmup_minutes * 60),
+        "most_held": {name: max((v for _, v in named.get(name, ())), default=0) for name in GAUGES},
         "samples": sampler.samples,
     }
     Path(args.out).write_text(json.dumps(result) + "\n")
@@ -432,6 +473,9 @@ def main() -> None:
         plot(named, args.plot)
     errors = sum(n for (kind, status), n in outcomes.items() if status == 500)
     print(f"{sum(outcomes.values())} requests, {errors} answered 5xx; idle: {idle.get(GAUGES[0])} KV blocks used")
+    most = result["most_held"]
+    print(f"most held: encoder cache {most['fovea:encoder_cache_used_tokens']:.0f} of "
+          f"{most['fovea:encoder_cache_capacity_tokens']:.0f} rows, {most['fovea:lora_adapters_held']:.0f} LoRA adapters")  # fmt: skip
     for name, row in result["verdict"].items():
         flag = "GROWS" if row["grows"] else "flat"
         print(f"{flag:6s} {name:28s} {row['first']:10.1f} -> {row['last']:10.1f}  {row['slope_per_hour']:+10.1f} /h")

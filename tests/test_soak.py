@@ -106,5 +106,7 @@ def test_three_minutes_of_mixed_traffic_leave_memory_flat(tmp_path):
         answered[key.rsplit(" ", 1)[1]] += count
     assert answered["500"] == 0 and answered["200"] > 300, result["outcomes"]
     assert result["idle"]["fovea:kv_cache_used_blocks"] == 0
-    capacity = result["idle"]["fovea:encoder_cache_capacity_tokens"]
-    assert max(s.get("fovea:encoder_cache_used_tokens", 0) for s in result["samples"]) <= capacity
+    most = result["most_held"]
+    assert most["fovea:encoder_cache_used_tokens"] <= most["fovea:encoder_cache_capacity_tokens"]
+    # room for 4 (--max-cpu-loras), ~30 adapters loaded, used and unloaded one after another: they leave
+    assert 0 < most["fovea:lora_adapters_held"] <= 3
