@@ -1,10 +1,11 @@
-"""What glibc's settings for long runs (fovea/core/memory.py) cost in throughput, and what they save in memory.
+"""What fovea's allocator upkeep for long runs (fovea/core/memory.py) costs in throughput, and saves in memory.
 
     python benchmarks/allocator_cost.py --rounds 2 --passes 3 --num-prompts 300 \
         --out results/allocator_cost_cpu_COMMIT.json [--variant NAME=KEY=VALUE,KEY=VALUE ...]
 
-Each round starts `fovea serve` on the demo model once per variant (the rounds alternate the order): fovea's
-settings, glibc's defaults (FOVEA_MALLOC=default) and any given (glibc's own MALLOC_* variables over its defaults).
+Each round starts `fovea serve` on the demo model once per variant (the rounds alternate the order): as it runs
+(malloc_trim every 10 s), glibc left alone (FOVEA_MALLOC_TRIM_S=0) and any given (environment variables over glibc
+left alone, e.g. glibc's own MALLOC_ARENA_MAX).
 Each server is saturated `--passes` times in a row by `fovea bench serve` with chats carrying fresh random images of
 256x256 and 1280x720 (random-mm), all sent at once; after each pass, the resident memory of the front end and the
 engine (the processor cache, 0.25 GB here, is full after the first pass; the KV cache is 400 blocks, all written in
@@ -28,7 +29,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serving import free_port  # noqa: E402 - the tests' helper
 
-VARIANTS = {"settings": {}, "glibc default": {"FOVEA_MALLOC": "default"}}
+VARIANTS = {"trim every 10 s": {}, "glibc default": {"FOVEA_MALLOC_TRIM_S": "0"}}
 
 
 def served(env: dict[str, str]):
@@ -89,7 +90,7 @@ def main() -> None:
     variants = dict(VARIANTS)
     for text in args.variant:
         name, settings = text.split("=", 1)
-        variants[name] = {"FOVEA_MALLOC": "default", **dict(item.split("=", 1) for item in settings.split(","))}
+        variants[name] = {"FOVEA_MALLOC_TRIM_S": "0", **dict(item.split("=", 1) for item in settings.split(","))}
     runs = []
     for round_index in range(args.rounds):
         for name in list(variants) if round_index % 2 == 0 else list(variants)[::-1]:

@@ -1,10 +1,11 @@
 """Memory under a long run of mixed traffic (issue 56): does any server process grow?
 
     python benchmarks/soak.py --minutes 60 --out FILE [--plot PNG] [--rate 6] [--warmup-minutes 5] [--seed 0]
-        [--kinds K1,K2] [--server-env KEY=VALUE ...] [--base-url URL | -- SERVER FLAGS]
+        [--kinds K1,K2] [--server-env KEY=VALUE ...] [--processor-cache-gb 0.25] [--base-url URL | -- SERVER FLAGS]
 
 Starts `fovea serve` on the embedded demo model (or the model and flags given after `--`; the log goes to FILE.log)
-with its caches sized to fill within minutes (`--mm-processor-cache-gb 0.25`, FOVEA_STORED_RESPONSES=200), or
+with its caches sized to fill within minutes (`--mm-processor-cache-gb 0.25` unless --processor-cache-gb says
+otherwise, FOVEA_STORED_RESPONSES=200), or
 drives a server already running at `--base-url` (loopback only). Requests arrive as a Poisson process at `--rate`
 per second, at most CONCURRENCY at once, each one of KINDS: chats with fresh and repeated images of many sizes and
 formats (data URLs, and a local HTTP image host), videos, streams that ~30 % of clients leave early, clients that
@@ -381,12 +382,14 @@ def commands(samples: list[dict]) -> dict[int, str]:
     return out
 
 
-def start_server(flags: list[str], log: Path, extra_env: dict[str, str], lora: bool) -> tuple[subprocess.Popen, str]:
+def start_server(
+    flags: list[str], log: Path, extra_env: dict[str, str], lora: bool, cache_gb: str
+) -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from serving import free_port  # noqa: E402 - the tests' helper
 
     port = free_port()
-    defaults = ["--served-model-name", "demo", "--mm-processor-cache-gb", "0.25", "--enable-auto-tool-choice"]
+    defaults = ["--served-model-name", "demo", "--mm-processor-cache-gb", cache_gb, "--enable-auto-tool-choice"]
     defaults += ["--tool-call-parser", "hermes", "--allowed-media-domains", "127.0.0.1"]
     defaults += ["--num-gpu-blocks-override", "400"]  # 6,400 tokens: two long prompts at once preempt others
     if lora:
@@ -421,6 +424,7 @@ def main() -> None:
     parser.add_argument("--model", default="demo", help="the served model name to ask for")
     parser.add_argument("--kinds", help=f"only these kinds of request, comma-separated ({', '.join(KINDS)})")
     parser.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server's processes")
+    parser.add_argument("--processor-cache-gb", default="0.25", help="the server's --mm-processor-cache-gb")
     parser.add_argument("flags", nargs="*", help="after --: `fovea serve` arguments instead of the defaults")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -437,7 +441,9 @@ def main() -> None:
         root = psutil.Process(pids[0])
     else:
         env = dict(item.split("=", 1) for item in args.server_env)
-        server, base = start_server(args.flags, Path(args.out + ".log"), env, lora=adapter is not None)
+        server, base = start_server(
+            args.flags, Path(args.out + ".log"), env, adapter is not None, args.processor_cache_gb
+        )
         root = psutil.Process(server.pid)
     images = ImageHost()
     traffic = Traffic(base, args.model, rng, images, adapter)

@@ -151,9 +151,8 @@ def bind(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from fovea.core.memory import settle_allocator, watch_memory
+    from fovea.core.memory import watch_memory
 
-    settle_allocator()  # first: before the threads and processes that allocate
     watch_memory("the front end")
     from fovea.frontend.async_llm import AsyncLLM
     from fovea.server.app import ServerOptions, build_app
