@@ -328,7 +328,9 @@ def series(samples: list[dict]) -> dict[str, list[tuple[float, float]]]:
     return dict(out)
 
 
-def verdict(named: dict[str, list[tuple[float, float]]], warmup_s: float) -> dict[str, dict]:
+def verdict(
+    named: dict[str, list[tuple[float, float]]], warmup_s: float, growth_mb: float = GROWTH_MB
+) -> dict[str, dict]:
     """Per series after the warm-up: first and last minute's means, growth, slope per hour; `grows` where memory
     grows past both bounds, or a count (files, threads, segments) stays above where it started."""
     out = {}
@@ -340,7 +342,7 @@ def verdict(named: dict[str, list[tuple[float, float]]], warmup_s: float) -> dic
         first, last = v[t <= t[0] + 60].mean(), v[t >= t[-1] - 60].mean()
         slope = float(np.polyfit(t / 3600, v, 1)[0]) if t[-1] > t[0] else 0.0
         if name.endswith("_mb"):
-            grows = last - first > GROWTH_MB and (last - first) / max(first, 1e-9) * 100 > GROWTH_PCT
+            grows = last - first > growth_mb and (last - first) / max(first, 1e-9) * 100 > GROWTH_PCT
         else:  # a count: grows when the last minute never falls to the first minute's highest
             grows = v[t >= t[-1] - 60].min() > v[t <= t[0] + 60].max()
         out[name] = {"first": float(first), "last": float(last), "slope_per_hour": slope, "grows": bool(grows)}
@@ -425,6 +427,7 @@ def main() -> None:
     parser.add_argument("--kinds", help=f"only these kinds of request, comma-separated ({', '.join(KINDS)})")
     parser.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server's processes")
     parser.add_argument("--processor-cache-gb", default="0.25", help="the server's --mm-processor-cache-gb")
+    parser.add_argument("--growth-mb", type=float, default=GROWTH_MB, help="memory grows past this many MB (and 1 %%)")
     parser.add_argument("flags", nargs="*", help="after --: `fovea serve` arguments instead of the defaults")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -470,7 +473,7 @@ def main() -> None:
         "rate": args.rate,
         "outcomes": {f"{kind} {status}": n for (kind, status), n in sorted(outcomes.items(), key=str)},
         "idle": idle,
-        "verdict": verdict(named, args.warmup_minutes * 60),
+        "verdict": verdict(named, args.warmup_minutes * 60, args.growth_mb),
         "most_held": {name: max((v for _, v in named.get(name, ())), default=0) for name in GAUGES},
         "samples": sampler.samples,
     }
