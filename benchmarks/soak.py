@@ -35,6 +35,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
@@ -436,7 +437,7 @@ def main() -> None:
     if "lora" in kinds:
         from fovea.testing.tiny import demo_model_dir
 
-        adapter = write_adapter(demo_model_dir(), Path(args.out + ".adapter"))
+        adapter = write_adapter(demo_model_dir(), Path(tempfile.mkdtemp(prefix="fovea-soak-adapter-")))
     if args.base_url:
         base = args.base_url.rstrip("/")
         port = int(base.rsplit(":", 1)[1])
