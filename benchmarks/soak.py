@@ -33,6 +33,7 @@ import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -465,6 +466,8 @@ def main() -> None:
         if server is not None:
             server.terminate()
             server.wait(60)
+        if adapter is not None:
+            shutil.rmtree(adapter, ignore_errors=True)
     named = series(sampler.samples)
     result = {
         "kinds": args.kinds or ",".join(KINDS),
