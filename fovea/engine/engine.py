@@ -194,8 +194,8 @@ class LLMEngine:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)  # its KV blocks are free from now on
             request.metrics.finished_time = time.time()
-            self._record_finish(request)
             self.finished_outputs.append(request_delta(request, final=True))
+            self._retire(request)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """An adapter the server unloaded: its weights go with the first step after its last request (they travel
@@ -344,7 +344,10 @@ class LLMEngine:
             raise WorkerDied(self.workers.failure) from error
         if self.config.device.type == "cuda":
             torch.cuda.synchronize(self.config.device)  # a broken device raises here: no request is to blame
-        requests = {r for r in self.scheduler.requests_in(batch) if not r.finished}
+        # (a step run ahead can hold rows of requests that have left the engine since: not theirs to answer for)
+        requests = {
+            r for r in self.scheduler.requests_in(batch) if not r.finished and self.requests.get(r.request_id) is r
+        }
         for request in requests:
             request.failed_steps += 1
         if len(requests) > 1:
@@ -362,11 +365,12 @@ class LLMEngine:
         for request in touched:
             if self.requests.get(request.request_id) is not request:
                 continue
-            if request.finished:
+            finished = request.finished
+            if finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(request_delta(request, final=finished))
+            if finished:
                 self.requests.pop(request.request_id)
-                self._record_finish(request)
-            if request.finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(request_delta(request, final=request.finished))
+                self._retire(request)
         return outputs
 
     def _fail(self, requests: set[Request], error: Exception) -> StepFailed:
@@ -380,7 +384,7 @@ class LLMEngine:
                     seq.finish_reason = "error"
                     self.scheduler.finish(seq)
             request.metrics.finished_time = time.time()
-            self._record_finish(request)
+            self._retire(request)
         self.encoder_cache.drop_unfilled(keep=self.image_encoder.in_flight)
         return StepFailed(sorted(r.request_id for r in requests), f"{type(error).__name__}: {error}"[:500])
 
@@ -479,9 +483,14 @@ class LLMEngine:
         sampled_requests = {seq.request for seq in row_seqs if seq is not None} if self.scheduler.suspects else set()
         return sampled_requests - broken.keys(), to_report - broken.keys()
 
-    def _record_finish(self, request: Request) -> None:
+    def _retire(self, request: Request) -> None:
+        """The request has left the engine: its latency events are recorded, and the references between it and
+        its samples are cut. Each points to the other; left so, the pair and all they hold (the request's pixels,
+        its grammars) would wait for the cyclic garbage collector, which runs rarely in a process of this size:
+        under image traffic the live heap grew by hundreds of MB in between (benchmarks/README, issue 56)."""
         if self.events is not None:
             self.events.add_finished(request)
+        request.sequences = []
 
     def stats(self) -> EngineStats:
         """The engine's state now, and the latency events since the previous call (the first call starts

@@ -74,8 +74,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        # every sample finished (an aborted request never forks the samples it has not reached yet)
-        return self.num_finished_sequences == (len(self.sequences) if self.aborted else self.params.n)
+        # every sample finished; an abort finishes those it has (it never forks the ones it has not reached yet)
+        return self.aborted or self.num_finished_sequences == self.params.n
 
 
 class Sequence:
