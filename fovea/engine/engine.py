@@ -484,12 +484,14 @@ class LLMEngine:
         return sampled_requests - broken.keys(), to_report - broken.keys()
 
     def _retire(self, request: Request) -> None:
-        """The request has left the engine: its latency events are recorded, and the references between it and
-        its samples are cut. Each points to the other; left so, the pair and all they hold (the request's pixels,
-        its grammars) would wait for the cyclic garbage collector, which runs rarely in a process of this size:
-        under image traffic the live heap grew by hundreds of MB in between (benchmarks/README, issue 56)."""
+        """The request has left the engine: its latency events are recorded, it is no suspect (one that failed
+        before all its samples forked would stay first in line: Scheduler._turns), and the references between it
+        and its samples are cut. Each points to the other; left so, the pair and all they hold (the request's
+        pixels, its grammars) would wait for the cyclic garbage collector, which runs rarely in a process of this
+        size: under image traffic the live heap grew by hundreds of MB in between (benchmarks/README, issue 56)."""
         if self.events is not None:
             self.events.add_finished(request)
+        self.scheduler.cleared(request)
         request.sequences = []
 
     def stats(self) -> EngineStats:

@@ -108,6 +108,7 @@ class ImageEncoder:
         with torch.inference_mode(), stream:
             while (items := self._jobs.get()) is not None:
                 self._results.put(self._run(items))
+                del items  # an idle encoder keeps no request's pixels alive
 
     def _run(self, items: list[MMItem]) -> EncodedImages:
         try:
