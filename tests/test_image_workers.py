@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import os
 import threading
 import time
 
@@ -16,13 +17,15 @@ from fovea import SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.frontend.async_llm import AsyncLLM
 from fovea.multimodal.image import ImageProcessor
-from fovea.multimodal.image_workers import ImageWorkers, SharedPixels
+from fovea.multimodal.image_workers import ImageWorkers, SharedPixels, _run, segment_prefix
+from fovea.worker_pool import WorkerFailed
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_seqs=8)
 
 
 def segments() -> set[str]:
-    return set(glob.glob("/dev/shm/psm_*"))
+    """The shared-memory segments of a front end in this process (named after it)."""
+    return set(glob.glob(f"/dev/shm/{segment_prefix(os.getpid())}*"))
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +157,22 @@ def test_a_bad_or_crashing_image_fails_alone(workers):
         assert np.array_equal(image.pixels.take(), expected)
     finally:
         single.close()
+
+
+def test_a_worker_that_dies_after_making_its_segment_leaves_none(workers, monkeypatch):
+    """A worker makes the segment under the name the front end chose, so one that dies (or is killed for its time)
+    after making it and before handing it back leaves nothing: the front end frees it."""
+    planned = ImageProcessor().plan(jpeg_bytes(random_image(320, 240, seed=3)))
+    before = segments()
+
+    def dies_after_making_it(job, timeout_s):
+        _run(*job)  # the worker's part, up to handing the segment back
+        raise WorkerFailed("image decoding")
+
+    monkeypatch.setattr(workers.pool, "call", dies_after_making_it)
+    with pytest.raises(ValueError, match="decoder crashed"):
+        workers.process(planned)
+    assert segments() == before
 
 
 def test_no_segment_outlives_its_request(tiny_dirs):

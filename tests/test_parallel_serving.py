@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from conftest import random_image
 from serving import running_server
 
@@ -142,6 +143,8 @@ def test_data_parallel_replicas_answer_like_one_engine_and_a_lost_one_comes_back
 
 
 def test_killed_tensor_parallel_worker_stops_the_server_with_its_message(tiny_dirs):
+    """The server stops (an engine missing a rank cannot go on), saying why, and leaves no process of its own
+    running (issue 56)."""
     model = tiny_dirs["tiny-3b"]
     prompts = ["Tensor parallel serving says", "Another prompt for two ranks"]
     expected = solo_texts(model, prompts, 6)
@@ -149,9 +152,26 @@ def test_killed_tensor_parallel_worker_stops_the_server_with_its_message(tiny_di
         assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
         (engine,) = children(proc.pid, "spawn_main")
         (worker,) = children(engine, "fovea.runner.tp_workers")
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert len(tree) >= 3  # the engine, the other rank, and the front end's helpers
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=60) != 0
     assert f"tensor-parallel worker rank 1 stopped (pid {worker}, signal 9)" in proc.output, proc.output[-2000:]
+    deadline = time.time() + 10
+    while still_running(tree) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not still_running(tree), [(p.pid, p.cmdline()) for p in still_running(tree)]
+
+
+def still_running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    running = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return running
 
 
 def test_ray_replicas_are_actors_that_answer_like_one_engine_and_a_killed_one_comes_back(tiny_dirs):

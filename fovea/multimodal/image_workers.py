@@ -39,10 +39,9 @@ class SharedPixels:
         return int(np.prod(self.shape))
 
     @classmethod
-    def create(cls, pixels: np.ndarray) -> SharedPixels:
-        """In a decoding worker: the segment is named after the front end (its parent), so that what a server
-        leaves in /dev/shm can be told apart (`segment_prefix`)."""
-        name = f"{segment_prefix(os.getppid())}{secrets.token_hex(8)}"
+    def create(cls, pixels: np.ndarray, name: str) -> SharedPixels:
+        """In a decoding worker, under the name the front end chose (`new_segment_name`); in the front end (a
+        processor-cache hit), under a name of its own."""
         segment = shared_memory.SharedMemory(name, create=True, size=max(pixels.nbytes, 1))
         view = np.ndarray(pixels.shape, np.uint8, buffer=segment.buf)
         view[:] = pixels
@@ -79,6 +78,13 @@ def segment_prefix(front_end_pid: int) -> str:
     return f"fovea{front_end_pid}_"
 
 
+def new_segment_name() -> str:
+    """In the front end: a segment's name, after the front end, so that what a server leaves in /dev/shm can be
+    told apart. The front end chooses it so that it can free the segment of a worker that dies (or is killed)
+    after making it and before handing it over."""
+    return f"{segment_prefix(os.getpid())}{secrets.token_hex(8)}"
+
+
 def release_images(images) -> None:
     """Frees the shared segments of processed images that will not reach the engine."""
     release_shared([image.pixels for image in images if isinstance(image.pixels, SharedPixels)])
@@ -108,7 +114,7 @@ def _decode_worker(conn) -> None:
             )
 
 
-def _run(kind: str, *args):
+def _run(kind: str, segment: str, *args):
     from fovea.multimodal.image import open_image
 
     if kind == "probe":
@@ -118,7 +124,7 @@ def _run(kind: str, *args):
     else:  # the same steps as in process (a centre crop after the resize, for CLIP-style processors)
         data, config, height, width = args
         processed = LocalDecoder.process(PlannedImage(open_image(data), config, height, width, data))
-    return SharedPixels.create(processed.pixels), processed.content_hash
+    return SharedPixels.create(processed.pixels, segment), processed.content_hash
 
 
 def default_workers() -> int:
@@ -162,9 +168,11 @@ class ImageWorkers:
 
     def _call(self, kind: str, *args):
         what = "image" if kind == "image" else "video"
+        segment = new_segment_name()
         try:
-            answer = self.pool.call((kind, *args), self.timeout_s)
+            answer = self.pool.call((kind, segment, *args), self.timeout_s)
         except (WorkerFailed, TimeoutError):
+            SharedPixels(segment, ()).release()  # made before the worker died, if it got that far (it is dead now)
             raise ValueError(
                 f"the {what} could not be decoded (its decoder crashed or took longer than {self.timeout_s:g} s)"
             ) from None

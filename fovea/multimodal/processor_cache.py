@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 
 from fovea.multimodal.image import PlannedImage, ProcessedImage
-from fovea.multimodal.image_workers import ImageWorkers, SharedPixels
+from fovea.multimodal.image_workers import ImageWorkers, SharedPixels, new_segment_name
 from fovea.multimodal.video import PlannedVideo
 
 
@@ -43,7 +43,7 @@ class ProcessorCache:
                 self.hits += 1
         if kept is not None:  # a new segment where the decoder hands pixels over in shared memory
             shares = isinstance(self.decoder, ImageWorkers)
-            pixels = SharedPixels.create(kept.pixels) if shares else kept.pixels.copy()
+            pixels = SharedPixels.create(kept.pixels, new_segment_name()) if shares else kept.pixels.copy()
             return dataclasses.replace(kept, pixels=pixels)
         processed = self.decoder.process(planned)
         pixels = processed.pixels.peek() if isinstance(processed.pixels, SharedPixels) else processed.pixels.copy()
