@@ -19,6 +19,7 @@ from fovea import LLM, SamplingParams
 from fovea.core.messages import AddRequest, RequestsFailed, Shutdown, StepOutputs
 from fovea.core.request import MMItem, RequestDelta
 from fovea.core.sampling_params import RequestOutputKind
+from fovea.engine import engine as engine_module
 from fovea.engine.engine import StepFailed
 from fovea.engine.sequence import Request, Sequence
 
@@ -223,9 +224,11 @@ def test_requests_that_leave_the_engine_are_freed_without_the_cyclic_collector(l
     engine's heap grew by hundreds of MB under image traffic in between: issue 56.)"""
     engine = llm.engine
     fail_steps_running(engine, "poison", monkeypatch)
-    # pytest keeps every log record of a test, and the failure's is logged with its traceback, whose frames hold
-    # the step (and a step run ahead beside it) as it failed: records stay with fovea's own handler here
-    monkeypatch.setattr(logging.getLogger("fovea"), "propagate", False)
+    # pytest keeps the log records it captures (in CI it captured fovea's), and the failure's is logged with its
+    # traceback, whose frames hold the step that failed and the one run ahead of it: here the engine's go nowhere
+    quiet = logging.getLogger("fovea.tests.quiet")
+    quiet.propagate = False
+    monkeypatch.setattr(engine_module, "logger", quiet)
     long = GREEDY.clone(max_tokens=40, output_kind=RequestOutputKind.DELTA)
     gc.collect()
     gc.disable()
