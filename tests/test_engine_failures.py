@@ -250,12 +250,9 @@ def test_requests_that_leave_the_engine_are_freed_without_the_cyclic_collector(l
         left = [
             type(o).__name__
             for o in gc.get_objects()
-            if isinstance(o, Request)
-            and o.request_id in ours
-            or isinstance(o, Sequence)
-            and o.request.request_id in ours
-            or isinstance(o, MMItem)
-            and o.content_hash in hashes
+            if (isinstance(o, Request) and o.request_id in ours)
+            or (isinstance(o, Sequence) and o.request.request_id in ours)
+            or (isinstance(o, MMItem) and o.content_hash in hashes)
         ]
         alive = sum(ref() is not None for ref in pixels)
     finally:
