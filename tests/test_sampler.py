@@ -302,6 +302,26 @@ def test_penalty_tokens_kept_across_steps_equal_ones_rebuilt_each_step():
             tokens[i].append(token)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host waits for a GPU only")
+def test_a_step_with_new_penalized_samples_is_queued_without_waiting_for_the_device():
+    """Qwen2.5-VL's generation_config (repetition_penalty 1.05, top_k 1) penalizes every served request by default.
+    A penalized sample new to the sampler copies its prompt's ids to the device: a plain copy waits for the queued
+    forward, which cost the image workload the overlap of nearly every step (py-spy, random-mm on an H200). Under
+    CUDA's sync debug mode any such wait raises."""
+    vocab, device = 1000, torch.device("cuda")
+    params = SamplingParams(temperature=0.1, top_k=1, repetition_penalty=1.05, logit_bias={3: 1.0}, min_tokens=2)
+    batch = [SampleRow(params, list(range(i, i + 50)), 48, None, (7,), key=(i, 0)) for i in range(4)]
+    pending = ([1, 3], torch.tensor([5, 9], device=device))  # tokens of the step still on the device
+    sampler = Sampler(seed=0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampled = sampler(torch.randn(len(batch), vocab, device=device), batch, pending=pending)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert set(sampler.seen) == {(i, 0) for i in range(4)}
+    assert sampled.token_ids.shape == (4,)
+
+
 @pytest.mark.parametrize("vocab", [96, 100, 130])
 def test_cpu_bitmask_matches_llguidance(vocab):
     """The eager CPU masking (no torch.compile at start-up) gives exactly llguidance's logits (its numpy kernel:

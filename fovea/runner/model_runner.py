@@ -215,7 +215,7 @@ class ModelRunner:
         parts: list[list[tuple]] = [[] for _ in plan.prompt_logprobs]
         for span, offset, logits_rows in self.span_logits(hidden, step_input.logprob_spans):
             _, targets, k = plan.prompt_logprobs[span]
-            ids = torch.tensor(targets[offset : offset + len(logits_rows)], device=self.device)
+            ids = to_device(targets[offset : offset + len(logits_rows)], torch.long, self.device)
             parts[span].append(top_logprobs(logits_rows.float().log_softmax(-1), ids, k))
         for (index, _, _), blocks in zip(plan.prompt_logprobs, parts):  # the blocks joined field by field
             out.prompt_logprobs[index] = tuple(None if field[0] is None else torch.cat(field) for field in zip(*blocks))
@@ -306,7 +306,7 @@ class ModelRunner:
         return logits, hidden
 
     def _rows(self, rows, total: int) -> torch.Tensor | None:
-        return None if len(rows) == total else torch.from_numpy(rows).to(self.device)
+        return None if len(rows) == total else to_device(rows, None, self.device)
 
     def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
         """The vision tower over several images at once (the ImageEncoder's thread calls it): one (tokens,

@@ -33,7 +33,9 @@ class SeenTokens:
     def __init__(self, row: SampleRow, vocab: int, device: torch.device):
         self.vocab = vocab
         prompt = np.unique(np.asarray(row.prompt_ids, dtype=np.int64))
-        self.prompt = torch.from_numpy(prompt[(prompt >= 0) & (prompt < vocab)]).to(device)
+        # a plain copy would wait for the queued forward: a new sample (nearly every step under image traffic)
+        # would cost the step its overlap with the next one
+        self.prompt = to_device(prompt[(prompt >= 0) & (prompt < vocab)], None, device)
         self.generated = np.empty(64, dtype=np.int64)
         self.num_generated = 0  # entries of `generated` filled
         self.num_read = 0  # output tokens of the row already read (out-of-vocabulary ones included)
