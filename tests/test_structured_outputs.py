@@ -321,6 +321,35 @@ def test_a_grammar_past_its_time_kills_its_child_and_is_refused_at_once_after(ti
         checks.close()
 
 
+def test_the_engine_keeps_few_compiled_grammars_and_the_ones_in_use(tiny_dirs, monkeypatch):
+    """The engine kept up to 1,024 compiled grammars, each ~136 KB for a small schema: ever-new schemas grew it
+    for an hour (the soak). It keeps COMPILED_KEPT now, the least recently used going first, so a schema in steady
+    use among ever-new ones is compiled once."""
+    import fovea.engine.structured_outputs as so
+    from fovea.config.model import ModelConfig
+    from fovea.engine.tokenizer import load_engine_tokenizer
+
+    model = ModelConfig.from_dir(tiny_dirs["tiny-3b"])
+    compiler = so.GrammarCompiler(
+        load_engine_tokenizer(tiny_dirs["tiny-3b"]), model.text.vocab_size, list(model.eos_token_ids)
+    )
+    compiled, compile_matcher = [], so.compile_matcher
+    monkeypatch.setattr(so, "compile_matcher", lambda *args: compiled.append(args[1].key()) or compile_matcher(*args))
+    steady = StructuredOutputsParams(json=BOX)
+    fresh = [
+        StructuredOutputsParams(json={"type": "object", "properties": {f"f{i}": {"type": "integer"}}})
+        for i in range(3 * so.COMPILED_KEPT)
+    ]
+    for params in fresh:
+        compiler.matcher(params)
+        compiler.matcher(steady)
+    assert compiled.count(steady.key()) == 1 and len(compiled) == len(fresh) + 1
+    assert len(compiler._compiled) == so.COMPILED_KEPT
+    compiler.matcher(fresh[-2])  # among the last used: kept
+    compiler.matcher(fresh[0])  # long unused: compiled again
+    assert compiled[len(fresh) + 1 :] == [fresh[0].key()]
+
+
 def test_an_offline_engine_says_when_it_starts_the_grammar_engine(tiny_dirs, fovea_log):
     llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=256)
     assert "grammar engine" not in fovea_log.text  # offline, it starts with the first structured request

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from fovea.core.sampling_params import WHERE, StructuredOutputsParams
@@ -24,6 +25,10 @@ logger = logging.getLogger("fovea")
 
 # A grammar may take long to build (a crafted schema: tens of seconds); no request waits longer for its own
 COMPILE_TIMEOUT_S = float(os.environ.get("FOVEA_GRAMMAR_TIMEOUT", "10"))
+# Compiled matchers kept for requests that repeat a grammar, least recently used first out. Each holds llguidance's
+# compiled grammar (a small JSON schema's: ~136 KB), so the count bounds the engine's memory: 1,024 of them
+# were the engine's growth over an hour of ever-new schemas (benchmarks/README "Memory under mixed traffic")
+COMPILED_KEPT = 64
 
 
 def too_slow_error() -> ValueError:
@@ -79,25 +84,30 @@ def compile_matcher(tokenizer, params: StructuredOutputsParams):
 
 class GrammarCompiler:
     """Turns requests into matchers for one tokenizer; a grammar that does not compile raises ValueError with
-    llguidance's reason. Each distinct request compiles once (about 0.7 ms for a small schema); its samples get
-    copies of that matcher (microseconds), so admitting requests between steps stays cheap. Building runs in two
-    threads of its own (llguidance releases the GIL meanwhile): `check` waits at most COMPILE_TIMEOUT_S, and a
-    grammar that overran is refused at once the next time."""
+    llguidance's reason. A grammar compiles once (about 0.7 ms for a small schema) while it is among the
+    COMPILED_KEPT last used; a request's samples get copies of that matcher (microseconds), so admitting requests
+    between steps stays cheap. Building runs in two threads of its own (llguidance releases the GIL meanwhile):
+    `check` waits at most COMPILE_TIMEOUT_S, and a grammar that overran is refused at once the next time."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.tokenizer = ll_tokenizer(tokenizer_json(tokenizer), vocab_size, eos_token_ids)
-        self._compiled: dict[tuple, object] = {}  # request key -> a fresh matcher, known to compile
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()  # request key -> a fresh matcher, known to compile
+        self._kept_lock = threading.Lock()
         self._too_slow: set[tuple] = set()  # request keys whose grammar overran the time limit
         self._builders = concurrent.futures.ThreadPoolExecutor(2, "grammar-build")
 
     def _fresh(self, params: StructuredOutputsParams):
         key = params.key()
-        matcher = self._compiled.get(key)
-        if matcher is None:
-            matcher = compile_matcher(self.tokenizer, params)
-            if len(self._compiled) > 1024:  # many distinct schemas: keep the cache bounded
-                self._compiled.clear()
+        with self._kept_lock:  # both builder threads come here
+            matcher = self._compiled.get(key)
+            if matcher is not None:
+                self._compiled.move_to_end(key)
+                return matcher
+        matcher = compile_matcher(self.tokenizer, params)  # outside the lock: it may take long
+        with self._kept_lock:
             self._compiled[key] = matcher
+            if len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
         return matcher
 
     def check(self, params: StructuredOutputsParams) -> None:
