@@ -17,7 +17,7 @@ from fovea import SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.frontend.async_llm import AsyncLLM
 from fovea.multimodal.image import ImageProcessor
-from fovea.multimodal.image_workers import ImageWorkers, SharedPixels, _run, segment_prefix
+from fovea.multimodal.image_workers import ImageWorkers, SharedPixels, _run, new_segment_name, segment_prefix
 from fovea.worker_pool import WorkerFailed
 
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=300, max_num_seqs=8)
@@ -54,6 +54,29 @@ def test_workers_give_the_in_process_pixels(workers, config):
         assert remote.pixels.nbytes == local.pixels.nbytes <= 3 << 20  # what crosses: uint8, under 3 MB
         assert np.array_equal(remote.pixels.take(), local.pixels) and remote.content_hash == local.content_hash
     assert segments() == before  # taken: freed
+
+
+def test_taken_pixels_stay_in_the_segments_pages_until_the_array_goes():
+    """The engine takes an image's pixels without copying them into its heap (a copy there, megabytes an image
+    among long-lived objects, fragmented it under image traffic): the array reads the segment's pages, mapped
+    copy-on-write. The name is gone at once, the pages when the last view of the array goes."""
+    pixels = np.asarray(random_image(64, 48, seed=1))
+    handle = SharedPixels.create(pixels, new_segment_name())
+    taken = handle.take()
+    assert np.array_equal(taken, pixels) and f"/dev/shm/{handle.name}" not in segments()
+
+    def mapped() -> list[str]:
+        with open("/proc/self/maps") as maps:
+            return [line for line in maps if handle.name in line]
+
+    assert mapped()  # the array's memory is the segment's, not a copy
+    taken[0, 0] = 255 - pixels[0, 0]  # writable, and private: the pixels were not changed for anyone else
+    assert not np.array_equal(taken, pixels)
+    part = taken[10:20]
+    del taken
+    assert mapped()  # a view (a video's frames share their segment) keeps the pages
+    del part
+    assert not mapped()
 
 
 def _sleeping_worker(conn) -> None:  # a WorkerPool target: answers each message after sleeping that long

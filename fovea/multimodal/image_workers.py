@@ -5,8 +5,8 @@ Decoding a JPEG (or a video's frames) and resizing it is most of a request's fro
 one process it all runs under one GIL next to the event loop. Here N processes do it: the front end plans each
 image from its header and each video from its file's header (read by a worker too: FFmpeg parses it), cheap
 steps after which limits are checked; a worker decodes and resizes it into a shared-memory segment and returns a
-`SharedPixels` handle; the handle (a name) is what crosses to the engine, which copies the pixels out and frees
-the segment (`take`). A worker that crashes on a crafted file, or hangs, fails only that request and is replaced.
+`SharedPixels` handle; the handle (a name) is what crosses to the engine, which maps the pixels and frees the
+segment (`take`). A worker that crashes on a crafted file, or hangs, fails only that request and is replaced.
 `LocalDecoder` is the same interface in the calling thread (the offline API, --mm-processor-workers 0).
 """
 
@@ -23,6 +23,8 @@ from fovea.multimodal import video_decode
 from fovea.multimodal.image import ImageProcessor, PlannedImage, ProcessedImage, planned_grid
 from fovea.multimodal.video import PlannedVideo, process_video
 from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
+
+SHM_FILES = "/dev/shm"  # where POSIX shared memory segments are files (Linux)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,20 @@ class SharedPixels:
         return cls(segment.name, tuple(pixels.shape))
 
     def take(self) -> np.ndarray:
-        return self.peek(free=True)
+        """The pixels, and the segment freed. Where segments are files (Linux's /dev/shm) the pixels stay in its
+        pages, mapped copy-on-write: the name goes now, the pages when the array does. A copy would come from
+        malloc in the taking thread (the engine's main one), megabytes an image between the small objects that
+        live long there, which left the engine's heap fragmented under image traffic (benchmarks/README, issue 56)."""
+        file = os.path.join(SHM_FILES, self.name)
+        if not os.path.isdir(SHM_FILES):
+            return self.peek(free=True)
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"the shared pixels {self.name} are gone (taken already, or freed)")
+        import torch  # loaded where pixels are taken (the engine, or a front end beside a remote one)
+
+        mapped = torch.from_file(file, shared=False, size=max(self.nbytes, 1), dtype=torch.uint8)
+        self.release()
+        return mapped[: self.nbytes].numpy().reshape(self.shape)
 
     def peek(self, free: bool = False) -> np.ndarray:
         """A copy of the pixels; the segment stays for whoever takes it, unless `free`."""
