@@ -322,7 +322,7 @@ def test_a_grammar_past_its_time_kills_its_child_and_is_refused_at_once_after(ti
 
 
 def test_the_engine_keeps_few_compiled_grammars_and_the_ones_in_use(tiny_dirs, monkeypatch):
-    """The engine kept up to 1,024 compiled grammars, each ~136 KB for a small schema: ever-new schemas grew it
+    """The engine kept up to 1,024 compiled grammars, each ~130 KB for a small schema: ever-new schemas grew it
     for an hour (the soak). It keeps COMPILED_KEPT now, the least recently used going first, so a schema in steady
     use among ever-new ones is compiled once."""
     import fovea.engine.structured_outputs as so

@@ -26,8 +26,8 @@ logger = logging.getLogger("fovea")
 # A grammar may take long to build (a crafted schema: tens of seconds); no request waits longer for its own
 COMPILE_TIMEOUT_S = float(os.environ.get("FOVEA_GRAMMAR_TIMEOUT", "10"))
 # Compiled matchers kept for requests that repeat a grammar, least recently used first out. Each holds llguidance's
-# compiled grammar (a small JSON schema's: ~136 KB), so the count bounds the engine's memory: 1,024 of them
-# were the engine's growth over an hour of ever-new schemas (benchmarks/README "Memory under mixed traffic")
+# compiled grammar (a small JSON schema's: ~130 KB), so the count bounds the engine's memory: up to 1,024 kept were
+# half the engine's growth over an hour of the soak's traffic (benchmarks/README "Memory under mixed traffic")
 COMPILED_KEPT = 64
 
 

@@ -53,9 +53,8 @@ class SharedPixels:
 
     def take(self) -> np.ndarray:
         """The pixels, and the segment freed. Where segments are files (Linux's /dev/shm) the pixels stay in its
-        pages, mapped copy-on-write: the name goes now, the pages when the array does. A copy would come from
-        malloc in the taking thread (the engine's main one), megabytes an image between the small objects that
-        live long there, which left the engine's heap fragmented under image traffic (benchmarks/README, issue 56)."""
+        pages, mapped copy-on-write: the name goes now, the pages when the array does. A copy (megabytes an image)
+        would be made on the engine's loop, between steps, in the heap its long-lived objects share."""
         file = os.path.join(SHM_FILES, self.name)
         if not os.path.isdir(SHM_FILES):
             return self.peek(free=True)
