@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fovea.core.sampling_params import SamplingParams
-from fovea.runner.penalties import apply_penalties_and_bias
+from fovea.runner.penalties import apply_penalties_and_bias, penalized
 from fovea.runner.sampler import Sampler, SampleRow
 
 DRAWS = 4000
@@ -302,23 +302,35 @@ def test_penalty_tokens_kept_across_steps_equal_ones_rebuilt_each_step():
             tokens[i].append(token)
 
 
+NO_WAIT = {  # batches a served step samples every step, whose sampling must not wait for the device
+    # Qwen2.5-VL's generation_config (repetition_penalty 1.05, top_k 1) penalizes every served request by default
+    "penalized greedy": SamplingParams(
+        temperature=0.1, top_k=1, repetition_penalty=1.05, logit_bias={3: 1.0}, min_tokens=2
+    ),
+    # Qwen3-VL's recommended sampling; min_p beside it
+    "top_k and top_p": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+    "top_k, top_p and min_p": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, presence_penalty=1.5),
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host waits for a GPU only")
-def test_a_step_with_new_penalized_samples_is_queued_without_waiting_for_the_device():
-    """Qwen2.5-VL's generation_config (repetition_penalty 1.05, top_k 1) penalizes every served request by default.
-    A penalized sample new to the sampler copies its prompt's ids to the device: a plain copy waits for the queued
-    forward, which cost the image workload the overlap of nearly every step (py-spy, random-mm on an H200). Under
-    CUDA's sync debug mode any such wait raises."""
+@pytest.mark.parametrize("params", NO_WAIT.values(), ids=NO_WAIT)
+def test_a_step_of_new_samples_is_queued_without_waiting_for_the_device(params):
+    """A sample new to the sampler copied its prompt's ids to the device for its penalties, and a plain copy waits
+    for the queued forward: under image traffic that cost nearly every step its overlap with the next (py-spy,
+    random-mm on an H200). min_p and top_k rows asked the device whether to act. Under CUDA's sync debug mode any
+    such wait raises."""
     vocab, device = 1000, torch.device("cuda")
-    params = SamplingParams(temperature=0.1, top_k=1, repetition_penalty=1.05, logit_bias={3: 1.0}, min_tokens=2)
     batch = [SampleRow(params, list(range(i, i + 50)), 48, None, (7,), key=(i, 0)) for i in range(4)]
     pending = ([1, 3], torch.tensor([5, 9], device=device))  # tokens of the step still on the device
     sampler = Sampler(seed=0)
+    logits = torch.randn(len(batch), vocab, device=device)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sampled = sampler(torch.randn(len(batch), vocab, device=device), batch, pending=pending)
+        sampled = sampler(logits, batch, pending=pending)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert set(sampler.seen) == {(i, 0) for i in range(4)}
+    assert set(sampler.seen) == ({(i, 0) for i in range(4)} if penalized(params) else set())
     assert sampled.token_ids.shape == (4,)
 
 

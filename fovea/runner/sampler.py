@@ -70,11 +70,13 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
     return chosen, ranks, (top.indices if top else None), (top.values if top else None)
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _apply_min_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Drops (in place) tokens less likely than min_p times the best one: p / p_max = exp(logit - logit_max), so
-    the cut is a logit below the best by -log(min_p), and no softmax is needed."""
-    if not bool((min_p > 0).any()):
+    the cut is a logit below the best by -log(min_p), and no softmax is needed. Whether any row asks is read off
+    the rows, not the device: a GPU's answer would make the host wait for the step."""
+    if not any(r.params.min_p > 0 for r in rows):
         return logits
+    min_p = column(rows, lambda p: p.min_p, logits.dtype, logits.device)
     floor = logits.amax(-1, keepdim=True) + min_p[:, None].log()
     return logits.masked_fill_(logits < floor, float("-inf"))
 
@@ -92,7 +94,7 @@ def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         # a few rows at a time: their temporaries stay in the cache and off fresh pages
         for rows_ in (top_p < 1).nonzero()[:, 0].split(TOP_P_ROWS):
             logits[rows_] = drop_outside_top_p(logits[rows_], top_p[rows_])
-    return _apply_min_p(logits, column(rows, lambda p: p.min_p, logits.dtype, device))
+    return _apply_min_p(logits, rows)
 
 
 TOP_P_ROWS = 8
@@ -161,10 +163,7 @@ def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: lis
     top_p = column(rows, lambda p: p.top_p, logits.dtype, device)
     settled = has_top_k | (probs.sum(-1) >= top_p)
     drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
-    values = _apply_min_p(
-        values.masked_fill(drop, float("-inf")), column(rows, lambda p: p.min_p, logits.dtype, device)
-    )
-    return values, ids, settled
+    return _apply_min_p(values.masked_fill(drop, float("-inf")), rows), ids, settled
 
 
 class Sampler:
@@ -212,7 +211,10 @@ class Sampler:
             values, ids, settled = filter_candidates(
                 _take(logits, narrowed, index), temperature[index], [rows[i] for i in narrowed], work
             )
-            done = settled.tolist()  # waits for the device: a step ahead loses its overlap here
+            # a row with a top_k is settled; one with top_p alone is known only on the device, and reading it
+            # makes the host wait for the step (a step queued ahead loses its overlap here)
+            uncertain = any(top_k[i] == vocab for i in narrowed)
+            done = settled.tolist() if uncertain else [True] * len(narrowed)
             keep = [j for j, ok in enumerate(done) if ok]
             rest += [narrowed[j] for j, ok in enumerate(done) if not ok]
             if keep:
