@@ -307,9 +307,9 @@ NO_WAIT = {  # batches a served step samples every step, whose sampling must not
     "penalized greedy": SamplingParams(
         temperature=0.1, top_k=1, repetition_penalty=1.05, logit_bias={3: 1.0}, min_tokens=2
     ),
-    # Qwen3-VL's recommended sampling; min_p beside it
-    "top_k and top_p": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
-    "top_k, top_p and min_p": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, presence_penalty=1.5),
+    # what Qwen3-VL's model card recommends for vision tasks
+    "Qwen3-VL's card": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5),
+    "top_k, top_p and min_p": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05),
 }
 
 
