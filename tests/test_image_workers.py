@@ -57,9 +57,8 @@ def test_workers_give_the_in_process_pixels(workers, config):
 
 
 def test_taken_pixels_stay_in_the_segments_pages_until_the_array_goes():
-    """The engine takes an image's pixels without copying them into its heap (a copy there, megabytes an image
-    among long-lived objects, fragmented it under image traffic): the array reads the segment's pages, mapped
-    copy-on-write. The name is gone at once, the pages when the last view of the array goes."""
+    """The engine takes an image's pixels without copying them on its loop (megabytes an image): the array reads
+    the segment's pages, mapped copy-on-write. The name is gone at once, the pages when the last view goes."""
     pixels = np.asarray(random_image(64, 48, seed=1))
     handle = SharedPixels.create(pixels, new_segment_name())
     taken = handle.take()
