@@ -91,3 +91,37 @@ def test_a_repeated_image_costs_no_decoding_worker_time(tiny_dirs):
         for prompt in prompts:
             release_images(prompt.images)
         workers.close()
+
+
+def mapping_of(start: int, size: int) -> str | None:
+    """The line of /proc/self/maps of the mapping that holds the bytes [start, start + size)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(bound, 16) for bound in line.split()[0].split("-"))
+            if low <= start and start + size <= high:
+                return line
+    return None
+
+
+@pytest.mark.parametrize("with_workers", [False, True])
+def test_kept_pixels_have_pages_of_their_own_until_they_go(tiny_dirs, with_workers):
+    """An entry lives for minutes among the preparation threads' short-lived allocations; in malloc's heaps it
+    would leave a hole there when it goes. Its pixels are a mapping of their own, unmapped when it is pushed out."""
+    decoder = ImageWorkers(1) if with_workers else LocalDecoder()
+    try:
+        inputs = inputs_with(tiny_dirs["tiny-3b"], decoder, mm_processor_cache_gb=1.5 * 280 * 280 * 3 / 2**30)
+        images = [jpeg_bytes(random_image(280, 280, seed=s)) for s in range(2)]
+        release_images(inputs.process_chat(chat(image_part(images[0]))).images)
+        (entry,) = inputs.processor_cache.entries.values()
+        kept, start = entry.pixels, entry.pixels.__array_interface__["data"][0]
+        del entry
+        line = mapping_of(start, kept.nbytes)
+        # anonymous, writable, and the pixels start a page (malloc's blocks start 16 bytes into theirs)
+        assert start % 4096 == 0 and line.split()[1].startswith("rw") and line.split()[4] == "0"
+        release_images(inputs.process_chat(chat(image_part(images[1]))).images)  # room for one: pushes it out
+        assert len(inputs.processor_cache.entries) == 1 and mapping_of(start, kept.nbytes)  # a view keeps it
+        del kept
+        assert mapping_of(start, 4096) is None  # unmapped when it went
+    finally:
+        if with_workers:
+            decoder.close()

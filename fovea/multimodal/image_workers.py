@@ -12,8 +12,10 @@ segment (`take`). A worker that crashes on a crafted file, or hangs, fails only 
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -66,12 +68,12 @@ class SharedPixels:
         self.release()
         return mapped[: self.nbytes].numpy().reshape(self.shape)
 
-    def peek(self, free: bool = False) -> np.ndarray:
-        """A copy of the pixels; the segment stays for whoever takes it, unless `free`."""
+    def peek(self, free: bool = False, copy: Callable[[np.ndarray], np.ndarray] = np.copy) -> np.ndarray:
+        """A copy of the pixels (made by `copy`); the segment stays for whoever takes it, unless `free`."""
         segment = shared_memory.SharedMemory(name=self.name)
         try:
             view = np.ndarray(self.shape, np.uint8, buffer=segment.buf)
-            pixels = view.copy()
+            pixels = copy(view)
             del view
         finally:
             segment.close()
@@ -86,6 +88,16 @@ class SharedPixels:
             return  # taken already
         segment.close()
         segment.unlink()
+
+
+def copy_to_own_pages(pixels: np.ndarray) -> np.ndarray:
+    """A copy of `pixels` in an anonymous mapping of its own, unmapped when the last view of it goes. For arrays
+    that live long among many short-lived allocations (the processor cache's entries): in malloc's heaps, an entry
+    freed between live blocks leaves pages the process keeps."""
+    pages = mmap.mmap(-1, max(pixels.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    copied = np.frombuffer(pages, np.uint8, count=pixels.nbytes).reshape(pixels.shape)
+    copied[...] = pixels
+    return copied
 
 
 def segment_prefix(front_end_pid: int) -> str:

@@ -6,7 +6,9 @@ eval asks many questions about one image) skips decoding and resizing.
 It wraps a decoder (image_workers.py's processes, or LocalDecoder in the calling thread) with the same interface.
 Bounded in bytes of pixels, least recently used first out; images given as PIL objects or frames given as arrays
 have no bytes to key on and pass through. A hit hands the engine its own copy (a fresh shared-memory segment
-where the decoder uses them), since the engine frees what it takes.
+where the decoder uses them), since the engine frees what it takes. Each entry's pixels have pages of their own
+(`copy_to_own_pages`): megabytes kept for minutes in the preparation threads' heaps, among their short-lived
+allocations, left those heaps fragmented when they went.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 from collections import OrderedDict
 
 from fovea.multimodal.image import PlannedImage, ProcessedImage
-from fovea.multimodal.image_workers import ImageWorkers, SharedPixels, new_segment_name
+from fovea.multimodal.image_workers import ImageWorkers, SharedPixels, copy_to_own_pages, new_segment_name
 from fovea.multimodal.video import PlannedVideo
 
 
@@ -46,7 +48,10 @@ class ProcessorCache:
             pixels = SharedPixels.create(kept.pixels, new_segment_name()) if shares else kept.pixels.copy()
             return dataclasses.replace(kept, pixels=pixels)
         processed = self.decoder.process(planned)
-        pixels = processed.pixels.peek() if isinstance(processed.pixels, SharedPixels) else processed.pixels.copy()
+        if isinstance(processed.pixels, SharedPixels):
+            pixels = processed.pixels.peek(copy=copy_to_own_pages)
+        else:
+            pixels = copy_to_own_pages(processed.pixels)
         if pixels.nbytes <= self.capacity:
             with self._lock:
                 if key not in self.entries:
