@@ -4,10 +4,13 @@ asked to hand back the memory it keeps, and an opt-in report of where Python all
 glibc keeps what a process frees for its next allocations, and gives back only what lies at the top of a heap.
 Image traffic allocates and frees pixel and activation arrays of every size from several threads, so the freed
 memory sits between live blocks and stays resident: the front end and the engine grow by hundreds of MB with no
-object alive. `malloc_trim` hands the free pages inside the heaps back to the kernel; every
-FOVEA_MALLOC_TRIM_S seconds (10 by default, 0: never) the front end and the engine call it. Fixed allocator
-settings (two arenas, mmap from 128 KB) kept memory as low but cost 28 % of image throughput (benchmarks/
-allocator_cost.py); the trim costs none measurable.
+object alive. `malloc_trim` hands the free pages inside the heaps back to the kernel. A thread of the front end
+and of the engine reads the process's resident memory every FOVEA_MALLOC_TRIM_S seconds (1 by default, 0: never
+trim) and trims when it has risen FOVEA_MALLOC_TRIM_MB (32 by default; 0: at every look) above its lowest since
+the last trim. A trim holds each heap's lock for the ~10 ms it takes, so it runs when there is memory to hand back,
+not on a clock: a busy CPU engine frees tens of MB a second, a GPU engine's host little. The same thread logs each
+new high of the process's Python threads, by name. Fixed allocator settings (two arenas, mmap from 128 KB) kept
+memory as low but cost 28 % of image throughput (benchmarks/allocator_cost.py).
 
 FOVEA_TRACEMALLOC=SECONDS makes the front end and the engine trace Python's allocations (slower) and log, every
 SECONDS, the sites whose memory grew most since the first report: what a soak run that grows should look at first.
@@ -26,7 +29,8 @@ import tracemalloc
 
 logger = logging.getLogger("fovea")
 
-TRIM_EVERY_S = 10.0
+LOOK_EVERY_S = 1.0
+TRIM_PAST_MB = 32.0
 TOP_SITES = 15
 
 
@@ -39,17 +43,42 @@ def _glibc():
         return None
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:  # sizes in pages: total, resident, ...
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _log_new_thread_high(process: str, most: int) -> int:
+    """Logs the Python threads by name when there are more than ever before: pools start threads as they need
+    them, up to their size, and a count that rises is told from a leak by what the new threads are."""
+    threads = threading.enumerate()
+    if len(threads) > most:
+        names = sorted(thread.name.rsplit("_", 1)[0] for thread in threads)  # a pool's threads: prefix_N
+        counted = ", ".join(f"{name} x{names.count(name)}" for name in dict.fromkeys(names))
+        logger.info("%s: %d Python threads, the most so far: %s", process, len(threads), counted)
+    return max(most, len(threads))
+
+
 def watch_memory(process: str) -> None:
-    """In the front end and the engine process, at start: the periodic trim, and the report if asked for."""
-    trim_s, libc = float(os.environ.get("FOVEA_MALLOC_TRIM_S", TRIM_EVERY_S) or 0), _glibc()
-    if trim_s > 0 and libc is not None:
+    """In the front end and the engine process, at start: the periodic trim, the threads' high marks, and the
+    report if asked for."""
+    look_s = float(os.environ.get("FOVEA_MALLOC_TRIM_S", LOOK_EVERY_S) or 0)
+    rise = float(os.environ.get("FOVEA_MALLOC_TRIM_MB", TRIM_PAST_MB) or 0) * 2**20
+    libc = _glibc() if look_s > 0 else None
 
-        def trim() -> None:
-            while True:
-                time.sleep(trim_s)
-                libc.malloc_trim(0)
+    def upkeep() -> None:
+        most, lowest = 0, _resident_bytes() if libc is not None else 0
+        while True:
+            time.sleep(look_s if libc is not None else LOOK_EVERY_S)
+            if libc is not None:
+                resident = _resident_bytes()
+                lowest = min(lowest, resident)
+                if resident - lowest >= rise:
+                    libc.malloc_trim(0)
+                    lowest = _resident_bytes()
+            most = _log_new_thread_high(process, most)
 
-        threading.Thread(target=trim, name="fovea-malloc-trim", daemon=True).start()
+    threading.Thread(target=upkeep, name="fovea-memory", daemon=True).start()
     interval = float(os.environ.get("FOVEA_TRACEMALLOC") or 0)
     if interval <= 0:
         return

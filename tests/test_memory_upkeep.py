@@ -1,0 +1,53 @@
+"""The front end's and the engine's memory upkeep (fovea/core/memory.py): memory freed between live blocks is
+handed back once the process has grown by FOVEA_MALLOC_TRIM_MB, not before, and never with FOVEA_MALLOC_TRIM_S=0;
+the Python threads are logged by name at each new high."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# 200 MB in 64 KB blocks (glibc's heap, not mappings of their own), then all but every 100th freed: the free
+# memory lies between live blocks, where glibc keeps it. The RSS before and 3 s after the frees, in MB.
+FRAGMENTED = textwrap.dedent(
+    """
+    import os, threading, time
+    from fovea.core.memory import watch_memory
+    def resident_mb():
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    watch_memory("the test")
+    time.sleep(0.5)
+    threading.Thread(target=time.sleep, args=(5,), name="pool-of-one_0").start()
+    blocks = [b"x" * (64 * 1024) for _ in range(3200)]
+    kept = blocks[::100]
+    del blocks
+    before = resident_mb()
+    time.sleep(3)
+    print(before, resident_mb())
+    """
+)
+
+
+def rss_before_and_after(**env: str) -> tuple[float, float, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", FRAGMENTED], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    before, after = map(float, done.stdout.split())
+    return before, after, done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_freed_memory_goes_back_once_the_process_has_grown_enough():
+    before, after, log = rss_before_and_after(FOVEA_MALLOC_TRIM_MB="32")
+    assert before > 200 and after < before - 150, (before, after)
+    assert "the test: 3 Python threads, the most so far: MainThread x1, fovea-memory x1, pool-of-one x1" in log
+    before, after, _ = rss_before_and_after(FOVEA_MALLOC_TRIM_MB="1000")  # grown less than that: kept
+    assert after > before - 20, (before, after)
+    before, after, _ = rss_before_and_after(FOVEA_MALLOC_TRIM_S="0")  # never
+    assert after > before - 20, (before, after)
