@@ -1,6 +1,6 @@
 """The front end's and the engine's memory upkeep (fovea/core/memory.py): memory freed between live blocks is
-handed back once the process has grown by FOVEA_MALLOC_TRIM_MB, not before, and never with FOVEA_MALLOC_TRIM_S=0;
-the Python threads are logged by name at each new high."""
+handed back once the process has grown by FOVEA_MALLOC_TRIM_MB or FOVEA_MALLOC_TRIM_S have passed, whichever comes
+first, and never with FOVEA_MALLOC_TRIM_S=0; the Python threads are logged by name at each new high."""
 
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ def rss_before_and_after(**env: str) -> tuple[float, float, str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
-def test_freed_memory_goes_back_once_the_process_has_grown_enough():
+def test_freed_memory_goes_back_once_the_process_has_grown_enough_or_in_time():
     before, after, log = rss_before_and_after(FOVEA_MALLOC_TRIM_MB="32")
     assert before > 200 and after < before - 150, (before, after)
     assert "the test: 3 Python threads, the most so far: MainThread x1, fovea-memory x1, pool-of-one x1" in log
-    before, after, _ = rss_before_and_after(FOVEA_MALLOC_TRIM_MB="1000")  # grown less than that: kept
+    before, after, _ = rss_before_and_after(FOVEA_MALLOC_TRIM_MB="1000")  # grown less, and 10 s not passed: kept
     assert after > before - 20, (before, after)
+    before, after, _ = rss_before_and_after(FOVEA_MALLOC_TRIM_MB="1000", FOVEA_MALLOC_TRIM_S="2")  # 2 s passed
+    assert after < before - 150, (before, after)
     before, after, _ = rss_before_and_after(FOVEA_MALLOC_TRIM_S="0")  # never
     assert after > before - 20, (before, after)

@@ -5,12 +5,13 @@ glibc keeps what a process frees for its next allocations, and gives back only w
 Image traffic allocates and frees pixel and activation arrays of every size from several threads, so the freed
 memory sits between live blocks and stays resident: the front end and the engine grow by hundreds of MB with no
 object alive. `malloc_trim` hands the free pages inside the heaps back to the kernel. A thread of the front end
-and of the engine reads the process's resident memory every FOVEA_MALLOC_TRIM_S seconds (1 by default, 0: never
-trim) and trims when it has risen FOVEA_MALLOC_TRIM_MB (32 by default; 0: at every look) above its lowest since
-the last trim. A trim holds each heap's lock for the ~10 ms it takes, so it runs when there is memory to hand back,
-not on a clock: a busy CPU engine frees tens of MB a second, a GPU engine's host little. The same thread logs each
-new high of the process's Python threads, by name. Fixed allocator settings (two arenas, mmap from 128 KB) kept
-memory as low but cost 28 % of image throughput (benchmarks/allocator_cost.py).
+and of the engine calls it every FOVEA_MALLOC_TRIM_S seconds (10 by default; 0: never), and sooner when the
+process's resident memory has risen FOVEA_MALLOC_TRIM_MB (32 by default; 0: no sooner) above its lowest since the
+last trim, which it reads every second: a busy CPU engine frees tens of MB a second, and between trims 10 s apart
+its memory swung by ~200 MB. The clock stays for what a burst leaves: once it is over, memory no longer rises. A
+trim holds each heap's lock while it runs (~10 ms under load), so it is not simply run every second. The same
+thread logs each new high of the process's Python threads, by name. Fixed allocator settings (two arenas, mmap
+from 128 KB) kept memory as low but cost 28 % of image throughput (benchmarks/allocator_cost.py).
 
 FOVEA_TRACEMALLOC=SECONDS makes the front end and the engine trace Python's allocations (slower) and log, every
 SECONDS, the sites whose memory grew most since the first report: what a soak run that grows should look at first.
@@ -29,8 +30,9 @@ import tracemalloc
 
 logger = logging.getLogger("fovea")
 
-LOOK_EVERY_S = 1.0
+TRIM_EVERY_S = 10.0
 TRIM_PAST_MB = 32.0
+LOOK_EVERY_S = 1.0
 TOP_SITES = 15
 
 
@@ -62,20 +64,20 @@ def _log_new_thread_high(process: str, most: int) -> int:
 def watch_memory(process: str) -> None:
     """In the front end and the engine process, at start: the periodic trim, the threads' high marks, and the
     report if asked for."""
-    look_s = float(os.environ.get("FOVEA_MALLOC_TRIM_S", LOOK_EVERY_S) or 0)
-    rise = float(os.environ.get("FOVEA_MALLOC_TRIM_MB", TRIM_PAST_MB) or 0) * 2**20
-    libc = _glibc() if look_s > 0 else None
+    every_s = float(os.environ.get("FOVEA_MALLOC_TRIM_S", TRIM_EVERY_S) or 0)
+    rise = float(os.environ.get("FOVEA_MALLOC_TRIM_MB", TRIM_PAST_MB) or 0) * 2**20 or float("inf")
+    libc = _glibc() if every_s > 0 else None
 
     def upkeep() -> None:
-        most, lowest = 0, _resident_bytes() if libc is not None else 0
+        most, lowest, trimmed = 0, _resident_bytes() if libc is not None else 0, time.monotonic()
         while True:
-            time.sleep(look_s if libc is not None else LOOK_EVERY_S)
+            time.sleep(min(every_s, LOOK_EVERY_S) if libc is not None else LOOK_EVERY_S)
             if libc is not None:
                 resident = _resident_bytes()
                 lowest = min(lowest, resident)
-                if resident - lowest >= rise:
+                if resident - lowest >= rise or time.monotonic() - trimmed >= every_s:
                     libc.malloc_trim(0)
-                    lowest = _resident_bytes()
+                    lowest, trimmed = _resident_bytes(), time.monotonic()
             most = _log_new_thread_high(process, most)
 
     threading.Thread(target=upkeep, name="fovea-memory", daemon=True).start()
