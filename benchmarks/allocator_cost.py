@@ -4,7 +4,7 @@
         --out results/allocator_cost_cpu_COMMIT.json [--variant NAME=KEY=VALUE,KEY=VALUE ...]
 
 Each round starts `fovea serve` on the demo model once per variant (the rounds alternate the order): as it runs
-(malloc_trim once the RSS has risen 32 MB), glibc left alone (FOVEA_MALLOC_TRIM_S=0) and any given (environment variables over glibc
+(malloc_trim every 10 s, sooner once the RSS has risen 32 MB), glibc left alone (FOVEA_MALLOC_TRIM_S=0) and any given (environment variables over glibc
 left alone, e.g. glibc's own MALLOC_ARENA_MAX).
 Each server is saturated `--passes` times in a row by `fovea bench serve` with chats carrying fresh random images of
 256x256 and 1280x720 (random-mm), all sent at once; after each pass, the resident memory of the front end and the
@@ -29,7 +29,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serving import free_port  # noqa: E402 - the tests' helper
 
-VARIANTS = {"trim past 32 MB": {}, "glibc default": {"FOVEA_MALLOC_TRIM_S": "0"}}
+VARIANTS = {"trim past 32 MB or 10 s": {}, "glibc default": {"FOVEA_MALLOC_TRIM_S": "0"}}
 
 
 def served(env: dict[str, str]):
