@@ -280,8 +280,14 @@ async def drive(
 
 
 def shm_segments() -> tuple[int, int]:
-    entries = [e for e in os.scandir("/dev/shm") if e.is_file()]
-    return len(entries), sum(e.stat().st_size for e in entries)
+    count = size = 0
+    for entry in os.scandir("/dev/shm"):
+        try:
+            if entry.is_file():
+                count, size = count + 1, size + entry.stat().st_size
+        except FileNotFoundError:  # freed while being read: an image's segment lives only while it is in flight
+            continue
+    return count, size
 
 
 def gauges(base: str) -> dict[str, float]:
