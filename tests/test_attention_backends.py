@@ -27,9 +27,11 @@ def dense_reference(q, k_cache, meta, specs, window, spans, scale):
         for position in range(cached, length):
             allowed = torch.tensor(
                 [
-                    j <= position
+                    (
+                        j <= position
+                        or any(first <= position < end and first <= j < end for first, end in spans.get(index, []))
+                    )
                     and (window is None or j > position - window)
-                    or any(first <= position < end and first <= j < end for first, end in spans.get(index, []))
                     for j in range(length)
                 ],
                 device=q.device,
@@ -48,7 +50,9 @@ def dense_reference(q, k_cache, meta, specs, window, spans, scale):
         (4, {}),  # shorter than every chunk
         (40, {}),  # reaches into the cached prefix of the chunked sequences
         (None, {0: [(3, 11), (20, 30)], 3: [(18, 25)]}),  # image-like spans in a fresh prompt and in a later chunk
-        (6, {0: [(3, 11)], 5: [(71, 75)]}),  # both at once (Gemma 3's sliding layers see their images whole)
+        # both at once: a sliding layer's image token sees its image's later tokens, and its earlier ones only
+        # inside the window (transformers' Gemma 3: window AND (causal OR same image); tests/test_gemma3.py)
+        (6, {0: [(3, 11)], 5: [(71, 75)]}),
     ],
 )
 @pytest.mark.parametrize("budget", [None, 2048, 24], ids=["one-group", "default", "groups-and-key-chunks"])

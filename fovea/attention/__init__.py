@@ -60,7 +60,8 @@ def features_needed(model: torch.nn.Module) -> tuple[str, ...]:
     from fovea.attention.layer import Attention
 
     layers = [m for m in model.modules() if isinstance(m, Attention) and m.layer_index is not None]
-    return ("sliding_window",) if any(layer.sliding_window is not None for layer in layers) else ()
+    needs = ("sliding_window",) if any(layer.sliding_window is not None for layer in layers) else ()
+    return needs + (("bidirectional_spans",) if getattr(model, "bidirectional_images", False) else ())
 
 
 def make_backend(

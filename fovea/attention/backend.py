@@ -79,6 +79,20 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+def allowed_keys(length: int, context: int, window: int | None, spans: list[tuple[int, int]], device) -> torch.Tensor:
+    """(length, context) bool mask of a chunk's queries (the last `length` of `context` positions): the keys before
+    each query and those of its bidirectional span, then only the ones inside its window (Gemma 3's rule:
+    window AND (causal OR same image), so a sliding layer's image token does not see the start of a long image)."""
+    queries = torch.arange(context - length, context, device=device)[:, None]
+    keys = torch.arange(context, device=device)[None, :]
+    allowed = keys <= queries
+    for first, end in spans:
+        allowed |= (queries >= first) & (queries < end) & (keys >= first) & (keys < end)
+    if window is not None:
+        allowed &= keys > queries - window
+    return allowed
+
+
 FP8_MAX = 448.0  # float8_e4m3fn's largest value: a key or value beyond scale x 448 is clipped there
 
 
@@ -246,18 +260,10 @@ class TorchAttention(AttentionBackend):
     def prefill_mask(
         self, length: int, context: int, window: int | None, spans: list[tuple[int, int]], device
     ) -> torch.Tensor | None:
-        """(length, context) bool mask of a chunk's queries (the last `length` of `context` positions): causal,
-        within the window, and both ways inside bidirectional spans. None: plain causal (SDPA's own path)."""
+        """A chunk's mask (`allowed_keys`). None: plain causal (SDPA's own path)."""
         if window is None and not spans:
             return None if context == length else self.causal_over_prefix(length, context, device)
-        queries = torch.arange(context - length, context, device=device)[:, None]
-        keys = torch.arange(context, device=device)[None, :]
-        allowed = keys <= queries
-        if window is not None:
-            allowed &= keys > queries - window
-        for first, end in spans:
-            allowed |= (queries >= first) & (queries < end) & (keys >= first) & (keys < end)
-        return allowed
+        return allowed_keys(length, context, window, spans, device)
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None):
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fovea.attention.backend import PagedAttentionMetadata
+from fovea.attention.backend import PagedAttentionMetadata, allowed_keys
 
 
 @dataclass
@@ -30,12 +30,16 @@ class AttentionMetadata:
     max_seqlen: int
     tiles: torch.Tensor | None = None  # work table of our Triton kernel (fovea/attention/triton_varlen.py)
     lengths: tuple[int, ...] | None = None  # the same lengths on the host, when known (saves a device read)
+    # sequence index -> (first, end) positions whose tokens also see each other's later tokens (Gemma 3's images)
+    bidirectional_spans: dict[int, list[tuple[int, int]]] | None = None
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
+    def from_lengths(
+        cls, lengths: list[int], device: torch.device | str = "cpu", bidirectional_spans: dict | None = None
+    ) -> AttentionMetadata:
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-        return cls(cu.to(device), max(lengths), lengths=tuple(lengths))
+        return cls(cu.to(device), max(lengths), lengths=tuple(lengths), bidirectional_spans=bidirectional_spans)
 
     def to(self, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata(
@@ -43,6 +47,7 @@ class AttentionMetadata:
             self.max_seqlen,
             None if self.tiles is None else self.tiles.to(device),
             self.lengths,
+            self.bidirectional_spans,
         )
 
 
@@ -84,10 +89,28 @@ def varlen_attention(
     return out
 
 
+def masked_attention(q, k, v, meta: AttentionMetadata, window: int | None, scale: float, fp32: bool) -> torch.Tensor:
+    """Whole causal prompts one at a time under `allowed_keys`' mask: a sliding window, bidirectional spans (the
+    uncached path of a language model that has them; reference checks run it)."""
+    dtype = torch.float32 if fp32 else q.dtype
+    out = torch.empty_like(q)
+    bounds = meta.cu_seqlens.tolist()
+    for index, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        spans = (meta.bidirectional_spans or {}).get(index, [])
+        mask = allowed_keys(end - start, end - start, window, spans, q.device)
+        group = [x[start:end].to(dtype).transpose(0, 1)[None] for x in (q, k, v)]
+        result = F.scaled_dot_product_attention(
+            *group, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        out[start:end] = result[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
 class Attention(nn.Module):
     """Scaled dot-product attention of one layer. `layer_index` names its KV cache in the engine's list (language
     models); `fp32`: scores and softmax in fp32 on the uncached path (--fp32-softmax, --fp32-softmax-vision; the
-    paged backends are configured at their own construction); `sliding_window`: W for a sliding-window layer."""
+    paged backends are configured at their own construction); `sliding_window`: W for a sliding-window layer
+    (backends must have the feature, see __init__); `scale`: the scores' factor, 1 / sqrt(head_dim) unless given."""
 
     def __init__(
         self,
@@ -96,10 +119,11 @@ class Attention(nn.Module):
         layer_index: int | None = None,
         fp32: bool = False,
         sliding_window: int | None = None,
+        scale: float | None = None,
     ):
         super().__init__()
-        self.scale, self.causal, self.layer_index, self.fp32 = head_dim**-0.5, causal, layer_index, fp32
-        self.sliding_window = sliding_window  # paged path only: the backend must have the feature (see __init__)
+        self.scale, self.causal, self.layer_index, self.fp32 = scale or head_dim**-0.5, causal, layer_index, fp32
+        self.sliding_window = sliding_window
         if layer_index is not None:  # a float8 KV cache's scales: the checkpoint's where it has them, else 1.0
             self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
             self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
@@ -113,6 +137,8 @@ class Attention(nn.Module):
             return meta.backend.forward(
                 q, k, v, cache, meta, self.scale, self.sliding_window, (self.k_scale, self.v_scale)
             )
+        if self.causal and (self.sliding_window is not None or meta.bidirectional_spans):
+            return masked_attention(q, k, v, meta, self.sliding_window, self.scale, self.fp32)
         if meta.tiles is not None:
             from fovea.attention.triton_varlen import varlen_attention_triton
 

@@ -64,6 +64,14 @@ class TextConfig:
     mrope_interleaved: bool = False  # Qwen3-VL: the frequencies cycle t, h, w instead of running in three chunks
     moe: MoEConfig | None = None  # experts in place of some layers' MLP
     quant: QuantConfig | None = None  # the checkpoint's quantized linear layers (config/quant.py)
+    # Gemma 3: layers that see only their last `sliding_window` keys, rotating with `local_rope_theta`; the other
+    # (global) layers' positions divided by `rope_factor` (linear scaling); scores scaled by `attention_scale`
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 10000.0
+    rope_factor: float = 1.0
+    attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    hidden_act: str = "silu"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ FAMILIES = {
     "Qwen3VLForConditionalGeneration": "fovea.models.qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "fovea.models.qwen3_vl",  # the same module: its decoder builds experts
     "LlavaForConditionalGeneration": "fovea.models.llava",
+    "Gemma3ForConditionalGeneration": "fovea.models.gemma3",
 }
 
 

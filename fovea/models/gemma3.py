@@ -1,0 +1,240 @@
+"""Gemma 3: a SigLIP tower whose patch features are average-pooled, RMS-normed and projected into tokens of a Gemma
+decoder that mostly attends over a sliding window.
+
+Read top to bottom (its config.json is read by fovea/config/families.py, `parse_gemma3`):
+- the tower: every image is resized to one size (896 x 896 in 14 px patches: 64 x 64 = 4,096 patches), patch
+  embedding + learned positions -> SigLIP encoder layers (CLIP's, llava.py) -> post-norm -> the projector: a
+  pool x pool average (4 x 4: 256 tokens an image), Gemma's RMSNorm, one matrix from tower width to model width;
+- the decoder: token embeddings scaled by sqrt(hidden); each layer norms its input, attends (q and k RMS-normed per
+  head, then rotated), norms the attention's output before adding it to the residual stream, and does the same
+  around its GELU-gated MLP (four norms a layer); Gemma's RMSNorm multiplies by (1 + weight), in fp32;
+- attention: `sliding_layers` see only their last `sliding_window` keys and rotate with `local_rope_theta`; the
+  others see every key and rotate with `rope_theta`, positions divided by `rope_factor`; scores are scaled by
+  query_pre_attn_scalar^-1/2; an image's tokens see each other both ways (the step's `bidirectional_spans`),
+  within a sliding layer's window.
+Positions are 1-D. Checkpoints: the published layout (`language_model.model.*`, `vision_tower.vision_model.*`,
+`multi_modal_projector.*`, which transformers 5.24 still writes, without `vision_model.`) and transformers 5's
+module names (`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fovea.attention.layer import Attention, AttentionMetadata
+from fovea.config.model import ModelConfig, TextConfig, VisionConfig
+from fovea.distributed import TPGroup, current_tp, tensor_parallel
+from fovea.layers.basic import VocabParallelEmbedding, activation
+from fovea.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fovea.layers.rotary import apply_rotary, mrope
+from fovea.models.base import ModelOptions, VisionLanguageModel
+from fovea.models.llava import ClipLayer
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), computed in fp32 and cast back (Gemma's order: the product before the cast)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fp32 = x.float()
+        normed = fp32 * torch.rsqrt(fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ SigLIP tower
+
+
+class SiglipEmbeddings(nn.Module):
+    """The Conv2d patch embedding (kernel == stride == one patch: a matmul over its 3 x 14 x 14 values, with a
+    bias) and learned absolute positions; no class token."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.patches = (cfg.image_size // cfg.patch_size) ** 2
+        self.patch_embedding = LinearBase(cfg.frame_patch_dim, cfg.hidden_size, bias=True)
+        self.patch_embedding.weight.weight_loader = self._load_conv
+        self.position_embedding = nn.Embedding(self.patches, cfg.hidden_size)
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        LinearBase._copy(param, loaded.reshape(loaded.shape[0], -1), "patch_embedding.weight")
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(images * patches, patch values) -> (images, patches, hidden)."""
+        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+        return x.view(-1, self.patches, x.shape[-1]) + self.position_embedding.weight
+
+
+class Projector(nn.Module):
+    """(images, side x side patches, tower width) -> (images, (side / pool)^2 tokens, model width)."""
+
+    def __init__(self, cfg: VisionConfig, text_hidden: int):
+        super().__init__()
+        self.side, self.pool = cfg.image_size // cfg.patch_size, cfg.spatial_merge_size
+        self.mm_soft_emb_norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mm_input_projection_weight = nn.Parameter(torch.zeros(cfg.hidden_size, text_hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        images, _, hidden = x.shape
+        grid = x.transpose(1, 2).reshape(images, hidden, self.side, self.side)
+        pooled = F.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2)
+        return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
+
+
+class SiglipVisionTower(nn.Module):
+    def __init__(self, cfg: VisionConfig, text_hidden: int, options: ModelOptions):
+        super().__init__()
+        self.cfg, self.use_kernel = cfg, options.vision_kernel
+        self.embeddings = SiglipEmbeddings(cfg)
+        self.layers = nn.ModuleList(ClipLayer(cfg, options.fp32_softmax_vision) for _ in range(cfg.depth))
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.projector = Projector(cfg, text_hidden)
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """pixel_values: (images * patches, 588) -> (images * tokens, model width)."""
+        return self.run(pixel_values, self.layout(grids))
+
+    def filler_grids(self, pad: int) -> list[tuple[int, int, int]]:
+        side = self.cfg.image_size // self.cfg.patch_size
+        return [(1, side, side)] * (pad // side**2)
+
+    def layout(self, grids: list[tuple[int, int, int]], tile_rows: int | None = None) -> dict:
+        lengths = [t * h * w for t, h, w in grids] or [0]  # each image attends over its own patches
+        meta = AttentionMetadata.from_lengths(lengths)
+        if self.use_kernel:
+            from fovea.attention.triton_varlen import tile_table
+
+            meta.tiles = tile_table(lengths, tile_rows)
+        return {"meta": meta}
+
+    def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
+        meta = layout["meta"].to(pixel_values.device)
+        x = self.embeddings(pixel_values)
+        images, patches, hidden = x.shape
+        x = x.reshape(images * patches, hidden)
+        for layer in self.layers:
+            x = layer(x, meta)
+        x = self.projector(self.post_layernorm(x).view(images, patches, hidden))
+        return x.reshape(-1, x.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------- the decoder
+
+
+class ScaledEmbedding(VocabParallelEmbedding):
+    """Token embeddings times sqrt(hidden), the factor rounded to the weights' dtype first (as released)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.weight.shape[1] ** 0.5, dtype=self.weight.dtype, device=self.weight.device)
+        return super().forward(input_ids) * scale
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
+        self.act = activation(cfg.hidden_act)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        window = cfg.sliding_window if layer_index in cfg.sliding_layers else None
+        self.attn = Attention(
+            cfg.head_dim, True, layer_index, options.fp32_softmax, sliding_window=window, scale=cfg.attention_scale
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
+        n, dim = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * dim, self.num_kv_heads * dim, self.num_kv_heads * dim], -1)
+        q = apply_rotary(self.q_norm(q.reshape(n, self.num_heads, dim)), cos, sin)
+        k = apply_rotary(self.k_norm(k.reshape(n, self.num_kv_heads, dim)), cos, sin)
+        out = self.attn(q, k, v.reshape(n, self.num_kv_heads, dim), meta)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
+        super().__init__()
+        self.sliding = layer_index in cfg.sliding_layers
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GemmaAttention(cfg, layer_index, options)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GemmaMLP(cfg)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, cfg: TextConfig, options: ModelOptions):
+        super().__init__()
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
+        section = (cfg.head_dim // 2, 0, 0)  # 1-D: every frequency reads the first position axis
+        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, section)
+        self.local_rotary = mrope(cfg.head_dim, cfg.local_rope_theta, section)
+        self.rope_factor = cfg.rope_factor
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, options) for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        # linear scaling: the global layers' angles are position / factor
+        global_cos_sin = self.rotary.cos_sin(positions.float() / self.rope_factor)
+        local_cos_sin = self.local_rotary.cos_sin(positions)
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, *(local_cos_sin if layer.sliding else global_cos_sin), meta)
+        return self.norm(x)
+
+
+# ---------------------------------------------------------------------------------------------- the full model
+
+
+class Model(VisionLanguageModel):
+    bidirectional_images = True  # an image's tokens see each other both ways (the engine passes their spans)
+
+    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
+        super().__init__(config, options)
+        with tensor_parallel(vision_tp or current_tp()):
+            self.visual = SiglipVisionTower(config.vision, config.text.hidden_size, options)
+        self.model = GemmaModel(config.text, options)
+        self.make_lm_head()
+
+    def rename(self, name: str) -> str | None:
+        for old, new in (
+            ("model.language_model.", "model."),
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("model.vision_tower.", "visual."),
+            ("vision_tower.", "visual."),
+            ("model.multi_modal_projector.", "visual.projector."),
+            ("multi_modal_projector.", "visual.projector."),
+        ):
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+                break
+        if not name.startswith("visual.") or name.startswith("visual.projector."):
+            return name
+        name = "visual." + name.removeprefix("visual.").removeprefix("vision_model.").removeprefix("encoder.")
+        return None if name.endswith("position_ids") else name
