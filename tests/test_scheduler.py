@@ -20,7 +20,9 @@ from fovea.engine.sequence import Request, Sequence
 BLOCK = 4
 
 
-def scheduler(budget=16, max_seqs=8, blocks=64, prefix_caching=True, encoder_tokens=0, encoder_budget=None):
+def scheduler(
+    budget=16, max_seqs=8, blocks=64, prefix_caching=True, encoder_tokens=0, encoder_budget=None, whole_images=False
+):
     config = SimpleNamespace(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
@@ -28,6 +30,7 @@ def scheduler(budget=16, max_seqs=8, blocks=64, prefix_caching=True, encoder_tok
         max_loras=1,
         encoder_budget=encoder_budget or budget,
         max_model_len=1024,
+        model=SimpleNamespace(bidirectional_images=whole_images),
     )
     return Scheduler(config, BlockManager(blocks, BLOCK, prefix_caching), EncoderCache(encoder_tokens))
 
@@ -133,3 +136,17 @@ def test_a_chunk_stops_before_an_image_the_encoder_has_not_finished():
     sched.step_done(batch)
     sched.encoder_cache.put("b", torch.zeros(8, 4))
     assert step(sched) == {0: 9}  # the rest of the prompt
+
+
+def test_a_chunk_never_ends_inside_an_image_seen_both_ways():
+    """Gemma 3's image tokens see their image's later tokens: a chunk that stopped inside an image would compute
+    its first tokens without them. Such a model's chunk stops before the image instead (another model's cuts it)."""
+    prompt = [1, 2, 3, 4] + [9] * 8 + [5] * 6  # the image at 4-11, a budget of 10
+    cuts = {}
+    for whole in (False, True):
+        sched = scheduler(budget=10, encoder_tokens=100, whole_images=whole)
+        sched.encoder_cache.reserve("a", 8)
+        sched.encoder_cache.put("a", torch.zeros(8, 4))
+        sched.add(sequence(0, prompt, images=[image(4, 8, "a")]))
+        cuts[whole] = [step(sched)[0] for _ in range(3)]
+    assert cuts == {False: [10, 8, 1], True: [4, 10, 4]}

@@ -61,7 +61,7 @@ def features_needed(model: torch.nn.Module) -> tuple[str, ...]:
 
     layers = [m for m in model.modules() if isinstance(m, Attention) and m.layer_index is not None]
     needs = ("sliding_window",) if any(layer.sliding_window is not None for layer in layers) else ()
-    return needs + (("bidirectional_spans",) if getattr(model, "bidirectional_images", False) else ())
+    return needs + (("bidirectional_spans",) if model.config.bidirectional_images else ())
 
 
 def make_backend(

@@ -73,10 +73,12 @@ class EngineConfig:
     @property
     def resolved_attention_backend(self) -> str:
         """auto: our Triton kernels on CUDA (they, and the decode CUDA graphs that need them, are the fast path),
-        the PyTorch reference elsewhere."""
+        the PyTorch reference elsewhere, and for a model whose attention the kernels lack yet (Gemma 3's sliding
+        windows and two-way image spans)."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.device.type == "cuda" else "torch"
+        kernels_lack = bool(self.model.text.sliding_layers) or self.model.bidirectional_images
+        return "triton" if self.device.type == "cuda" and not kernels_lack else "torch"
 
     @property
     def schedules_ahead(self) -> bool:
@@ -161,8 +163,13 @@ class EngineConfig:
                 f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported: auto, or fp8 (e4m3; fp8_e5m2 is not)"
             )
         check_flag(config.quantization, model.text.quant)
-        if model.architecture in NOT_SERVED_YET:
-            raise ValueError(NOT_SERVED_YET[model.architecture])
+        if model.bidirectional_images:  # a chunk holds an image whole (scheduler.py)
+            per_image = model.image.encoder_unit // model.image.merge_size**2
+            if config.max_num_batched_tokens < per_image:
+                raise ValueError(
+                    f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold one image's {per_image} "
+                    "tokens: this model's image tokens see each other both ways, so an image is never cut"
+                )
         if config.generation_config not in ("auto", "vllm") and not Path(config.generation_config).is_dir():
             raise ValueError(f"generation_config must be auto, vllm or a directory, got {config.generation_config!r}")
         media_io_processor_kwargs(config.media_io_kwargs)  # a bad one fails at start, naming the key
@@ -189,14 +196,6 @@ class EngineConfig:
             max_item_tokens = int(config.largest_frame_pixels) // (vision.patch_size * vision.spatial_merge_size) ** 2
             config = dataclasses.replace(config, encoder_cache_size=max_item_tokens + config.encoder_budget)
         return config
-
-
-# families whose model runs (fovea.models.loader.load_model, checked against transformers) but whose serving is not
-# complete: refused rather than served with other tokens than the reference's
-NOT_SERVED_YET = {
-    "Gemma3ForConditionalGeneration": "Gemma 3 is not served yet: its model loads and runs (load_model), but the "
-    "engine does not yet let an image's tokens see each other both ways, nor prepare its images and chat template",
-}
 
 
 def parse_buckets(text: str | list[int] | None, merge_unit: int) -> list[int]:

@@ -465,8 +465,10 @@ def parse_gemma3(raw: dict, preprocessor: dict) -> ModelConfig:
         vision_start_token_id=raw.get("boi_token_id", raw.get("boi_token_index", 255_999)),
         vision_end_token_id=raw.get("eoi_token_id", raw.get("eoi_token_index", 256_000)),
         eos_token_ids=eos_ids(raw.get("eos_token_id", text_raw.get("eos_token_id"))),
-        image=ImageProcessorConfig.center_crop(preprocessor, patch, side),
+        image=ImageProcessorConfig.fixed_size(preprocessor, patch, side, pool),
         mrope=False,
+        bidirectional_images=True,
+        image_placeholder_id=raw.get("boi_token_id", raw.get("boi_token_index", 255_999)),
     )
 
 

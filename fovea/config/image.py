@@ -1,6 +1,6 @@
 """How a model's images are sized for its vision tower, read once from preprocessor_config.json: Qwen2-VL's
-dynamic resolution (both sides multiples of patch x merge, the area between min_pixels and max_pixels) or CLIP's
-resize-and-crop (LLaVA). The pixels themselves are processed in multimodal/image.py; this is what the config,
+dynamic resolution (both sides multiples of patch x merge, the area between min_pixels and max_pixels), CLIP's
+resize-and-crop (LLaVA) or one fixed size whatever the aspect ratio (Gemma 3's SigLIP). The pixels themselves are processed in multimodal/image.py; this is what the config,
 the models and `fovea plan` need to know about them."""
 
 from __future__ import annotations
@@ -71,9 +71,11 @@ class ImageProcessorConfig:
     image_std: tuple[float, ...] = CLIP_STD
 
     # CLIP-style preprocessing (LLaVA): the shortest side resized to `shortest_edge`, then a centre crop of
-    # crop_size x crop_size; 0: Qwen's dynamic resolution (smart_resize between min_pixels and max_pixels)
+    # crop_size x crop_size; shortest_edge 0: resized to crop_size x crop_size straight (Gemma 3); crop_size 0:
+    # Qwen's dynamic resolution (smart_resize between min_pixels and max_pixels)
     crop_size: int = 0
     shortest_edge: int = 0
+    resample: str = "bicubic"  # PIL's filter: "bicubic" (Qwen, CLIP) or "bilinear" (Gemma 3)
 
     @classmethod
     def dynamic(cls, raw: dict) -> ImageProcessorConfig:
@@ -114,6 +116,30 @@ class ImageProcessorConfig:
             shortest_edge=shortest,
         )
 
+    @classmethod
+    def fixed_size(cls, raw: dict, patch_size: int, image_size: int, merge_size: int) -> ImageProcessorConfig:
+        """Gemma3ImageProcessor's settings: every image resized to image_size x image_size (bilinear), its
+        mean and std 0.5 unless given, a token for each merge_size x merge_size patches; pan-and-scan (extra
+        crops of wide images) is not supported yet."""
+        size = raw.get("size") or {}
+        if (size.get("height", image_size), size.get("width", image_size)) != (image_size, image_size):
+            raise ValueError(f"the vision tower takes {image_size}x{image_size} images, the processor makes {size}")
+        if raw.get("do_pan_and_scan"):
+            raise ValueError("Gemma 3's pan-and-scan (do_pan_and_scan) is not supported yet")
+        if raw.get("resample", 2) != 2:
+            raise ValueError(f"only bilinear resampling (2) is supported here, got {raw.get('resample')}")
+        return cls(
+            min_pixels=image_size * image_size,
+            max_pixels=image_size * image_size,
+            patch_size=patch_size,
+            temporal_patch_size=1,
+            merge_size=merge_size,
+            image_mean=tuple(raw.get("image_mean", (0.5, 0.5, 0.5))),
+            image_std=tuple(raw.get("image_std", (0.5, 0.5, 0.5))),
+            crop_size=image_size,
+            resample="bilinear",
+        )
+
     @property
     def encoder_unit(self) -> int:
         """Patches a vision tower's input grows by: one merge group, or one whole image when all have one size."""
@@ -122,7 +148,7 @@ class ImageProcessorConfig:
     def input_size(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) an image of this size reaches the vision tower at."""
         if self.crop_size:
-            crop_resize(height, width, self.shortest_edge)  # refuses what it cannot resize
+            crop_resize(height, width, self.shortest_edge or self.crop_size)  # refuses what it cannot resize
             return self.crop_size, self.crop_size
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
 

@@ -133,6 +133,12 @@ class ModelConfig:
     image: ImageProcessorConfig = ImageProcessorConfig()  # the checkpoint's preprocessing, as its family reads it
     mrope: bool = True  # position rule: M-RoPE (t, h, w) for vision tokens, or 1-D for every token
     video: VideoOptions | TimestampedVideoOptions = VideoOptions()  # the family's video rule, where it takes videos
+    # an image's tokens see each other both ways (Gemma 3): a prefill chunk holds an image whole, and the step
+    # names each image's span to the attention backend
+    bidirectional_images: bool = False
+    # what a chat template writes for an image where that is not image_token_id (Gemma 3: <start_of_image>, which
+    # becomes "\n\n<start_of_image>" + the image's tokens + "<end_of_image>\n\n", multimodal/prompt.py)
+    image_placeholder_id: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

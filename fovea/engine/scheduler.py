@@ -30,6 +30,7 @@ class Scheduler:
         self.config = config
         self.blocks = block_manager
         self.encoder_cache = encoder_cache
+        self.whole_images = config.model.bidirectional_images  # a chunk never ends inside an image
         self.waiting: list[Sequence] = []  # kept in arrival order, preempted sequences included
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
@@ -248,7 +249,7 @@ class Scheduler:
 
     def _fit_encoder(self, seq: Sequence, start: int, n: int, batch: ScheduledBatch) -> int:
         """How many of the `n` tokens from `start` can run: the chunk stops before the first image whose
-        embeddings are not ready. Every image the `n` tokens reach and the cache lacks is handed to the encoder
+        embeddings are not ready, and for a model whose images are seen both ways, before one it would cut. Every image the `n` tokens reach and the cache lacks is handed to the encoder
         (ScheduledStep.encode) while this step's encoder budget and the cache have room; the sequence holds the entries
         until it is past them."""
         cache, cut = self.encoder_cache, n
@@ -268,8 +269,8 @@ class Scheduler:
                     batch.step.encode.append(item)
             if cache.contains(key):
                 cache.acquire(key, seq.seq_id)
-            if not cache.ready(key):
-                cut = min(cut, max(item.span.start - start, 0))
+            if not cache.ready(key) or (self.whole_images and start + n < item.end):
+                cut = min(cut, max(item.span.start - start, 0))  # (an image seen both ways is run whole)
         return cut
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:

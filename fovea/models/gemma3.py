@@ -3,8 +3,9 @@ decoder that mostly attends over a sliding window.
 
 Read top to bottom (its config.json is read by fovea/config/families.py, `parse_gemma3`):
 - the tower: every image is resized to one size (896 x 896 in 14 px patches: 64 x 64 = 4,096 patches), patch
-  embedding + learned positions -> SigLIP encoder layers (CLIP's, llava.py) -> post-norm -> the projector: a
-  pool x pool average (4 x 4: 256 tokens an image), Gemma's RMSNorm, one matrix from tower width to model width;
+  embedding + learned positions -> SigLIP encoder layers (CLIP's, llava.py) -> post-norm -> the projector: the
+  mean of each pool x pool patches (4 x 4: 256 tokens an image), Gemma's RMSNorm, one matrix from tower width to
+  model width;
 - the decoder: token embeddings scaled by sqrt(hidden); each layer norms its input, attends (q and k RMS-normed per
   head, then rotated), norms the attention's output before adding it to the residual stream, and does the same
   around its GELU-gated MLP (four norms a layer); Gemma's RMSNorm multiplies by (1 + weight), in fp32;
@@ -20,7 +21,6 @@ module names (`model.language_model.*`, `model.vision_tower.*`, `model.multi_mod
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fovea.attention.layer import Attention, AttentionMetadata
@@ -52,14 +52,18 @@ class GemmaRMSNorm(nn.Module):
 
 class SiglipEmbeddings(nn.Module):
     """The Conv2d patch embedding (kernel == stride == one patch: a matmul over its 3 x 14 x 14 values, with a
-    bias) and learned absolute positions; no class token."""
+    bias) and learned absolute positions; no class token. Patches arrive as patchify lays them out, each pool x
+    pool group of one image token together: the positions, learned row by row, are read in that order."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.patches = (cfg.image_size // cfg.patch_size) ** 2
+        side, pool = cfg.image_size // cfg.patch_size, cfg.spatial_merge_size
+        self.patches = side * side
         self.patch_embedding = LinearBase(cfg.frame_patch_dim, cfg.hidden_size, bias=True)
         self.patch_embedding.weight.weight_loader = self._load_conv
         self.position_embedding = nn.Embedding(self.patches, cfg.hidden_size)
+        row_major = torch.arange(self.patches).view(side // pool, pool, side // pool, pool)
+        self.register_buffer("grouped", row_major.permute(0, 2, 1, 3).flatten(), persistent=False)
 
     def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         LinearBase._copy(param, loaded.reshape(loaded.shape[0], -1), "patch_embedding.weight")
@@ -67,22 +71,22 @@ class SiglipEmbeddings(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(images * patches, patch values) -> (images, patches, hidden)."""
         x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
-        return x.view(-1, self.patches, x.shape[-1]) + self.position_embedding.weight
+        return x.view(-1, self.patches, x.shape[-1]) + self.position_embedding.weight[self.grouped]
 
 
 class Projector(nn.Module):
-    """(images, side x side patches, tower width) -> (images, (side / pool)^2 tokens, model width)."""
+    """(images, patches, tower width) -> (images, patches / pool^2 tokens, model width): each token the mean of
+    its pool x pool patches (laid out together), RMS-normed, then projected."""
 
     def __init__(self, cfg: VisionConfig, text_hidden: int):
         super().__init__()
-        self.side, self.pool = cfg.image_size // cfg.patch_size, cfg.spatial_merge_size
+        self.group = cfg.spatial_merge_size**2
         self.mm_soft_emb_norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mm_input_projection_weight = nn.Parameter(torch.zeros(cfg.hidden_size, text_hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        images, _, hidden = x.shape
-        grid = x.transpose(1, 2).reshape(images, hidden, self.side, self.side)
-        pooled = F.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2)
+        images, patches, hidden = x.shape
+        pooled = x.view(images, patches // self.group, self.group, hidden).mean(2)
         return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
 
 
@@ -212,8 +216,6 @@ class GemmaModel(nn.Module):
 
 
 class Model(VisionLanguageModel):
-    bidirectional_images = True  # an image's tokens see each other both ways (the engine passes their spans)
-
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
         super().__init__(config, options)
         with tensor_parallel(vision_tp or current_tp()):

@@ -172,13 +172,13 @@ class ImageProcessor:
 
     def process(self, planned: PlannedImage) -> ProcessedImage:
         cfg = planned.config
-        if cfg.crop_size:
+        if cfg.crop_size and cfg.shortest_edge:
             height, width = crop_resize(planned.image.height, planned.image.width, cfg.shortest_edge)
             top, left = (height - cfg.crop_size) // 2, (width - cfg.crop_size) // 2
             pixels = resize(planned.image, width, height)[top : top + cfg.crop_size, left : left + cfg.crop_size]
             pixels = np.ascontiguousarray(pixels)
         else:
-            pixels = resize(planned.image, planned.width, planned.height)
+            pixels = resize(planned.image, planned.width, planned.height, cfg.resample)
         grid = planned_grid(planned)
         return ProcessedImage(pixels, grid, pixels_hash(pixels, grid), planned.config.merge_size)
 
@@ -188,7 +188,10 @@ def planned_grid(planned: PlannedImage) -> tuple[int, int, int]:
     return 1, planned.height // p, planned.width // p
 
 
-def resize(image: Image.Image, width: int, height: int) -> np.ndarray:
+FILTERS = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}
+
+
+def resize(image: Image.Image, width: int, height: int, resample: str = "bicubic") -> np.ndarray:
     """Decodes and resizes: (height, width, 3) uint8. A JPEG at least twice the target size on both sides is
     decoded at a reduced scale (Image.draft: 1/2, 1/4 or 1/8, still at least twice the target), which skips most
     of the decoding work; smaller reductions decode in full, exactly as transformers does."""
@@ -196,5 +199,5 @@ def resize(image: Image.Image, width: int, height: int) -> np.ndarray:
         image.draft(None, (2 * width, 2 * height))
     image = to_rgb(decode_pixels(image))
     if (width, height) != image.size:
-        image = image.resize((width, height), resample=Image.BICUBIC)
+        image = image.resize((width, height), resample=FILTERS[resample])
     return np.array(image)  # writable (torch.from_numpy of a read-only array warns)

@@ -184,6 +184,8 @@ class PromptProcessor:
         self.video_options = config.video.with_kwargs(mm_processor_kwargs)
         self.decoder = decoder or LocalDecoder()
         self.placeholders = {"image": self._placeholder(config.image_token_id)}  # for "string" chat templates
+        if config.image_placeholder_id is not None:
+            self.placeholders["image"] = self.tokenizer.convert_ids_to_tokens(config.image_placeholder_id)
         if config.video_token_id is not None:
             self.placeholders["video"] = self._placeholder(config.video_token_id)
         self.max_token_chars = max_token_chars(self.tokenizer)
@@ -290,6 +292,9 @@ class PromptProcessor:
         """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
         writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
         videos' pixels are decoded."""
+        wrapped = self.config.image_placeholder_id is not None
+        if wrapped:
+            prompt = self._wrap_images(prompt, len(images))
         ids = self.encode(prompt, max_tokens, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if videos and self.config.video_token_id is None:
             raise ValueError(f"{self.config.architecture} takes no videos")
@@ -308,7 +313,7 @@ class PromptProcessor:
         planned_videos = [
             plan_video(video, options, self.decoder.probe, cfg.patch_size, cfg.merge_size) for video in videos
         ]
-        length = len(ids) + sum(p.num_tokens - 1 for p in planned + planned_videos)
+        length = len(ids) + sum(p.num_tokens - 1 for p in ([] if wrapped else planned) + planned_videos)
         if max_tokens is not None and length > max_tokens:
             raise prompt_too_long(length, max_tokens)
         processed, clips = [], []
@@ -331,10 +336,35 @@ class PromptProcessor:
             raise ValueError("image embeddings as input are off here; the server takes them with --enable-mm-embeds")
         return image_embeds(source, self.config)
 
+    def _wrap_images(self, prompt: str | list[int], count: int) -> str | list[int]:
+        """Gemma 3's processor: each image placeholder (<start_of_image>) becomes "\n\n<start_of_image>", the
+        image's tokens, "<end_of_image>\n\n", in the text before it is tokenized (its newlines then merge with
+        the text's as the tokenizer merges them); in token ids, id for id."""
+        config, tokens = self.config, self.tokenizer.convert_ids_to_tokens
+        per_image = self.image_processor.config.encoder_unit // self.image_processor.config.merge_size**2
+        soft, start, end = config.image_token_id, config.image_placeholder_id, config.vision_end_token_id
+        found = prompt.count(tokens(start)) if isinstance(prompt, str) else prompt.count(start)
+        if found != count:
+            raise ValueError(f"prompt has {found} image placeholders ({tokens(start)}) but {count} images were given")
+        if isinstance(prompt, str):
+            return prompt.replace(tokens(start), f"\n\n{tokens(start)}{tokens(soft) * per_image}{tokens(end)}\n\n")
+        newlines = self.tokenizer.encode("\n\n", add_special_tokens=False)
+        image = [*newlines, start, *[soft] * per_image, end, *newlines]
+        return [t for token in prompt for t in (image if token == start else [token])]
+
     def expand(
         self, ids: list[int], images: list[ProcessedImage], videos: list[ProcessedImage] = ()
     ) -> ProcessedPrompt:
         """Each placeholder token becomes its item's run of tokens; the items come back in prompt order."""
+        if self.config.image_placeholder_id is not None:  # the text holds each image's tokens already
+            runs = [
+                i
+                for i, token in enumerate(ids)
+                if token == self.config.image_token_id and (i == 0 or ids[i - 1] != token)
+            ]
+            if len(runs) != len(images):
+                raise ValueError(f"prompt has {len(runs)} runs of image tokens but {len(images)} images were given")
+            return ProcessedPrompt(ids, list(images), linear_positions(len(ids)), 0)
         items = {self.config.image_token_id: ("image", images)}
         if self.config.video_token_id is not None:
             items[self.config.video_token_id] = ("video", videos)

@@ -276,6 +276,7 @@ class ModelRunner:
             step.max_seq_len,
             self.config.block_size,
             self.kv_caches,
+            bidirectional_spans=step.image_spans if self.config.model.bidirectional_images else {},
         )
         num_seqs = len(step.seq_lens)
         # the decode graphs hold the base model only: a step with adapters runs eagerly

@@ -89,6 +89,8 @@ class StepInput:
     fill_rows: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
     dropped_loras: list[int] = field(default_factory=list)  # adapters every rank frees before the step
+    # by sequence (its index in the step): (first, end) prompt positions of the images its chunk holds
+    image_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def lora_rows(self) -> list[tuple[np.ndarray, LoRARequest]]:
         """The rows (tokens) of each adapter of the step."""
@@ -143,7 +145,7 @@ def build_step(
     positions = np.empty((3, total), dtype=np.int64)
     slots = np.empty(total, dtype=np.int64)
     fill_rows, fill_from = [], []
-    mm_embeds, mm_mask = [], np.zeros(total, dtype=bool)
+    mm_embeds, mm_mask, image_spans = [], np.zeros(total, dtype=bool), {}
     logits_rows, logprob_spans = [], []
     plan = SamplePlan([], [], [])
     # decodes, the common case: a sequence's last token, generated, one sample (forks split off after a prompt),
@@ -186,6 +188,7 @@ def build_step(
                 embeds = encoded(item.content_hash)
                 mm_embeds.append(embeds[lo - item.span.start : hi - item.span.start])
                 mm_mask[offset + lo - start : offset + hi - start] = True
+                image_spans.setdefault(index, []).append((item.span.start, item.end))
         if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
             # rows start..end-1 predict tokens start+1..end, those inside the prompt are wanted
             count = min(end, seq.num_prompt_tokens - 1) - start
@@ -235,5 +238,6 @@ def build_step(
         fill_rows,
         fill_from,
         step.dropped_loras,
+        image_spans,
     )
     return step_input, embeds, plan, rows
