@@ -289,3 +289,27 @@ def test_engine_greedy_matches_transformers(checkpoints):
 def test_a_budget_smaller_than_an_image_is_refused(checkpoints):
     with pytest.raises(ValueError, match="must hold one image's 16 tokens"):
         EngineConfig.from_args(str(checkpoints["large_images"]), dtype="float32", max_num_batched_tokens=8)
+
+
+def test_auto_attention_is_the_reference_that_has_its_features(checkpoints):
+    """The Triton kernels lack sliding windows and two-way image spans yet: `auto` picks the PyTorch reference for
+    Gemma 3 on a GPU too (another model gets the kernels), and naming the kernels fails at start, naming why."""
+    import dataclasses
+
+    from fovea.attention import make_backend
+    from fovea.models.loader import load_model
+
+    config = EngineConfig.from_args(str(checkpoints["small"]), dtype="float32")
+    on_gpu = dataclasses.replace(config, device=torch.device("cuda"))
+    assert on_gpu.resolved_attention_backend == "torch"
+    qwen = dataclasses.replace(on_gpu, model=dataclasses.replace(config.model, bidirectional_images=False))
+    qwen = dataclasses.replace(
+        qwen, model=dataclasses.replace(qwen.model, text=dataclasses.replace(qwen.model.text, sliding_layers=()))
+    )
+    assert qwen.resolved_attention_backend == "triton"
+    from fovea.attention import features_needed
+
+    model, _ = load_model(checkpoints["small"], dtype="float32")
+    assert features_needed(model) == ("sliding_window", "bidirectional_spans")
+    with pytest.raises(ValueError, match="needs sliding_window, bidirectional_spans attention, which the triton"):
+        make_backend("triton", 2, False, torch.device("cpu"), features_needed(model))

@@ -249,9 +249,9 @@ class Scheduler:
 
     def _fit_encoder(self, seq: Sequence, start: int, n: int, batch: ScheduledBatch) -> int:
         """How many of the `n` tokens from `start` can run: the chunk stops before the first image whose
-        embeddings are not ready, and for a model whose images are seen both ways, before one it would cut. Every image the `n` tokens reach and the cache lacks is handed to the encoder
-        (ScheduledStep.encode) while this step's encoder budget and the cache have room; the sequence holds the entries
-        until it is past them."""
+        embeddings are not ready, and (a model whose images are seen both ways) before one it would cut. Every
+        image the `n` tokens reach and the cache lacks is handed to the encoder (ScheduledStep.encode) while this
+        step's encoder budget and the cache have room; the sequence holds the entries until it is past them."""
         cache, cut = self.encoder_cache, n
         for item in seq.request.mm_items:
             if item.end <= start or item.span.start >= start + n:

@@ -357,13 +357,14 @@ class PromptProcessor:
     ) -> ProcessedPrompt:
         """Each placeholder token becomes its item's run of tokens; the items come back in prompt order."""
         if self.config.image_placeholder_id is not None:  # the text holds each image's tokens already
-            runs = [
-                i
-                for i, token in enumerate(ids)
-                if token == self.config.image_token_id and (i == 0 or ids[i - 1] != token)
-            ]
-            if len(runs) != len(images):
-                raise ValueError(f"prompt has {len(runs)} runs of image tokens but {len(images)} images were given")
+            token, runs = self.config.image_token_id, []
+            for i, t in enumerate(ids):
+                if t == token and i and ids[i - 1] == token:
+                    runs[-1] += 1
+                elif t == token:
+                    runs.append(1)
+            if runs != [image.num_tokens for image in images]:
+                raise ValueError(f"the prompt's runs of image tokens {runs} are not its images' {len(images)}")
             return ProcessedPrompt(ids, list(images), linear_positions(len(ids)), 0)
         items = {self.config.image_token_id: ("image", images)}
         if self.config.video_token_id is not None:
