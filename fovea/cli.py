@@ -20,12 +20,14 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _tiny(args: argparse.Namespace) -> None:
     from fovea.testing.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny_gemma3 import write_gemma3_checkpoint
     from fovea.testing.tiny_llava import LLAVA_SHAPES, write_llava_checkpoint
     from fovea.testing.tiny_qwen3_vl import QWEN3_VL_SHAPES, write_qwen3_vl_checkpoint
 
     writers = {
         **dict.fromkeys(LLAVA_SHAPES, write_llava_checkpoint),
         **dict.fromkeys(QWEN3_VL_SHAPES, write_qwen3_vl_checkpoint),
+        "tiny-gemma3": write_gemma3_checkpoint,
     }
     write = writers.get(args.config, write_tiny_checkpoint)
     out = write(
@@ -114,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
             "qwen3-vl-30b-a3b",
             "tiny-llava",
             "llava-1.5-7b",
+            "tiny-gemma3",
         ],
         help="the 7b/8b/30b/32b ones: the published shapes (16-67 GB in bf16; use --device cuda)",
     )

@@ -62,16 +62,24 @@ def write_tokenizer(out: Path) -> None:
 
 def write_gemma3_checkpoint(
     out_dir: str | Path,
+    name: str = "tiny-gemma3",
     *,
     seed: int = 0,
     image_size: int = 56,
     tokens_per_image: int = 4,
     sliding_window: int = 8,
     rope_scaling: dict | None = None,
+    layout: str = "published",
+    shards: int = 1,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> Path:
     """Four decoder layers (sliding, global, sliding, global) of width 64, a two-layer SigLIP of width 32; 14 px
     patches, pooled to `tokens_per_image`. Gemma's norms (a factor of 1 + weight, 0 at initialisation) get random
-    weights too, so that they matter."""
+    weights too, so that they matter. Written as transformers writes it (the published names; `fovea tiny`'s
+    layout, shards and device do not apply), in fp32 or `dtype`."""
+    if name != "tiny-gemma3":
+        raise ValueError(f"unknown Gemma 3 configuration {name!r}: tiny-gemma3")
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -113,7 +121,7 @@ def write_gemma3_checkpoint(
         eoi_token_index=EOI,
         eos_token_id=[1, TURN_END],
     )
-    model = Gemma3ForConditionalGeneration(config)
+    model = Gemma3ForConditionalGeneration(config).to(getattr(torch, dtype))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
