@@ -14,7 +14,10 @@ What is drawn, per family:
 - Qwen2-VL's tower: 1-3 blocks, MLP ratio 2 or 4;
 - Qwen3-VL's tower: 2-4 blocks, DeepStack from any 1-3 of them, a learned position grid of 4x4, 6x6 or 8x8;
   its MoE variant: 2 or 4 experts, 1 or 2 per token, a sparse step of 1 or 2, any dense (mlp_only) layers;
-- LLaVA's CLIP tower: 2-3 layers of 1-4 heads, features from the last or the second-to-last layer.
+- LLaVA's CLIP tower: 2-3 layers of 1-4 heads, features from the last or the second-to-last layer;
+- Gemma 3: 1-4 decoder layers, every one, every second or every third seeing all keys and the others a window of
+  4-64, the scores' scale its own (query_pre_attn_scalar), the global layers' positions scaled linearly or not;
+  its SigLIP tower 1-3 layers of 1-4 heads.
 Weights are drawn wider than transformers' default (initializer_range 0.1): with its 0.02 a model's logits are so
 flat that a broken rule can hide; `test_the_fuzzer_sees_a_broken_rule` checks that it does not.
 """
@@ -48,6 +51,10 @@ from fovea import LLM, SamplingParams
 from fovea.config.model import ModelConfig
 from fovea.models.loader import load_model
 from fovea.multimodal.prompt import PromptProcessor
+from fovea.testing.tiny_gemma3 import BOI as GEMMA_BOI
+from fovea.testing.tiny_gemma3 import EOI as GEMMA_EOI
+from fovea.testing.tiny_gemma3 import IMAGE as GEMMA_IMAGE
+from fovea.testing.tiny_gemma3 import VOCAB as GEMMA_VOCAB
 from fovea.testing.tiny_llava import IMAGE_TOKEN as LLAVA_IMAGE_TOKEN
 from fovea.testing.tiny_llava import LLAVA_SHAPES
 
@@ -55,7 +62,7 @@ LLAVA_VOCAB = LLAVA_SHAPES["tiny-llava"]["vocab"]  # the tiny LLaVA's tokenizer'
 
 SEED = int(os.environ.get("FOVEA_FUZZ_SEED") or random.SystemRandom().randrange(1 << 30))
 DRAWS = int(os.environ.get("FOVEA_FUZZ_DRAWS", "1"))
-FAMILIES = ["qwen2.5-vl", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "llava"]
+FAMILIES = ["qwen2.5-vl", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "llava", "gemma3"]
 KINDS = ("text", "one_image", "two_images")
 INIT = 0.1
 TOLERANCE = 1e-4  # on logits, fp32
@@ -100,6 +107,19 @@ def draw(family: str, rng: random.Random) -> dict:
         return dict(text_config=text, vision_config=vision, vision_feature_layer=rng.choice([-1, -2]),
                     vision_feature_select_strategy="default", image_token_index=LLAVA_IMAGE_TOKEN,
                     projector_hidden_act="gelu", tie_word_embeddings=tied, initializer_range=INIT)  # fmt: skip
+    if family == "gemma3":
+        text, head_dim = decoder(rng, explicit_head_dim=True)
+        text.update(model_type="gemma3_text", vocab_size=GEMMA_VOCAB, num_hidden_layers=rng.randint(1, 4),
+                    sliding_window=rng.choice([4, 8, 16, 64]), sliding_window_pattern=rng.choice([1, 2, 3]),
+                    query_pre_attn_scalar=rng.choice([head_dim, 24, 64]), max_position_embeddings=2048,
+                    rope_scaling=rng.choice([None, {"rope_type": "linear", "factor": 8.0}]))  # fmt: skip
+        heads = rng.choice([1, 2, 4])
+        vision = dict(model_type="siglip_vision_model", hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads,
+                      intermediate_size=rng.choice([32, 64]), num_hidden_layers=rng.randint(1, 3), image_size=56,
+                      patch_size=14, vision_use_head=False, initializer_range=INIT)  # fmt: skip
+        return dict(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=GEMMA_IMAGE,
+                    boi_token_index=GEMMA_BOI, eoi_token_index=GEMMA_EOI, tie_word_embeddings=tied,
+                    initializer_range=INIT)  # fmt: skip
     qwen3 = family.startswith("qwen3")
     text, head_dim = decoder(rng, explicit_head_dim=qwen3)
     rope = dict(rope_type="default", rope_theta=rng.choice([1e4, 1e6]), mrope_section=sections(rng, head_dim // 2))
@@ -136,6 +156,7 @@ def draw(family: str, rng: random.Random) -> dict:
 def bases(tmp_path_factory):
     """Each family's tiny checkpoint: its tokenizer, processor settings and chat template are the draws' too."""
     from fovea.testing.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny_gemma3 import write_gemma3_checkpoint
     from fovea.testing.tiny_llava import write_llava_checkpoint
     from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
 
@@ -147,6 +168,7 @@ def bases(tmp_path_factory):
         "qwen3-vl": qwen3,
         "qwen3-vl-moe": qwen3,
         "llava": write_llava_checkpoint(root / "llava", seed=1),
+        "gemma3": write_gemma3_checkpoint(root / "gemma3", seed=1),  # 56 px images, 4 tokens each
     }
 
 
@@ -156,7 +178,7 @@ def materialize(family: str, config: dict, base, out, seed: int):
     import transformers
 
     names = {"qwen2.5-vl": "Qwen2_5_VL", "qwen2-vl": "Qwen2VL", "qwen3-vl": "Qwen3VL", "qwen3-vl-moe": "Qwen3VLMoe",
-             "llava": "Llava"}  # fmt: skip
+             "llava": "Llava", "gemma3": "Gemma3"}  # fmt: skip
     keep = shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json")
     shutil.copytree(base, out, ignore=keep)
     torch.manual_seed(seed)
@@ -207,7 +229,7 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
     config = draw(family, random.Random(seed))
     where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({family}, seed {seed}): {json.dumps(config)}"
     model_dir = materialize(family, config, bases[family], tmp_path / f"{family}-{draw_index}", seed)
-    kinds = KINDS if family == "llava" else (*KINDS, "video")
+    kinds = KINDS if family in ("llava", "gemma3") else (*KINDS, "video")
     try:
         for kind in kinds:
             gap, allowed, same = parity(family, model_dir, kind)
@@ -294,6 +316,37 @@ def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
     try:
         assert logits_gap(family, reference, reference, "one_image")[0] <= TOLERANCE  # intact, it matches
         gap, _ = logits_gap(family, ours, reference, "one_image", mutate)
+        assert gap > 10 * TOLERANCE, (
+            f"{broken} went unseen (gap {gap:.2e}) at FOVEA_FUZZ_SEED={SEED}: {json.dumps(config)}"
+        )
+    finally:
+        forget_hf_models(reference)
+
+
+@pytest.mark.parametrize("broken", ["sliding_window_changed", "images_seen_one_way"])
+def test_the_fuzzer_sees_a_broken_gemma3_rule(broken, bases, tmp_path):
+    """Gemma 3: our side with another sliding window (64 for 4), or with an image's tokens seeing only earlier ones
+    (no bidirectional spans): the logits part by ten times the tolerance or more on an image."""
+    import dataclasses
+
+    config = draw("gemma3", random.Random(SEED))
+    config["text_config"].update(num_hidden_layers=2, sliding_window=4, sliding_window_pattern=2)
+    reference = materialize("gemma3", config, bases["gemma3"], tmp_path / "reference", SEED)
+    ours = tmp_path / "ours"
+    shutil.copytree(reference, ours)
+    mutate = None
+    if broken == "sliding_window_changed":
+        raw = json.loads((ours / "config.json").read_text())
+        raw["text_config"]["sliding_window"] = 64
+        (ours / "config.json").write_text(json.dumps(raw))
+    else:
+
+        def mutate(model):
+            model.config = dataclasses.replace(model.config, bidirectional_images=False)
+
+    try:
+        assert logits_gap("gemma3", reference, reference, "one_image")[0] <= TOLERANCE  # intact, it matches
+        gap, _ = logits_gap("gemma3", ours, reference, "one_image", mutate)
         assert gap > 10 * TOLERANCE, (
             f"{broken} went unseen (gap {gap:.2e}) at FOVEA_FUZZ_SEED={SEED}: {json.dumps(config)}"
         )

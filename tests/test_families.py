@@ -1,5 +1,6 @@
-"""LLaVA-1.5, Qwen2-VL and Qwen3-VL (dense and MoE) against transformers on tiny fp32 checkpoints: preprocessing, logits, and greedy tokens
-through the whole engine (chunked prefill, prefix caching, preemption) with text, one image and two images."""
+"""LLaVA-1.5, Qwen2-VL, Qwen3-VL (dense and MoE) and Gemma 3 against transformers on tiny fp32 checkpoints:
+preprocessing, logits, and greedy tokens through the whole engine (chunked prefill, prefix caching, preemption)
+with text, one image and two images."""
 
 from __future__ import annotations
 
@@ -19,17 +20,21 @@ from fovea.multimodal.patchify import patchify
 from fovea.multimodal.prompt import PromptProcessor
 
 FAMILIES = ["llava", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe"]
+PARITY_FAMILIES = [*FAMILIES, "gemma3"]  # logits and engine tokens; Gemma 3's own checks: tests/test_gemma3.py
 MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
     from fovea.testing.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny_gemma3 import write_gemma3_checkpoint
     from fovea.testing.tiny_llava import write_llava_checkpoint
     from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
 
     root = tmp_path_factory.mktemp("families")
     return {
+        # 16 tokens an image, twice the sliding window
+        "gemma3": write_gemma3_checkpoint(root / "gemma3", seed=7, image_size=112, tokens_per_image=16),
         "llava": write_llava_checkpoint(root / "llava", seed=3),
         "qwen2-vl": write_tiny_checkpoint(root / "qwen2-vl", "tiny-qwen2-vl", seed=4),
         "qwen3-vl": write_qwen3_vl_checkpoint(root / "qwen3-vl", seed=5),
@@ -83,7 +88,18 @@ def hf_llava_inputs(model_dir, messages, images):
     return out
 
 
+def hf_processor_inputs(model_dir, messages, images):
+    """transformers' own processor (Gemma 3's: its chat template, image processor and placeholder expansion)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return dict(processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False))
+
+
 def reference_inputs(family, model_dir, messages, images):
+    if family == "gemma3":
+        return hf_processor_inputs(model_dir, messages, images)
     return hf_llava_inputs(model_dir, messages, images) if family == "llava" else hf_inputs(model_dir, messages, images)
 
 
@@ -127,7 +143,7 @@ def test_llava_pixels_equal_clip_image_processor(family_dirs, size):
     assert torch.equal(ours, ref)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PARITY_FAMILIES)
 @pytest.mark.parametrize("kind", ["text", "one_image", "two_images"])
 def test_logits_match_transformers(family_dirs, family, kind):
     gap, same_argmax = logits_gap(family, family_dirs[family], family_dirs[family], kind)
@@ -174,8 +190,16 @@ def prompt_logits(model, prompt) -> torch.Tensor:
         if prompt.images:  # one at a time: an image's patches hold one frame, a video's two
             pixels = [patchify(torch.from_numpy(im.pixels), model.config.image) for im in prompt.images]
             mm = torch.cat([model.encode_images(p, [im.grid_thw])[0] for p, im in zip(pixels, prompt.images)])
-        hidden = model(torch.tensor(ids), torch.from_numpy(positions), AttentionMetadata.from_lengths([len(ids)]), mm)
+        spans = {0: image_runs(ids, model.config.image_token_id)} if model.config.bidirectional_images else None
+        meta = AttentionMetadata.from_lengths([len(ids)], bidirectional_spans=spans)
+        hidden = model(torch.tensor(ids), torch.from_numpy(positions), meta, mm)
         return model.compute_logits(hidden)
+
+
+def image_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(first, end) of each run of `token`: an image's tokens, which see each other both ways (Gemma 3)."""
+    starts = [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != token)]
+    return [(start, next((i for i in range(start, len(ids)) if ids[i] != token), len(ids))) for start in starts]
 
 
 def reference_logits(family: str, model_dir, kind: str, dtype=torch.float32) -> torch.Tensor:
@@ -185,8 +209,11 @@ def reference_logits(family: str, model_dir, kind: str, dtype=torch.float32) -> 
 def hf_logits(model_dir, inputs: dict, dtype=torch.float32) -> torch.Tensor:
     """transformers' logits over `inputs`' prompt and EXTRA, its model run in `dtype`."""
     inputs = dict(inputs, input_ids=torch.cat([inputs["input_ids"], torch.tensor([EXTRA])], 1))
-    if "mm_token_type_ids" in inputs:
-        inputs["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, len(EXTRA)))
+    for name in ("mm_token_type_ids", "token_type_ids"):  # (Gemma 3's processor names them the latter)
+        if name in inputs:
+            inputs[name] = torch.nn.functional.pad(inputs[name], (0, len(EXTRA)))
+    if "attention_mask" in inputs:
+        inputs["attention_mask"] = torch.nn.functional.pad(inputs["attention_mask"], (0, len(EXTRA)), value=1)
     for name in ("pixel_values", "pixel_values_videos"):
         if name in inputs:
             inputs[name] = inputs[name].to(dtype)
@@ -204,7 +231,7 @@ def hf_generate(model_dir, inputs: dict) -> list[int]:
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PARITY_FAMILIES)
 def test_engine_greedy_matches_transformers(family_dirs, family):
     """Budgets small enough that long prompts are prefilled in chunks, sequences are preempted, and repeated
     system prompts and images come from the prefix cache."""
@@ -222,8 +249,8 @@ def test_engine_greedy_matches_transformers(family_dirs, family):
         max_num_seqs=4,
         max_num_batched_tokens=256,
         block_size=16,
-        num_gpu_blocks_override=120 if per_image else 40,
-        max_model_len=1536 if per_image else 640,
+        num_gpu_blocks_override={"llava": 120, "gemma3": 26}.get(family, 40),  # Gemma's images are 16 tokens
+        max_model_len={"llava": 1536, "gemma3": 336}.get(family, 640),
         encoder_cache_size=4 * 576,
     )
     # every image encoded first and kept in the encoder cache: how many sequences grow together (and so whether
