@@ -313,3 +313,34 @@ def test_auto_attention_is_the_reference_that_has_its_features(checkpoints):
     assert features_needed(model) == ("sliding_window", "bidirectional_spans")
     with pytest.raises(ValueError, match="needs sliding_window, bidirectional_spans attention, which the triton"):
         make_backend("triton", 2, False, torch.device("cpu"), features_needed(model))
+
+
+def test_tensor_parallel_gives_the_same_tokens(checkpoints):
+    """Two ranks on the CPU (gloo): the decoder's 4 query and 2 KV heads and the tower's 2 heads split, the
+    projector and the norms replicated: the single process's greedy tokens, log-probabilities within 1e-4."""
+    import numpy as np
+
+    from fovea import LLM, SamplingParams
+
+    model_dir = checkpoints["large_images"]
+    cases = [chat(kind) for kind in ("two_images", "one_image", "text")]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+
+    def run(**engine_args):
+        llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=24, max_model_len=160, **engine_args)
+        try:
+            outputs = llm.chat([with_pil(m, i) for m, i in cases], params, use_tqdm=False)
+            ranks = llm.engine.runner.parallel.size if llm.engine.runner.parallel else 1
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], ranks
+        finally:
+            llm.close()
+
+    (expected, one), (got, two) = run(), run(tensor_parallel_size=2)
+    assert (one, two) == (1, 2)
+    for (want_ids, want_logprobs), (ids, logprobs) in zip(expected, got, strict=True):
+        assert ids == want_ids
+        for want, entry in zip(want_logprobs, logprobs, strict=True):
+            assert list(entry) == list(want)
+            np.testing.assert_allclose(
+                [e.logprob for e in entry.values()], [e.logprob for e in want.values()], atol=1e-4
+            )
