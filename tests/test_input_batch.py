@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ def blocks_for(tokens: int, rng: random.Random) -> list[int]:
 def scheduler() -> Scheduler:
     config = EngineConfig.__new__(EngineConfig)
     config.__dict__.update(max_num_batched_tokens=64, max_num_seqs=4, enable_lora=False, encoder_budget=0)
+    config.__dict__["model"] = SimpleNamespace(bidirectional_images=False)
     return Scheduler(config, BlockManager(64, BLOCK, False), EncoderCache(0))
 
 

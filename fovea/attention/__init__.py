@@ -61,7 +61,8 @@ def features_needed(model: torch.nn.Module) -> tuple[str, ...]:
 
     layers = [m for m in model.modules() if isinstance(m, Attention) and m.layer_index is not None]
     needs = ("sliding_window",) if any(layer.sliding_window is not None for layer in layers) else ()
-    return needs + (("bidirectional_spans",) if model.config.bidirectional_images else ())
+    two_way = getattr(getattr(model, "config", None), "bidirectional_images", False)  # (a model's ModelConfig)
+    return needs + (("bidirectional_spans",) if two_way else ())
 
 
 def make_backend(
