@@ -307,6 +307,29 @@ LLAVA_VISION = dict(
 )  # LlavaConfig's tower when config.json names none
 
 
+def fixed_size_tower(vision: dict, depth: int, out_hidden_size: int, merge: int = 1) -> VisionConfig:
+    """A ViT that takes one image size, with transformers' CLIP and SigLIP keys: no windows, no rotary positions;
+    `merge`: the side of the patches that make one image token (LLaVA 1, Gemma 3's pooling 4)."""
+    return VisionConfig(
+        depth=depth,
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        num_heads=vision["num_attention_heads"],
+        in_channels=vision["num_channels"],
+        patch_size=vision["patch_size"],
+        temporal_patch_size=1,
+        spatial_merge_size=merge,
+        window_size=0,
+        fullatt_block_indexes=(),
+        out_hidden_size=out_hidden_size,
+        tokens_per_second=None,
+        rope_theta=0.0,
+        hidden_act=vision["hidden_act"],
+        norm_eps=vision["layer_norm_eps"],
+        image_size=vision["image_size"],
+    )
+
+
 def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
     text_raw = text_keys(raw)
     text = parse_text(
@@ -331,24 +354,7 @@ def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
     return ModelConfig(
         architecture="LlavaForConditionalGeneration",
         text=text,
-        vision=VisionConfig(
-            depth=used,
-            hidden_size=vision["hidden_size"],
-            intermediate_size=vision["intermediate_size"],
-            num_heads=vision["num_attention_heads"],
-            in_channels=vision["num_channels"],
-            patch_size=patch,
-            temporal_patch_size=1,
-            spatial_merge_size=1,
-            window_size=0,
-            fullatt_block_indexes=(),
-            out_hidden_size=text.hidden_size,
-            tokens_per_second=None,
-            rope_theta=0.0,
-            hidden_act=vision["hidden_act"],
-            norm_eps=vision["layer_norm_eps"],
-            image_size=side,
-        ),
+        vision=fixed_size_tower(vision, used, text.hidden_size),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         torch_dtype=checkpoint_dtype(raw),
         image_token_id=image_token,
@@ -440,24 +446,7 @@ def parse_gemma3(raw: dict, preprocessor: dict) -> ModelConfig:
     return ModelConfig(
         architecture="Gemma3ForConditionalGeneration",
         text=text,
-        vision=VisionConfig(
-            depth=vision["num_hidden_layers"],
-            hidden_size=vision["hidden_size"],
-            intermediate_size=vision["intermediate_size"],
-            num_heads=vision["num_attention_heads"],
-            in_channels=vision["num_channels"],
-            patch_size=patch,
-            temporal_patch_size=1,
-            spatial_merge_size=pool,  # each image token averages pool x pool patches
-            window_size=0,
-            fullatt_block_indexes=(),
-            out_hidden_size=text.hidden_size,
-            tokens_per_second=None,
-            rope_theta=0.0,
-            hidden_act=vision["hidden_act"],
-            norm_eps=vision["layer_norm_eps"],
-            image_size=side,
-        ),
+        vision=fixed_size_tower(vision, vision["num_hidden_layers"], text.hidden_size, merge=pool),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", True))),
         torch_dtype=checkpoint_dtype(raw),
         image_token_id=raw.get("image_token_id", raw.get("image_token_index", 262_144)),

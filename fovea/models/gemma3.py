@@ -23,14 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fovea.attention.layer import Attention, AttentionMetadata
+from fovea.attention.layer import Attention
 from fovea.config.model import ModelConfig, TextConfig, VisionConfig
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.basic import VocabParallelEmbedding, activation
 from fovea.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fovea.layers.rotary import apply_rotary, mrope
 from fovea.models.base import ModelOptions, VisionLanguageModel
-from fovea.models.llava import ClipLayer
+from fovea.models.llava import ClipLayer, FixedSizeTower, tower_and_decoder_name
 
 
 class GemmaRMSNorm(nn.Module):
@@ -90,7 +90,7 @@ class Projector(nn.Module):
         return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
 
 
-class SiglipVisionTower(nn.Module):
+class SiglipVisionTower(FixedSizeTower):
     def __init__(self, cfg: VisionConfig, text_hidden: int, options: ModelOptions):
         super().__init__()
         self.cfg, self.use_kernel = cfg, options.vision_kernel
@@ -98,23 +98,6 @@ class SiglipVisionTower(nn.Module):
         self.layers = nn.ModuleList(ClipLayer(cfg, options.fp32_softmax_vision) for _ in range(cfg.depth))
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.projector = Projector(cfg, text_hidden)
-
-    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """pixel_values: (images * patches, 588) -> (images * tokens, model width)."""
-        return self.run(pixel_values, self.layout(grids))
-
-    def filler_grids(self, pad: int) -> list[tuple[int, int, int]]:
-        side = self.cfg.image_size // self.cfg.patch_size
-        return [(1, side, side)] * (pad // side**2)
-
-    def layout(self, grids: list[tuple[int, int, int]], tile_rows: int | None = None) -> dict:
-        lengths = [t * h * w for t, h, w in grids] or [0]  # each image attends over its own patches
-        meta = AttentionMetadata.from_lengths(lengths)
-        if self.use_kernel:
-            from fovea.attention.triton_varlen import tile_table
-
-            meta.tiles = tile_table(lengths, tile_rows)
-        return {"meta": meta}
 
     def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
         meta = layout["meta"].to(pixel_values.device)
@@ -224,19 +207,5 @@ class Model(VisionLanguageModel):
         self.make_lm_head()
 
     def rename(self, name: str) -> str | None:
-        for old, new in (
-            ("model.language_model.", "model."),
-            ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head."),
-            ("model.vision_tower.", "visual."),
-            ("vision_tower.", "visual."),
-            ("model.multi_modal_projector.", "visual.projector."),
-            ("multi_modal_projector.", "visual.projector."),
-        ):
-            if name.startswith(old):
-                name = new + name.removeprefix(old)
-                break
-        if not name.startswith("visual.") or name.startswith("visual.projector."):
-            return name
-        name = "visual." + name.removeprefix("visual.").removeprefix("vision_model.").removeprefix("encoder.")
+        name = tower_and_decoder_name(name)
         return None if name.endswith("position_ids") else name

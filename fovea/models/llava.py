@@ -82,8 +82,40 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class ClipVisionTower(nn.Module):
+class FixedSizeTower(nn.Module):
+    """What a tower that takes one image size (CLIP's, SigLIP's) gives the engine: each image's patches (and
+    `extra_tokens`, a class token) attend over themselves; encoder buckets pad with whole blank images. A subclass
+    builds its layers and `run`s them."""
+
+    extra_tokens = 0
+    cfg: VisionConfig
+    use_kernel: bool
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """pixel_values: (images * patches, 588) -> (images * tokens, model width)."""
+        return self.run(pixel_values, self.layout(grids))
+
+    def filler_grids(self, pad: int) -> list[tuple[int, int, int]]:
+        side = self.cfg.image_size // self.cfg.patch_size
+        return [(1, side, side)] * (pad // side**2)
+
+    def layout(self, grids: list[tuple[int, int, int]], tile_rows: int | None = None) -> dict:
+        lengths = [self.extra_tokens + t * h * w for t, h, w in grids] or [0]
+        meta = AttentionMetadata.from_lengths(lengths)
+        if self.use_kernel:
+            from fovea.attention.triton_varlen import tile_table
+
+            meta.tiles = tile_table(lengths, tile_rows)
+        return {"meta": meta}
+
+    def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ClipVisionTower(FixedSizeTower):
     """Only the layers up to the feature layer are built (the rest, and the post-norm, are never used)."""
+
+    extra_tokens = 1  # the class token, dropped before the projector
 
     def __init__(self, cfg: VisionConfig, options: ModelOptions):
         super().__init__()
@@ -92,23 +124,6 @@ class ClipVisionTower(nn.Module):
         self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)  # (sic: CLIP's name)
         self.layers = nn.ModuleList(ClipLayer(cfg, options.fp32_softmax_vision) for _ in range(cfg.depth))
         self.projector = Projector(cfg.hidden_size, cfg.out_hidden_size)
-
-    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """pixel_values: (images * 576, 588) -> (images * 576, text hidden)."""
-        return self.run(pixel_values, self.layout(grids))
-
-    def filler_grids(self, pad: int) -> list[tuple[int, int, int]]:
-        side = self.cfg.image_size // self.cfg.patch_size
-        return [(1, side, side)] * (pad // side**2)
-
-    def layout(self, grids: list[tuple[int, int, int]], tile_rows: int | None = None) -> dict:
-        lengths = [1 + t * h * w for t, h, w in grids]  # each image attends over itself and its class token
-        meta = AttentionMetadata.from_lengths(lengths) if lengths else AttentionMetadata.from_lengths([0])
-        if self.use_kernel:
-            from fovea.attention.triton_varlen import tile_table
-
-            meta.tiles = tile_table(lengths, tile_rows)
-        return {"meta": meta}
 
     def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
         meta = layout["meta"].to(pixel_values.device)
@@ -135,25 +150,30 @@ class Model(VisionLanguageModel):
         """transformers 5 (`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
         `lm_head.*`), what its save_pretrained writes, and the earlier llava-hf layout (`vision_tower.*`,
         `multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`) onto ours."""
-        for old, new in (
-            ("model.language_model.", "model."),
-            ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head."),
-            ("model.vision_tower.", "visual."),
-            ("vision_tower.", "visual."),
-            ("model.multi_modal_projector.", "visual.projector."),
-            ("multi_modal_projector.", "visual.projector."),
-        ):
-            if name.startswith(old):
-                name = new + name.removeprefix(old)
-                break
-        if not name.startswith("visual.") or name.startswith("visual.projector."):
-            return name
-        # the CLIP tower's keys come with `vision_model.` (llava-hf, transformers 5.24's save_pretrained) or without
-        # it (transformers 5.23's save_pretrained)
-        name = "visual." + name.removeprefix("visual.").removeprefix("vision_model.").removeprefix("encoder.")
+        name = tower_and_decoder_name(name)
         if name.startswith("visual.post_layernorm") or name.endswith("position_ids"):
             return None  # the post-norm only feeds CLIP's pooled output
         if name.startswith("visual.layers.") and int(name.split(".")[2]) >= self.config.vision.depth:
             return None  # past the feature layer
         return name
+
+
+def tower_and_decoder_name(name: str) -> str:
+    """A LLaVA-style checkpoint's names (a ViT tower, a projector, a language model; Gemma 3's too) onto ours."""
+    for old, new in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.vision_tower.", "visual."),
+        ("vision_tower.", "visual."),
+        ("model.multi_modal_projector.", "visual.projector."),
+        ("multi_modal_projector.", "visual.projector."),
+    ):
+        if name.startswith(old):
+            name = new + name.removeprefix(old)
+            break
+    if not name.startswith("visual.") or name.startswith("visual.projector."):
+        return name
+    # the tower's keys come with `vision_model.` (llava-hf, transformers 5.24's save_pretrained of LLaVA) or without
+    # it (transformers 5.23's save_pretrained, 5.24's of Gemma 3)
+    return "visual." + name.removeprefix("visual.").removeprefix("vision_model.").removeprefix("encoder.")
