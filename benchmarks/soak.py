@@ -10,9 +10,9 @@ drives a server already running at `--base-url` (loopback only). Requests arrive
 per second, at most CONCURRENCY at once, each one of KINDS: chats with fresh and repeated images of many sizes and
 formats (data URLs, and a local HTTP image host), videos, streams that ~30 % of clients leave early, clients that
 give up, structured outputs with ever-new JSON schemas and regexes, tools, n=2 with logprobs, Responses chains
-with `store` and `previous_response_id`, images given as the tower's output (image_embeds), LoRA adapters loaded under a new name, used once and unloaded (the server
-then runs with --enable-lora and runtime adapter updates), requests that fail validation, and prompts long enough
-to preempt others and evict cached prefixes.
+with `store` and `previous_response_id`, images given as the tower's output (image_embeds), LoRA adapters loaded
+under a new name, used once and unloaded (the server then runs with --enable-lora and runtime adapter updates),
+requests that fail validation, and prompts long enough to preempt others and evict cached prefixes.
 
 Every second it samples each process of the server (the front end and its children: the engine, image decoding
 workers, tensor-parallel ranks): RSS, USS, open files, threads; the /dev/shm segments; and the engine's gauges

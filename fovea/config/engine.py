@@ -164,7 +164,7 @@ class EngineConfig:
             )
         check_flag(config.quantization, model.text.quant)
         if model.bidirectional_images:  # a chunk holds an image whole (scheduler.py)
-            per_image = model.image.encoder_unit // model.image.merge_size**2
+            per_image = model.image.tokens_per_image
             if config.max_num_batched_tokens < per_image:
                 raise ValueError(
                     f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold one image's {per_image} "

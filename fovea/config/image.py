@@ -1,7 +1,7 @@
 """How a model's images are sized for its vision tower, read once from preprocessor_config.json: Qwen2-VL's
 dynamic resolution (both sides multiples of patch x merge, the area between min_pixels and max_pixels), CLIP's
-resize-and-crop (LLaVA) or one fixed size whatever the aspect ratio (Gemma 3's SigLIP). The pixels themselves are processed in multimodal/image.py; this is what the config,
-the models and `fovea plan` need to know about them."""
+resize-and-crop (LLaVA) or one fixed size whatever the aspect ratio (Gemma 3's SigLIP). The pixels themselves are
+processed in multimodal/image.py; this is what the config, the models and `fovea plan` need to know about them."""
 
 from __future__ import annotations
 
@@ -139,6 +139,11 @@ class ImageProcessorConfig:
             crop_size=image_size,
             resample="bilinear",
         )
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Tokens of one image where every image has one size (crop_size): its patches over merge x merge."""
+        return self.encoder_unit // self.merge_size**2
 
     @property
     def encoder_unit(self) -> int:

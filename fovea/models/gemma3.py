@@ -116,9 +116,14 @@ class SiglipVisionTower(FixedSizeTower):
 class ScaledEmbedding(VocabParallelEmbedding):
     """Token embeddings times sqrt(hidden), the factor rounded to the weights' dtype first (as released)."""
 
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        # made once, where the weights are: not a host tensor copied to the device at every step
+        scale = torch.tensor(hidden_size**0.5, dtype=self.weight.dtype, device=self.weight.device)
+        self.register_buffer("scale", scale, persistent=False)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.weight.shape[1] ** 0.5, dtype=self.weight.dtype, device=self.weight.device)
-        return super().forward(input_ids) * scale
+        return super().forward(input_ids) * self.scale
 
 
 class GemmaMLP(nn.Module):

@@ -341,7 +341,7 @@ class PromptProcessor:
         image's tokens, "<end_of_image>\n\n", in the text before it is tokenized (its newlines then merge with
         the text's as the tokenizer merges them); in token ids, id for id."""
         config, tokens = self.config, self.tokenizer.convert_ids_to_tokens
-        per_image = self.image_processor.config.encoder_unit // self.image_processor.config.merge_size**2
+        per_image = self.image_processor.config.tokens_per_image
         soft, start, end = config.image_token_id, config.image_placeholder_id, config.vision_end_token_id
         found = prompt.count(tokens(start)) if isinstance(prompt, str) else prompt.count(start)
         if found != count:
