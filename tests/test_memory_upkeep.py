@@ -1,6 +1,7 @@
 """The front end's and the engine's memory upkeep (fovea/core/memory.py): memory freed between live blocks is
 handed back once the process has grown by FOVEA_MALLOC_TRIM_MB or FOVEA_MALLOC_TRIM_S have passed, whichever comes
-first, and never with FOVEA_MALLOC_TRIM_S=0; the Python threads are logged by name at each new high."""
+first, and never with FOVEA_MALLOC_TRIM_S=0; the Python threads are logged by name at each new high; threads share
+two glibc arenas unless the environment says otherwise."""
 
 from __future__ import annotations
 
@@ -53,3 +54,43 @@ def test_freed_memory_goes_back_once_the_process_has_grown_enough_or_in_time():
     assert after < before - 150, (before, after)
     before, after, _ = rss_before_and_after(FOVEA_MALLOC_TRIM_S="0")  # never
     assert after > before - 20, (before, after)
+
+
+# eight threads allocate at once after the upkeep starts; glibc's malloc_stats lists its arenas ("Arena N:")
+EIGHT_THREADS = textwrap.dedent(
+    """
+    import ctypes, os, sys, threading
+    from fovea.core.memory import watch_memory
+    watch_memory("the test")
+    together = threading.Barrier(8)
+    def allocate():
+        together.wait()
+        kept = [bytearray(4096 + size) for size in range(200)]
+        together.wait()
+    threads = [threading.Thread(target=allocate) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    print(os.environ.get("MALLOC_ARENA_MAX"))
+    sys.stdout.flush()
+    ctypes.CDLL("libc.so.6").malloc_stats()
+    """
+)
+
+
+def arenas_and_inherited(**env: str) -> tuple[int, str]:
+    clean = {key: value for key, value in os.environ.items() if key != "MALLOC_ARENA_MAX"}
+    done = subprocess.run(
+        [sys.executable, "-c", EIGHT_THREADS], env={**clean, **env}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stderr.count("Arena "), done.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="arenas are glibc's")
+def test_threads_share_two_arenas_and_the_processes_started_later_too():
+    assert arenas_and_inherited() == (2, "2")
+    assert arenas_and_inherited(MALLOC_ARENA_MAX="3") == (3, "3")  # the environment's own bound wins
+    arenas, inherited = arenas_and_inherited(MALLOC_ARENA_MAX="0")  # glibc's own count: one per thread here
+    assert arenas > 3 and inherited == "0", arenas

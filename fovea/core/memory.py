@@ -10,8 +10,13 @@ process's resident memory has risen FOVEA_MALLOC_TRIM_MB (32 by default; 0: no s
 last trim, which it reads every second: a busy CPU engine frees tens of MB a second, and between trims 10 s apart
 its memory swung by ~200 MB. The clock stays for what a burst leaves: once it is over, memory no longer rises. A
 trim holds each heap's lock while it runs (~10 ms under load), so it is not simply run every second. The same
-thread logs each new high of the process's Python threads, by name. Fixed allocator settings (two arenas, mmap
-from 128 KB) kept memory as low but cost 28 % of image throughput (benchmarks/allocator_cost.py).
+thread logs each new high of the process's Python threads, by name.
+
+glibc also gives each new thread an arena of its own (up to 8 per core), which keeps its own working set: the front
+end stepped up by ~40 MB for good when its pools reached their size. fovea's processes use two arenas
+(MALLOC_ARENA_MAX=2, set with mallopt at start and in the environment of the processes they start); a
+MALLOC_ARENA_MAX the environment already has is glibc's and wins (0 gives glibc's own count back). Mapping every
+array from 128 KB on kept memory as low as trimming but cost 28 % of image throughput (benchmarks/allocator_cost.py).
 
 FOVEA_TRACEMALLOC=SECONDS makes the front end and the engine trace Python's allocations (slower) and log, every
 SECONDS, the sites whose memory grew most since the first report: what a soak run that grows should look at first.
@@ -34,6 +39,8 @@ TRIM_EVERY_S = 10.0
 TRIM_PAST_MB = 32.0
 LOOK_EVERY_S = 1.0
 TOP_SITES = 15
+ARENAS = 2
+M_ARENA_MAX = -8  # mallopt's parameter number in glibc's malloc.h
 
 
 def _glibc():
@@ -61,12 +68,23 @@ def _log_new_thread_high(process: str, most: int) -> int:
     return max(most, len(threads))
 
 
+def _bound_arenas(libc) -> None:
+    """Threads that start after this share ARENAS arenas; glibc reads the variable in each process started later."""
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        libc.mallopt(M_ARENA_MAX, ARENAS)
+        os.environ["MALLOC_ARENA_MAX"] = str(ARENAS)
+
+
 def watch_memory(process: str) -> None:
-    """In the front end and the engine process, at start: the periodic trim, the threads' high marks, and the
-    report if asked for."""
+    """In the front end and the engine process, first thing: the arenas' bound, the periodic trim, the threads'
+    high marks, and the report if asked for."""
     every_s = float(os.environ.get("FOVEA_MALLOC_TRIM_S", TRIM_EVERY_S) or 0)
     rise = float(os.environ.get("FOVEA_MALLOC_TRIM_MB", TRIM_PAST_MB) or 0) * 2**20 or float("inf")
-    libc = _glibc() if every_s > 0 else None
+    libc = _glibc()
+    if libc is not None:
+        _bound_arenas(libc)
+    if every_s <= 0:
+        libc = None
 
     def upkeep() -> None:
         most, lowest, trimmed = 0, _resident_bytes() if libc is not None else 0, time.monotonic()

@@ -149,11 +149,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from fovea.core.memory import watch_memory
 
-    watch_memory("the front end")
+    watch_memory("the front end")  # before any thread starts: the arenas' bound holds for threads started later
+    import uvicorn
+
     from fovea.frontend.async_llm import AsyncLLM
     from fovea.server.app import ServerOptions, build_app
     from fovea.server.errors import APIError
