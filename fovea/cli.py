@@ -21,6 +21,7 @@ def _demo(args: argparse.Namespace) -> None:
 def _tiny(args: argparse.Namespace) -> None:
     from fovea.testing.tiny import write_tiny_checkpoint
     from fovea.testing.tiny_gemma3 import write_gemma3_checkpoint
+    from fovea.testing.tiny_internvl import write_internvl_checkpoint
     from fovea.testing.tiny_llava import LLAVA_SHAPES, write_llava_checkpoint
     from fovea.testing.tiny_qwen3_vl import QWEN3_VL_SHAPES, write_qwen3_vl_checkpoint
 
@@ -28,6 +29,7 @@ def _tiny(args: argparse.Namespace) -> None:
         **dict.fromkeys(LLAVA_SHAPES, write_llava_checkpoint),
         **dict.fromkeys(QWEN3_VL_SHAPES, write_qwen3_vl_checkpoint),
         "tiny-gemma3": write_gemma3_checkpoint,
+        "tiny-internvl": write_internvl_checkpoint,
     }
     write = writers.get(args.config, write_tiny_checkpoint)
     out = write(
@@ -117,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
             "tiny-llava",
             "llava-1.5-7b",
             "tiny-gemma3",
+            "tiny-internvl",
         ],
         help="the 7b/8b/30b/32b ones: the published shapes (16-67 GB in bf16; use --device cuda)",
     )

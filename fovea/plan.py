@@ -112,8 +112,7 @@ def plan_memory(
 
     images = []
     for width, height in IMAGE_SIZES + [(largest_side(processor.max_pixels, factor),) * 2]:
-        h, w = processor.input_size(height, width)
-        tokens = (h // factor) * (w // factor)
+        tokens = processor.tokens(height, width)
         images.append((width, height, tokens, vision_activations(tokens)))
     options = config.video.with_kwargs({"max_pixels": max_pixels} if max_pixels else None)
     clips = (

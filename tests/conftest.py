@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import warnings
 
@@ -177,6 +178,32 @@ def video_file(frames: np.ndarray, fps: int, lossless: bool = True) -> bytes:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     return buf.getvalue()
+
+
+def internvl_processor(model_dir):
+    """transformers' InternVLProcessor with the checkpoint's image processor (PIL) and tokenizer, built without its
+    video processor: that needs torchvision, which this machine lacks, and images do not use it."""
+    from transformers import AutoTokenizer, InternVLProcessor
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    class ImagesOnly(InternVLProcessor):
+        def check_argument_for_proper_class(self, name, arg):
+            return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
+
+    settings = json.loads((model_dir / "processor_config.json").read_text())
+    return ImagesOnly(
+        GotOcr2ImageProcessorPil.from_pretrained(str(model_dir)),
+        AutoTokenizer.from_pretrained(str(model_dir)),
+        None,
+        image_seq_length=settings["image_seq_length"],
+        chat_template=(model_dir / "chat_template.jinja").read_text(),
+    )
+
+
+def internvl_inputs(model_dir, messages, images) -> dict:
+    processor = internvl_processor(model_dir)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return dict(processor(text=text, images=images or None, return_tensors="pt"))
 
 
 def hf_inputs(model_dir, messages, images, max_pixels=None, videos=()):

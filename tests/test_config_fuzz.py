@@ -17,7 +17,10 @@ What is drawn, per family:
 - LLaVA's CLIP tower: 2-3 layers of 1-4 heads, features from the last or the second-to-last layer;
 - Gemma 3: 1-4 decoder layers, every one, every second or every third seeing all keys and the others a window of
   4-64, the scores' scale its own (query_pre_attn_scalar), the global layers' positions scaled linearly or not;
-  its SigLIP tower 1-3 layers of 1-4 heads.
+  its SigLIP tower 1-3 layers of 1-4 heads;
+- InternVL: a Qwen2 or Qwen3 decoder; its InternViT tower 1-3 layers of 1-4 heads, LayerNorm or RMSNorm, q/k/v
+  biases or none, q/k norms or none, mean-pooled or with a last norm, features from the last or the second-to-last
+  layer, layer scales of 0.1 or 1, tiles of 56 px cut 1-4 or 1-6 at a time (the base's processor).
 Weights are drawn wider than transformers' default (initializer_range 0.1): with its 0.02 a model's logits are so
 flat that a broken rule can hide; `test_the_fuzzer_sees_a_broken_rule` checks that it does not.
 """
@@ -55,6 +58,8 @@ from fovea.testing.tiny_gemma3 import BOI as GEMMA_BOI
 from fovea.testing.tiny_gemma3 import EOI as GEMMA_EOI
 from fovea.testing.tiny_gemma3 import IMAGE as GEMMA_IMAGE
 from fovea.testing.tiny_gemma3 import VOCAB as GEMMA_VOCAB
+from fovea.testing.tiny_internvl import IMG_CONTEXT as INTERNVL_IMAGE
+from fovea.testing.tiny_internvl import VOCAB as INTERNVL_VOCAB
 from fovea.testing.tiny_llava import IMAGE_TOKEN as LLAVA_IMAGE_TOKEN
 from fovea.testing.tiny_llava import LLAVA_SHAPES
 
@@ -62,7 +67,7 @@ LLAVA_VOCAB = LLAVA_SHAPES["tiny-llava"]["vocab"]  # the tiny LLaVA's tokenizer'
 
 SEED = int(os.environ.get("FOVEA_FUZZ_SEED") or random.SystemRandom().randrange(1 << 30))
 DRAWS = int(os.environ.get("FOVEA_FUZZ_DRAWS", "1"))
-FAMILIES = ["qwen2.5-vl", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "llava", "gemma3"]
+FAMILIES = ["qwen2.5-vl", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "llava", "gemma3", "internvl"]
 KINDS = ("text", "one_image", "two_images")
 INIT = 0.1
 TOLERANCE = 1e-4  # on logits, fp32
@@ -120,6 +125,19 @@ def draw(family: str, rng: random.Random) -> dict:
         return dict(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=GEMMA_IMAGE,
                     boi_token_index=GEMMA_BOI, eoi_token_index=GEMMA_EOI, tie_word_embeddings=tied,
                     initializer_range=INIT)  # fmt: skip
+    if family == "internvl":
+        kind = rng.choice(["qwen2", "qwen3"])
+        text, _ = decoder(rng, explicit_head_dim=kind == "qwen3")
+        text.update(model_type=kind, vocab_size=INTERNVL_VOCAB, rope_theta=rng.choice([1e4, 1e6]))
+        heads, layers = rng.choice([1, 2, 4]), rng.randint(1, 3)
+        vision = dict(hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads, num_hidden_layers=layers,
+                      intermediate_size=rng.choice([32, 64]), image_size=56, patch_size=14,
+                      norm_type=rng.choice(["layer_norm", "rms_norm"]), attention_bias=rng.random() < 0.5,
+                      use_qk_norm=rng.random() < 0.5, use_mean_pooling=rng.random() < 0.5,
+                      layer_scale_init_value=rng.choice([0.1, 1.0]), initializer_range=INIT)  # fmt: skip
+        return dict(text_config=text, vision_config=vision, image_token_id=INTERNVL_IMAGE, image_seq_length=4,
+                    vision_feature_layer=rng.choice([-1, -2]) if layers > 1 else -1, tie_word_embeddings=tied,
+                    initializer_range=INIT)  # fmt: skip
     qwen3 = family.startswith("qwen3")
     text, head_dim = decoder(rng, explicit_head_dim=qwen3)
     rope = dict(rope_type="default", rope_theta=rng.choice([1e4, 1e6]), mrope_section=sections(rng, head_dim // 2))
@@ -157,6 +175,7 @@ def bases(tmp_path_factory):
     """Each family's tiny checkpoint: its tokenizer, processor settings and chat template are the draws' too."""
     from fovea.testing.tiny import write_tiny_checkpoint
     from fovea.testing.tiny_gemma3 import write_gemma3_checkpoint
+    from fovea.testing.tiny_internvl import write_internvl_checkpoint
     from fovea.testing.tiny_llava import write_llava_checkpoint
     from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
 
@@ -169,6 +188,9 @@ def bases(tmp_path_factory):
         "qwen3-vl-moe": qwen3,
         "llava": write_llava_checkpoint(root / "llava", seed=1),
         "gemma3": write_gemma3_checkpoint(root / "gemma3", seed=1),  # 56 px images, 4 tokens each
+        "internvl": write_internvl_checkpoint(
+            root / "internvl", seed=1, max_patches=random.Random(SEED).choice([4, 6])
+        ),
     }
 
 
@@ -178,7 +200,7 @@ def materialize(family: str, config: dict, base, out, seed: int):
     import transformers
 
     names = {"qwen2.5-vl": "Qwen2_5_VL", "qwen2-vl": "Qwen2VL", "qwen3-vl": "Qwen3VL", "qwen3-vl-moe": "Qwen3VLMoe",
-             "llava": "Llava", "gemma3": "Gemma3"}  # fmt: skip
+             "llava": "Llava", "gemma3": "Gemma3", "internvl": "InternVL"}  # fmt: skip
     keep = shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json")
     shutil.copytree(base, out, ignore=keep)
     torch.manual_seed(seed)
@@ -229,7 +251,7 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
     config = draw(family, random.Random(seed))
     where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({family}, seed {seed}): {json.dumps(config)}"
     model_dir = materialize(family, config, bases[family], tmp_path / f"{family}-{draw_index}", seed)
-    kinds = KINDS if family in ("llava", "gemma3") else (*KINDS, "video")
+    kinds = KINDS if family in ("llava", "gemma3", "internvl") else (*KINDS, "video")
     try:
         for kind in kinds:
             gap, allowed, same = parity(family, model_dir, kind)
@@ -347,6 +369,38 @@ def test_the_fuzzer_sees_a_broken_gemma3_rule(broken, bases, tmp_path):
     try:
         assert logits_gap("gemma3", reference, reference, "one_image")[0] <= TOLERANCE  # intact, it matches
         gap, _ = logits_gap("gemma3", ours, reference, "one_image", mutate)
+        assert gap > 10 * TOLERANCE, (
+            f"{broken} went unseen (gap {gap:.2e}) at FOVEA_FUZZ_SEED={SEED}: {json.dumps(config)}"
+        )
+    finally:
+        forget_hf_models(reference)
+
+
+@pytest.mark.parametrize("broken", ["last_norm_dropped", "layer_scales_dropped"])
+def test_the_fuzzer_sees_a_broken_internvl_rule(broken, bases, tmp_path):
+    """InternVL: our side without the tower's last norm (read as mean-pooling), or with its layer scales taken as
+    1 (0.1 drawn): the logits part by ten times the tolerance or more on an image."""
+    config = draw("internvl", random.Random(SEED))
+    config["vision_config"].update(use_mean_pooling=False, layer_scale_init_value=0.1)
+    config["vision_feature_layer"] = -1
+    reference = materialize("internvl", config, bases["internvl"], tmp_path / "reference", SEED)
+    ours = tmp_path / "ours"
+    shutil.copytree(reference, ours)
+    mutate = None
+    if broken == "last_norm_dropped":
+        raw = json.loads((ours / "config.json").read_text())
+        raw["vision_config"]["use_mean_pooling"] = True
+        (ours / "config.json").write_text(json.dumps(raw))
+    else:
+
+        def mutate(model):
+            for layer in model.visual.layers:
+                layer.lambda_1.data.fill_(1.0)
+                layer.lambda_2.data.fill_(1.0)
+
+    try:
+        assert logits_gap("internvl", reference, reference, "one_image")[0] <= TOLERANCE  # intact, it matches
+        gap, _ = logits_gap("internvl", ours, reference, "one_image", mutate)
         assert gap > 10 * TOLERANCE, (
             f"{broken} went unseen (gap {gap:.2e}) at FOVEA_FUZZ_SEED={SEED}: {json.dumps(config)}"
         )

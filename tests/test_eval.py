@@ -305,3 +305,32 @@ def test_in_process_run_writes_predictions_results_and_report(tiny_dirs, tmp_pat
     assert saved["timings"]["output_tokens_per_s"] > 0 and saved["backend"] == "in-process"
     assert "| no |" in (tmp_path / "out" / "report.md").read_text()
     assert (tmp_path / "out" / "confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_builtin_internvl_entries_fit_their_gpus():
+    """InternVL3.5's released shapes (Qwen3-8B, -14B and -32B decoders; InternViT-300M, and InternViT-6B under the
+    38B) by the Qwen rule; the 38B's tower, whose q/k norm spans all heads, whole on each rank."""
+    from fovea.config.model import ModelConfig
+    from fovea.eval.registry import MODELS
+    from fovea.plan import count_parameters
+
+    vit_300m = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+                "attention_bias": True}  # fmt: skip
+    vit_6b = {"hidden_size": 3200, "num_hidden_layers": 45, "num_attention_heads": 25, "intermediate_size": 12800,
+              "use_qk_norm": True, "norm_type": "rms_norm"}  # fmt: skip
+    shapes = {  # hidden, layers, heads, MLP width, tower
+        "8b": (4096, 36, 32, 12288, vit_300m),
+        "14b": (5120, 40, 40, 17408, vit_300m),
+        "38b": (5120, 64, 64, 25600, vit_6b),
+    }
+    for name, (hidden, layers, heads, mlp, tower) in shapes.items():
+        text = {"model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": layers, "head_dim": 128,
+                "num_attention_heads": heads, "num_key_value_heads": 8, "intermediate_size": mlp, "vocab_size": 151936}  # fmt: skip
+        config = ModelConfig.from_dict(
+            {"architectures": ["InternVLForConditionalGeneration"], "text_config": text, "vision_config": tower}
+        )
+        weights_gb = 2 * count_parameters(config) / 1e9
+        entry = MODELS[f"internvl3.5-{name}"]
+        assert entry.tensor_parallel_size == next(tp for tp in (1, 2, 4, 8) if weights_gb / tp <= 0.6 * 80), name
+        assert entry.path == f"OpenGVLab/InternVL3_5-{name.upper()}-HF"
+        assert (entry.llm_kwargs().get("mm_encoder_tp_mode") == "data") == config.vision.qk_norm

@@ -1,4 +1,4 @@
-"""LLaVA-1.5, Qwen2-VL, Qwen3-VL (dense and MoE) and Gemma 3 against transformers on tiny fp32 checkpoints:
+"""LLaVA-1.5, Qwen2-VL, Qwen3-VL (dense and MoE), Gemma 3 and InternVL against transformers on tiny fp32 checkpoints:
 preprocessing, logits, and greedy tokens through the whole engine (chunked prefill, prefix caching, preemption)
 with text, one image and two images."""
 
@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import hf_inputs, random_image
+from conftest import hf_inputs, internvl_inputs, random_image
 
 from fovea import LLM, SamplingParams
 from fovea.attention.layer import AttentionMetadata
@@ -20,7 +20,8 @@ from fovea.multimodal.patchify import patchify
 from fovea.multimodal.prompt import PromptProcessor
 
 FAMILIES = ["llava", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe"]
-PARITY_FAMILIES = [*FAMILIES, "gemma3"]  # logits and engine tokens; Gemma 3's own checks: tests/test_gemma3.py
+# logits and engine tokens; their own checks: tests/test_gemma3.py, tests/test_internvl.py
+PARITY_FAMILIES = [*FAMILIES, "gemma3", "internvl"]
 MAX_TOKENS = 10
 
 
@@ -28,11 +29,13 @@ MAX_TOKENS = 10
 def family_dirs(tmp_path_factory):
     from fovea.testing.tiny import write_tiny_checkpoint
     from fovea.testing.tiny_gemma3 import write_gemma3_checkpoint
+    from fovea.testing.tiny_internvl import write_internvl_checkpoint
     from fovea.testing.tiny_llava import write_llava_checkpoint
     from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
 
     root = tmp_path_factory.mktemp("families")
     return {
+        "internvl": write_internvl_checkpoint(root / "internvl", seed=8),
         # 16 tokens an image, twice the sliding window
         "gemma3": write_gemma3_checkpoint(root / "gemma3", seed=7, image_size=112, tokens_per_image=16),
         "llava": write_llava_checkpoint(root / "llava", seed=3),
@@ -100,6 +103,8 @@ def hf_processor_inputs(model_dir, messages, images):
 def reference_inputs(family, model_dir, messages, images):
     if family == "gemma3":
         return hf_processor_inputs(model_dir, messages, images)
+    if family == "internvl":
+        return internvl_inputs(model_dir, messages, images)
     return hf_llava_inputs(model_dir, messages, images) if family == "llava" else hf_inputs(model_dir, messages, images)
 
 
@@ -249,8 +254,8 @@ def test_engine_greedy_matches_transformers(family_dirs, family):
         max_num_seqs=4,
         max_num_batched_tokens=256,
         block_size=16,
-        num_gpu_blocks_override={"llava": 120, "gemma3": 26}.get(family, 40),  # Gemma's images are 16 tokens
-        max_model_len={"llava": 1536, "gemma3": 336}.get(family, 640),
+        num_gpu_blocks_override={"llava": 120, "gemma3": 26, "internvl": 30}.get(family, 40),  # fewer tokens an image
+        max_model_len={"llava": 1536, "gemma3": 336, "internvl": 480}.get(family, 640),
         encoder_cache_size=4 * 576,
     )
     # every image encoded first and kept in the encoder cache: how many sequences grow together (and so whether

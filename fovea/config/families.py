@@ -28,6 +28,7 @@ MODEL_TYPES = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
 }
 
 
@@ -142,6 +143,7 @@ FAMILY_EOS = {  # the released checkpoints' <|im_end|> and </s>
     "Qwen2VLForConditionalGeneration": (151645,),
     "LlavaForConditionalGeneration": (2,),
     "Gemma3ForConditionalGeneration": (1, 106),  # <eos>, <end_of_turn>
+    "InternVLForConditionalGeneration": (151645,),
 }
 
 
@@ -461,6 +463,81 @@ def parse_gemma3(raw: dict, preprocessor: dict) -> ModelConfig:
     )
 
 
+# --------------------------------------------------------------------------------------------------- InternVL
+
+INTERNVIT_DEFAULTS = dict(  # InternVLVisionConfig's defaults (InternViT-300M)
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_channels=3,
+    image_size=448,
+    patch_size=14,
+    hidden_act="gelu",
+    layer_norm_eps=1e-6,
+    attention_bias=False,
+    use_qk_norm=False,
+    norm_type="layer_norm",
+    use_mean_pooling=True,
+)
+# the language models InternVL checkpoints end in: (q/k/v biases, q/k norms) by text_config's model_type
+INTERNVL_DECODERS = {"qwen2": (True, False), "qwen3": (None, True), "llama": (None, False)}
+
+
+def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
+    """InternVL (2.5, 3, 3.5 as transformers converts them, "-hf"): an InternViT tower over 448 px tiles, each
+    tile's 32 x 32 patch features pixel-shuffled 2 x 2 into 256 tokens through an MLP projector, and a Qwen2, Qwen3
+    or Llama decoder; 1-D RoPE. Each image's tokens sit between <img> and </img>, which the processor adds."""
+    text_raw = raw.get("text_config") or {}
+    kind = text_raw.get("model_type", "qwen2")
+    if kind not in INTERNVL_DECODERS:
+        raise ValueError(f"InternVL with a {kind!r} language model is not supported; fovea runs qwen2, qwen3, llama")
+    if text_raw.get("use_sliding_window"):
+        raise ValueError("InternVL's language model with sliding-window attention is not supported")
+    bias, qk_norm = INTERNVL_DECODERS[kind]
+    bias = bool(text_raw.get("attention_bias", False)) if bias is None else bias
+    text = parse_text(text_keys(raw), mrope=False, attention_bias=bias, qk_norm=qk_norm)
+    vision = {**INTERNVIT_DEFAULTS, **(raw.get("vision_config") or {})}
+    ratio, layer = raw.get("downsample_ratio", 0.5), raw.get("vision_feature_layer", -1)
+    merge, side, patch = round(1 / ratio), vision["image_size"], vision["patch_size"]
+    side, patch = (side[0], patch[0]) if isinstance(side, list) else (side, patch)
+    if raw.get("projector_hidden_act", "gelu") != "gelu":
+        raise ValueError(f"InternVL's projector with {raw['projector_hidden_act']!r} is not supported (gelu is)")
+    if raw.get("vision_feature_select_strategy", "default") != "default" or not isinstance(layer, int):
+        raise ValueError("InternVL: only one feature layer with the class token dropped ('default') is supported")
+    layers = vision["num_hidden_layers"]
+    used = layer if layer >= 0 else layers + 1 + layer
+    if not 0 < used <= layers:
+        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {layers} layers")
+    if merge * ratio != 1 or side % (patch * merge):
+        raise ValueError(
+            f"downsample_ratio {ratio} must be 1/n with the tile's {side // patch} patches a multiple of n"
+        )
+    if vision["norm_type"] not in ("layer_norm", "rms_norm") or not vision.get("use_absolute_position_embeddings", 1):
+        raise ValueError("InternViT: layer_norm or rms_norm, with absolute position embeddings, is supported")
+    return ModelConfig(
+        architecture="InternVLForConditionalGeneration",
+        text=text,
+        vision=dataclasses.replace(
+            fixed_size_tower({**vision, "image_size": side, "patch_size": patch}, used, text.hidden_size, merge),
+            attention_bias=bool(vision["attention_bias"]),
+            qk_norm=bool(vision["use_qk_norm"]),
+            rms_norm=vision["norm_type"] == "rms_norm",
+            post_norm=not vision["use_mean_pooling"] and layer == -1,  # the last hidden state's norm
+        ),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),  # InternVLConfig's default
+        torch_dtype=checkpoint_dtype(raw),
+        image_token_id=raw.get("image_token_id", 151667),  # <IMG_CONTEXT>
+        video_token_id=None,
+        vision_start_token_id=None,
+        vision_end_token_id=None,
+        eos_token_ids=eos_ids(text_raw.get("eos_token_id", raw.get("eos_token_id"))),
+        image=ImageProcessorConfig.tiled(preprocessor, patch, side, merge),
+        mrope=False,
+        image_wrap=("<img>", "</img>"),
+    )
+
+
 PARSERS = {
     "Qwen2_5_VLForConditionalGeneration": parse_qwen2_5_vl,
     "Qwen3VLForConditionalGeneration": parse_qwen3_vl,
@@ -468,4 +545,5 @@ PARSERS = {
     "Qwen2VLForConditionalGeneration": parse_qwen2_vl,
     "LlavaForConditionalGeneration": parse_llava,
     "Gemma3ForConditionalGeneration": parse_gemma3,
+    "InternVLForConditionalGeneration": parse_internvl,
 }

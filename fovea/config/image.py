@@ -1,7 +1,8 @@
 """How a model's images are sized for its vision tower, read once from preprocessor_config.json: Qwen2-VL's
 dynamic resolution (both sides multiples of patch x merge, the area between min_pixels and max_pixels), CLIP's
-resize-and-crop (LLaVA) or one fixed size whatever the aspect ratio (Gemma 3's SigLIP). The pixels themselves are
-processed in multimodal/image.py; this is what the config, the models and `fovea plan` need to know about them."""
+resize-and-crop (LLaVA), one fixed size whatever the aspect ratio (Gemma 3's SigLIP) or tiles of that size
+(InternVL: the image resized to a grid of tiles close to its aspect ratio, and a thumbnail). The pixels themselves
+are processed in multimodal/image.py; this is what the config, the models and `fovea plan` need to know about them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 # mm_processor_kwargs for videos (config/video.py; the last two are Qwen3-VL's)
 VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels", "cap_pixels_per_frame", "max_video_tokens"}
+# mm_processor_kwargs for a tiled model's tile counts: transformers' names and vLLM's (its InternVL processor's)
+TILE_KWARGS = {
+    "min_patches": "min_tiles",
+    "max_patches": "max_tiles",
+    "min_dynamic_patch": "min_tiles",
+    "max_dynamic_patch": "max_tiles",
+}
 
 
 def smart_resize(
@@ -60,6 +68,28 @@ def crop_resize(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
     return shortest_edge, int(shortest_edge * width / height)
 
 
+def tile_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) of InternVL's tiling (GotOcr2ImageProcessor's crop_to_patches): of the grids with
+    min_tiles..max_tiles tiles, taken in order of their tile count, the one whose aspect ratio is closest to the
+    image's; on a tie the later one, while the image has more than half the pixels of its tiles."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image has no pixels ({width}x{height})")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
+            f"supported {MAX_ASPECT_RATIO} ({width}x{height})"
+        )
+    grids = [
+        (c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1) if min_tiles <= c * r <= max_tiles
+    ]
+    best, best_gap = (1, 1), float("inf")
+    for columns, rows in sorted(grids, key=lambda grid: grid[0] * grid[1]):  # stable: columns, then rows
+        gap = abs(width / height - columns / rows)
+        if gap < best_gap or (gap == best_gap and width * height > 0.5 * tile * tile * columns * rows):
+            best, best_gap = (columns, rows), min(gap, best_gap)
+    return best
+
+
 @dataclass(frozen=True)
 class ImageProcessorConfig:
     min_pixels: int = 56 * 56
@@ -76,6 +106,10 @@ class ImageProcessorConfig:
     crop_size: int = 0
     shortest_edge: int = 0
     resample: str = "bicubic"  # PIL's filter: "bicubic" (Qwen, CLIP) or "bilinear" (Gemma 3)
+    # InternVL: each image cut into crop_size tiles, min_tiles to max_tiles of them (tile_grid), plus a thumbnail
+    # of the whole image where there are several; max_tiles 0: one image, one input
+    max_tiles: int = 0
+    min_tiles: int = 1
 
     @classmethod
     def dynamic(cls, raw: dict) -> ImageProcessorConfig:
@@ -140,6 +174,47 @@ class ImageProcessorConfig:
             resample="bilinear",
         )
 
+    @classmethod
+    def tiled(cls, raw: dict, patch_size: int, image_size: int, merge_size: int) -> ImageProcessorConfig:
+        """GotOcr2ImageProcessor's settings as InternVLProcessor runs it (crop_to_patches on, whatever the
+        image processor's own setting): bicubic tiles of image_size, min_patches..max_patches of them and a
+        thumbnail; CLIP's mean and std unless given (the released files give ImageNet's). max_pixels: what the
+        largest image's tiles hold."""
+        size = raw.get("size") or {}
+        if (size.get("height", image_size), size.get("width", image_size)) != (image_size, image_size):
+            raise ValueError(f"the vision tower takes {image_size}x{image_size} tiles, the processor makes {size}")
+        if raw.get("resample", 3) != 3:
+            raise ValueError(f"only bicubic resampling (3) is supported here, got {raw.get('resample')}")
+        low, high = raw.get("min_patches", 1), raw.get("max_patches", 12)
+        if not 1 <= low <= high:
+            raise ValueError(f"min_patches {low} and max_patches {high} must satisfy 1 <= min <= max")
+        largest = high + (high > 1)  # the thumbnail
+        return cls(
+            min_pixels=image_size * image_size,
+            max_pixels=image_size * image_size * largest,
+            patch_size=patch_size,
+            temporal_patch_size=1,
+            merge_size=merge_size,
+            image_mean=tuple(raw.get("image_mean", CLIP_MEAN)),
+            image_std=tuple(raw.get("image_std", CLIP_STD)),
+            crop_size=image_size,
+            max_tiles=high if high > 1 else 0,
+            min_tiles=low,
+        )
+
+    def tiles(self, height: int, width: int) -> tuple[int, int, int]:
+        """(columns, rows, inputs) of an image of this size: its tiles' grid and how many crop_size inputs the
+        tower takes for it (the grid's tiles and, where there are several, the thumbnail); (1, 1, 1) untiled."""
+        if not self.max_tiles:
+            return 1, 1, 1
+        columns, rows = tile_grid(height, width, self.crop_size, self.min_tiles, self.max_tiles)
+        return columns, rows, columns * rows + (columns * rows > 1)
+
+    def tokens(self, height: int, width: int) -> int:
+        """Image tokens of a source image of this size."""
+        h, w = self.input_size(height, width)
+        return self.tiles(height, width)[2] * h * w // (self.patch_size * self.merge_size) ** 2
+
     @property
     def tokens_per_image(self) -> int:
         """Tokens of one image where every image has one size (crop_size): its patches over merge x merge."""
@@ -147,36 +222,46 @@ class ImageProcessorConfig:
 
     @property
     def encoder_unit(self) -> int:
-        """Patches a vision tower's input grows by: one merge group, or one whole image when all have one size."""
+        """Patches a vision tower's input grows by: one merge group, or one whole image (tile) when all have one
+        size."""
         return (self.crop_size // self.patch_size) ** 2 if self.crop_size else self.merge_size**2
 
     def input_size(self, height: int, width: int) -> tuple[int, int]:
-        """The (height, width) an image of this size reaches the vision tower at."""
+        """The (height, width) an image of this size reaches the vision tower at (each of its tiles)."""
         if self.crop_size:
             crop_resize(height, width, self.shortest_edge or self.crop_size)  # refuses what it cannot resize
             return self.crop_size, self.crop_size
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
 
     def with_overrides(self, overrides: dict | None, capped: bool = False) -> ImageProcessorConfig:
-        """`mm_processor_kwargs` such as {"min_pixels": ..., "max_pixels": ...}. `capped` (per request): neither
-        may go above this config's max_pixels, which the engine sized its memory and encoder cache for."""
+        """`mm_processor_kwargs` such as {"min_pixels": ..., "max_pixels": ...}, or a tiled model's
+        {"max_patches": ...}. `capped` (per request): neither may go above this config's max_pixels (max_tiles),
+        which the engine sized its memory and encoder cache for."""
         if not overrides:
             return self
-        unknown = set(overrides) - {"min_pixels", "max_pixels"} - VIDEO_ONLY_KWARGS
+        unknown = set(overrides) - {"min_pixels", "max_pixels"} - VIDEO_ONLY_KWARGS - set(TILE_KWARGS)
         if unknown:
             raise ValueError(
                 f"unsupported mm_processor_kwargs {sorted(unknown)}; supported: min_pixels, max_pixels, "
-                f"and for videos {', '.join(sorted(VIDEO_ONLY_KWARGS))}"
+                f"for tiled images {', '.join(TILE_KWARGS)}, and for videos {', '.join(sorted(VIDEO_ONLY_KWARGS))}"
             )
-        overrides = {key: value for key, value in overrides.items() if key not in VIDEO_ONLY_KWARGS}
+        for key, value in overrides.items():
+            if key not in VIDEO_ONLY_KWARGS and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive integer, got {value!r}")
+        tiles = {TILE_KWARGS[key]: value for key, value in overrides.items() if key in TILE_KWARGS}
+        overrides = {key: value for key, value in overrides.items() if key in ("min_pixels", "max_pixels")}
+        if tiles and not self.max_tiles:
+            raise ValueError(f"mm_processor_kwargs {sorted(tiles)} apply to models whose images are cut into tiles")
         if overrides and self.crop_size:
             raise ValueError(
                 f"mm_processor_kwargs {sorted(overrides)} do not apply to this model: its images are "
-                f"resized and cropped to {self.crop_size}x{self.crop_size}"
+                f"resized and cropped to {self.crop_size}x{self.crop_size}{' tiles' if self.max_tiles else ''}"
             )
-        for key, value in overrides.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"mm_processor_kwargs[{key!r}] must be a positive integer, got {value!r}")
+        if tiles:
+            low, high = tiles.get("min_tiles", self.min_tiles), tiles.get("max_tiles", self.max_tiles)
+            high = min(high, self.max_tiles) if capped else high
+            largest = high + (high > 1)  # with the thumbnail (min > max: one tile, as in the reference)
+            return replace(self, min_tiles=low, max_tiles=high, max_pixels=self.crop_size**2 * largest)
         if capped:
             overrides = {key: min(value, self.max_pixels) for key, value in overrides.items()}
         return replace(self, **overrides)  # min > max is allowed: max_pixels wins, as in the reference

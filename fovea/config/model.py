@@ -95,6 +95,12 @@ class VisionConfig:
     patch_bias: bool = False  # the patch embedding's conv has a bias (Qwen3-VL)
     num_position_embeddings: int = 0  # learned positions, a square table resampled to each grid (Qwen3-VL); 0: none
     deepstack_indexes: tuple[int, ...] = ()  # blocks whose output also feeds the first decoder layers (Qwen3-VL)
+    # InternViT: q/k/v biases (off in InternViT-300M), an RMSNorm over all of q's and k's heads (InternViT-6B's),
+    # RMSNorm in place of LayerNorm (6B), a LayerNorm after the last layer (when it does not mean-pool)
+    attention_bias: bool = True
+    qk_norm: bool = False
+    rms_norm: bool = False
+    post_norm: bool = False
 
     @property
     def output_width(self) -> int:
@@ -139,6 +145,9 @@ class ModelConfig:
     # what a chat template writes for an image where that is not image_token_id (Gemma 3: <start_of_image>, which
     # becomes "\n\n<start_of_image>" + the image's tokens + "<end_of_image>\n\n", multimodal/prompt.py)
     image_placeholder_id: int | None = None
+    # text tokens the prompt's expansion puts around each image's tokens (InternVL's <img> and </img>), where the
+    # chat template writes the image token alone
+    image_wrap: tuple[str, str] | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

@@ -18,6 +18,7 @@ FAMILIES = {
     "Qwen3VLMoeForConditionalGeneration": "fovea.models.qwen3_vl",  # the same module: its decoder builds experts
     "LlavaForConditionalGeneration": "fovea.models.llava",
     "Gemma3ForConditionalGeneration": "fovea.models.gemma3",
+    "InternVLForConditionalGeneration": "fovea.models.internvl",
 }
 
 

@@ -46,9 +46,10 @@ def image_embeds(source: dict, config: ModelConfig) -> ProcessedImage:
         side = config.image.crop_size // config.image.patch_size
         grid = (1, side, side)
     grid = read_grid(grid)
-    if grid[0] != 1 or min(grid) < 1 or grid[1] % merge or grid[2] % merge:
-        raise ValueError(f"image_grid_thw must be (1, h, w) with h and w multiples of {merge}, got {list(grid)}")
-    tokens = grid[1] * grid[2] // merge**2
+    tiles = "t" if config.image.max_tiles else "1"  # InternVL: t tiles (its thumbnail counted)
+    if (grid[0] != 1 and tiles == "1") or min(grid) < 1 or grid[1] % merge or grid[2] % merge:
+        raise ValueError(f"image_grid_thw must be ({tiles}, h, w) with h and w multiples of {merge}, got {list(grid)}")
+    tokens = grid[0] * grid[1] * grid[2] // merge**2
     embeds = as_tensor(source["image_embeds"], "image_embeds", EMBED_DTYPES)
     if tuple(embeds.shape) != (tokens, width):
         raise ValueError(

@@ -41,10 +41,11 @@ class PlannedImage:
     height: int
     width: int
     data: bytes | None = None
+    tiles: tuple[int, int, int] = (1, 1, 1)  # InternVL's (columns, rows, inputs): ImageProcessorConfig.tiles
 
     @property
     def num_tokens(self) -> int:
-        return self.height * self.width // (self.config.patch_size * self.config.merge_size) ** 2
+        return self.tiles[2] * self.height * self.width // (self.config.patch_size * self.config.merge_size) ** 2
 
 
 @dataclass
@@ -168,7 +169,7 @@ class ImageProcessor:
         data, what = (None, "image") if isinstance(source, Image.Image) else encoded_bytes(source)
         image = source if data is None else _open(io.BytesIO(data), what)
         height, width = cfg.input_size(image.height, image.width)
-        return PlannedImage(image, cfg, height, width, data)
+        return PlannedImage(image, cfg, height, width, data, cfg.tiles(image.height, image.width))
 
     def process(self, planned: PlannedImage) -> ProcessedImage:
         cfg = planned.config
@@ -177,6 +178,8 @@ class ImageProcessor:
             top, left = (height - cfg.crop_size) // 2, (width - cfg.crop_size) // 2
             pixels = resize(planned.image, width, height)[top : top + cfg.crop_size, left : left + cfg.crop_size]
             pixels = np.ascontiguousarray(pixels)
+        elif cfg.max_tiles:
+            pixels = cut_tiles(planned)
         else:
             pixels = resize(planned.image, planned.width, planned.height, cfg.resample)
         grid = planned_grid(planned)
@@ -184,8 +187,21 @@ class ImageProcessor:
 
 
 def planned_grid(planned: PlannedImage) -> tuple[int, int, int]:
+    """(t, h, w) in patches; t counts a tiled image's inputs (its tiles and thumbnail)."""
     p = planned.config.patch_size
-    return 1, planned.height // p, planned.width // p
+    return planned.tiles[2], planned.height // p, planned.width // p
+
+
+def cut_tiles(planned: PlannedImage) -> np.ndarray:
+    """InternVL's inputs: the image resized to columns x rows tiles, cut row by row, then (where there are
+    several) the whole image resized to one tile; (inputs, tile, tile, 3) uint8."""
+    columns, rows, inputs = planned.tiles
+    side, resample = planned.config.crop_size, planned.config.resample
+    whole = resize(planned.image, columns * side, rows * side, resample)  # decodes the image
+    tiles = [whole[r * side : (r + 1) * side, c * side : (c + 1) * side] for r in range(rows) for c in range(columns)]
+    if inputs > columns * rows:
+        tiles.append(resize(planned.image, side, side, resample))
+    return np.stack(tiles)
 
 
 FILTERS = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}

@@ -188,9 +188,16 @@ class PromptProcessor:
             self.placeholders["image"] = self.tokenizer.convert_ids_to_tokens(config.image_placeholder_id)
         if config.video_token_id is not None:
             self.placeholders["video"] = self._placeholder(config.video_token_id)
+        self.image_wrap = [self._special_id(text) for text in config.image_wrap or ()]  # [start, end] or []
         self.max_token_chars = max_token_chars(self.tokenizer)
         self._warned_tools = False
         self._timestamp_ids: dict[str, list[int]] = {}
+
+    def _special_id(self, text: str) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(text)
+        if token_id is None or token_id == self.tokenizer.unk_token_id:
+            raise ValueError(f"the checkpoint's tokenizer has no {text} token, which {self.config.architecture} needs")
+        return token_id
 
     def _placeholder(self, token_id: int) -> str:
         """What a template writes for one image or video: the placeholder token, inside the vision start and end
@@ -313,7 +320,9 @@ class PromptProcessor:
         planned_videos = [
             plan_video(video, options, self.decoder.probe, cfg.patch_size, cfg.merge_size) for video in videos
         ]
-        length = len(ids) + sum(p.num_tokens - 1 for p in ([] if wrapped else planned) + planned_videos)
+        added = len(self.image_wrap) - 1  # a placeholder's own token, less the tokens around the image
+        length = len(ids) + sum(p.num_tokens - 1 for p in planned_videos)
+        length += 0 if wrapped else sum(p.num_tokens + added for p in planned)
         if max_tokens is not None and length > max_tokens:
             raise prompt_too_long(length, max_tokens)
         processed, clips = [], []
@@ -391,7 +400,7 @@ class PromptProcessor:
             if item.timestamps is None:
                 spans.append(VisionSpan(token, item.grid_thw, item.second_per_grid_t))
                 expanded += ids[prev:slot]
-                expanded += [token] * item.num_tokens
+                expanded += [*self.image_wrap[:1], *[token] * item.num_tokens, *self.image_wrap[1:]]
                 prev = slot + 1
                 continue
             # the template's whole <|vision_start|><|video_pad|><|vision_end|> becomes the video's patches (the

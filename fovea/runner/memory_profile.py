@@ -42,8 +42,12 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def largest_image_grid(config: EngineConfig) -> tuple[int, int, int]:
     """(t, h, w) patches of the largest square image, or video frame, the limits allow (the vision tower attends
-    within one image or one temporal patch of a video, and a video reaches it in parts of one step's budget)."""
+    within one image or one temporal patch of a video, and a video reaches it in parts of one step's budget); a
+    tiled image's t is its tiles."""
     image = config.model.image.with_overrides(config.mm_processor_kwargs)
+    if image.max_tiles:  # InternVL: the most tiles, and the thumbnail
+        side = image.crop_size // image.patch_size
+        return image.max_pixels // image.crop_size**2, side, side
     factor = image.patch_size * image.merge_size
     side = max(factor, largest_side(config.largest_frame_pixels, factor)) // image.patch_size
     return 1, side, side

@@ -351,7 +351,9 @@ class ModelRunner:
         model's tower only)."""
         if not items:
             return []
-        frames = 2 if any(item.pixels.ndim == 4 for item in items) else 1
+        # a video's patches hold two frames (a still image's its one frame twice); InternVL's tiles are one frame
+        video = any(item.pixels.ndim == 4 for item in items)
+        frames = self.image_config.temporal_patch_size if video else 1
         patches = torch.cat(
             [patchify(torch.from_numpy(item.pixels).to(self.device), self.image_config, frames) for item in items]
         ).to(self.config.dtype)

@@ -1,0 +1,331 @@
+"""InternVL against transformers (fp32, tiny random checkpoints written by transformers itself): the tiles and
+their pixels equal GotOcr2ImageProcessor's, a chat's prompt ids InternVLProcessor's, the logits transformers' for
+text, one image and two images of odd sizes (InternViT-300M's tower and InternViT-6B's, Qwen3 and Qwen2 decoders),
+and the engine's greedy tokens transformers' generate while chunks cut through images, prefixes come from the cache,
+sequences are preempted, and over two tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import internvl_inputs as hf_inputs
+from conftest import internvl_processor, random_image
+
+from fovea.config.image import tile_grid
+from fovea.config.model import ModelConfig
+from fovea.models.loader import load_model
+from fovea.multimodal.patchify import patchify
+from fovea.testing.tiny_internvl import IMG_END, IMG_START, write_internvl_checkpoint
+
+SIZES = [(130, 50), (61, 97), (56, 56), (400, 30), (200, 150)]  # width, height
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("internvl")
+    return {
+        "300m": write_internvl_checkpoint(root / "300m", seed=1),
+        # the 6B tower's norms, a Qwen2 decoder whose head is its embeddings, the features of the tower's
+        # next-to-last layer
+        "6b": write_internvl_checkpoint(
+            root / "6b", seed=2, tower="6b", decoder="qwen2", tie_word_embeddings=True, vision_feature_layer=-2
+        ),
+        "post-norm": write_internvl_checkpoint(root / "post", seed=3, tower="post-norm", max_patches=4),
+    }
+
+
+def chat(kind: str):
+    if kind == "text":
+        return [{"role": "user", "content": "Describe a harbour at night."}], []
+    count = {"one_image": 1, "two_images": 2}[kind]
+    images = [random_image(*SIZES[i], seed=i) for i in range(count)]
+    content = [{"type": "image"}, {"type": "text", "text": "What is in the picture? Name each colour."}]
+    content += [{"type": "image"}, {"type": "text", "text": "And here?"}] if count == 2 else []
+    return [{"role": "user", "content": content}], images
+
+
+def with_pil(messages, images):
+    it = iter(images)
+    return [
+        {
+            **m,
+            "content": [
+                {"type": "image_pil", "image_pil": next(it)} if p["type"] == "image" else p for p in m["content"]
+            ],
+        }
+        if isinstance(m["content"], list)
+        else m
+        for m in messages
+    ]
+
+
+@pytest.mark.parametrize("size", SIZES + [(1000, 999), (999, 1000), (10, 1990)])
+def test_tile_grid_is_the_processors(size):
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+    width, height = size
+    for low, high in ((1, 12), (1, 6), (2, 4), (1, 1)):
+        assert tile_grid(height, width, 448, low, high) == get_optimal_tiled_canvas(
+            (height, width), (448, 448), low, high
+        )
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_tiles_equal_got_ocr2_image_processor(checkpoints, size):
+    """The tiles (row by row) and the thumbnail, resized bicubic on uint8, rescaled and normalised: bit for bit."""
+    from fovea.multimodal.image import ImageProcessor
+
+    model_dir = checkpoints["300m"]
+    config = ModelConfig.from_dir(model_dir).image
+    image = random_image(*size, seed=sum(size))
+    processed = ImageProcessor(config)(image)
+    ref = internvl_processor(model_dir).image_processor(images=[image], crop_to_patches=True, return_tensors="pt")
+    tiles = int(ref["num_patches"][0])
+    assert processed.grid_thw == (tiles, 4, 4) and processed.num_tokens == 4 * tiles
+    ours = patchify(torch.from_numpy(processed.pixels), config)  # each 2 x 2 patches of a token together
+    theirs = ref["pixel_values"].reshape(tiles, 3, 2, 2, 14, 2, 2, 14).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    assert torch.equal(ours, theirs.reshape(tiles * 16, -1))
+
+
+@pytest.mark.parametrize("kind", ["text", "one_image", "two_images"])
+def test_chat_prompt_ids_are_the_processors(checkpoints, kind):
+    from fovea.multimodal.prompt import PromptProcessor
+
+    model_dir = checkpoints["300m"]
+    messages, images = chat(kind)
+    ours = PromptProcessor(model_dir, ModelConfig.from_dir(model_dir)).process_chat(with_pil(messages, images))
+    assert ours.token_ids == hf_inputs(model_dir, messages, images)["input_ids"][0].tolist()
+    assert ours.token_ids.count(IMG_START) == ours.token_ids.count(IMG_END) == len(images)
+
+
+def logits_pair(model_dir, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import InternVLForConditionalGeneration
+
+    from fovea.multimodal.prompt import PromptProcessor
+
+    messages, images = chat(kind)
+    inputs = hf_inputs(model_dir, messages, images)
+    reference = InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(**inputs).logits[0]
+    model, _ = load_model(model_dir, dtype="float32")
+    prompt = PromptProcessor(model_dir, model.config).process_chat(with_pil(messages, images))
+    from fovea.attention.layer import AttentionMetadata
+
+    with torch.no_grad():
+        patches = [patchify(torch.from_numpy(image.pixels), model.config.image) for image in prompt.images]
+        mm = model.encode_images(torch.cat(patches), [i.grid_thw for i in prompt.images]) if patches else []
+        ids = torch.tensor(prompt.token_ids)
+        meta = AttentionMetadata.from_lengths([len(ids)])
+        hidden = model(ids, torch.arange(len(ids)).expand(3, -1), meta, torch.cat(mm) if mm else None)
+        return model.compute_logits(hidden), theirs
+
+
+@pytest.mark.parametrize(
+    "checkpoint, kind",
+    [("300m", "text"), ("300m", "one_image"), ("300m", "two_images"), ("6b", "two_images"), ("post-norm", "one_image")],
+)
+def test_logits_match_transformers(checkpoints, checkpoint, kind):
+    ours, theirs = logits_pair(checkpoints[checkpoint], kind)
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= 1e-4 and torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_both_checkpoint_layouts_load_the_same_model(checkpoints, tmp_path):
+    """What transformers 5.24 writes (the "-hf" names: `vision_tower.*`, `multi_modal_projector.*`,
+    `language_model.model.*`, `language_model.lm_head.*`) and transformers 5's module names (`model.vision_tower.*`,
+    `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.*`)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoints["300m"]
+    weights = load_file(str(source / "model.safetensors"))
+    assert any(name.startswith("language_model.model.") for name in weights)
+
+    def module_name(name: str) -> str:
+        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(old):
+                return new + name.removeprefix(old)
+        return "model." + name
+
+    target = tmp_path / "modules"
+    shutil.copytree(source, target)
+    save_file({module_name(name): tensor for name, tensor in weights.items()}, str(target / "model.safetensors"))
+    expected, _ = load_model(source, dtype="float32")
+    model, _ = load_model(target, dtype="float32")
+    mine, theirs = model.state_dict(), expected.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_config_read_as_transformers_reads_it():
+    """InternVL3.5-8B's shapes (a Qwen3-8B decoder, InternViT-300M) from a sparse config.json, against
+    transformers' reading of it; the tile's 1,024 patches make 256 tokens."""
+    from transformers import InternVLConfig
+
+    raw = {
+        "architectures": ["InternVLForConditionalGeneration"],
+        "text_config": {
+            "model_type": "qwen3",
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 40960,
+            "eos_token_id": 151645,
+        },
+        "vision_config": {"attention_bias": True, "hidden_size": 1024, "num_hidden_layers": 24},
+        "tie_word_embeddings": False,
+    }
+    ours, theirs = ModelConfig.from_dict(raw), InternVLConfig(**raw)
+    text, reference = ours.text, theirs.text_config
+    assert (text.num_layers, text.hidden_size, text.num_heads, text.num_kv_heads, text.head_dim) == (
+        reference.num_hidden_layers,
+        reference.hidden_size,
+        reference.num_attention_heads,
+        reference.num_key_value_heads,
+        reference.head_dim,
+    )
+    assert text.qk_norm and not text.attention_bias and text.rope_theta == 1e6 and not ours.tie_word_embeddings
+    vision, tower = ours.vision, theirs.vision_config
+    assert (vision.depth, vision.hidden_size, vision.num_heads, vision.image_size, vision.patch_size) == (
+        tower.num_hidden_layers,
+        tower.hidden_size,
+        tower.num_attention_heads,
+        *tower.image_size[:1],
+        *tower.patch_size[:1],
+    )
+    assert vision.attention_bias and not vision.qk_norm and not vision.post_norm
+    assert ours.image_token_id == theirs.image_token_id == 151667 and ours.eos_token_ids == (151645,)
+    assert ours.image.tokens_per_image == theirs.image_seq_length == 256
+    assert ours.image.max_tiles == 12 and ours.image.image_mean == (0.48145466, 0.4578275, 0.40821073)
+
+
+def test_engine_greedy_matches_transformers(checkpoints):
+    """Greedy tokens and their log-probabilities (within 1e-4) against transformers' generate: a budget of 16
+    tokens (chunks end inside images of 16-28 tokens), prompts repeated (prefix cache), 10 blocks of 16 for six
+    prompts (preemption)."""
+    from transformers import InternVLForConditionalGeneration
+
+    from fovea import LLM, SamplingParams
+
+    model_dir = checkpoints["300m"]
+    cases = [chat(kind) for kind in ("two_images", "one_image", "text", "two_images", "one_image", "text")]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_num_batched_tokens=16,
+        block_size=16,
+        num_gpu_blocks_override=10,
+        max_model_len=160,
+        max_num_seqs=4,
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outputs = llm.chat([with_pil(m, i) for m, i in cases], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0 and sum(o.num_cached_tokens > 0 for o in outputs) >= 2
+    reference = InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for (messages, images), out in zip(cases, outputs):
+        inputs = hf_inputs(model_dir, messages, images)
+        with torch.no_grad():
+            generated = reference.generate(
+                **inputs,
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        tokens = generated.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+        theirs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(generated.logits, tokens)]
+        ours = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == tokens, messages
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-4, (ours, theirs)
+
+
+def test_tensor_parallel_gives_the_same_tokens(checkpoints):
+    """Two ranks on the CPU (gloo): the decoder's and the tower's heads split, the projector split too: the
+    single process's greedy tokens, log-probabilities within 1e-4. InternViT-6B's q/k norm over all heads needs
+    the whole tower on a rank: weight-split, it is refused at start."""
+    import numpy as np
+
+    from fovea import LLM, SamplingParams
+
+    cases = [chat(kind) for kind in ("two_images", "one_image", "text")]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+
+    def run(model_dir, **engine_args):
+        llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=32, max_model_len=160, **engine_args)
+        try:
+            outputs = llm.chat([with_pil(m, i) for m, i in cases], params, use_tqdm=False)
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        finally:
+            llm.close()
+
+    expected, got = run(checkpoints["300m"]), run(checkpoints["300m"], tensor_parallel_size=2)
+    for (want_ids, want_logprobs), (ids, logprobs) in zip(expected, got, strict=True):
+        assert ids == want_ids
+        for want, entry in zip(want_logprobs, logprobs, strict=True):
+            assert list(entry) == list(want)
+            np.testing.assert_allclose(
+                [e.logprob for e in entry.values()], [e.logprob for e in want.values()], atol=1e-4
+            )
+    with pytest.raises(Exception, match="q/k norm over all heads"):
+        run(checkpoints["6b"], tensor_parallel_size=2)
+
+
+def test_tile_counts_per_request_are_the_processors(checkpoints):
+    """mm_processor_kwargs max_patches (vLLM's max_dynamic_patch too) and min_patches: the prompt ids and tiles of
+    transformers' processor given the same; a request cannot ask for more tiles than the server's setting (6)."""
+    from fovea.multimodal.prompt import PromptProcessor
+
+    model_dir = checkpoints["300m"]
+    prompts = PromptProcessor(model_dir, ModelConfig.from_dir(model_dir))
+    messages, images = chat("two_images")
+    text = prompts.render_chat(with_pil(messages, images))[0]
+    processor = internvl_processor(model_dir)
+    for kwargs, theirs in (
+        ({"max_patches": 2}, {"max_patches": 2}),
+        ({"max_dynamic_patch": 3, "min_dynamic_patch": 2}, {"max_patches": 3, "min_patches": 2}),
+        ({"max_patches": 1}, {"max_patches": 1}),
+        ({"max_patches": 50}, {"max_patches": 6}),  # capped at the server's
+    ):
+        ours = prompts.process(text, images, kwargs)
+        reference = processor(text=text, images=images, return_tensors="pt", **theirs)
+        assert ours.token_ids == reference["input_ids"][0].tolist(), kwargs
+        assert sum(image.grid_thw[0] for image in ours.images) == reference["pixel_values"].shape[0]
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        prompts.process(text, images, {"max_patches": 0})
+    from fovea.config.image import ImageProcessorConfig
+
+    with pytest.raises(ValueError, match="apply to models whose images are cut into tiles"):
+        ImageProcessorConfig().with_overrides({"max_patches": 2})  # Qwen's
+
+
+def test_embeddings_of_a_tiled_image_give_its_tokens(checkpoints):
+    """`image_embeds` of all of an image's tiles (grid (tiles, 4, 4)) in place of the image: the same tokens and
+    log-probabilities, the tower not run."""
+    from fovea import LLM, SamplingParams
+    from fovea.multimodal.prompt import PromptProcessor
+
+    model_dir = checkpoints["300m"]
+    model, _ = load_model(model_dir, dtype="float32")
+    image = random_image(200, 90, seed=4)
+    prompt = "<|im_start|>user\n<IMG_CONTEXT>\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
+    processed = PromptProcessor(model_dir, model.config).process(prompt, [image]).images[0]
+    assert processed.grid_thw == (3, 4, 4)  # two tiles side by side and the thumbnail
+    with torch.inference_mode():
+        embeds = model.encode_images(patchify(torch.from_numpy(processed.pixels), model.config.image), [(3, 4, 4)])[0]
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, enable_mm_embeds=True)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
+    as_image = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, use_tqdm=False)[0]
+    given = {"image_embeds": embeds, "image_grid_thw": [3, 4, 4]}
+    as_embeds = llm.generate({"prompt": prompt, "multi_modal_data": {"image": given}}, params, use_tqdm=False)[0]
+    assert as_embeds.prompt_token_ids == as_image.prompt_token_ids
+    assert as_embeds.outputs[0].token_ids == as_image.outputs[0].token_ids
+    for mine, theirs in zip(as_embeds.outputs[0].logprobs, as_image.outputs[0].logprobs, strict=True):
+        assert abs(next(iter(mine.values())).logprob - next(iter(theirs.values())).logprob) <= 1e-4
