@@ -180,6 +180,44 @@ def video_file(frames: np.ndarray, fps: int, lossless: bool = True) -> bytes:
     return buf.getvalue()
 
 
+def hf_greedy_logprobs(reference, inputs: dict, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens after `inputs`' prompt (no stop token) and the log-probability of each."""
+    with torch.no_grad():
+        generated = reference.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = generated.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(generated.logits, tokens)]
+
+
+def assert_greedy_is_the_references(reference, outputs, inputs: list[dict]) -> None:
+    """Each engine output (greedy, logprobs=0, ignore_eos) against transformers' generate over the same prompt:
+    the prompt ids, the tokens, their log-probabilities within 1e-4."""
+    for out, given in zip(outputs, inputs, strict=True):
+        tokens, theirs = hf_greedy_logprobs(reference, given, len(out.outputs[0].token_ids))
+        ours = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        assert out.prompt_token_ids == given["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == tokens, out.prompt_token_ids
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-4, (ours, theirs)
+
+
+def assert_same_tokens_and_logprobs(expected: list, got: list) -> None:
+    """(token ids, logprobs) per output, e.g. one process's and tensor-parallel ranks': the same tokens and
+    top-logprob tokens, log-probabilities within 1e-4."""
+    for (want_ids, want_logprobs), (ids, logprobs) in zip(expected, got, strict=True):
+        assert ids == want_ids
+        for want, entry in zip(want_logprobs, logprobs, strict=True):
+            assert list(entry) == list(want)
+            np.testing.assert_allclose(
+                [e.logprob for e in entry.values()], [e.logprob for e in want.values()], atol=1e-4
+            )
+
+
 def internvl_processor(model_dir):
     """transformers' InternVLProcessor with the checkpoint's image processor (PIL) and tokenizer, built without its
     video processor: that needs torchvision, which this machine lacks, and images do not use it."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_image
+from conftest import assert_greedy_is_the_references, assert_same_tokens_and_logprobs, random_image
 
 from fovea.attention.layer import AttentionMetadata
 from fovea.config.engine import EngineConfig
@@ -267,23 +267,7 @@ def test_engine_greedy_matches_transformers(checkpoints):
     outputs = llm.chat([with_pil(m, i) for m, i in cases], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0 and sum(o.num_cached_tokens > 0 for o in outputs) >= 2
     reference = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for (messages, images), out in zip(cases, outputs):
-        inputs = hf_inputs(model_dir, messages, images)
-        with torch.no_grad():
-            generated = reference.generate(
-                **inputs,
-                max_new_tokens=8,
-                min_new_tokens=8,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = generated.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        theirs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(generated.logits, tokens)]
-        ours = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-        assert out.outputs[0].token_ids == tokens, messages
-        assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-4, (ours, theirs)
+    assert_greedy_is_the_references(reference, outputs, [hf_inputs(model_dir, m, i) for m, i in cases])
 
 
 def test_a_budget_smaller_than_an_image_is_refused(checkpoints):
@@ -318,8 +302,6 @@ def test_auto_attention_is_the_reference_that_has_its_features(checkpoints):
 def test_tensor_parallel_gives_the_same_tokens(checkpoints):
     """Two ranks on the CPU (gloo): the decoder's 4 query and 2 KV heads and the tower's 2 heads split, the
     projector and the norms replicated: the single process's greedy tokens, log-probabilities within 1e-4."""
-    import numpy as np
-
     from fovea import LLM, SamplingParams
 
     model_dir = checkpoints["large_images"]
@@ -337,10 +319,4 @@ def test_tensor_parallel_gives_the_same_tokens(checkpoints):
 
     (expected, one), (got, two) = run(), run(tensor_parallel_size=2)
     assert (one, two) == (1, 2)
-    for (want_ids, want_logprobs), (ids, logprobs) in zip(expected, got, strict=True):
-        assert ids == want_ids
-        for want, entry in zip(want_logprobs, logprobs, strict=True):
-            assert list(entry) == list(want)
-            np.testing.assert_allclose(
-                [e.logprob for e in entry.values()], [e.logprob for e in want.values()], atol=1e-4
-            )
+    assert_same_tokens_and_logprobs(expected, got)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_greedy_is_the_references, assert_same_tokens_and_logprobs, internvl_processor, random_image
 from conftest import internvl_inputs as hf_inputs
-from conftest import internvl_processor, random_image
+from test_families import with_pil
 
 from fovea.config.image import tile_grid
 from fovea.config.model import ModelConfig
@@ -42,21 +43,6 @@ def chat(kind: str):
     content = [{"type": "image"}, {"type": "text", "text": "What is in the picture? Name each colour."}]
     content += [{"type": "image"}, {"type": "text", "text": "And here?"}] if count == 2 else []
     return [{"role": "user", "content": content}], images
-
-
-def with_pil(messages, images):
-    it = iter(images)
-    return [
-        {
-            **m,
-            "content": [
-                {"type": "image_pil", "image_pil": next(it)} if p["type"] == "image" else p for p in m["content"]
-            ],
-        }
-        if isinstance(m["content"], list)
-        else m
-        for m in messages
-    ]
 
 
 @pytest.mark.parametrize("size", SIZES + [(1000, 999), (999, 1000), (10, 1990)])
@@ -228,31 +214,13 @@ def test_engine_greedy_matches_transformers(checkpoints):
     outputs = llm.chat([with_pil(m, i) for m, i in cases], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0 and sum(o.num_cached_tokens > 0 for o in outputs) >= 2
     reference = InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for (messages, images), out in zip(cases, outputs):
-        inputs = hf_inputs(model_dir, messages, images)
-        with torch.no_grad():
-            generated = reference.generate(
-                **inputs,
-                max_new_tokens=8,
-                min_new_tokens=8,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = generated.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        theirs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(generated.logits, tokens)]
-        ours = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-        assert out.outputs[0].token_ids == tokens, messages
-        assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-4, (ours, theirs)
+    assert_greedy_is_the_references(reference, outputs, [hf_inputs(model_dir, m, i) for m, i in cases])
 
 
 def test_tensor_parallel_gives_the_same_tokens(checkpoints):
     """Two ranks on the CPU (gloo): the decoder's and the tower's heads split, the projector split too: the
     single process's greedy tokens, log-probabilities within 1e-4. InternViT-6B's q/k norm over all heads needs
     the whole tower on a rank: weight-split, it is refused at start."""
-    import numpy as np
-
     from fovea import LLM, SamplingParams
 
     cases = [chat(kind) for kind in ("two_images", "one_image", "text")]
@@ -267,13 +235,7 @@ def test_tensor_parallel_gives_the_same_tokens(checkpoints):
             llm.close()
 
     expected, got = run(checkpoints["300m"]), run(checkpoints["300m"], tensor_parallel_size=2)
-    for (want_ids, want_logprobs), (ids, logprobs) in zip(expected, got, strict=True):
-        assert ids == want_ids
-        for want, entry in zip(want_logprobs, logprobs, strict=True):
-            assert list(entry) == list(want)
-            np.testing.assert_allclose(
-                [e.logprob for e in entry.values()], [e.logprob for e in want.values()], atol=1e-4
-            )
+    assert_same_tokens_and_logprobs(expected, got)
     with pytest.raises(Exception, match="q/k norm over all heads"):
         run(checkpoints["6b"], tensor_parallel_size=2)
 

@@ -23,6 +23,17 @@ TILE_KWARGS = {
 }
 
 
+def check_size(height: int, width: int) -> None:
+    """Refuses an image with no pixels, or too thin to resize (a 1 x 10^5 image would resize to 10 GB)."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image has no pixels ({width}x{height})")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
+            f"supported {MAX_ASPECT_RATIO} ({width}x{height})"
+        )
+
+
 def smart_resize(
     height: int,
     width: int,
@@ -33,13 +44,7 @@ def smart_resize(
 ) -> tuple[int, int]:
     """Closest size with both sides multiples of `factor` and an area within [min_pixels, max_pixels]. With
     `frames` (Qwen3-VL's videos) the bounds hold for all frames together, counted in whole temporal patches."""
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image has no pixels ({width}x{height})")
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(
-            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
-            f"supported {MAX_ASPECT_RATIO} ({width}x{height})"
-        )
+    check_size(height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     kept = 1 if frames == 1 else round(frames / 2) * 2  # the published rule: round half to even, then beta by frames
@@ -56,13 +61,7 @@ def smart_resize(
 
 def crop_resize(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
     """CLIPImageProcessor's resize: the shortest side to `shortest_edge`, the other in proportion (truncated)."""
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image has no pixels ({width}x{height})")
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:  # a 1 x 10^5 image would resize to 10 GB
-        raise ValueError(
-            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
-            f"supported {MAX_ASPECT_RATIO} ({width}x{height})"
-        )
+    check_size(height, width)
     if width <= height:
         return int(shortest_edge * height / width), shortest_edge
     return shortest_edge, int(shortest_edge * width / height)
@@ -72,13 +71,7 @@ def tile_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int
     """(columns, rows) of InternVL's tiling (GotOcr2ImageProcessor's crop_to_patches): of the grids with
     min_tiles..max_tiles tiles, taken in order of their tile count, the one whose aspect ratio is closest to the
     image's; on a tie the later one, while the image has more than half the pixels of its tiles."""
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image has no pixels ({width}x{height})")
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(
-            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the "
-            f"supported {MAX_ASPECT_RATIO} ({width}x{height})"
-        )
+    check_size(height, width)
     grids = [
         (c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1) if min_tiles <= c * r <= max_tiles
     ]

@@ -100,13 +100,7 @@ class SiglipVisionTower(FixedSizeTower):
         self.projector = Projector(cfg, text_hidden)
 
     def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
-        meta = layout["meta"].to(pixel_values.device)
-        x = self.embeddings(pixel_values)
-        images, patches, hidden = x.shape
-        x = x.reshape(images * patches, hidden)
-        for layer in self.layers:
-            x = layer(x, meta)
-        x = self.projector(self.post_layernorm(x).view(images, patches, hidden))
+        x = self.projector(self.post_layernorm(self.through_layers(self.embeddings(pixel_values), layout)))
         return x.reshape(-1, x.shape[-1])
 
 

@@ -137,16 +137,10 @@ class InternVisionTower(FixedSizeTower):
         return super().layout([(1, h, w) for t, h, w in grids for _ in range(t)], tile_rows)
 
     def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
-        meta = layout["meta"].to(pixel_values.device)
-        x = self.embeddings(pixel_values)
-        tiles, tokens, hidden = x.shape
-        x = x.reshape(tiles * tokens, hidden)
-        for layer in self.layers:
-            x = layer(x, meta)
-        x = x.view(tiles, tokens, hidden)[:, 1:]
+        x = self.through_layers(self.embeddings(pixel_values), layout)[:, 1:]
         if self.layernorm is not None:
             x = self.layernorm(x)
-        return self.projector(x.reshape(-1, hidden * self.cfg.spatial_merge_size**2))
+        return self.projector(x.reshape(-1, x.shape[-1] * self.cfg.spatial_merge_size**2))
 
 
 class Model(VisionLanguageModel):

@@ -90,6 +90,7 @@ class FixedSizeTower(nn.Module):
     extra_tokens = 0
     cfg: VisionConfig
     use_kernel: bool
+    layers: nn.ModuleList
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: (images * patches, 588) -> (images * tokens, model width)."""
@@ -111,6 +112,15 @@ class FixedSizeTower(nn.Module):
     def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
         raise NotImplementedError
 
+    def through_layers(self, x: torch.Tensor, layout: dict) -> torch.Tensor:
+        """(images, tokens, hidden) embeddings through `self.layers`, each image attending over itself."""
+        meta = layout["meta"].to(x.device)
+        images, tokens, hidden = x.shape
+        x = x.reshape(images * tokens, hidden)
+        for layer in self.layers:
+            x = layer(x, meta)
+        return x.view(images, tokens, hidden)
+
 
 class ClipVisionTower(FixedSizeTower):
     """Only the layers up to the feature layer are built (the rest, and the post-norm, are never used)."""
@@ -126,13 +136,8 @@ class ClipVisionTower(FixedSizeTower):
         self.projector = Projector(cfg.hidden_size, cfg.out_hidden_size)
 
     def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
-        meta = layout["meta"].to(pixel_values.device)
-        x = self.pre_layrnorm(self.embeddings(pixel_values))
-        images, tokens, hidden = x.shape
-        x = x.reshape(images * tokens, hidden)
-        for layer in self.layers:
-            x = layer(x, meta)
-        return self.projector(x.view(images, tokens, hidden)[:, 1:].reshape(-1, hidden))
+        x = self.through_layers(self.pre_layrnorm(self.embeddings(pixel_values)), layout)
+        return self.projector(x[:, 1:].reshape(-1, x.shape[-1]))
 
 
 # ---------------------------------------------------------------------------------------------- the full model

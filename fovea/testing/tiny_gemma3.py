@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.testing.tiny_llava import corpus
+from fovea.testing.tiny_llava import added_tokens_decoder, byte_bpe
 
 BPE_TOKENS = 295
 TURN_START, TURN_END, BOI, EOI, IMAGE = range(BPE_TOKENS, BPE_TOKENS + 5)
@@ -27,25 +27,13 @@ ADDED[IMAGE] = "<image_soft_token>"
 
 
 def write_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_TOKENS,
-        special_tokens=list(SPECIALS.values()),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer)
-    assert tok.get_vocab_size() == BPE_TOKENS, tok.get_vocab_size()
-    tok.add_special_tokens(list(ADDED.values()))
+    tok = byte_bpe(BPE_TOKENS, list(SPECIALS.values()), list(ADDED.values()))
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)]
     )
     tok.save(str(out / "tokenizer.json"))
-    entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<bos>",
@@ -55,7 +43,7 @@ def write_tokenizer(out: Path) -> None:
         "model_max_length": 131072,
         "clean_up_tokenization_spaces": False,
         "extra_special_tokens": {"boi_token": ADDED[BOI], "eoi_token": ADDED[EOI], "image_token": ADDED[IMAGE]},
-        "added_tokens_decoder": {str(i): {"content": t, **entry} for i, t in {**SPECIALS, **ADDED}.items()},
+        "added_tokens_decoder": added_tokens_decoder({**SPECIALS, **ADDED}),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 

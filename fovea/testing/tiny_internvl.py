@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.testing.tiny_llava import corpus
+from fovea.testing.tiny_llava import added_tokens_decoder, byte_bpe
 
 BPE_TOKENS = 290
 IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT, VIDEO = range(BPE_TOKENS, BPE_TOKENS + 6)
@@ -43,22 +43,7 @@ DECODERS = {
 
 
 def write_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_TOKENS,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer)
-    assert tok.get_vocab_size() == BPE_TOKENS, tok.get_vocab_size()
-    tok.add_special_tokens(list(ADDED.values()))
-    tok.save(str(out / "tokenizer.json"))
-    entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    byte_bpe(BPE_TOKENS, ["<|endoftext|>"], list(ADDED.values())).save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
@@ -71,7 +56,7 @@ def write_tokenizer(out: Path) -> None:
             "context_image_token": "<IMG_CONTEXT>",
             "video_token": "<video>",
         },
-        "added_tokens_decoder": {str(i): {"content": t, **entry} for i, t in {0: "<|endoftext|>", **ADDED}.items()},
+        "added_tokens_decoder": added_tokens_decoder({0: "<|endoftext|>", **ADDED}),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 

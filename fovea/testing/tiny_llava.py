@@ -171,21 +171,36 @@ def to_transformers5_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.
     return {rename(k): v for k, v in weights.items()}
 
 
-def write_tokenizer(out: Path, chat_template: bool) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def byte_bpe(size: int, trained: list[str], added: list[str]):
+    """A byte-level BPE of `size` tokens trained on corpus() with the `trained` special tokens first, then the
+    `added` special tokens after the learned ones (the tiny checkpoints' vocabularies)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_TOKENS,
-        special_tokens=["<unk>", "<s>", "</s>"],
+        vocab_size=size,
+        special_tokens=trained,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer)
-    assert tok.get_vocab_size() == BPE_TOKENS, tok.get_vocab_size()
-    tok.add_special_tokens(["<image>", "<pad>"])
+    assert tok.get_vocab_size() == size, tok.get_vocab_size()
+    tok.add_special_tokens(added)
+    return tok
+
+
+def added_tokens_decoder(specials: dict[int, str]) -> dict:
+    """tokenizer_config.json's entries for special tokens by id."""
+    entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    return {str(i): {"content": token, **entry} for i, token in specials.items()}
+
+
+def write_tokenizer(out: Path, chat_template: bool) -> None:
+    from tokenizers import processors
+
+    tok = byte_bpe(BPE_TOKENS, ["<unk>", "<s>", "</s>"], ["<image>", "<pad>"])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
     )
@@ -199,17 +214,7 @@ def write_tokenizer(out: Path, chat_template: bool) -> None:
         "pad_token": "<pad>",
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": {
-            str(i): {
-                "content": t,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, t in specials.items()
-        },
+        "added_tokens_decoder": added_tokens_decoder(specials),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     if chat_template:
