@@ -104,28 +104,42 @@ def test_reference_decode_groups_are_sized_by_the_bytes_of_a_models_keys():
     assert make_backend("torch", 2, False, cpu).decode_group_tokens == 2048
 
 
-def test_registry_builds_by_name_and_refuses_missing_features():
+def test_registry_builds_by_name_and_refuses_missing_features(monkeypatch):
+    """Both backends have every feature a model needs; a backend without one (registered here) is refused at
+    start, naming the feature and the backends that have it."""
+    import dataclasses
+
     assert set(BY_NAME["attention_backend"].choices) == {"auto", *BACKENDS}  # the flag offers what is registered
     assert isinstance(make_backend("torch", 2, False, torch.device("cpu"), needs=("sliding_window",)), TorchAttention)
+    plain = dataclasses.replace(BACKENDS["torch"], sliding_window=False, bidirectional_spans=False)
+    monkeypatch.setitem(BACKENDS, "plain", plain)
     with pytest.raises(
         ValueError,
-        match="needs sliding_window attention, which the triton backend does not have; "
-        r"backends that do: \['torch'\]",
+        match="needs sliding_window attention, which the plain backend does not have; "
+        r"backends that do: \['torch', 'triton'\]",
     ):
-        make_backend("triton", 2, False, torch.device("cpu"), needs=("sliding_window",))
+        make_backend("plain", 2, False, torch.device("cpu"), needs=("sliding_window",))
     with pytest.raises(ValueError, match="attention backend 'flash' is not one of torch, triton"):
         make_backend("flash", 2, False, torch.device("cpu"))
     assert BACKENDS["triton"].cuda_graphs and not BACKENDS["torch"].cuda_graphs
 
 
-def test_a_model_with_sliding_window_layers_needs_a_backend_that_has_them():
+def test_a_model_with_sliding_window_layers_needs_a_backend_that_has_them(monkeypatch):
+    import dataclasses
+
+    from fovea.attention.triton_paged import TritonAttention
+
     plain = torch.nn.ModuleList([Attention(16, causal=True, layer_index=0), Attention(16, causal=False)])
     windowed = torch.nn.ModuleList(
         [Attention(16, causal=True, layer_index=0), Attention(16, causal=True, layer_index=1, sliding_window=512)]
     )
     assert features_needed(plain) == () and features_needed(windowed) == ("sliding_window",)
+    assert isinstance(
+        make_backend("triton", 2, False, torch.device("cpu"), needs=features_needed(windowed)), TritonAttention
+    )
+    monkeypatch.setitem(BACKENDS, "plain", dataclasses.replace(BACKENDS["triton"], sliding_window=False))
     with pytest.raises(ValueError, match="needs sliding_window attention"):
-        make_backend("triton", 2, False, torch.device("cpu"), needs=features_needed(windowed))
+        make_backend("plain", 2, False, torch.device("cpu"), needs=features_needed(windowed))
 
 
 def test_fp8_kv_cache_is_attention_over_fp8_rounded_keys_and_values():

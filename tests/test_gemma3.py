@@ -275,28 +275,47 @@ def test_a_budget_smaller_than_an_image_is_refused(checkpoints):
         EngineConfig.from_args(str(checkpoints["large_images"]), dtype="float32", max_num_batched_tokens=8)
 
 
-def test_auto_attention_is_the_reference_that_has_its_features(checkpoints):
-    """The Triton kernels lack sliding windows and two-way image spans yet: `auto` picks the PyTorch reference for
-    Gemma 3 on a GPU too (another model gets the kernels), and naming the kernels fails at start, naming why."""
+def test_auto_attention_is_the_kernels_that_have_its_features(checkpoints):
+    """Gemma 3 needs sliding windows and two-way image spans: `auto` picks our Triton kernels on a GPU (they have
+    both), the reference elsewhere."""
     import dataclasses
 
-    from fovea.attention import make_backend
-    from fovea.models.loader import load_model
+    from fovea.attention import features_needed, make_backend
+    from fovea.attention.triton_paged import TritonAttention
 
     config = EngineConfig.from_args(str(checkpoints["small"]), dtype="float32")
-    on_gpu = dataclasses.replace(config, device=torch.device("cuda"))
-    assert on_gpu.resolved_attention_backend == "torch"
-    qwen = dataclasses.replace(on_gpu, model=dataclasses.replace(config.model, bidirectional_images=False))
-    qwen = dataclasses.replace(
-        qwen, model=dataclasses.replace(qwen.model, text=dataclasses.replace(qwen.model.text, sliding_layers=()))
-    )
-    assert qwen.resolved_attention_backend == "triton"
-    from fovea.attention import features_needed
-
+    assert config.resolved_attention_backend == "torch"
+    assert dataclasses.replace(config, device=torch.device("cuda")).resolved_attention_backend == "triton"
     model, _ = load_model(checkpoints["small"], dtype="float32")
     assert features_needed(model) == ("sliding_window", "bidirectional_spans")
-    with pytest.raises(ValueError, match="needs sliding_window, bidirectional_spans attention, which the triton"):
-        make_backend("triton", 2, False, torch.device("cpu"), features_needed(model))
+    assert isinstance(make_backend("triton", 2, False, torch.device("cpu"), features_needed(model)), TritonAttention)
+
+
+def test_engine_on_the_triton_kernels_gives_the_references_tokens(checkpoints):
+    """The whole engine on our Triton kernels (under Triton's interpreter here): chunks stop before images whose
+    tokens outnumber the sliding window, prefixes come from the cache, sequences are preempted, and decode steps
+    see only their window: the reference backend's greedy tokens, log-probabilities within 1e-4."""
+    from fovea import LLM, SamplingParams
+
+    model_dir = checkpoints["large_images"]
+    cases = [chat(kind) for kind in ("two_images", "one_image", "text", "two_images")]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(model_dir),
+            dtype="float32",
+            attention_backend=backend,
+            max_num_batched_tokens=24,
+            block_size=16,
+            num_gpu_blocks_override=12,
+            max_model_len=160,
+            max_num_seqs=3,
+        )
+        outputs = llm.chat([with_pil(m, i) for m, i in cases], params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0 and sum(o.num_cached_tokens > 0 for o in outputs) >= 1
+        runs[backend] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    assert_same_tokens_and_logprobs(runs["torch"], runs["triton"])
 
 
 def test_tensor_parallel_gives_the_same_tokens(checkpoints):

@@ -140,6 +140,42 @@ def test_fp8_kv_cache_matches_the_reference(specs, programs):
     assert (got - exact).abs().max().item() > 1e-3  # the cache's rounding is there to see
 
 
+# (first, end) positions of each sequence's bidirectional spans, inside its new tokens (MIXED's sequences 0, 3, 5)
+MIXED_SPANS = {0: [(5, 20), (24, 30)], 3: [(18, 30)], 5: [(71, 74)]}
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
+@pytest.mark.parametrize("spans", [False, True], ids=["causal", "spans"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_windows_and_bidirectional_spans_match_the_reference(window, spans, dtype, tol):
+    """Sliding windows (one key: a query sees itself; shorter and longer than a tile of keys) and image spans
+    whose tokens see their later tokens too (Gemma 3's rule: window AND (causal OR same span)), in a step with
+    prompts, a chunk over a cached prefix and decode rows; then a decode-only step whose context splits."""
+    q, k, v, cache, meta = ragged_batch(MIXED, 4, 2, 32, 16, dtype, seed=4)
+
+    def attend(backend, batch, q, k, v, cache, named_spans):
+        written = cache.clone()
+        m = batch(backend)
+        m.bidirectional_spans = named_spans
+        backend.prepare(m)
+        return backend.forward(q, k, v, written, m, scale=32**-0.5, window=window)
+
+    named = MIXED_SPANS if spans else {}
+    expected = attend(TorchAttention(), meta, q.float(), k.float(), v.float(), cache.float(), named)
+    got = attend(TritonAttention(block_n=16), meta, q, k, v, cache, named)
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    if spans:  # the spans change what a query sees
+        plain = attend(TorchAttention(), meta, q.float(), k.float(), v.float(), cache.float(), {})
+        assert (plain - expected).abs().max().item() > 1e-2
+    decodes = [(300, 1), (15, 1), (64, 1), (129, 1), (0, 1)]
+    q, k, v, cache, meta = ragged_batch(decodes, 4, 2, 32, 16, dtype, seed=5)
+    expected = attend(TorchAttention(), meta, q.float(), k.float(), v.float(), cache.float(), {})
+    for programs in (1, 40):
+        backend = TritonAttention(group=2, decode_block_n=16, decode_programs=programs)
+        got = attend(backend, meta, q, k, v, cache, {})
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
 def test_padding_slots_are_not_written():
     q, k, v, cache, meta = ragged_batch([(0, 3)], 2, 1, 16, 16, torch.float32)
     m = meta(TritonAttention())

@@ -49,9 +49,7 @@ BACKENDS = {  # the reference sizes its tensors from each batch, so it cannot be
         cuda_graphs=False,
         fp8_kv_cache=True,
     ),
-    "triton": BackendSpec(
-        _triton, sliding_window=False, bidirectional_spans=False, cuda_graphs=True, fp8_kv_cache=True
-    ),
+    "triton": BackendSpec(_triton, sliding_window=True, bidirectional_spans=True, cuda_graphs=True, fp8_kv_cache=True),
 }
 
 

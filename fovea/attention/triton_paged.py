@@ -34,6 +34,21 @@ def _tiles(meta, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tile_seq.to(torch.int32), first.to(torch.int32)
 
 
+def span_limits(meta) -> torch.Tensor:
+    """(new tokens,) int32: the last key each new token may see: its own position, or, inside a bidirectional
+    span, the span's last (on the step's device, without waiting for it)."""
+    starts = meta.query_start_loc.long()
+    query_lens = starts[1:] - starts[:-1]
+    seq = torch.repeat_interleave(torch.arange(query_lens.numel(), device=starts.device), query_lens)
+    position = meta.seq_lens.long()[seq] - query_lens[seq] + torch.arange(seq.numel(), device=seq.device) - starts[seq]
+    limits = position.clone()
+    for index, spans in meta.bidirectional_spans.items():
+        for first, end in spans:
+            inside = (seq == index) & (position >= first) & (position < end)
+            limits = torch.where(inside, end - 1, limits)
+    return limits.to(torch.int32)
+
+
 class TritonAttention(AttentionBackend):
     """`block_n`: keys per tile; `prefill_rows`: (query, head) rows per `_attention` program; `decode_programs`:
     how many programs a decode step should launch at least (default: 4 per multiprocessor on a GPU, 8 under the
@@ -60,9 +75,10 @@ class TritonAttention(AttentionBackend):
         if meta.max_query_len > 1:
             block_q = _block_q(meta, self.group_p2, self.prefill_rows)
             meta.plan[("tiles", block_q)] = _tiles(meta, block_q)
+        if meta.bidirectional_spans:
+            meta.plan["limits"] = span_limits(meta)
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None):
-        # no windows or spans here: the registry says so
         if q.stride(2) != 1:
             q = q.contiguous()
         num_tokens, q_heads, head_dim = q.shape
@@ -89,7 +105,7 @@ class TritonAttention(AttentionBackend):
         cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 = no-op for bf16
         if meta.max_query_len == 1:
-            self._decode(q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision)
+            self._decode(q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision, window or 0)
             return out
         group = q_heads // kv_heads
         group_p2 = triton.next_power_of_2(group)
@@ -98,6 +114,7 @@ class TritonAttention(AttentionBackend):
         if key not in meta.plan:  # layers with another GQA group than prepare() planned for
             meta.plan[key] = _tiles(meta, block_q)
         tile_seq, tile_first = meta.plan[key]
+        limits = meta.plan.get("limits")
         _attention[(tile_seq.numel(), kv_heads)](
             q,
             kv_cache,
@@ -107,6 +124,8 @@ class TritonAttention(AttentionBackend):
             meta.query_start_loc,
             meta.seq_lens,
             meta.block_tables,
+            meta.seq_lens if limits is None else limits,  # unread without spans
+            window or 0,
             scale,
             *scales,
             q.stride(0),
@@ -125,11 +144,12 @@ class TritonAttention(AttentionBackend):
             PRECISION=precision,
             UPCAST=INTERPRETED,
             FP8_KV=fp8,
+            SPANS=limits is not None,
             **self.prefill_launch,
         )
         return out
 
-    def _decode(self, q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision) -> None:
+    def _decode(self, q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision, window) -> None:
         num_seqs, q_heads, head_dim = q.shape
         group, head_dim_p2 = q_heads // kv_heads, triton.next_power_of_2(head_dim)
         if self.decode_programs is None:
@@ -149,6 +169,7 @@ class TritonAttention(AttentionBackend):
             part_stat,
             meta.seq_lens,
             meta.block_tables,
+            window,
             scale,
             *scales,
             q.stride(0),

@@ -6,12 +6,16 @@ fovea/attention/backend.py:
   rows of a tile are its query tokens times the query heads sharing that KV head (GQA), so each K/V tile is loaded
   once for all of them. The program walks the sequence's context in tiles of BLOCK_N keys through the block table,
   with an online softmax in fp32, and stops at the last key its last query may see (causal over cached prefix +
-  new tokens). Prefill, chunked prefill over a cached prefix and decode rows beside them are the same code.
+  new tokens). Prefill, chunked prefill over a cached prefix and decode rows beside them are the same code. A
+  sliding-window layer (`window` > 0) starts at the first key its first query may see and hides keys more than
+  window - 1 behind each query; with SPANS, each query's last visible key is read from `limit_ptr` (its own
+  position, or its bidirectional span's last: Gemma 3's image tokens see their image's later tokens).
 - `_decode` + `_combine` (steps of decode tokens only): decode reads the whole KV cache once per step and is bound
   by memory bandwidth, so the work must fill the GPU even at small batches: one program per (sequence, KV head,
   split of the context). Each split keeps its own running max, sum and weighted values; `_combine` rescales the
   splits to a common max and adds them up. The number of splits depends only on the batch size and the longest
-  context the step may see, so a CUDA graph captured for a batch size replays the same grid at any context.
+  context the step may see, so a CUDA graph captured for a batch size replays the same grid at any context. A
+  sliding-window layer splits only its last `window` keys.
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1), which is how CI checks them; the
 bf16 dot products themselves are only exercised on a GPU.
@@ -87,6 +91,8 @@ def _attention(
     query_start_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    limit_ptr,
+    window,
     scale,
     k_scale_ptr,
     v_scale_ptr,
@@ -109,6 +115,7 @@ def _attention(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     FP8_KV: tl.constexpr,
+    SPANS: tl.constexpr,
 ):
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -140,8 +147,15 @@ def _attention(
     total = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P2, HEAD_DIM_P2], tl.float32)
     last_key = context_len + tl.minimum(first + BLOCK_Q, query_len)  # one past the last key any row sees
+    limit = position  # each row's last visible key
+    if SPANS:
+        limit = tl.load(limit_ptr + token, mask=row_ok, other=0)
+        last_key = tl.max(tl.where(row_ok, limit, 0)) + 1
+    first_key = 0
+    if window > 0:  # from the first key the tile's first row sees, in whole tiles
+        first_key = tl.maximum(context_len + first - window + 1, 0) // BLOCK_N * BLOCK_N
     cache_head = cache_ptr + kv_head * cache_stride_head
-    for start in range(0, last_key, BLOCK_N):
+    for start in range(first_key, last_key, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < last_key
         k, v = _kv_tile(
@@ -160,7 +174,9 @@ def _attention(
         if FP8_KV:  # stored value / scale in e4m3: the scales come in below, on the scores and the output
             k, v = k.to(q.dtype), v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= position[:, None])
+        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= limit[:, None])
+        if window > 0:
+            visible = visible & (keys[None, :] > position[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))
         safe_best = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that sees nothing yet stays at 0
@@ -188,6 +204,7 @@ def _decode(
     part_stat_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    window,
     scale,
     k_scale_ptr,
     v_scale_ptr,
@@ -213,8 +230,11 @@ def _decode(
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS)
-    begin = split * tiles_per_split * BLOCK_N
+    lowest = 0  # the first key the query sees: all, or its window's
+    if window > 0:
+        lowest = tl.maximum(seq_len - window, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lowest, BLOCK_N), SPLITS)
+    begin = lowest + split * tiles_per_split * BLOCK_N
     end = tl.minimum(begin + tiles_per_split * BLOCK_N, seq_len)
 
     rows = tl.arange(0, ROWS)  # the query heads of this KV head; ROWS >= 16 for tl.dot, the extra rows masked

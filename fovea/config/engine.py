@@ -73,12 +73,10 @@ class EngineConfig:
     @property
     def resolved_attention_backend(self) -> str:
         """auto: our Triton kernels on CUDA (they, and the decode CUDA graphs that need them, are the fast path),
-        the PyTorch reference elsewhere, and for a model whose attention the kernels lack yet (Gemma 3's sliding
-        windows and two-way image spans)."""
+        the PyTorch reference elsewhere."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        kernels_lack = bool(self.model.text.sliding_layers) or self.model.bidirectional_images
-        return "triton" if self.device.type == "cuda" and not kernels_lack else "torch"
+        return "triton" if self.device.type == "cuda" else "torch"
 
     @property
     def schedules_ahead(self) -> bool:

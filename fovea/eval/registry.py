@@ -136,8 +136,7 @@ _qwen("qwen2-vl-7b", "Qwen2-VL-7B", 1, QWEN_MAX_PIXELS)
 # its experts are replicated on every tensor-parallel rank (fovea/layers/moe.py), so more ranks would not shrink them.
 for _size, _tp in (("8B", 1), ("32B", 2), ("30B-A3B", 1)):
     _qwen(f"qwen3-vl-{_size.lower()}", f"Qwen3-VL-{_size}", _tp, QWEN3_MAX_PIXELS)
-# Gemma 3 (bf16 weights: 4B 8.6 GB, 12B 24 GB, 27B 55 GB: two GPUs), images always 256 tokens (no max_pixels); its
-# attention runs on the PyTorch reference for now (README "Models")
+# Gemma 3 (bf16 weights: 4B 8.6 GB, 12B 24 GB, 27B 55 GB: two GPUs), images always 256 tokens (no max_pixels)
 for _size, _tp in (("4b", 1), ("12b", 1), ("27b", 2)):
     MODELS[f"gemma-3-{_size}"] = ModelEntry(
         name=f"gemma-3-{_size}",
