@@ -339,3 +339,77 @@ def test_tensor_parallel_gives_the_same_tokens(checkpoints):
     (expected, one), (got, two) = run(), run(tensor_parallel_size=2)
     assert (one, two) == (1, 2)
     assert_same_tokens_and_logprobs(expected, got)
+
+
+PAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 40, "pan_and_scan_max_num_crops": 3}
+
+
+@pytest.mark.parametrize("size", [(640, 480), (300, 90), (90, 300), (200, 150), (121, 100), (1000, 30), (81, 80)])
+@pytest.mark.parametrize("settings", [(256, 4, 1.2), (40, 3, 1.2), (30, 8, 2.0)])
+def test_pan_and_scan_crops_are_the_processors(size, settings):
+    import numpy as np
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from fovea.config.image import ImageProcessorConfig
+
+    width, height = size
+    min_crop, max_crops, ratio = settings
+    config = ImageProcessorConfig.fixed_size({}, 14, 56, 2).with_overrides(
+        {
+            "do_pan_and_scan": True,
+            "pan_and_scan_min_crop_size": min_crop,
+            "pan_and_scan_max_num_crops": max_crops,
+            "pan_and_scan_min_ratio_to_activate": ratio,
+        }  # fmt: skip
+    )
+    pixels = np.arange(height * width).reshape(1, height, width)  # each value names its place
+    theirs = Gemma3ImageProcessorPil().pan_and_scan(pixels, min_crop, max_crops, ratio)
+    ours = [pixels[:, top:bottom, left:right] for left, top, right, bottom in config.pan_crops(height, width)]
+    assert len(ours) == len(theirs) and all(np.array_equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("kwargs", [PAN, {**PAN, "pan_and_scan_max_num_crops": 2}, {"do_pan_and_scan": False}])
+def test_pan_and_scan_prompt_and_pixels_are_the_processors(checkpoints, kwargs):
+    """A wide and a tall image with pan-and-scan asked for per request: the processor's words around the crops,
+    its prompt ids, and each crop's pixels bit for bit."""
+    from transformers import AutoProcessor
+
+    from fovea.multimodal.prompt import PromptProcessor
+
+    model_dir = checkpoints["small"]
+    images = [random_image(300, 90, seed=1), random_image(70, 200, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Both?"}]}]
+    prompts = PromptProcessor(model_dir, ModelConfig.from_dir(model_dir))
+    text = prompts.render_chat(with_pil(messages, images))[0]
+    ours = prompts.process(text, images, kwargs)
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    theirs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False, **kwargs)
+    assert ours.token_ids == theirs["input_ids"][0].tolist()
+    crops = theirs["pixel_values"].shape[0] - 2  # the images, then each one's crops
+    assert len(ours.images) == 2 + crops and (crops > 0) == kwargs["do_pan_and_scan"]
+    patches = torch.stack(
+        [patchify(torch.from_numpy(image.pixels), ModelConfig.from_dir(model_dir).image) for image in ours.images]
+    )
+    reference = theirs["pixel_values"].reshape(-1, 3, 2, 2, 14, 2, 2, 14).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    assert torch.equal(patches, reference.reshape(patches.shape))
+
+
+def test_engine_with_pan_and_scan_matches_transformers(checkpoints):
+    """The server's setting (mm_processor_kwargs at start): every image's crops are images of their own, each
+    seeing itself both ways; greedy tokens and log-probabilities against transformers' generate."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from fovea import LLM, SamplingParams
+
+    model_dir = checkpoints["small"]
+    images = [random_image(300, 90, seed=1), random_image(70, 200, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=400, max_num_batched_tokens=32, mm_processor_kwargs=PAN)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outputs = llm.chat([with_pil(messages, images)], params, use_tqdm=False)
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False, **PAN)
+    assert inputs["pixel_values"].shape[0] >= 6  # two images, four crops or more
+    reference = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert_greedy_is_the_references(reference, outputs, [dict(inputs)])

@@ -14,6 +14,13 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 # mm_processor_kwargs for videos (config/video.py; the last two are Qwen3-VL's)
 VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels", "cap_pixels_per_frame", "max_video_tokens"}
+# mm_processor_kwargs for Gemma 3's pan-and-scan (transformers' and vLLM's names) -> ImageProcessorConfig fields
+PAN_KWARGS = {
+    "do_pan_and_scan": "pan_and_scan",
+    "pan_and_scan_min_crop_size": "pan_min_crop",
+    "pan_and_scan_max_num_crops": "pan_max_crops",
+    "pan_and_scan_min_ratio_to_activate": "pan_min_ratio",
+}
 # mm_processor_kwargs for a tiled model's tile counts: transformers' names and vLLM's (its InternVL processor's)
 TILE_KWARGS = {
     "min_patches": "min_tiles",
@@ -103,6 +110,13 @@ class ImageProcessorConfig:
     # of the whole image where there are several; max_tiles 0: one image, one input
     max_tiles: int = 0
     min_tiles: int = 1
+    # Gemma 3's pan-and-scan: a wide (tall) image also goes as 2..pan_max_crops crops side by side (one above the
+    # other), each at least pan_min_crop pixels wide (high), once its aspect ratio reaches pan_min_ratio; None:
+    # the processor has none; False: off (transformers' default)
+    pan_and_scan: bool | None = None
+    pan_min_crop: int = 256
+    pan_max_crops: int = 4
+    pan_min_ratio: float = 1.2
 
     @classmethod
     def dynamic(cls, raw: dict) -> ImageProcessorConfig:
@@ -146,13 +160,11 @@ class ImageProcessorConfig:
     @classmethod
     def fixed_size(cls, raw: dict, patch_size: int, image_size: int, merge_size: int) -> ImageProcessorConfig:
         """Gemma3ImageProcessor's settings: every image resized to image_size x image_size (bilinear), its
-        mean and std 0.5 unless given, a token for each merge_size x merge_size patches; pan-and-scan (extra
-        crops of wide images) is not supported yet."""
+        mean and std 0.5 unless given, a token for each merge_size x merge_size patches; pan-and-scan off unless
+        the file turns it on (its other settings Gemma3Processor's defaults where the file leaves them null)."""
         size = raw.get("size") or {}
         if (size.get("height", image_size), size.get("width", image_size)) != (image_size, image_size):
             raise ValueError(f"the vision tower takes {image_size}x{image_size} images, the processor makes {size}")
-        if raw.get("do_pan_and_scan"):
-            raise ValueError("Gemma 3's pan-and-scan (do_pan_and_scan) is not supported yet")
         if raw.get("resample", 2) != 2:
             raise ValueError(f"only bilinear resampling (2) is supported here, got {raw.get('resample')}")
         return cls(
@@ -165,6 +177,12 @@ class ImageProcessorConfig:
             image_std=tuple(raw.get("image_std", (0.5, 0.5, 0.5))),
             crop_size=image_size,
             resample="bilinear",
+            pan_and_scan=bool(raw.get("do_pan_and_scan")),
+            **{
+                field: raw[key] if raw.get(key) is not None else getattr(cls, field)
+                for key, field in PAN_KWARGS.items()
+                if key != "do_pan_and_scan"
+            },
         )
 
     @classmethod
@@ -208,6 +226,23 @@ class ImageProcessorConfig:
         h, w = self.input_size(height, width)
         return self.tiles(height, width)[2] * h * w // (self.patch_size * self.merge_size) ** 2
 
+    def pan_crops(self, height: int, width: int) -> list[tuple[int, int, int, int]]:
+        """Gemma 3's pan-and-scan crops of an image of this size, as (left, top, right, bottom) boxes in its
+        pixels (the last one cut at the image's edge); none unless it is on and the image wide or tall enough."""
+        if not self.pan_and_scan:
+            return []
+        long_side, short_side = max(width, height), min(width, height)
+        if long_side / short_side < self.pan_min_ratio:
+            return []
+        count = min(int(long_side / short_side + 0.5), long_side // self.pan_min_crop)  # half rounds up
+        count = min(max(2, count), self.pan_max_crops)
+        step = -(-long_side // count)
+        if min(step, short_side) < self.pan_min_crop:
+            return []
+        if width >= height:
+            return [(i * step, 0, min((i + 1) * step, width), height) for i in range(count)]
+        return [(0, i * step, width, min((i + 1) * step, height)) for i in range(count)]
+
     @property
     def tokens_per_image(self) -> int:
         """Tokens of one image where every image has one size (crop_size): its patches over merge x merge."""
@@ -232,11 +267,17 @@ class ImageProcessorConfig:
         which the engine sized its memory and encoder cache for."""
         if not overrides:
             return self
-        unknown = set(overrides) - {"min_pixels", "max_pixels"} - VIDEO_ONLY_KWARGS - set(TILE_KWARGS)
+        unknown = set(overrides) - {"min_pixels", "max_pixels"} - VIDEO_ONLY_KWARGS - set(TILE_KWARGS) - set(PAN_KWARGS)
         if unknown:
             raise ValueError(
                 f"unsupported mm_processor_kwargs {sorted(unknown)}; supported: min_pixels, max_pixels, "
-                f"for tiled images {', '.join(TILE_KWARGS)}, and for videos {', '.join(sorted(VIDEO_ONLY_KWARGS))}"
+                f"for tiled images {', '.join(TILE_KWARGS)}, for pan-and-scan {', '.join(PAN_KWARGS)}, and for "
+                f"videos {', '.join(sorted(VIDEO_ONLY_KWARGS))}"
+            )
+        pan = {PAN_KWARGS[key]: value for key, value in overrides.items() if key in PAN_KWARGS}
+        if pan:
+            return self._with_pan_and_scan(pan, capped).with_overrides(
+                {key: value for key, value in overrides.items() if key not in PAN_KWARGS}, capped
             )
         for key, value in overrides.items():
             if key not in VIDEO_ONLY_KWARGS and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
@@ -258,6 +299,28 @@ class ImageProcessorConfig:
         if capped:
             overrides = {key: min(value, self.max_pixels) for key, value in overrides.items()}
         return replace(self, **overrides)  # min > max is allowed: max_pixels wins, as in the reference
+
+    def _with_pan_and_scan(self, pan: dict, capped: bool) -> ImageProcessorConfig:
+        if self.pan_and_scan is None:
+            raise ValueError(f"mm_processor_kwargs {sorted(pan)} apply to models with pan-and-scan (Gemma 3)")
+        if not isinstance(pan.get("pan_and_scan", False), bool):
+            raise ValueError(
+                f"mm_processor_kwargs['do_pan_and_scan'] must be true or false, got {pan['pan_and_scan']!r}"
+            )
+        for field in ("pan_min_crop", "pan_max_crops"):
+            value = pan.get(field, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"mm_processor_kwargs for pan-and-scan: {field} must be a positive integer, got {value!r}"
+                )
+        ratio = pan.get("pan_min_ratio", 1.0)
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < 1e6:
+            raise ValueError(
+                f"mm_processor_kwargs['pan_and_scan_min_ratio_to_activate'] must be positive, got {ratio!r}"
+            )
+        if capped:  # a request's crops are images too: no more than the server's setting
+            pan["pan_max_crops"] = min(pan.get("pan_max_crops", self.pan_max_crops), self.pan_max_crops)
+        return replace(self, **pan)
 
 
 def largest_side(max_pixels: int, factor: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import io
 import os
@@ -42,6 +43,7 @@ class PlannedImage:
     width: int
     data: bytes | None = None
     tiles: tuple[int, int, int] = (1, 1, 1)  # InternVL's (columns, rows, inputs): ImageProcessorConfig.tiles
+    box: tuple[int, int, int, int] | None = None  # a pan-and-scan crop of the image, (left, top, right, bottom)
 
     @property
     def num_tokens(self) -> int:
@@ -171,7 +173,23 @@ class ImageProcessor:
         height, width = cfg.input_size(image.height, image.width)
         return PlannedImage(image, cfg, height, width, data, cfg.tiles(image.height, image.width))
 
+    def crops(self, planned: PlannedImage) -> list[PlannedImage]:
+        """Gemma 3's pan-and-scan crops of a planned image, each an image of its own (none unless it is on and
+        the image wide or tall enough). Each crop and the image itself open their own copy of it: a JPEG decoded
+        at a reduced scale for one would have other coordinates for the next."""
+        boxes = planned.config.pan_crops(planned.image.height, planned.image.width)
+        if not boxes:
+            return []
+        if planned.data is None:
+            decode_pixels(planned.image)  # a PIL image given: decoded in full once, never at a reduced scale
+            return [dataclasses.replace(planned, box=box) for box in boxes]
+        what = getattr(planned.image, "fovea_source", "image")
+        return [dataclasses.replace(planned, image=_open(io.BytesIO(planned.data), what), box=box) for box in boxes]
+
     def process(self, planned: PlannedImage) -> ProcessedImage:
+        if planned.box is not None:
+            cropped = to_rgb(decode_pixels(planned.image)).crop(planned.box)
+            planned = dataclasses.replace(planned, image=cropped, box=None)
         cfg = planned.config
         if cfg.crop_size and cfg.shortest_edge:
             height, width = crop_resize(planned.image.height, planned.image.width, cfg.shortest_edge)

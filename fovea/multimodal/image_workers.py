@@ -148,8 +148,8 @@ def _run(kind: str, segment: str, *args):
     if kind == "video":
         processed = process_video(*args)
     else:  # the same steps as in process (a centre crop after the resize, for CLIP-style processors)
-        data, config, height, width, tiles = args
-        processed = LocalDecoder.process(PlannedImage(open_image(data), config, height, width, data, tiles))
+        data, config, height, width, tiles, box = args
+        processed = LocalDecoder.process(PlannedImage(open_image(data), config, height, width, data, tiles, box))
     return SharedPixels.create(processed.pixels, segment), processed.content_hash
 
 
@@ -187,7 +187,7 @@ class ImageWorkers:
                 shared, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t, planned.timestamps
             )
         shared, content_hash = self._call(
-            "image", planned.data, planned.config, planned.height, planned.width, planned.tiles
+            "image", planned.data, planned.config, planned.height, planned.width, planned.tiles, planned.box
         )
         return ProcessedImage(shared, planned_grid(planned), content_hash, planned.config.merge_size)
 

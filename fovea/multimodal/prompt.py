@@ -300,15 +300,15 @@ class PromptProcessor:
         writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
         videos' pixels are decoded."""
         wrapped = self.config.image_placeholder_id is not None
-        if wrapped:
-            prompt = self._wrap_images(prompt, len(images))
+        planned = self._plan_images(images, mm_processor_kwargs) if wrapped else None
+        if wrapped:  # the images' text is the processor's, which may depend on their size (pan-and-scan)
+            prompt, planned = self._pan_and_scan(prompt, planned)
+            prompt = self._wrap_images(prompt, len(planned))
         ids = self.encode(prompt, max_tokens, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if videos and self.config.video_token_id is None:
             raise ValueError(f"{self.config.architecture} takes no videos")
-        planned = [
-            self._embeds(image) if is_embeds(image) else self.image_processor.plan(image, mm_processor_kwargs)
-            for image in images
-        ]
+        if planned is None:
+            planned = self._plan_images(images, mm_processor_kwargs)
         source_pixels = sum(p.image.width * p.image.height for p in planned if isinstance(p, PlannedImage))
         if source_pixels > MAX_REQUEST_PIXELS:  # known from the headers: refused before any pixel is decoded
             raise ImageTooLarge(
@@ -339,6 +339,36 @@ class PromptProcessor:
             raise
         result.text = prompt if isinstance(prompt, str) else None
         return result
+
+    def _plan_images(self, images: list, mm_processor_kwargs: dict | None) -> list[PlannedImage | ProcessedImage]:
+        return [
+            self._embeds(image) if is_embeds(image) else self.image_processor.plan(image, mm_processor_kwargs)
+            for image in images
+        ]
+
+    def _pan_and_scan(self, prompt: str | list[int], planned: list) -> tuple[str | list[int], list]:
+        """Gemma 3's processor: an image with pan-and-scan crops becomes, in the text, "Here is the original image
+        <start_of_image> and here are some crops to help you see better <start_of_image> <start_of_image>...", each
+        crop an image of its own."""
+        crops = [self.image_processor.crops(p) if isinstance(p, PlannedImage) else [] for p in planned]
+        if not any(crops):
+            return prompt, planned
+        if not isinstance(prompt, str):
+            raise ValueError("pan-and-scan needs the prompt as text: its words are tokenized with the text around")
+        start = self.tokenizer.convert_ids_to_tokens(self.config.image_placeholder_id)
+        pieces = prompt.split(start)
+        if len(pieces) - 1 != len(planned):
+            raise ValueError(f"prompt has {len(pieces) - 1} image placeholders ({start}) but {len(planned)} images")
+        text = pieces[0]
+        for piece, extra in zip(pieces[1:], crops):
+            seen = " ".join([start] * len(extra))
+            text += (
+                f"Here is the original image {start} and here are some crops to help you see better {seen}"
+                if extra
+                else start
+            )
+            text += piece
+        return text, [image for original, extra in zip(planned, crops) for image in (original, *extra)]
 
     def _embeds(self, source: dict) -> ProcessedImage:
         if not self.accept_embeds:
