@@ -291,3 +291,104 @@ def test_embeddings_of_a_tiled_image_give_its_tokens(checkpoints):
     assert as_embeds.outputs[0].token_ids == as_image.outputs[0].token_ids
     for mine, theirs in zip(as_embeds.outputs[0].logprobs, as_image.outputs[0].logprobs, strict=True):
         assert abs(next(iter(mine.values())).logprob - next(iter(theirs.values())).logprob) <= 1e-4
+
+
+def original_upload(hf_dir, out):
+    """The checkpoint as OpenGVLab uploads InternVL (InternVLChatModel: `llm_config`, InternViT's keys, the image
+    settings in config.json, qkv fused, `vision_model.*` and `mlp1.*`): transformers' conversion, undone."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(
+        hf_dir, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json", "*processor_config.json")
+    )
+    hf = json.loads((hf_dir / "config.json").read_text())
+    tower = hf["vision_config"]
+    config = {
+        "architectures": ["InternVLChatModel"],
+        "model_type": "internvl_chat",
+        "llm_config": {**hf["text_config"], "architectures": ["Qwen3ForCausalLM"]},
+        "vision_config": {
+            "hidden_size": tower["hidden_size"],
+            "num_hidden_layers": tower["num_hidden_layers"],
+            "num_attention_heads": tower["num_attention_heads"],
+            "intermediate_size": tower["intermediate_size"],
+            "qkv_bias": tower["attention_bias"],
+            "qk_normalization": tower["use_qk_norm"],
+            "norm_type": tower["norm_type"],
+            "layer_norm_eps": tower["layer_norm_eps"],
+            "image_size": 56,
+            "patch_size": 14,
+            "hidden_act": "gelu",
+        },
+        "downsample_ratio": 0.5,
+        "select_layer": -1,
+        "ps_version": "v2",
+        "dynamic_image_size": True,
+        "max_dynamic_patch": 6,
+        "min_dynamic_patch": 1,
+        "use_thumbnail": True,
+        "force_image_size": 56,
+        "template": "internvl2_5",
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    original = {}
+    for name, tensor in weights.items():
+        if name.startswith("vision_tower."):
+            for new, old in [
+                ("vision_tower.embeddings.cls_token", "vision_model.embeddings.class_embedding"),
+                ("vision_tower.embeddings.patch_embeddings.projection.", "vision_model.embeddings.patch_embedding."),
+                ("vision_tower.embeddings.position_embeddings", "vision_model.embeddings.position_embedding"),
+                ("vision_tower.encoder.layer.", "vision_model.encoder.layers."),
+                (".attention.projection_layer.", ".attn.proj."),
+                (".layernorm_before.", ".norm1."),
+                (".layernorm_after.", ".norm2."),
+                (".lambda_1", ".ls1"),
+                (".lambda_2", ".ls2"),
+            ]:
+                name = name.replace(new, old)
+        name = name.replace("multi_modal_projector.layer_norm.", "mlp1.0.").replace(
+            "multi_modal_projector.linear_1.", "mlp1.1."
+        )
+        original[name.replace("multi_modal_projector.linear_2.", "mlp1.3.")] = tensor
+    for name in [n for n in original if ".attention.q_proj." in n]:  # q, k and v fused, in that order
+        parts = [original.pop(name.replace(".q_proj.", f".{x}_proj.")) for x in "qkv"]
+        original[name.replace(".attention.q_proj.", ".attn.qkv.")] = torch.cat(parts)
+    save_file(original, str(out / "model.safetensors"))
+    return out
+
+
+def test_internvls_own_uploads_are_the_same_model(checkpoints, tmp_path):
+    """InternVL as OpenGVLab uploads it (InternVLChatModel) loads to the model transformers' conversion gives (every
+    tensor equal), reads its image settings from config.json, and takes "<image>" in a text prompt as vLLM does:
+    the same prompt ids and greedy tokens."""
+    from fovea import LLM, SamplingParams
+    from fovea.multimodal.prompt import PromptProcessor
+
+    source = checkpoints["300m"]
+    original = original_upload(source, tmp_path / "original")
+    ours, _ = load_model(original, dtype="float32")
+    theirs, _ = load_model(source, dtype="float32")
+    assert (
+        ours.config.architecture == "InternVLChatModel" and ours.config.image_token_id == theirs.config.image_token_id
+    )
+    mine, reference = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+    assert ours.config.image == theirs.config.image
+    images = [random_image(*SIZES[0], seed=0), random_image(*SIZES[1], seed=1)]
+    text = "<|im_start|>user\n<image>\nWhat is it?<image>\nAnd this?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = PromptProcessor(original, ours.config).process(text, images)
+    expected = PromptProcessor(source, theirs.config).process(text.replace("<image>", "<IMG_CONTEXT>"), images)
+    assert prompt.token_ids == expected.token_ids
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = [
+        LLM(str(model_dir), dtype="float32", max_model_len=256).generate(
+            {"prompt": written, "multi_modal_data": {"image": images}}, params, use_tqdm=False
+        )[0]
+        for model_dir, written in ((original, text), (source, text.replace("<image>", "<IMG_CONTEXT>")))
+    ]
+    assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids

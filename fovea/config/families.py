@@ -29,6 +29,7 @@ MODEL_TYPES = {
     "llava": "LlavaForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
+    "internvl_chat": "InternVLChatModel",
 }
 
 
@@ -45,6 +46,11 @@ def architecture_of(raw: dict) -> str:
 
 def parse_model_config(raw: dict, preprocessor: dict, model_dir: Path | None = None) -> ModelConfig:
     config = PARSERS[architecture_of(raw)](raw, preprocessor)
+    if config.architecture == "InternVLChatModel" and model_dir is not None:  # its config.json does not name it
+        image_token = token_id_in_files(model_dir, "<IMG_CONTEXT>")
+        config = dataclasses.replace(
+            config, image_token_id=config.image_token_id if image_token is None else image_token
+        )
     if not config.eos_token_ids:  # null or left out in config.json: as transformers, the generation config's or
         # the tokenizer's; the family's own only where the directory has neither
         found = eos_from_files(model_dir) if model_dir is not None else ()
@@ -120,20 +126,23 @@ def eos_from_files(model_dir: Path) -> tuple[int, ...]:
     found = eos_ids(read_json(model_dir / "generation_config.json").get("eos_token_id"))
     if found:
         return found
-    settings = read_json(model_dir / "tokenizer_config.json")
-    token = settings.get("eos_token")
+    token = read_json(model_dir / "tokenizer_config.json").get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
-    if not isinstance(token, str):
-        return ()
-    for token_id, added in (settings.get("added_tokens_decoder") or {}).items():
+    token_id = token_id_in_files(model_dir, token) if isinstance(token, str) else None
+    return () if token_id is None else (token_id,)
+
+
+def token_id_in_files(model_dir: Path, token: str) -> int | None:
+    """A token's id as the tokenizer's files give it (tokenizer_config.json's added tokens, tokenizer.json's)."""
+    for token_id, added in (read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder") or {}).items():
         if isinstance(added, dict) and added.get("content") == token:
-            return (int(token_id),)
+            return int(token_id)
     vocabulary = read_json(model_dir / "tokenizer.json")
     for added in vocabulary.get("added_tokens") or []:
         if added.get("content") == token:
-            return (added["id"],)
+            return added["id"]
     token_id = ((vocabulary.get("model") or {}).get("vocab") or {}).get(token)
-    return (token_id,) if isinstance(token_id, int) else ()
+    return token_id if isinstance(token_id, int) else None
 
 
 FAMILY_EOS = {  # the released checkpoints' <|im_end|> and </s>
@@ -144,6 +153,7 @@ FAMILY_EOS = {  # the released checkpoints' <|im_end|> and </s>
     "LlavaForConditionalGeneration": (2,),
     "Gemma3ForConditionalGeneration": (1, 106),  # <eos>, <end_of_turn>
     "InternVLForConditionalGeneration": (151645,),
+    "InternVLChatModel": (151645,),
 }
 
 
@@ -538,6 +548,45 @@ def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
     )
 
 
+# InternVL's own uploads (remote code, `InternVLChatModel`): their config keys -> transformers' InternVLConfig's
+INTERNVL_CHAT_DECODERS = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+INTERNVIT_KEYS = {"qkv_bias": "attention_bias", "qk_normalization": "use_qk_norm"}
+IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+
+
+def parse_internvl_chat(raw: dict, preprocessor: dict) -> ModelConfig:
+    """InternVL as OpenGVLab uploads it (`OpenGVLab/InternVL3_5-8B`; vLLM serves it as InternVLChatModel): the same
+    network as transformers' "-hf" conversion, its language model under `llm_config`, its tower's keys InternViT's
+    own (RMSNorm unless named), its image settings in config.json (`max_dynamic_patch`, `use_thumbnail`, ...;
+    ImageNet's mean and std, bicubic). The image token's id is the tokenizer's <IMG_CONTEXT> (parse_model_config)."""
+    llm, vision = raw.get("llm_config") or {}, raw.get("vision_config") or {}
+    kind = INTERNVL_CHAT_DECODERS.get((llm.get("architectures") or ["?"])[0])
+    if kind is None:
+        raise ValueError(
+            f"InternVL with a {(llm.get('architectures') or ['?'])[0]} language model is not supported; fovea runs "
+            f"{', '.join(INTERNVL_CHAT_DECODERS)}"
+        )
+    if raw.get("ps_version", "v1") != "v2":
+        raise ValueError("InternVL's first pixel shuffle (ps_version v1) is not supported; the released 2.5-3.5 use v2")
+    side = raw.get("force_image_size") or vision.get("image_size", 448)
+    tower = {INTERNVIT_KEYS.get(key, key): value for key, value in vision.items() if value is not None}
+    tower = {"norm_type": "rms_norm", "attention_bias": False, **tower, "image_size": side, "use_mean_pooling": True}
+    most = raw.get("max_dynamic_patch", 6) if raw.get("dynamic_image_size") else 1
+    tiles = {"max_patches": most, "min_patches": min(raw.get("min_dynamic_patch", 1), most)}
+    converted = {
+        "text_config": {**llm, "model_type": kind},
+        "vision_config": tower,
+        "downsample_ratio": raw.get("downsample_ratio", 0.5),
+        "vision_feature_layer": raw.get("select_layer", -1),
+        "tie_word_embeddings": llm.get("tie_word_embeddings", False),
+        "torch_dtype": raw.get("torch_dtype") or llm.get("torch_dtype"),
+    }
+    config = parse_internvl(converted, {**IMAGENET, "size": {"height": side, "width": side}, **tiles})
+    thumbnail = bool(raw.get("use_thumbnail")) and most > 1
+    image = dataclasses.replace(config.image, thumbnail=thumbnail, max_pixels=side * side * (most + thumbnail))
+    return dataclasses.replace(config, architecture="InternVLChatModel", image=image, image_text="<image>")
+
+
 PARSERS = {
     "Qwen2_5_VLForConditionalGeneration": parse_qwen2_5_vl,
     "Qwen3VLForConditionalGeneration": parse_qwen3_vl,
@@ -546,4 +595,5 @@ PARSERS = {
     "LlavaForConditionalGeneration": parse_llava,
     "Gemma3ForConditionalGeneration": parse_gemma3,
     "InternVLForConditionalGeneration": parse_internvl,
+    "InternVLChatModel": parse_internvl_chat,
 }

@@ -110,6 +110,7 @@ class ImageProcessorConfig:
     # of the whole image where there are several; max_tiles 0: one image, one input
     max_tiles: int = 0
     min_tiles: int = 1
+    thumbnail: bool = True  # the whole image as a last tile where there are several
     # Gemma 3's pan-and-scan: a wide (tall) image also goes as 2..pan_max_crops crops side by side (one above the
     # other), each at least pan_min_crop pixels wide (high), once its aspect ratio reaches pan_min_ratio; None:
     # the processor has none; False: off (transformers' default)
@@ -219,7 +220,7 @@ class ImageProcessorConfig:
         if not self.max_tiles:
             return 1, 1, 1
         columns, rows = tile_grid(height, width, self.crop_size, self.min_tiles, self.max_tiles)
-        return columns, rows, columns * rows + (columns * rows > 1)
+        return columns, rows, columns * rows + (self.thumbnail and columns * rows > 1)
 
     def tokens(self, height: int, width: int) -> int:
         """Image tokens of a source image of this size."""
@@ -294,7 +295,7 @@ class ImageProcessorConfig:
         if tiles:
             low, high = tiles.get("min_tiles", self.min_tiles), tiles.get("max_tiles", self.max_tiles)
             high = min(high, self.max_tiles) if capped else high
-            largest = high + (high > 1)  # with the thumbnail (min > max: one tile, as in the reference)
+            largest = high + (self.thumbnail and high > 1)  # min > max: one tile, as in the reference
             return replace(self, min_tiles=low, max_tiles=high, max_pixels=self.crop_size**2 * largest)
         if capped:
             overrides = {key: min(value, self.max_pixels) for key, value in overrides.items()}

@@ -148,6 +148,9 @@ class ModelConfig:
     # text tokens the prompt's expansion puts around each image's tokens (InternVL's <img> and </img>), where the
     # chat template writes the image token alone
     image_wrap: tuple[str, str] | None = None
+    # text a prompt may write for an image in place of the image token (InternVL's own uploads: "<image>", as vLLM
+    # takes it); each of a prompt's first ones, one per image, becomes the image token before tokenizing
+    image_text: str | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

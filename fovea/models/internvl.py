@@ -143,6 +143,26 @@ class InternVisionTower(FixedSizeTower):
         return self.projector(x.reshape(-1, x.shape[-1] * self.cfg.spatial_merge_size**2))
 
 
+# InternVL's own uploads' names -> transformers' (the same tensors; qkv stays fused: our projection takes it whole)
+ORIGINAL_NAMES = (
+    ("vision_model.embeddings.class_embedding", "vision_tower.embeddings.cls_token"),
+    ("vision_model.embeddings.patch_embedding.", "vision_tower.embeddings.patch_embeddings.projection."),
+    ("vision_model.embeddings.position_embedding", "vision_tower.embeddings.position_embeddings"),
+    ("vision_model.encoder.layers.", "vision_tower.encoder.layer."),
+    (".attn.qkv.", ".attention.qkv_proj."),
+    (".attn.proj.", ".attention.projection_layer."),
+    (".attn.q_norm.", ".attention.q_norm."),
+    (".attn.k_norm.", ".attention.k_norm."),
+    (".norm1.", ".layernorm_before."),
+    (".norm2.", ".layernorm_after."),
+    (".ls1", ".lambda_1"),
+    (".ls2", ".lambda_2"),
+    ("mlp1.0.", "multi_modal_projector.layer_norm."),
+    ("mlp1.1.", "multi_modal_projector.linear_1."),
+    ("mlp1.3.", "multi_modal_projector.linear_2."),
+)
+
+
 class Model(VisionLanguageModel):
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
         super().__init__(config, options)
@@ -152,6 +172,9 @@ class Model(VisionLanguageModel):
         self.make_lm_head()
 
     def rename(self, name: str) -> str | None:
+        if name.startswith(("vision_model.", "mlp1.")):  # InternVL's own uploads (InternVLChatModel)
+            for old, new in ORIGINAL_NAMES:
+                name = name.replace(old, new)
         name = tower_and_decoder_name(name)
         if name.startswith("visual.layer."):
             name = "visual.layers." + name.removeprefix("visual.layer.")

@@ -19,6 +19,7 @@ FAMILIES = {
     "LlavaForConditionalGeneration": "fovea.models.llava",
     "Gemma3ForConditionalGeneration": "fovea.models.gemma3",
     "InternVLForConditionalGeneration": "fovea.models.internvl",
+    "InternVLChatModel": "fovea.models.internvl",  # InternVL's own uploads: other names, the same network
 }
 
 

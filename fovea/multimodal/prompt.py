@@ -299,6 +299,8 @@ class PromptProcessor:
         """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
         writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
         videos' pixels are decoded."""
+        if self.config.image_text is not None and isinstance(prompt, str):  # e.g. "<image>" for InternVL's own
+            prompt = prompt.replace(self.config.image_text, self.placeholders["image"], len(images))
         wrapped = self.config.image_placeholder_id is not None
         planned = self._plan_images(images, mm_processor_kwargs) if wrapped else None
         if wrapped:  # the images' text is the processor's, which may depend on their size (pan-and-scan)
