@@ -4,8 +4,9 @@
         --out results/allocator_cost_cpu_COMMIT.json [--variant NAME=KEY=VALUE,KEY=VALUE ...]
 
 Each round starts `fovea serve` on the demo model once per variant (the rounds alternate the order): as it runs
-(malloc_trim every 10 s, sooner once the RSS has risen 32 MB), glibc left alone (FOVEA_MALLOC_TRIM_S=0) and any given (environment variables over glibc
-left alone, e.g. glibc's own MALLOC_ARENA_MAX).
+(two malloc arenas; malloc_trim every 10 s, sooner once the RSS has risen 32 MB), with glibc's own arena count
+(MALLOC_ARENA_MAX=0, which glibc ignores) and the trim, glibc left alone (no trim either) and any given
+(environment variables over glibc left alone).
 Each server is saturated `--passes` times in a row by `fovea bench serve` with chats carrying fresh random images of
 256x256 and 1280x720 (random-mm), all sent at once; after each pass, the resident memory of the front end and the
 engine (the processor cache, 0.25 GB here, is full after the first pass; the KV cache is 400 blocks, all written in
@@ -29,7 +30,11 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serving import free_port  # noqa: E402 - the tests' helper
 
-VARIANTS = {"trim past 32 MB or 10 s": {}, "glibc default": {"FOVEA_MALLOC_TRIM_S": "0"}}
+VARIANTS = {
+    "2 arenas, trim": {},
+    "glibc's arenas, trim": {"MALLOC_ARENA_MAX": "0"},
+    "glibc left alone": {"FOVEA_MALLOC_TRIM_S": "0", "MALLOC_ARENA_MAX": "0"},
+}
 
 
 def served(env: dict[str, str]):
@@ -90,7 +95,8 @@ def main() -> None:
     variants = dict(VARIANTS)
     for text in args.variant:
         name, settings = text.split("=", 1)
-        variants[name] = {"FOVEA_MALLOC_TRIM_S": "0", **dict(item.split("=", 1) for item in settings.split(","))}
+        left_alone = {"FOVEA_MALLOC_TRIM_S": "0", "MALLOC_ARENA_MAX": "0"}
+        variants[name] = {**left_alone, **dict(item.split("=", 1) for item in settings.split(","))}
     runs = []
     for round_index in range(args.rounds):
         for name in list(variants) if round_index % 2 == 0 else list(variants)[::-1]:

@@ -262,6 +262,8 @@ def test_tile_counts_per_request_are_the_processors(checkpoints):
         assert sum(image.grid_thw[0] for image in ours.images) == reference["pixel_values"].shape[0]
     with pytest.raises(ValueError, match="must be a positive integer"):
         prompts.process(text, images, {"max_patches": 0})
+    with pytest.raises(ValueError, match="at most 64 tiles an image"):  # a server's own setting is bounded too
+        ModelConfig.from_dir(model_dir).image.with_overrides({"max_dynamic_patch": 65})
     from fovea.config.image import ImageProcessorConfig
 
     with pytest.raises(ValueError, match="apply to models whose images are cut into tiles"):

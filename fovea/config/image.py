@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
+MAX_TILES = 64  # InternVL's tiles an image at most (the released checkpoints use 12)
 # mm_processor_kwargs for videos (config/video.py; the last two are Qwen3-VL's)
 VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels", "cap_pixels_per_frame", "max_video_tokens"}
 # mm_processor_kwargs for Gemma 3's pan-and-scan (transformers' and vLLM's names) -> ImageProcessorConfig fields
@@ -198,8 +199,8 @@ class ImageProcessorConfig:
         if raw.get("resample", 3) != 3:
             raise ValueError(f"only bicubic resampling (3) is supported here, got {raw.get('resample')}")
         low, high = raw.get("min_patches", 1), raw.get("max_patches", 12)
-        if not 1 <= low <= high:
-            raise ValueError(f"min_patches {low} and max_patches {high} must satisfy 1 <= min <= max")
+        if not 1 <= low <= high <= MAX_TILES:
+            raise ValueError(f"min_patches {low} and max_patches {high} must satisfy 1 <= min <= max <= {MAX_TILES}")
         largest = high + (high > 1)  # the thumbnail
         return cls(
             min_pixels=image_size * image_size,
@@ -295,6 +296,10 @@ class ImageProcessorConfig:
         if tiles:
             low, high = tiles.get("min_tiles", self.min_tiles), tiles.get("max_tiles", self.max_tiles)
             high = min(high, self.max_tiles) if capped else high
+            if (
+                high > MAX_TILES
+            ):  # each tile is an image's worth of work, and the grids to choose from grow as its square
+                raise ValueError(f"mm_processor_kwargs: at most {MAX_TILES} tiles an image, got {high}")
             largest = high + (self.thumbnail and high > 1)  # min > max: one tile, as in the reference
             return replace(self, min_tiles=low, max_tiles=high, max_pixels=self.crop_size**2 * largest)
         if capped:
