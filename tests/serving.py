@@ -124,3 +124,41 @@ def drip_host(interval_s: float, headers: bool = False):
         yield f"http://127.0.0.1:{server.server_address[1]}", closed
     finally:
         server.shutdown()
+
+
+def bench_random_mm(base: str, model_dir, model: str, width: int, height: int, num_prompts: int = 4) -> dict:
+    """`fovea bench serve` random-mm against a running server: one width x height image a request, 16 prompt and
+    4 output tokens (ignore_eos); the result's figures."""
+    from fovea.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            base,
+            "--tokenizer",
+            str(model_dir),
+            "--model",
+            model,
+            "--backend",
+            "openai-chat",
+            "--dataset-name",
+            "random-mm",
+            "--num-prompts",
+            str(num_prompts),
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "4",
+            "--ignore-eos",
+            "--random-mm-bucket-config",
+            f"{{({width}, {height}, 1): 1.0}}",
+            "--random-mm-base-items-per-request",
+            "1",
+            "--random-mm-limit-mm-per-prompt",
+            '{"image": 1, "video": 0}',
+            "--disable-tqdm",
+        ]  # fmt: skip
+    )
+    return args.func(args)

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 from conftest import random_image
-from serving import running_server
+from serving import bench_random_mm, running_server
 from test_llava_serving import data_url
 
 from fovea import LLM, SamplingParams
@@ -65,37 +65,7 @@ def test_served_as_offline_with_schema_bench_and_plan(family, tmp_path, capsys):
         if answer["finish_reason"] == "stop":  # random weights may run out of tokens inside the number
             assert set(json.loads(answer["message"]["content"])) == {"n"}
         assert answer["message"]["content"].startswith('{"n":') or answer["message"]["content"].startswith('{ "n"')
-        args = build_parser().parse_args(
-            [
-                "bench",
-                "serve",
-                "--base-url",
-                base,
-                "--tokenizer",
-                str(model_dir),
-                "--model",
-                "m",
-                "--backend",
-                "openai-chat",
-                "--dataset-name",
-                "random-mm",
-                "--num-prompts",
-                "4",
-                "--random-input-len",
-                "16",
-                "--random-output-len",
-                "4",
-                "--ignore-eos",
-                "--random-mm-bucket-config",
-                "{(200, 90, 1): 1.0}",
-                "--random-mm-base-items-per-request",
-                "1",
-                "--random-mm-limit-mm-per-prompt",
-                '{"image": 1, "video": 0}',
-                "--disable-tqdm",
-            ]  # fmt: skip
-        )
-        result = args.func(args)
+        result = bench_random_mm(base, model_dir, "m", 200, 90)
     assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 16
     assert result["total_input_tokens"] >= 4 * (image_tokens + 16)
     capsys.readouterr()

@@ -9,12 +9,11 @@ import io
 import httpx
 import pytest
 from conftest import random_image
-from serving import running_server
+from serving import bench_random_mm, running_server
 from test_eval import make_image_folder
 from transformers import AutoTokenizer
 
 from fovea import LLM, SamplingParams
-from fovea.cli import build_parser
 
 TEMPLATE = "fovea/models/llava_chat_template.jinja"
 SEED_FLAGS = ["--max-model-len", "4096", "--max-num-seqs", "32", "--max-num-batched-tokens", "1024"]
@@ -103,37 +102,7 @@ def test_llava_serve_with_template_file_and_bench(llava_dir, tmp_path):
                 base + "/detokenize", json={"model": "llava", "tokens": counted["tokens"]}, timeout=30
             ).json()["prompt"]
             assert text == tokenizer.decode(counted["tokens"]) and text.endswith("The cat sat on the")
-        args = build_parser().parse_args(
-            [
-                "bench",
-                "serve",
-                "--base-url",
-                base,
-                "--tokenizer",
-                str(llava_dir),
-                "--model",
-                "llava",
-                "--backend",
-                "openai-chat",
-                "--dataset-name",
-                "random-mm",
-                "--num-prompts",
-                "4",
-                "--random-input-len",
-                "16",
-                "--random-output-len",
-                "4",
-                "--ignore-eos",
-                "--random-mm-bucket-config",
-                "{(336, 336, 1): 1.0}",
-                "--random-mm-base-items-per-request",
-                "1",
-                "--random-mm-limit-mm-per-prompt",
-                '{"image": 1, "video": 0}',
-                "--disable-tqdm",
-            ]
-        )
-        result = args.func(args)
+        result = bench_random_mm(base, llava_dir, "llava", 336, 336)
     assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 16
     assert result["total_input_tokens"] >= 4 * (576 + 16)  # each prompt: its text, the template, 576 image tokens
 
