@@ -302,6 +302,8 @@ class PromptProcessor:
         if self.config.image_text is not None and isinstance(prompt, str):  # e.g. "<image>" for InternVL's own
             prompt = prompt.replace(self.config.image_text, self.placeholders["image"], len(images))
         wrapped = self.config.image_placeholder_id is not None
+        if wrapped and isinstance(prompt, str):  # a text too long is refused before any image is fetched
+            self._check_characters(len(prompt), max_tokens)
         planned = self._plan_images(images, mm_processor_kwargs) if wrapped else None
         if wrapped:  # the images' text is the processor's, which may depend on their size (pan-and-scan)
             prompt, planned = self._pan_and_scan(prompt, planned)
