@@ -1,7 +1,7 @@
 """Gemma 3: a SigLIP tower whose patch features are average-pooled, RMS-normed and projected into tokens of a Gemma
 decoder that mostly attends over a sliding window.
 
-Read top to bottom (its config.json is read by fovea/config/families.py, `parse_gemma3`):
+Read top to bottom (its config.json is read by fovea/config/gemma3.py):
 - the tower: every image is resized to one size (896 x 896 in 14 px patches: 64 x 64 = 4,096 patches), patch
   embedding + learned positions -> SigLIP encoder layers (CLIP's, llava.py) -> post-norm -> the projector: the
   mean of each pool x pool patches (4 x 4: 256 tokens an image), Gemma's RMSNorm, one matrix from tower width to

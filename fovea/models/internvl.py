@@ -1,7 +1,7 @@
 """InternVL (2.5, 3 and 3.5 in transformers' "-hf" form): an InternViT tower over 448 px tiles whose patch features,
 pixel-shuffled 2 x 2, become tokens of a Qwen2, Qwen3 or Llama decoder through a two-layer MLP.
 
-Read top to bottom (its config.json is read by fovea/config/families.py, `parse_internvl`):
+Read top to bottom (its config.json is read by fovea/config/internvl.py):
 - the images: each is cut into tiles (a grid close to its aspect ratio, 1-12 tiles, and a thumbnail of the whole
   image where there are several; multimodal/image.py), every tile 448 x 448 in 14 px patches: 32 x 32 patches;
 - the tower, per tile: patch embedding (a conv with a bias) + a class token + learned positions -> layers of

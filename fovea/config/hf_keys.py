@@ -1,0 +1,113 @@
+"""The helpers every family's config.json parser shares (families.py, gemma3.py, internvl.py here): where the
+language model's keys are, its decoder settings, the checkpoint's dtype and EOS tokens, a fixed-size ViT's settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fovea.config.model import TextConfig, VisionConfig, read_json, resolve_dtype
+
+
+def text_keys(raw: dict) -> dict:
+    """The language model's keys: transformers 5 and LLaVA nest them under text_config (a null there leaves the
+    top level's value)."""
+    return {**raw, **{k: v for k, v in (raw.get("text_config") or {}).items() if v is not None}}
+
+
+def parse_text(
+    raw: dict, mrope: bool, attention_bias: bool, defaults: dict | None = None, qk_norm: bool = False
+) -> TextConfig:
+    """A decoder's settings from its (text_keys) dict; `defaults` for keys the checkpoint leaves out."""
+    raw = {**(defaults or {}), **{k: v for k, v in raw.items() if v is not None}}
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    if mrope:
+        section = rope.get("mrope_section")
+        if section is None or len(section) != 3:
+            raise ValueError(f"config has no 3-axis mrope_section in rope_scaling/rope_parameters: {rope}")
+        if 2 * sum(section) != head_dim:
+            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
+    else:
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"rope scaling {rope} is not supported; fovea runs the default RoPE")
+        section = (head_dim // 2, 0, 0)  # every frequency reads the first position axis: 1-D RoPE
+    return TextConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1e6)),
+        mrope_section=tuple(section),
+        max_position_embeddings=raw.get("max_position_embeddings", 128000),
+        attention_bias=attention_bias,
+        qk_norm=qk_norm,
+        mrope_interleaved=bool(mrope and rope.get("mrope_interleaved", False)),
+    )
+
+
+def checkpoint_dtype(raw: dict) -> torch.dtype:
+    text = raw.get("text_config") or {}
+    return resolve_dtype(
+        raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    )
+
+
+def eos_ids(eos) -> tuple[int, ...]:
+    """An eos_token_id field as ids: an int, a list of them, or nothing (null, missing, an empty list)."""
+    values = eos if isinstance(eos, list) else [eos]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def eos_from_files(model_dir: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id, else the tokenizer's eos_token looked up in its files."""
+    found = eos_ids(read_json(model_dir / "generation_config.json").get("eos_token_id"))
+    if found:
+        return found
+    token = read_json(model_dir / "tokenizer_config.json").get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    token_id = token_id_in_files(model_dir, token) if isinstance(token, str) else None
+    return () if token_id is None else (token_id,)
+
+
+def token_id_in_files(model_dir: Path, token: str) -> int | None:
+    """A token's id as the tokenizer's files give it (tokenizer_config.json's added tokens, tokenizer.json's)."""
+    for token_id, added in (read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder") or {}).items():
+        if isinstance(added, dict) and added.get("content") == token:
+            return int(token_id)
+    vocabulary = read_json(model_dir / "tokenizer.json")
+    for added in vocabulary.get("added_tokens") or []:
+        if added.get("content") == token:
+            return added["id"]
+    token_id = ((vocabulary.get("model") or {}).get("vocab") or {}).get(token)
+    return token_id if isinstance(token_id, int) else None
+
+
+def fixed_size_tower(vision: dict, depth: int, out_hidden_size: int, merge: int = 1) -> VisionConfig:
+    """A ViT that takes one image size, with transformers' CLIP and SigLIP keys: no windows, no rotary positions;
+    `merge`: the side of the patches that make one image token (LLaVA 1, Gemma 3's pooling 4)."""
+    return VisionConfig(
+        depth=depth,
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        num_heads=vision["num_attention_heads"],
+        in_channels=vision["num_channels"],
+        patch_size=vision["patch_size"],
+        temporal_patch_size=1,
+        spatial_merge_size=merge,
+        window_size=0,
+        fullatt_block_indexes=(),
+        out_hidden_size=out_hidden_size,
+        tokens_per_second=None,
+        rope_theta=0.0,
+        hidden_act=vision["hidden_act"],
+        norm_eps=vision["layer_norm_eps"],
+        image_size=vision["image_size"],
+    )
