@@ -354,8 +354,11 @@ def series(samples: list[dict]) -> dict[str, list[tuple[float, float]]]:
 def verdict(
     named: dict[str, list[tuple[float, float]]], warmup_s: float, growth_mb: float = GROWTH_MB
 ) -> dict[str, dict]:
-    """Per series after the warm-up: first and last minute's means, growth, slope per hour; `grows` where memory
-    grows past both bounds, or a count (files, threads, segments) stays above the first half's highest."""
+    """Per series after the warm-up: first and last minute's means, slope per hour, and the rise of that fitted
+    line over the run (`trend`); `grows` where memory's trend passes both bounds (a minute's mean of a process whose
+    memory swings between trims by tens of MB says more about where the swing stood than about growth: the
+    engine's last minute at a4a3390 averaged 535 MB over a lowest of 498 and a median of 529), or a count (files,
+    threads, segments) stays above the first half's highest."""
     out = {}
     for name, points in named.items():
         points = [(t, v) for t, v in points if t >= warmup_s]
@@ -364,12 +367,19 @@ def verdict(
         t, v = map(np.array, zip(*points))
         first, last = v[t <= t[0] + 60].mean(), v[t >= t[-1] - 60].mean()
         slope = float(np.polyfit(t / 3600, v, 1)[0]) if t[-1] > t[0] else 0.0
+        trend = slope * (t[-1] - t[0]) / 3600
         if name.endswith("_mb"):
-            grows = last - first > growth_mb and (last - first) / max(first, 1e-9) * 100 > GROWTH_PCT
+            grows = trend > growth_mb and trend / max(first, 1e-9) * 100 > GROWTH_PCT
         else:  # a count: grows when the last minute never falls to the highest of the first half (a trend: a
             # pool that starts threads as it needs them, up to its size, steps up once and stays)
             grows = v[t >= t[-1] - 60].min() > v[t <= (t[0] + t[-1]) / 2].max()
-        out[name] = {"first": float(first), "last": float(last), "slope_per_hour": slope, "grows": bool(grows)}
+        out[name] = {
+            "first": float(first),
+            "last": float(last),
+            "slope_per_hour": slope,
+            "trend": trend,
+            "grows": bool(grows),
+        }
     return out
 
 
@@ -459,8 +469,13 @@ def main() -> None:
     parser.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server's processes")
     parser.add_argument("--processor-cache-gb", default="0.25", help="the server's --mm-processor-cache-gb")
     parser.add_argument("--growth-mb", type=float, default=GROWTH_MB, help="memory grows past this many MB (and 1 %%)")
+    parser.add_argument("--verdict-of", help="a saved run's JSON: its verdict by today's rule, printed (no run)")
     parser.add_argument("flags", nargs="*", help="after --: `fovea serve` arguments instead of the defaults")
     args = parser.parse_args()
+    if args.verdict_of:
+        saved = json.loads(Path(args.verdict_of).read_text())
+        print_verdict(verdict(series(saved["samples"]), args.warmup_minutes * 60, args.growth_mb))
+        return
     rng = random.Random(args.seed)
     kinds = {kind: KINDS[kind] for kind in args.kinds.split(",")} if args.kinds else KINDS
     server, adapter = None, None
@@ -519,9 +534,14 @@ def main() -> None:
     most = result["most_held"]
     print(f"most held: encoder cache {most['fovea:encoder_cache_used_tokens']:.0f} of "
           f"{most['fovea:encoder_cache_capacity_tokens']:.0f} rows, {most['fovea:lora_adapters_held']:.0f} LoRA adapters")  # fmt: skip
-    for name, row in result["verdict"].items():
+    print_verdict(result["verdict"])
+
+
+def print_verdict(rows: dict[str, dict]) -> None:
+    for name, row in rows.items():
         flag = "GROWS" if row["grows"] else "flat"
-        print(f"{flag:6s} {name:28s} {row['first']:10.1f} -> {row['last']:10.1f}  {row['slope_per_hour']:+10.1f} /h")
+        print(f"{flag:6s} {name:28s} {row['first']:10.1f} -> {row['last']:10.1f}  {row['slope_per_hour']:+10.1f} /h"
+              f"  trend {row['trend']:+8.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -100,8 +100,8 @@ def test_a_killed_engine_or_decoder_leaves_no_segment_file_or_process(tiny_dirs)
 
 
 def test_three_minutes_of_mixed_traffic_leave_memory_flat(tmp_path):
-    """benchmarks/soak.py for 3 minutes (the issue's 60-minute run, short): after a minute's warm-up no process
-    grows by more than 1 % and 50 MB between the first and the last minute, no count of files, threads or segments
+    """benchmarks/soak.py for 3 minutes (the issue's 60-minute run, short): after a minute's warm-up no process's
+    memory rises by more than 1 % and 50 MB along its fitted line, no count of files, threads or segments
     climbs, no request is answered 5xx, the encoder cache stays within its bound, unloaded adapters leave, and no
     KV block is held once idle. 50 MB, not the hour's 20: with this mix the engine's memory swings by 40 MB within a
     minute on this machine (videos, long prompts), which two minutes cannot tell from growth; glibc left alone
