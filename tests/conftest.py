@@ -106,6 +106,27 @@ def tiny_dirs(tmp_path_factory):
     return {name: write_tiny_checkpoint(root / name, name, seed=1 + i) for i, name in enumerate(["tiny-3b", "tiny-7b"])}
 
 
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """Each family's tiny checkpoint (tests/test_families.py and the tests built on it)."""
+    from fovea.testing.tiny import write_tiny_checkpoint
+    from fovea.testing.tiny_gemma3 import write_gemma3_checkpoint
+    from fovea.testing.tiny_internvl import write_internvl_checkpoint
+    from fovea.testing.tiny_llava import write_llava_checkpoint
+    from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    return {
+        "internvl": write_internvl_checkpoint(root / "internvl", seed=8),
+        # 16 tokens an image, twice the sliding window
+        "gemma3": write_gemma3_checkpoint(root / "gemma3", seed=7, image_size=112, tokens_per_image=16),
+        "llava": write_llava_checkpoint(root / "llava", seed=3),
+        "qwen2-vl": write_tiny_checkpoint(root / "qwen2-vl", "tiny-qwen2-vl", seed=4),
+        "qwen3-vl": write_qwen3_vl_checkpoint(root / "qwen3-vl", seed=5),
+        "qwen3-vl-moe": write_qwen3_vl_checkpoint(root / "qwen3-vl-moe", "tiny-qwen3-vl-moe", seed=6),
+    }
+
+
 _HF_CACHE: dict = {}
 _OURS_CACHE: dict = {}
 

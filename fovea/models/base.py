@@ -46,10 +46,17 @@ class VisionLanguageModel(nn.Module):
     }
     visual: nn.Module
     model: nn.Module
+    vision_tower: type  # the family's tower class, built from (VisionConfig, ModelOptions) unless make_tower says else
 
     def __init__(self, config: ModelConfig, options: ModelOptions):
         super().__init__()
         self.config, self.options = config, options
+
+    @classmethod
+    def make_tower(cls, config: ModelConfig, options: ModelOptions) -> nn.Module:
+        """The vision tower, projector included, as `self.visual` holds it (split over the tensor-parallel group
+        being built); an encoder worker builds it alone (loader.py, `load_tower`)."""
+        return cls.vision_tower(config.vision, options)
 
     def make_lm_head(self) -> None:
         self.lm_head = ParallelLMHead(self.config.text.vocab_size, self.config.text.hidden_size)

@@ -198,10 +198,14 @@ class GemmaModel(nn.Module):
 
 
 class Model(VisionLanguageModel):
+    @classmethod
+    def make_tower(cls, config: ModelConfig, options: ModelOptions) -> nn.Module:
+        return SiglipVisionTower(config.vision, config.text.hidden_size, options)
+
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
         super().__init__(config, options)
         with tensor_parallel(vision_tp or current_tp()):
-            self.visual = SiglipVisionTower(config.vision, config.text.hidden_size, options)
+            self.visual = self.make_tower(config, options)
         self.model = GemmaModel(config.text, options)
         self.make_lm_head()
 

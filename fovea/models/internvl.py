@@ -164,10 +164,12 @@ ORIGINAL_NAMES = (
 
 
 class Model(VisionLanguageModel):
+    vision_tower = InternVisionTower
+
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
         super().__init__(config, options)
         with tensor_parallel(vision_tp or current_tp()):
-            self.visual = InternVisionTower(config.vision, options)
+            self.visual = self.make_tower(config, options)
         self.model = DecoderModel(config.text, options)
         self.make_lm_head()
 

@@ -57,8 +57,9 @@ def _required_shards(module) -> list[set]:
     return [{None}]
 
 
-def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
-    params = dict(model.named_parameters())
+def load_weights(model: VisionLanguageModel, model_dir: Path, only: str = "") -> None:
+    """`only`: the parameters whose names start with it (the checkpoint's other tensors are skipped)."""
+    params = {name: param for name, param in model.named_parameters() if name.startswith(only)}
     # buffers a checkpoint may set: a float8 KV cache's per-layer scales (1.0 where it has none)
     optional = {name: b for name, b in model.named_buffers() if name.endswith((".k_scale", ".v_scale"))}
     params.update(optional)
@@ -69,6 +70,8 @@ def load_weights(model: VisionLanguageModel, model_dir: Path) -> None:
         if mapped is None:
             continue
         pname, shard = mapped
+        if not pname.startswith(only):
+            continue
         param = params.get(pname)
         if param is None:
             unexpected.append(name)
@@ -132,3 +135,29 @@ def load_model(
         torch.set_default_dtype(previous)
     load_weights(net, model_dir)
     return net.eval(), model_dir
+
+
+def load_tower(
+    model: str | Path | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    options: ModelOptions = ModelOptions(),
+) -> tuple[torch.nn.Module, ModelConfig]:
+    """The vision tower alone (its projector included), whole, its weights loaded: what an encoder worker runs.
+    The rest of the model is built on the meta device, where it holds no memory, only to map the checkpoint's
+    names."""
+    model_dir = resolve_model_dir(model)
+    config = ModelConfig.from_dir(model_dir)
+    cls = family(config.architecture).Model
+    with torch.device("meta"):
+        names = cls(config, options)
+    torch_dtype = config.torch_dtype if dtype == "auto" else resolve_dtype(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device), tensor_parallel(SINGLE):
+            names.visual = cls.make_tower(config, options)
+    finally:
+        torch.set_default_dtype(previous)
+    load_weights(names, model_dir, only="visual.")
+    return names.visual.eval(), config

@@ -184,7 +184,7 @@ class Model(VisionLanguageModel):
         vision tower over `vision_tp` when given (its own group, or none when each rank holds it whole)."""
         super().__init__(config, options)
         with tensor_parallel(vision_tp or current_tp()):
-            self.visual = self.vision_tower(config.vision, options)
+            self.visual = self.make_tower(config, options)
         self.model = DecoderModel(config.text, options)
         self.make_lm_head()
 
