@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import atexit
 import collections
+import importlib
 import logging
 import multiprocessing
+import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 
 logger = logging.getLogger("fovea")
 
@@ -31,15 +37,46 @@ def ignore_group_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+class _PlainProcess:
+    """A worker started as `python -m fovea.worker_pool` (what a daemon process, such as the engine, may start:
+    multiprocessing refuses it children), with the parts of multiprocessing.Process the pool uses; the two ends
+    of a socket pair are its connection, as multiprocessing's own Pipe is."""
+
+    def __init__(self, target, args: tuple):
+        ours, theirs = socket.socketpair()
+        with theirs:
+            fd = theirs.fileno()  # the child has it under the same number
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "fovea.worker_pool"], stdin=subprocess.PIPE, pass_fds=(fd,)
+            )
+        self.pid = self.popen.pid
+        self.conn = Connection(ours.detach())
+        self.popen.stdin.write(pickle.dumps((fd, target.__module__, target.__qualname__, args)))
+        self.popen.stdin.close()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self) -> None:
+        self.popen.wait()
+
+
 class _Worker:
     def __init__(self, target, args: tuple, name: str, startup_s: float, started: set):
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=target, args=(child, *args), name=name, daemon=True)
-        self.process.start()
+        if multiprocessing.current_process().daemon:
+            self.process = _PlainProcess(target, args)
+            self.conn = self.process.conn
+        else:
+            context = multiprocessing.get_context("spawn")
+            self.conn, child = context.Pipe()
+            self.process = context.Process(target=target, args=(child, *args), name=name, daemon=True)
+            self.process.start()
+            child.close()
         self.started = started
         started.add(self.process)
-        child.close()
         if not self.conn.poll(startup_s) or self.conn.recv() != "ready":
             self.kill()
             raise RuntimeError(f"a {name} worker did not start")
@@ -133,3 +170,13 @@ class WorkerPool:
             process.kill()
             process.join()
         self._started.clear()
+
+
+def _plain_worker_main() -> None:
+    """`python -m fovea.worker_pool`: a _PlainProcess's child, which runs its target on the connection it was given."""
+    fd, module, name, args = pickle.loads(sys.stdin.buffer.read())
+    getattr(importlib.import_module(module), name)(Connection(fd), *args)
+
+
+if __name__ == "__main__":
+    _plain_worker_main()

@@ -53,6 +53,7 @@ class EngineConfig:
     tensor_parallel_size: int = default("tensor_parallel_size")
     data_parallel_size: int = default("data_parallel_size")
     mm_encoder_tp_mode: str = default("mm_encoder_tp_mode")
+    mm_encoder_workers: int = default("mm_encoder_workers")  # the tower in processes of its own (issue 58)
     # None: mp when tensor_parallel_size > 1. Named with one rank, the engine still takes the distributed path (a
     # group of one: its cost can be measured).
     distributed_executor_backend: str | None = default("distributed_executor_backend")
@@ -215,6 +216,11 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError(
             f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
             f"{config.data_parallel_size}"
+        )
+    if config.mm_encoder_workers < 0 or (config.mm_encoder_workers and (size > 1 or config.enable_lora)):
+        raise ValueError(
+            f"mm_encoder_workers must be 0 or more, and works without tensor parallelism or LoRA for now, got "
+            f"{config.mm_encoder_workers} with tensor_parallel_size {size} and enable_lora {config.enable_lora}"
         )
     if config.mm_encoder_tp_mode not in ("weights", "data"):
         raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {config.mm_encoder_tp_mode!r}")

@@ -213,6 +213,12 @@ FLAGS = (
         choices=("weights", "data"),
     ),
     Flag(
+        "mm_encoder_workers",
+        0,
+        "vision towers in worker processes of their own, on this host (encoder disaggregation); 0: the engine's",
+        "parallelism",
+    ),
+    Flag(
         "distributed_executor_backend",
         None,
         "ranks and replicas as local processes (mp, default) or actors on a running Ray cluster",

@@ -95,7 +95,14 @@ class LLMEngine:
         # on the CPU a step waiting for images has this thread encode half of them: not under tensor parallelism
         # (ranks encode in step with rank 0's encoder thread) nor LoRA (adapters are switched around the tower)
         helps = config.device.type == "cpu" and self.workers is None and not config.enable_lora
-        self.image_encoder = ImageEncoder(self.runner.encode_images, config.device, shares=2 if helps else 1)
+        if config.mm_encoder_workers:  # the tower in processes of its own: one thread waits on each
+            from fovea.runner.encoder_workers import RemoteTower
+
+            self.remote_tower = RemoteTower(config)
+            workers = config.mm_encoder_workers
+            self.image_encoder = ImageEncoder(self.remote_tower, config.device, shares=workers, threads=workers)
+        else:
+            self.image_encoder = ImageEncoder(self.runner.encode_images, config.device, shares=2 if helps else 1)
         self.requests: dict[str, Request] = {}
         self.compiling: list[tuple[Request, GrammarBuild]] = []  # requests whose matchers are being built
         self.num_requests_added = 0
@@ -212,6 +219,8 @@ class LLMEngine:
         """Stops the image encoder's thread and the tensor-parallel workers."""
         if hasattr(self, "image_encoder"):
             self.image_encoder.close()
+        if hasattr(self, "remote_tower"):
+            self.remote_tower.close()
         if self.workers is not None:
             self.workers.close()
 

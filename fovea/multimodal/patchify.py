@@ -8,6 +8,7 @@ CPU the patches equal its `pixel_values` bit for bit (frames=2: the still image 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fovea.config.image import ImageProcessorConfig
@@ -32,3 +33,12 @@ def patchify(pixels: torch.Tensor, config: ImageProcessorConfig, frames: int = 1
     # subtraction and division are the reference's float32 operations in the same order
     x = (x / 255 - mean) / std
     return (x if video else x.expand(-1, -1, frames, -1)).reshape(gt * gh * gw, -1)
+
+
+def batch_patches(pixels: list[np.ndarray], config: ImageProcessorConfig, device, dtype) -> torch.Tensor:
+    """Several items' uint8 pixels (images, videos) -> their patches one after another, in `dtype` on `device`: one
+    frame per still image, or, when a video is among them, `temporal_patch_size` (a still image then counts as
+    its own second frame: the patches have one width)."""
+    video = any(item.ndim == 4 for item in pixels)
+    frames = config.temporal_patch_size if video else 1
+    return torch.cat([patchify(torch.from_numpy(item).to(device), config, frames) for item in pixels]).to(dtype)

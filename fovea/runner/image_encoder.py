@@ -44,16 +44,26 @@ def lower_priority(niceness: int = 10) -> None:
 
 
 class ImageEncoder:
-    def __init__(self, encode: Callable[[list[MMItem]], list[torch.Tensor]], device: torch.device, shares: int = 1):
+    def __init__(
+        self,
+        encode: Callable[[list[MMItem]], list[torch.Tensor]],
+        device: torch.device,
+        shares: int = 1,
+        threads: int = 1,
+    ):
         """`shares` > 1 (the CPU, where `encode` may run in two threads at once): pieces a submission is cut
-        into, which `collect` with a wait encodes in the caller's thread while any are queued."""
+        into, which `collect` with a wait encodes in the caller's thread while any are queued. `threads`: how
+        many run `encode` at once (one per encoder worker process, whose calls wait on the worker)."""
         self._encode, self.device, self.shares = encode, device, shares
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: set[str] = set()  # content hashes submitted and not yet collected
-        self._thread = threading.Thread(target=self._loop, name="fovea-image-encoder", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._loop, name="fovea-image-encoder", daemon=True) for _ in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, items: list[MMItem]) -> None:
         self.in_flight.update(item.content_hash for item in items)
@@ -99,8 +109,10 @@ class ImageEncoder:
         """Ends the thread and waits for it: one still freeing its tensors while the interpreter shuts down is
         killed when it next takes the GIL, which aborted the engine process ("terminate called without an active
         exception") at every server stop."""
-        self._jobs.put(None)
-        self._thread.join(timeout=60)
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=60)
 
     def _loop(self) -> None:
         lower_priority()

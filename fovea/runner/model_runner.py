@@ -25,7 +25,7 @@ from fovea.layers.lora import lora_rows
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
 from fovea.models.lora import LoadedAdapters
-from fovea.multimodal.patchify import patchify
+from fovea.multimodal.patchify import batch_patches
 from fovea.runner.cuda_graphs import DecodeGraphs
 from fovea.runner.encoder_buckets import EncoderBuckets
 from fovea.runner.grammar_masks import GrammarMasks
@@ -351,15 +351,11 @@ class ModelRunner:
         model's tower only)."""
         if not items:
             return []
-        # a video's patches hold two frames (a still image's its one frame twice); InternVL's tiles are one frame
-        video = any(item.pixels.ndim == 4 for item in items)
-        frames = self.image_config.temporal_patch_size if video else 1
-        patches = torch.cat(
-            [patchify(torch.from_numpy(item.pixels).to(self.device), self.image_config, frames) for item in items]
-        ).to(self.config.dtype)
+        patches = batch_patches([item.pixels for item in items], self.image_config, self.device, self.config.dtype)
         grids = [item.grid_thw for item in items]
         # buckets are captured for one-frame patches: a batch with a video runs eagerly
-        bucket = graphs and frames == 1 and self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])
+        one_frame = patches.shape[1] == self.config.model.vision.frame_patch_dim
+        bucket = graphs and one_frame and self.encoder_buckets and self.encoder_buckets.bucket(patches.shape[0])
         if bucket:
             return self.model.split_by_item(self.encoder_buckets.encode(patches, grids, bucket), grids)
         return self.model.encode_images(patches, grids)

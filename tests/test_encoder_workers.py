@@ -1,0 +1,105 @@
+"""The vision tower in worker processes of its own (--mm-encoder-workers, issue 58; one host): the same tokens as
+the engine's own tower for images, a video and image embeddings mixed, the engine's tower never run; a worker killed
+while idle is replaced and the requests go on; one killed while it holds a job fails that job's requests only,
+naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import random_image
+
+from fovea import LLM, SamplingParams
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def prompts():
+    images = [random_image(120 + 30 * i, 90 + 20 * i, seed=i) for i in range(4)]
+    return [
+        {"prompt": IMAGE + "What is it?", "multi_modal_data": {"image": images[0]}},
+        {"prompt": IMAGE + IMAGE + "Both?", "multi_modal_data": {"image": images[1:3]}},
+        {"prompt": "No image at all.", "multi_modal_data": {}},
+        {"prompt": IMAGE + "And this one?", "multi_modal_data": {"image": images[3]}},
+    ]
+
+
+def test_tokens_are_the_engines_own(tiny_dirs):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    model_dir = str(tiny_dirs["tiny-3b"])
+    expected = LLM(model_dir, dtype="float32", max_model_len=1024).generate(prompts(), params, use_tqdm=False)
+    llm = LLM(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=2)
+    towers = []  # the engine's own tower's runs from here on
+    encode = llm.engine.runner.model.encode_images
+    llm.engine.runner.model.encode_images = lambda pixels, grids: towers.append(grids) or encode(pixels, grids)
+    got = llm.generate(prompts(), params, use_tqdm=False)
+    assert towers == []
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.prompt_token_ids == theirs.prompt_token_ids
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(mine.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob) <= 1e-4
+    pool = llm.engine.remote_tower.pool
+    victim = next(iter(pool._started))
+    os.kill(victim.pid, signal.SIGKILL)  # while idle: seen when next taken, the job goes on, a replacement starts
+    for seed in (10, 11, 12):  # a job each (new images: the others are cached), the workers taken in turn
+        fresh = {"prompt": IMAGE + "What is it?", "multi_modal_data": {"image": random_image(100, 80, seed=seed)}}
+        assert len(llm.generate(fresh, params, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    deadline = time.monotonic() + 60
+    while len([p for p in pool._started if p.is_alive()]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len([p for p in pool._started if p.is_alive()]) == 2
+
+
+def test_a_worker_killed_with_its_job_fails_only_its_requests(tiny_dirs):
+    model_dir = str(tiny_dirs["tiny-3b"])
+    llm = LLM(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=1)
+    worker = llm.engine.remote_tower.pool._idle[0]
+    send = worker.conn.send
+
+    def send_and_die(message):  # the worker dies holding this job
+        send(message)
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.join()
+
+    worker.conn.send = send_and_die
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(Exception, match="vision encoder worker died"):
+        llm.generate(prompts()[:1], params, use_tqdm=False)
+    assert not [name for name in os.listdir("/dev/shm") if f"fovea{os.getpid()}_enc_" in name]  # none left
+    text = llm.generate(prompts()[2:3], params, use_tqdm=False)[0]  # the engine serves on
+    assert len(text.outputs[0].token_ids) == 4
+    fresh = {"prompt": IMAGE + "And?", "multi_modal_data": {"image": random_image(100, 80, seed=20)}}
+    image = llm.generate(fresh, params, use_tqdm=False)[0]  # and a replacement encodes
+    assert len(image.outputs[0].token_ids) == 4
+
+
+def test_served_with_encoder_workers(tiny_dirs):
+    """`fovea serve --mm-encoder-workers 2`: the engine process is a daemon, so its workers are plain processes
+    (fovea/worker_pool.py); the chat with an image is the offline engine's, and no worker outlives the server."""
+    import httpx
+    import psutil
+    from serving import running_server
+    from test_llava_serving import data_url
+
+    model_dir = tiny_dirs["tiny-3b"]
+    image = random_image(200, 90, seed=5)
+    content = [{"type": "text", "text": "What is in this picture?"}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = LLM(str(model_dir), dtype="float32", max_model_len=1024).chat(
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, *content]}], params, use_tqdm=False
+    )[0]
+    flags = ["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", "m", "--mm-encoder-workers", "2"]
+    with running_server(model_dir, *flags) as (base, server):
+        workers = [p for p in psutil.Process(server.pid).children(recursive=True) if "fovea.worker_pool" in p.cmdline()]
+        assert len(workers) == 2
+        messages = [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}}, *content]}
+        ]
+        body = {"model": "m", "temperature": 0, "max_tokens": 6, "ignore_eos": True, "messages": messages}
+        reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
+        assert reply["choices"][0]["message"]["content"] == expected.outputs[0].text
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
