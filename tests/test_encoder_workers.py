@@ -1,5 +1,5 @@
 """The vision tower in worker processes of its own (--mm-encoder-workers, issue 58; one host): the same tokens as
-the engine's own tower for images, a video and image embeddings mixed, the engine's tower never run; a worker killed
+the engine's own tower for one image, two images and a text prompt, the engine holding no tower; a worker killed
 while idle is replaced and the requests go on; one killed while it holds a job fails that job's requests only,
 naming it."""
 
@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+import torch
 from conftest import random_image
 
 from fovea import LLM, SamplingParams
@@ -32,11 +33,8 @@ def test_tokens_are_the_engines_own(tiny_dirs):
     model_dir = str(tiny_dirs["tiny-3b"])
     expected = LLM(model_dir, dtype="float32", max_model_len=1024).generate(prompts(), params, use_tqdm=False)
     llm = LLM(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=2)
-    towers = []  # the engine's own tower's runs from here on
-    encode = llm.engine.runner.model.encode_images
-    llm.engine.runner.model.encode_images = lambda pixels, grids: towers.append(grids) or encode(pixels, grids)
+    assert llm.engine.runner.model.visual is None  # the engine holds no tower: the workers do
     got = llm.generate(prompts(), params, use_tqdm=False)
-    assert towers == []
     for mine, theirs in zip(got, expected, strict=True):
         assert mine.prompt_token_ids == theirs.prompt_token_ids
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
@@ -104,3 +102,28 @@ def test_served_with_encoder_workers(tiny_dirs):
         reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
         assert reply["choices"][0]["message"]["content"] == expected.outputs[0].text
     assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_image_embeddings_skip_the_workers(tiny_dirs):
+    """An image given as the tower's output (--enable-mm-embeds) goes to the encoder cache as it is; the same image
+    as pixels goes through a worker: the same tokens."""
+    from fovea.models.loader import load_tower
+    from fovea.multimodal.patchify import patchify
+    from fovea.multimodal.prompt import PromptProcessor
+
+    model_dir = str(tiny_dirs["tiny-3b"])
+    image = random_image(140, 100, seed=7)
+    tower, config = load_tower(model_dir, dtype="float32")
+    processed = PromptProcessor(model_dir, config).image_processor(image)
+    with torch.no_grad():
+        embeds = tower(patchify(torch.from_numpy(processed.pixels), config.image), [processed.grid_thw])
+    llm = LLM(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=1, enable_mm_embeds=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    given = {"image_embeds": embeds, "image_grid_thw": list(processed.grid_thw)}
+    as_embeds = llm.generate({"prompt": IMAGE + "What?", "multi_modal_data": {"image": given}}, params, use_tqdm=False)
+    as_pixels = llm.generate({"prompt": IMAGE + "Why?", "multi_modal_data": {"image": image}}, params, use_tqdm=False)
+    plain = LLM(model_dir, dtype="float32", max_model_len=1024)
+    expected = plain.generate(
+        [{"prompt": IMAGE + p, "multi_modal_data": {"image": image}} for p in ("What?", "Why?")], params, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in (*as_embeds, *as_pixels)] == [o.outputs[0].token_ids for o in expected]

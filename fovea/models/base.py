@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fovea.config.model import ModelConfig
+from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.basic import ParallelLMHead
 
 # per-layer KV-cache scales as checkpoints name them (after self_attn.): fp8 checkpoints, compressed-tensors
@@ -33,6 +34,7 @@ class ModelOptions:
     fp32_softmax_vision: bool = False  # the same for the vision tower
     vision_kernel: bool = False  # the vision tower's attention on our Triton kernel (CUDA) instead of PyTorch's
     fused_kernels: bool = False  # the decoder's RMSNorm (+ residual), SiLU-and-mul and rotary as Triton kernels (CUDA)
+    tower: bool = True  # the vision tower built and loaded (False: encoder worker processes run it, issue 58)
 
 
 class VisionLanguageModel(nn.Module):
@@ -57,6 +59,12 @@ class VisionLanguageModel(nn.Module):
         """The vision tower, projector included, as `self.visual` holds it (split over the tensor-parallel group
         being built); an encoder worker builds it alone (loader.py, `load_tower`)."""
         return cls.vision_tower(config.vision, options)
+
+    def build_tower(self, config: ModelConfig, options: ModelOptions, vision_tp: TPGroup | None) -> None:
+        """`self.visual`, split over `vision_tp` (when given: its own group, or none when each rank holds it
+        whole), else over the group being built; None where encoder workers run it (`options.tower` False)."""
+        with tensor_parallel(vision_tp or current_tp()):
+            self.visual = self.make_tower(config, options) if options.tower else None
 
     def make_lm_head(self) -> None:
         self.lm_head = ParallelLMHead(self.config.text.vocab_size, self.config.text.hidden_size)

@@ -25,7 +25,7 @@ from torch import nn
 
 from fovea.attention.layer import Attention
 from fovea.config.model import ModelConfig, TextConfig, VisionConfig
-from fovea.distributed import TPGroup, current_tp, tensor_parallel
+from fovea.distributed import TPGroup
 from fovea.layers.basic import VocabParallelEmbedding, activation
 from fovea.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fovea.layers.rotary import apply_rotary, mrope
@@ -204,8 +204,7 @@ class Model(VisionLanguageModel):
 
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
         super().__init__(config, options)
-        with tensor_parallel(vision_tp or current_tp()):
-            self.visual = self.make_tower(config, options)
+        self.build_tower(config, options, vision_tp)
         self.model = GemmaModel(config.text, options)
         self.make_lm_head()
 

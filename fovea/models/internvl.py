@@ -21,7 +21,7 @@ from torch import nn
 
 from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import ModelConfig, VisionConfig
-from fovea.distributed import TPGroup, current_tp, tensor_parallel
+from fovea.distributed import TPGroup, current_tp
 from fovea.layers.basic import RMSNorm, activation
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
@@ -168,8 +168,7 @@ class Model(VisionLanguageModel):
 
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
         super().__init__(config, options)
-        with tensor_parallel(vision_tp or current_tp()):
-            self.visual = self.make_tower(config, options)
+        self.build_tower(config, options, vision_tp)
         self.model = DecoderModel(config.text, options)
         self.make_lm_head()
 

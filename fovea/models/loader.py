@@ -70,8 +70,8 @@ def load_weights(model: VisionLanguageModel, model_dir: Path, only: str = "") ->
         if mapped is None:
             continue
         pname, shard = mapped
-        if not pname.startswith(only):
-            continue
+        if not pname.startswith(only) or (pname.startswith("visual.") and model.visual is None):
+            continue  # not asked for, or a tower that encoder workers hold
         param = params.get(pname)
         if param is None:
             unexpected.append(name)

@@ -12,7 +12,7 @@ from torch import nn
 
 from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import ModelConfig, VisionConfig
-from fovea.distributed import TPGroup, current_tp, tensor_parallel
+from fovea.distributed import TPGroup
 from fovea.layers.basic import RMSNorm
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.layers.rotary import apply_rotary, vision_rope
@@ -183,8 +183,7 @@ class Model(VisionLanguageModel):
         """Layers are split over the tensor-parallel group being built (fovea.distributed.tensor_parallel); the
         vision tower over `vision_tp` when given (its own group, or none when each rank holds it whole)."""
         super().__init__(config, options)
-        with tensor_parallel(vision_tp or current_tp()):
-            self.visual = self.make_tower(config, options)
+        self.build_tower(config, options, vision_tp)
         self.model = DecoderModel(config.text, options)
         self.make_lm_head()
 

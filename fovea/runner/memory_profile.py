@@ -62,7 +62,10 @@ def dummy_step(model: torch.nn.Module, config: EngineConfig) -> list[tuple[int, 
 
 @torch.inference_mode()
 def encode_largest_images(model: torch.nn.Module, config: EngineConfig) -> list[tuple[int, int, int]]:
-    """Copies of the largest image max_pixels allows, up to one step's encoder budget, through the vision tower."""
+    """Copies of the largest image max_pixels allows, up to one step's encoder budget, through the vision tower
+    (none where encoder workers hold it)."""
+    if model.visual is None:
+        return []
     device, vision = config.device, config.model.vision
     grid = largest_image_grid(config)
     patches = grid[0] * grid[1] * grid[2]

@@ -94,6 +94,7 @@ class ModelRunner:
             config.fp32_softmax_vision,
             vision_kernel=gpu_kernels,
             fused_kernels=self.device.type == "cuda",
+            tower=not config.mm_encoder_workers,
         )
         self.free_at_start = free_memory_at_start(config) if self.device.type == "cuda" else 0
         self.model, _ = load_model(
@@ -128,7 +129,7 @@ class ModelRunner:
             and not config.distributed
         )
         self.encoder_buckets = None
-        if config.mm_buckets:  # before the memory profile: captured graphs keep their memory
+        if config.mm_buckets and self.model.visual is not None:  # before the memory profile: graphs keep memory
             self.encoder_buckets = EncoderBuckets(
                 self.model.visual, config.mm_buckets, config.dtype, self.device, capture=capture
             )
