@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from fovea.attention.layer import Attention, AttentionMetadata
-from fovea.config.model import ModelConfig, VisionConfig
-from fovea.distributed import TPGroup, current_tp
+from fovea.config.model import VisionConfig
+from fovea.distributed import current_tp
 from fovea.layers.basic import RMSNorm, activation
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
-from fovea.models.base import ModelOptions, VisionLanguageModel
-from fovea.models.decoder import DecoderModel, FeedForward
+from fovea.models import llava
+from fovea.models.base import ModelOptions
+from fovea.models.decoder import FeedForward
 from fovea.models.llava import FixedSizeTower, tower_and_decoder_name
 
 
@@ -163,14 +164,10 @@ ORIGINAL_NAMES = (
 )
 
 
-class Model(VisionLanguageModel):
-    vision_tower = InternVisionTower
+class Model(llava.Model):
+    """LLaVA's shape (a tower, a projector, a plain decoder) with InternVL's tower and names."""
 
-    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), vision_tp: TPGroup | None = None):
-        super().__init__(config, options)
-        self.build_tower(config, options, vision_tp)
-        self.model = DecoderModel(config.text, options)
-        self.make_lm_head()
+    vision_tower = InternVisionTower
 
     def rename(self, name: str) -> str | None:
         if name.startswith(("vision_model.", "mlp1.")):  # InternVL's own uploads (InternVLChatModel)
