@@ -18,6 +18,16 @@ from fovea import LLM, SamplingParams
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+@pytest.fixture
+def llms():
+    """LLM(...) whose engines (and encoder workers) are closed when the test ends: a later test in this process
+    counts the processes it started."""
+    made = []
+    yield lambda *args, **kwargs: made.append(LLM(*args, **kwargs)) or made[-1]
+    for llm in made:
+        llm.close()
+
+
 def prompts():
     images = [random_image(120 + 30 * i, 90 + 20 * i, seed=i) for i in range(4)]
     return [
@@ -28,11 +38,11 @@ def prompts():
     ]
 
 
-def test_tokens_are_the_engines_own(tiny_dirs):
+def test_tokens_are_the_engines_own(tiny_dirs, llms):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     model_dir = str(tiny_dirs["tiny-3b"])
     expected = LLM(model_dir, dtype="float32", max_model_len=1024).generate(prompts(), params, use_tqdm=False)
-    llm = LLM(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=2)
+    llm = llms(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=2)
     assert llm.engine.runner.model.visual is None  # the engine holds no tower: the workers do
     got = llm.generate(prompts(), params, use_tqdm=False)
     for mine, theirs in zip(got, expected, strict=True):
@@ -53,9 +63,9 @@ def test_tokens_are_the_engines_own(tiny_dirs):
     assert len([p for p in pool._started if p.is_alive()]) == 2
 
 
-def test_a_worker_killed_with_its_job_fails_only_its_requests(tiny_dirs):
+def test_a_worker_killed_with_its_job_fails_only_its_requests(tiny_dirs, llms):
     model_dir = str(tiny_dirs["tiny-3b"])
-    llm = LLM(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=1)
+    llm = llms(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=1)
     worker = llm.engine.remote_tower.pool._idle[0]
     send = worker.conn.send
 
@@ -104,7 +114,7 @@ def test_served_with_encoder_workers(tiny_dirs):
     assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_image_embeddings_skip_the_workers(tiny_dirs):
+def test_image_embeddings_skip_the_workers(tiny_dirs, llms):
     """An image given as the tower's output (--enable-mm-embeds) goes to the encoder cache as it is; the same image
     as pixels goes through a worker: the same tokens."""
     from fovea.models.loader import load_tower
@@ -117,7 +127,7 @@ def test_image_embeddings_skip_the_workers(tiny_dirs):
     processed = PromptProcessor(model_dir, config).image_processor(image)
     with torch.no_grad():
         embeds = tower(patchify(torch.from_numpy(processed.pixels), config.image), [processed.grid_thw])
-    llm = LLM(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=1, enable_mm_embeds=True)
+    llm = llms(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=1, enable_mm_embeds=True)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     given = {"image_embeds": embeds, "image_grid_thw": list(processed.grid_thw)}
     as_embeds = llm.generate({"prompt": IMAGE + "What?", "multi_modal_data": {"image": given}}, params, use_tqdm=False)
