@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger("fovea")
@@ -35,6 +36,21 @@ def ignore_group_signals() -> None:
     tells it to or when its pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def answer_jobs(conn, answer: Callable, failed: Callable[[Exception, object], object]) -> None:
+    """A worker's loop once it has said "ready": each job's `answer(job)`, or `failed(error, job)` where answering
+    raised (the job's requests fail; the worker goes on); it returns when its owner is gone (the pipe closed)."""
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        try:
+            reply = answer(job)
+        except Exception as error:  # noqa: BLE001 - the job's answer, not the worker's end
+            reply = failed(error, job)
+        conn.send(reply)
 
 
 class _PlainProcess:

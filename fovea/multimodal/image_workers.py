@@ -24,7 +24,7 @@ import numpy as np
 from fovea.multimodal import video_decode
 from fovea.multimodal.image import ImageProcessor, PlannedImage, ProcessedImage, planned_grid
 from fovea.multimodal.video import PlannedVideo, process_video
-from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
+from fovea.worker_pool import WorkerFailed, WorkerPool, answer_jobs, ignore_group_signals
 
 SHM_FILES = "/dev/shm"  # where POSIX shared memory segments are files (Linux)
 
@@ -125,19 +125,14 @@ def _decode_worker(conn) -> None:
     ignore_group_signals()
     os.nice(10)  # decoding yields the CPU to the engine's decode steps when cores are short
     conn.send("ready")
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:  # the front end is gone
-            return
-        try:
-            conn.send(_run(*job))
-        except Exception as error:  # noqa: BLE001 - a bad file is its request's error
-            conn.send(
-                ValueError(str(error))
-                if isinstance(error, ValueError)
-                else ValueError(f"the {job[0]} could not be decoded: {type(error).__name__}: {error}")
-            )
+    answer_jobs(conn, lambda job: _run(*job), _decode_failed)
+
+
+def _decode_failed(error: Exception, job: tuple) -> ValueError:
+    """A bad file is its request's error."""
+    if isinstance(error, ValueError):
+        return ValueError(str(error))
+    return ValueError(f"the {job[0]} could not be decoded: {type(error).__name__}: {error}")
 
 
 def _run(kind: str, segment: str, *args):

@@ -17,7 +17,7 @@ from fovea.config.engine import EngineConfig
 from fovea.core.request import MMItem
 from fovea.multimodal.image_workers import SharedPixels
 from fovea.multimodal.patchify import batch_patches
-from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
+from fovea.worker_pool import WorkerFailed, WorkerPool, answer_jobs, ignore_group_signals
 
 JOB_TIMEOUT_S = 600.0  # one job's images through a tower on a CPU; a hung worker is killed past it
 
@@ -33,18 +33,17 @@ def _encoder_worker(conn, model_dir, dtype: torch.dtype, device: str) -> None:
     torch.set_num_threads(1)
     tower, config = load_tower(model_dir, dtype=dtype, device=device)
     conn.send("ready")
-    while True:
-        try:
-            pixels, grids, out = conn.recv()
-        except EOFError:  # the engine is gone
-            return
-        try:
-            with torch.inference_mode():
-                patches = batch_patches([shared.take() for shared in pixels], config.image, device, dtype)
-                merged = tower(patches, grids).float().cpu().numpy()
-            conn.send(SharedPixels.create(merged.view(np.uint8), out))  # float32 rows, sent as their bytes
-        except Exception as error:  # noqa: BLE001 - the job's answer: its requests fail, the worker goes on
-            conn.send(RuntimeError(f"the vision tower failed: {type(error).__name__}: {error}"))
+
+    @torch.inference_mode()
+    def encode(job) -> SharedPixels:
+        pixels, grids, out = job
+        patches = batch_patches([shared.take() for shared in pixels], config.image, device, dtype)
+        merged = tower(patches, grids).float().cpu().numpy()
+        return SharedPixels.create(merged.view(np.uint8), out)  # float32 rows, sent as their bytes
+
+    answer_jobs(
+        conn, encode, lambda error, job: RuntimeError(f"the vision tower failed: {type(error).__name__}: {error}")
+    )
 
 
 class RemoteTower:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from fovea.multimodal.chat_format import as_string_content, detect_content_format
 from fovea.multimodal.prompt import ChatOptions
-from fovea.worker_pool import WorkerFailed, WorkerPool, ignore_group_signals
+from fovea.worker_pool import WorkerFailed, WorkerPool, answer_jobs, ignore_group_signals
 
 
 def _render_worker(conn, model_dir: str, memory_bytes: int, max_chars: int) -> None:
@@ -26,29 +26,28 @@ def _render_worker(conn, model_dir: str, memory_bytes: int, max_chars: int) -> N
         in_use = int(statm.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (in_use + memory_bytes, in_use + memory_bytes))
     conn.send("ready")
-    while True:
-        try:
-            messages, chat, placeholders = conn.recv()
-        except EOFError:  # the server is gone
-            return
-        try:
-            # reading the template's syntax is running client input too: here, under the same bounds
-            content_format = chat.content_format
-            if content_format == "auto":
-                content_format = detect_content_format(chat.template)
-            if content_format == "string":
-                messages = as_string_content(messages, placeholders)
-            text = chat.render(tokenizer, messages, chat.template)
-            reply = (
-                (True, text)
-                if len(text) <= max_chars
-                else (False, f"the chat template wrote {len(text)} characters, more than the {max_chars} allowed")
-            )
-        except MemoryError:
-            reply = (False, "the chat template used more memory than allowed")
-        except Exception as error:  # noqa: BLE001 - the template's own failure, reported to its request
-            reply = (False, f"the chat template failed on these messages: {type(error).__name__}: {error}")
-        conn.send(reply)
+
+    def render(job) -> tuple[bool, str]:
+        messages, chat, placeholders = job
+        # reading the template's syntax is running client input too: here, under the same bounds
+        content_format = chat.content_format
+        if content_format == "auto":
+            content_format = detect_content_format(chat.template)
+        if content_format == "string":
+            messages = as_string_content(messages, placeholders)
+        text = chat.render(tokenizer, messages, chat.template)
+        if len(text) > max_chars:
+            return False, f"the chat template wrote {len(text)} characters, more than the {max_chars} allowed"
+        return True, text
+
+    answer_jobs(conn, render, _render_failed)
+
+
+def _render_failed(error: Exception, job) -> tuple[bool, str]:
+    """The template's own failure, reported to its request."""
+    if isinstance(error, MemoryError):
+        return False, "the chat template used more memory than allowed"
+    return False, f"the chat template failed on these messages: {type(error).__name__}: {error}"
 
 
 class TemplateSandbox:
