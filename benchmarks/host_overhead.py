@@ -39,6 +39,12 @@ ORDERS = {
     "overlapped": {"overlap_outputs": True, "async_scheduling": False},
     "ahead": {"async_scheduling": True},
 }
+SAMPLINGS = {
+    "defaults": None,  # the checkpoint's generation_config, read once the model is loaded
+    "greedy": SamplingParams(temperature=0),
+    "top_p": SamplingParams(temperature=0.7, top_p=0.9),
+    "top_k_top_p": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+}
 
 
 def _sync() -> None:
@@ -153,6 +159,10 @@ def main() -> None:
     parser.add_argument("--order", choices=tuple(ORDERS), default="auto")
     parser.add_argument("--cases", default="16x8000,256x1000")
     parser.add_argument("--steps", type=int, default=60)
+    # defaults: the checkpoint's (Qwen2.5-VL: repetition_penalty 1.05, top_k 1); top_p: what most OpenAI clients
+    # send (no top_k, so whether a row's best candidates covered its top_p is read back from the device each step);
+    # top_k_top_p: Qwen3-VL's card (settled by the top_k on the host)
+    parser.add_argument("--sampling", default="defaults,greedy", help=f"comma-separated: {', '.join(SAMPLINGS)}")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     cases = [(2, 40)] if args.quick else [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
@@ -166,10 +176,11 @@ def main() -> None:
         **ORDERS[args.order],
     )
     phases = Phases(llm.engine)
-    defaults = llm.get_default_sampling_params()
+    samplings = {**SAMPLINGS, "defaults": llm.get_default_sampling_params()}
     results = []
     for batch, prompt_len in cases:
-        for name, params in (("defaults", defaults), ("greedy", SamplingParams(temperature=0))):
+        for name in args.sampling.split(","):
+            params = samplings[name]
             result = run_case(llm, phases, batch, prompt_len, steps, params, profile_steps)
             result["sampling"] = name
             results.append(result)
