@@ -283,7 +283,7 @@ def test_auto_attention_is_the_kernels_that_have_its_features(checkpoints):
     from fovea.attention import features_needed, make_backend
     from fovea.attention.triton_paged import TritonAttention
 
-    config = EngineConfig.from_args(str(checkpoints["small"]), dtype="float32")
+    config = EngineConfig.from_args(str(checkpoints["small"]), dtype="float32", device="cpu")
     assert config.resolved_attention_backend == "torch"
     assert dataclasses.replace(config, device=torch.device("cuda")).resolved_attention_backend == "triton"
     model, _ = load_model(checkpoints["small"], dtype="float32")
@@ -328,7 +328,9 @@ def test_tensor_parallel_gives_the_same_tokens(checkpoints):
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
 
     def run(**engine_args):
-        llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=24, max_model_len=160, **engine_args)
+        llm = LLM(
+            str(model_dir), dtype="float32", device="cpu", max_num_batched_tokens=24, max_model_len=160, **engine_args
+        )
         try:
             outputs = llm.chat([with_pil(m, i) for m, i in cases], params, use_tqdm=False)
             ranks = llm.engine.runner.parallel.size if llm.engine.runner.parallel else 1
@@ -373,6 +375,7 @@ def test_pan_and_scan_prompt_and_pixels_are_the_processors(checkpoints, kwargs):
     """A wide and a tall image with pan-and-scan asked for per request: the processor's words around the crops,
     its prompt ids, and each crop's pixels bit for bit."""
     from transformers import AutoProcessor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     from fovea.multimodal.prompt import PromptProcessor
 
@@ -382,7 +385,10 @@ def test_pan_and_scan_prompt_and_pixels_are_the_processors(checkpoints, kwargs):
     prompts = PromptProcessor(model_dir, ModelConfig.from_dir(model_dir))
     text = prompts.render_chat(with_pil(messages, images))[0]
     ours = prompts.process(text, images, kwargs)
-    processor = AutoProcessor.from_pretrained(str(model_dir))
+    # the PIL image processor: where torchvision is installed, AutoProcessor picks its resize, which rounds
+    # differently from PIL (one level in 255 on some pixels)
+    pil = Gemma3ImageProcessorPil.from_pretrained(str(model_dir))
+    processor = AutoProcessor.from_pretrained(str(model_dir), image_processor=pil)
     theirs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False, **kwargs)
     assert ours.token_ids == theirs["input_ids"][0].tolist()
     crops = theirs["pixel_values"].shape[0] - 2  # the images, then each one's crops

@@ -234,7 +234,9 @@ def test_tensor_parallel_gives_the_same_tokens(checkpoints):
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
 
     def run(model_dir, **engine_args):
-        llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=32, max_model_len=160, **engine_args)
+        llm = LLM(
+            str(model_dir), dtype="float32", device="cpu", max_num_batched_tokens=32, max_model_len=160, **engine_args
+        )
         try:
             outputs = llm.chat([with_pil(m, i) for m, i in cases], params, use_tqdm=False)
             return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
