@@ -6,6 +6,7 @@ run the compiled kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -15,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fovea.attention.backend import PagedAttentionMetadata, TorchAttention  # noqa: E402
-from fovea.attention.triton_paged import TritonAttention  # noqa: E402
+from fovea.attention.triton_paged import TritonAttention, _tiles, span_limits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -174,6 +175,35 @@ def test_windows_and_bidirectional_spans_match_the_reference(window, spans, dtyp
         backend = TritonAttention(group=2, decode_block_n=16, decode_programs=programs)
         got = attend(backend, meta, q, k, v, cache, {})
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+def test_a_steps_prefill_plans_are_built_without_reading_the_device():
+    """The tiles' count is the prefill kernel's grid, and the spans' limits are one per new token: both are planned
+    from what the host knows (the step's query starts, its slot count). Read off a GPU, the host would wait for
+    all the work queued before the step (py-spy, random-mm on an H200: 15 % of the engine's thread). Here the
+    step's tensors are on PyTorch's meta device, which holds no values: reading one raises."""
+    import numpy as np
+
+    starts = np.array([0, 1, 70, 200, 201], dtype=np.int32)  # a decode row, two prefill chunks, a decode row
+    on_meta = lambda *shape, dtype=torch.int32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    meta = PagedAttentionMetadata(
+        TorchAttention(),
+        on_meta(201, dtype=torch.int64),
+        on_meta(5),
+        on_meta(4),
+        on_meta(4, 16),
+        130,
+        400,
+        16,
+        bidirectional_spans={2: [(10, 20)]},
+        query_starts_host=starts,
+    )
+    tile_seq, tile_first = _tiles(meta, 32)  # tiles of 1, 69, 130 and 1 new tokens: 1, 3, 5 and 1
+    assert tile_seq.tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 2, 3]
+    assert tile_first.tolist() == [0, 0, 32, 64, 0, 32, 64, 96, 128, 0]
+    assert span_limits(meta).shape == (201,)
+    with pytest.raises(Exception):  # the check can fail: the device's copy is what it would otherwise read
+        _tiles(dataclasses.replace(meta, query_starts_host=None), 32)
 
 
 def test_padding_slots_are_not_written():

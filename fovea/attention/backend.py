@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +41,9 @@ class PagedAttentionMetadata:
     # sequence index -> (first, end) positions of prompt spans whose tokens also see each other's later tokens
     # (Gemma 3's images); a span must lie whole in one step's chunk, with its keys in context
     bidirectional_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # query_start_loc on the host, where the step was built there: plans whose grid size depends on it read it
+    # here, since reading the device's copy waits for all the work queued before (the last step's forward)
+    query_starts_host: np.ndarray | None = None
 
 
 @dataclass

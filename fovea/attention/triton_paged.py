@@ -4,11 +4,13 @@ triton_paged_kernels.py; here, their grids and launch settings, chosen per step 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 
 from fovea.attention.backend import AttentionBackend, to_fp8
 from fovea.attention.triton_paged_kernels import INTERPRETED, _attention, _combine, _decode, _store_kv
+from fovea.core.host_copy import to_device
 
 
 def _block_q(meta, group_p2: int, rows: int = 64) -> int:
@@ -24,22 +26,23 @@ def decode_splits(num_seqs: int, kv_heads: int, max_seq_len: int, block_n: int, 
 
 
 def _tiles(meta, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, first query) of every tile of `block_q` new tokens."""
-    query_start_loc = meta.query_start_loc
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    tiles_per_seq = (query_lens + block_q - 1) // block_q
-    tile_seq = torch.repeat_interleave(torch.arange(query_lens.numel(), device=query_lens.device), tiles_per_seq)
-    tile_starts = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
-    first = (torch.arange(tile_seq.numel(), device=tile_seq.device) - tile_starts[tile_seq]) * block_q
-    return tile_seq.to(torch.int32), first.to(torch.int32)
+    """(sequence, first query) of every tile of `block_q` new tokens, built on the host: their count is the
+    kernel's grid, and counting them on the device would wait for the work queued before this step."""
+    starts = meta.query_starts_host if meta.query_starts_host is not None else meta.query_start_loc.cpu().numpy()
+    tiles_per_seq = -(-np.diff(starts.astype(np.int64)) // block_q)
+    tile_seq = np.repeat(np.arange(len(tiles_per_seq)), tiles_per_seq)
+    first = (np.arange(len(tile_seq)) - (np.cumsum(tiles_per_seq) - tiles_per_seq)[tile_seq]) * block_q
+    device = meta.query_start_loc.device
+    return to_device(tile_seq.astype(np.int32), None, device), to_device(first.astype(np.int32), None, device)
 
 
 def span_limits(meta) -> torch.Tensor:
     """(new tokens,) int32: the last key each new token may see: its own position, or, inside a bidirectional
-    span, the span's last (on the step's device, without waiting for it)."""
+    span, the span's last (on the step's device, without waiting for it: the token count is the slots')."""
     starts = meta.query_start_loc.long()
     query_lens = starts[1:] - starts[:-1]
-    seq = torch.repeat_interleave(torch.arange(query_lens.numel(), device=starts.device), query_lens)
+    seq = torch.arange(query_lens.numel(), device=starts.device)
+    seq = torch.repeat_interleave(seq, query_lens, output_size=meta.slot_mapping.numel())
     position = meta.seq_lens.long()[seq] - query_lens[seq] + torch.arange(seq.numel(), device=seq.device) - starts[seq]
     limits = position.clone()
     for index, spans in meta.bidirectional_spans.items():

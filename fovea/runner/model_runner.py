@@ -19,6 +19,7 @@ import torch
 from fovea.attention import BACKENDS, features_needed, make_backend
 from fovea.attention.backend import PagedAttentionMetadata
 from fovea.config.engine import EngineConfig
+from fovea.core.host_copy import to_device
 from fovea.core.request import MMItem
 from fovea.distributed import SINGLE, ParallelGroups
 from fovea.layers.lora import lora_rows
@@ -31,7 +32,6 @@ from fovea.runner.encoder_buckets import EncoderBuckets
 from fovea.runner.grammar_masks import GrammarMasks
 from fovea.runner.input_batch import InputBatch
 from fovea.runner.memory_profile import free_memory_at_start, profile_kv_budget, zeroed
-from fovea.runner.penalties import to_device
 from fovea.runner.sampler import Sampler, SamplerOutput, top_logprobs
 from fovea.runner.step_input import SamplePlan, ScheduledStep, StepInput, build_step
 
@@ -278,6 +278,7 @@ class ModelRunner:
             self.config.block_size,
             self.kv_caches,
             bidirectional_spans=step.image_spans if self.config.model.bidirectional_images else {},
+            query_starts_host=step.query_starts,
         )
         num_seqs = len(step.seq_lens)
         # the decode graphs hold the base model only: a step with adapters runs eagerly

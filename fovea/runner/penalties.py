@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from fovea.core.host_copy import to_device
+
 if TYPE_CHECKING:
     from fovea.core.sampling_params import SamplingParams
     from fovea.runner.sampler import SampleRow
@@ -60,18 +62,6 @@ class SeenTokens:
             self.generated[self.num_generated : end] = ids
             self.num_generated, self.num_read = end, self.num_read + len(new)
         return self.generated[: self.num_generated]
-
-
-def to_device(values, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-    """A host list or array on `device` without waiting: a plain copy to a GPU waits for the work queued before it
-    (the model's forward), so the host could not queue the sampler's kernels behind it. Through pinned memory the
-    copy joins the queue instead (PyTorch's pinned allocator keeps the buffer until the copy is done). `dtype`:
-    None keeps an array's own."""
-    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
-    host = host if dtype is None else host.to(dtype)
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def column(rows: list[SampleRow], getter, dtype, device) -> torch.Tensor:

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fovea.core.host_copy import to_device
 from fovea.core.sampling_params import SamplingParams
 from fovea.runner.grammar_masks import GrammarMasks
-from fovea.runner.penalties import SeenTokens, apply_penalties_and_bias, column, to_device
+from fovea.runner.penalties import SeenTokens, apply_penalties_and_bias, column
 
 CANDIDATES = 256  # best tokens in which a top_p-only row looks for its cut first
 MAX_CANDIDATE_TOP_K = 1024  # rows with a larger top_k take the full-vocabulary path
