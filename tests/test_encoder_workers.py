@@ -50,7 +50,7 @@ def test_tokens_are_the_engines_own(tiny_dirs, llms):
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
         for a, b in zip(mine.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
             assert abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob) <= 1e-4
-    pool = llm.engine.remote_tower.pool
+    pool = llm.engine.remote_tower.encoders.pool
     victim = next(iter(pool._started))
     os.kill(victim.pid, signal.SIGKILL)  # while idle: seen when next taken, the job goes on, a replacement starts
     victim.join()  # dead before the next job (a worker dying as it is taken takes that job with it)
@@ -66,7 +66,7 @@ def test_tokens_are_the_engines_own(tiny_dirs, llms):
 def test_a_worker_killed_with_its_job_fails_only_its_requests(tiny_dirs, llms):
     model_dir = str(tiny_dirs["tiny-3b"])
     llm = llms(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=1)
-    worker = llm.engine.remote_tower.pool._idle[0]
+    worker = llm.engine.remote_tower.encoders.pool._idle[0]
     send = worker.conn.send
 
     def send_and_die(message):  # the worker dies holding this job

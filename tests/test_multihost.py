@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import subprocess
 import sys
 import time
@@ -49,9 +50,9 @@ def requests() -> list[list[dict]]:
     return chats
 
 
-async def chat_all(base: str, chats) -> list[str]:
+async def post_all(base: str, chats) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=300) as client:
-        replies = await asyncio.gather(
+        return await asyncio.gather(
             *(
                 client.post(
                     base + "/v1/chat/completions", json={"messages": m, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -59,6 +60,10 @@ async def chat_all(base: str, chats) -> list[str]:
                 for m in chats
             )
         )
+
+
+async def chat_all(base: str, chats) -> list[str]:
+    replies = await post_all(base, chats)
     assert all(r.status_code == 200 for r in replies), [r.text[:300] for r in replies if r.status_code != 200]
     return [r.json()["choices"][0]["message"]["content"] for r in replies]
 
@@ -137,6 +142,61 @@ def test_replicas_on_two_hosts_answer_like_one_engine_and_survive_a_lost_host(ti
         before = per_replica(base, "fovea:replica_requests_added")[str(replica)]
         assert asyncio.run(chat_all(base, chats)) == expected
         assert per_replica(base, "fovea:replica_requests_added")[str(replica)] > before  # serving again
+
+
+def image_chats(seeds) -> list[list[dict]]:
+    chats = []
+    for seed in seeds:
+        url = "data:image/jpeg;base64," + base64.b64encode(jpeg_bytes(random_image(98, 70, seed=seed))).decode()
+        chats.append([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "And?"}]}])  # fmt: skip
+    return chats
+
+
+def test_encoder_workers_on_both_hosts_give_the_colocated_tokens_and_come_back(tiny_dirs, cluster):
+    """`--mm-encoder-workers 3` under Ray: the engine core takes one host's CPU, the three encoder actors the
+    cluster's other three, so images and the video go through Ray's object store to actors on both hosts; every
+    answer is the engine's own in this process. Host B's actors killed: Ray restarts them and their jobs run again
+    there, so new images are answered the same, none failed."""
+    import psutil
+
+    model = tiny_dirs["tiny-3b"]
+    chats, later, again = requests(), image_chats(range(20, 24)), image_chats(range(30, 36))
+    llm = LLM(str(model), max_model_len=512, dtype="float32")
+    params = llm.get_default_sampling_params().clone(temperature=0, max_tokens=MAX_TOKENS)
+    expected, expected_later, expected_again = (
+        [o.outputs[0].text for o in llm.chat(c, params, use_tqdm=False)] for c in (chats, later, again)
+    )
+    llm.close()
+    a, b = cluster.hosts
+    flags = ["--dtype", "float32", "--max-model-len", "512", "--distributed-executor-backend", "ray"]
+
+    def encoders_on(host) -> list:
+        pids = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True).stdout.split()
+        found = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):  # gone, or a zombie
+                process = psutil.Process(int(pid))
+                if "EncoderActor" in " ".join(process.cmdline()) and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process)
+        return found
+
+    with running_server(
+        model, *flags, "--mm-encoder-workers", "3", env=cluster.env, prefix=a.command(),
+        address=cluster.client_address, startup_s=300,
+    ) as (base, proc):  # fmt: skip
+        assert asyncio.run(chat_all(base, chats)) == expected
+        on_b = encoders_on(b)
+        assert on_b and encoders_on(a), "an encoder actor on each host"
+        for actor in on_b:
+            actor.kill()
+        # their jobs, held or sent before Ray saw them die, run again on the restarted actors
+        assert asyncio.run(chat_all(base, later)) == expected_later
+        killed = {p.pid for p in on_b}
+        # restarted where they were: as many, none of them the killed ones
+        wait_until(lambda: len({p.pid for p in encoders_on(b)} - killed) == len(killed), timeout=120)
+        assert asyncio.run(chat_all(base, again)) == expected_again  # new images, through every actor
+        assert asyncio.run(chat_all(base, chats)) == expected
+    assert "vision encoder workers (Ray actors) on" in proc.output
 
 
 def test_eval_replicas_on_two_hosts_give_the_in_process_predictions(tiny_dirs, task_file, cluster, tmp_path):  # noqa: F811

@@ -1,13 +1,20 @@
-"""The vision tower in worker processes of its own (`--mm-encoder-workers N`, issue 58): the engine's ImageEncoder
-threads hand each job to a free worker instead of running the tower themselves, and the embeddings come back into
-the same encoder cache. Same host: a job's pixels go to the worker in a shared-memory segment, its embeddings come
-back in another; each worker holds the tower alone (loader.load_tower), not the language model. A worker that dies
-takes only its job with it (those requests fail, naming it) and a replacement starts (fovea/worker_pool.py).
+"""The vision tower in workers of its own (`--mm-encoder-workers N`, issue 58): the engine's ImageEncoder threads
+hand each job to a free worker instead of running the tower themselves, and the embeddings come back into the same
+encoder cache. Each worker holds the tower alone (loader.load_tower), not the language model.
+
+- One host (the default): worker processes; a job's pixels go to the worker in shared-memory segments, its
+  embeddings come back in another. A worker that dies takes only its job with it (those requests fail, naming
+  it) and a replacement starts (fovea/worker_pool.py).
+- `--distributed-executor-backend ray`: Ray actors spread over the cluster's nodes; pixels and embeddings travel
+  through Ray's object store. Ray restarts an actor that dies and runs the job it held there again; a job that
+  kills it twice fails its requests.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import secrets
 
 import numpy as np
@@ -19,7 +26,26 @@ from fovea.multimodal.image_workers import SharedPixels
 from fovea.multimodal.patchify import batch_patches
 from fovea.worker_pool import WorkerFailed, WorkerPool, answer_jobs, ignore_group_signals
 
+logger = logging.getLogger("fovea")
+
 JOB_TIMEOUT_S = 600.0  # one job's images through a tower on a CPU; a hung worker is killed past it
+DIED = "the vision encoder worker died or overran its time limit on these images"
+
+
+class Tower:
+    """What a worker runs: uint8 pixels of several items and their grids -> their merged embeddings, float32."""
+
+    def __init__(self, model_dir, dtype: torch.dtype, device: str):
+        from fovea.models.loader import load_tower
+
+        torch.set_num_threads(1)
+        self.tower, self.config = load_tower(model_dir, dtype=dtype, device=device)
+        self.device, self.dtype = device, dtype
+
+    @torch.inference_mode()
+    def encode(self, pixels: list[np.ndarray], grids: list[tuple]) -> np.ndarray:
+        patches = batch_patches(pixels, self.config.image, self.device, self.dtype)
+        return self.tower(patches, grids).float().cpu().numpy()
 
 
 def _segment() -> str:
@@ -27,18 +53,13 @@ def _segment() -> str:
 
 
 def _encoder_worker(conn, model_dir, dtype: torch.dtype, device: str) -> None:
-    from fovea.models.loader import load_tower
-
     ignore_group_signals()
-    torch.set_num_threads(1)
-    tower, config = load_tower(model_dir, dtype=dtype, device=device)
+    tower = Tower(model_dir, dtype, device)
     conn.send("ready")
 
-    @torch.inference_mode()
     def encode(job) -> SharedPixels:
         pixels, grids, out = job
-        patches = batch_patches([shared.take() for shared in pixels], config.image, device, dtype)
-        merged = tower(patches, grids).float().cpu().numpy()
+        merged = tower.encode([shared.take() for shared in pixels], grids)
         return SharedPixels.create(merged.view(np.uint8), out)  # float32 rows, sent as their bytes
 
     answer_jobs(
@@ -46,17 +67,92 @@ def _encoder_worker(conn, model_dir, dtype: torch.dtype, device: str) -> None:
     )
 
 
+class ProcessEncoders:
+    """Worker processes on this host, jobs through shared memory."""
+
+    def __init__(self, config: EngineConfig):
+        args = (config.model_dir, config.dtype, str(config.device))
+        self.pool = WorkerPool(_encoder_worker, args, config.mm_encoder_workers, "vision encoder")
+
+    def __call__(self, pixels: list[np.ndarray], grids: list[tuple]) -> np.ndarray:
+        shared = [SharedPixels.create(item, _segment()) for item in pixels]
+        out = SharedPixels(_segment(), ())  # named here: freed here if the worker dies after making it
+        try:
+            answer = self.pool.call((shared, grids, out.name), JOB_TIMEOUT_S)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer.take().view(np.float32).copy()
+        except WorkerFailed:
+            raise RuntimeError(DIED) from None
+        finally:
+            for segment in (*shared, out):
+                segment.release()  # taken already, unless the worker died first
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class EncoderActor(Tower):
+    def node(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+
+class RayEncoders:
+    """Ray actors, spread over the cluster's nodes (one CPU each, or one GPU on a GPU engine); jobs go to them in
+    the order they come, each to the first actor free."""
+
+    def __init__(self, config: EngineConfig):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address="auto", configure_logging=False)
+        gpu = config.device.type == "cuda"
+        # a dead actor is started again, and the job it held (or was sent while it lay dead) is run once more
+        # there: encoding is idempotent; a job that kills the tower twice fails its requests
+        options = dict(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=-1, max_task_retries=1)
+        actor = ray.remote(**options)(EncoderActor)
+        args = (config.model_dir, config.dtype, "cuda" if gpu else "cpu")  # a GPU of the actor's own
+        self.actors = [
+            actor.options(scheduling_strategy="SPREAD").remote(*args) for _ in range(config.mm_encoder_workers)
+        ]
+        self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=600)
+        logger.info("vision encoder workers (Ray actors) on %s", ", ".join(self.nodes))
+        self._idle: queue.Queue = queue.Queue()
+        for a in self.actors:
+            self._idle.put(a)
+
+    def __call__(self, pixels: list[np.ndarray], grids: list[tuple]) -> np.ndarray:
+        import ray
+
+        actor = self._idle.get()
+        try:
+            return ray.get(actor.encode.remote(pixels, grids), timeout=JOB_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor, no_restart=False)  # Ray starts it again
+            raise RuntimeError(DIED) from None
+        except ray.exceptions.RayActorError:  # died holding the job twice
+            raise RuntimeError(DIED) from None
+        except ray.exceptions.RayTaskError as error:
+            raise RuntimeError(f"the vision tower failed: {error.cause!r}") from None
+        finally:
+            self._idle.put(actor)
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+
+
 class RemoteTower:
     """Callable as the ImageEncoder's `encode`: items -> one (tokens, hidden) tensor each, from a worker."""
 
     def __init__(self, config: EngineConfig):
         self.device, self.dtype, self.unit = config.device, config.dtype, config.model.vision.spatial_merge_size**2
-        self.pool = WorkerPool(
-            _encoder_worker,
-            (config.model_dir, config.dtype, str(config.device)),
-            config.mm_encoder_workers,
-            "vision encoder",
-        )
+        ray = config.distributed_executor_backend == "ray"
+        self.encoders = RayEncoders(config) if ray else ProcessEncoders(config)
 
     def __call__(self, items: list[MMItem]) -> list[torch.Tensor]:
         given = {i: item for i, item in enumerate(items) if item.embeds}  # the tower's output already
@@ -68,20 +164,10 @@ class RemoteTower:
         ]
 
     def _encode(self, items: list[MMItem]) -> list[torch.Tensor]:
-        pixels = [SharedPixels.create(item.pixels, _segment()) for item in items]
-        out = SharedPixels(_segment(), ())  # named here: freed here if the worker dies after making it
-        try:
-            answer = self.pool.call((pixels, [item.grid_thw for item in items], out.name), JOB_TIMEOUT_S)
-            if isinstance(answer, Exception):
-                raise answer
-            merged = torch.from_numpy(answer.take().view(np.float32).copy())  # (tokens, width)
-        except WorkerFailed:
-            raise RuntimeError("the vision encoder worker died or overran its time limit on these images") from None
-        finally:
-            for shared in (*pixels, out):
-                shared.release()  # taken already, unless the worker died first
-        sizes = [t * h * w // self.unit for t, h, w in (item.grid_thw for item in items)]
+        grids = [item.grid_thw for item in items]
+        merged = torch.from_numpy(self.encoders([item.pixels for item in items], grids))  # (tokens, width)
+        sizes = [t * h * w // self.unit for t, h, w in grids]
         return [part.to(self.device, self.dtype) for part in merged.split(sizes)]
 
     def close(self) -> None:
-        self.pool.close()
+        self.encoders.close()
