@@ -1,7 +1,7 @@
 """The vision tower in worker processes of its own (--mm-encoder-workers, issue 58; one host): the same tokens as
-the engine's own tower for one image, two images and a text prompt, the engine holding no tower; a worker killed
-while idle is replaced and the requests go on; one killed while it holds a job fails that job's requests only,
-naming it."""
+the engine's own tower for one image, two images, a text prompt, a video and an image with a video, the engine
+holding no tower; a worker killed while idle is replaced and the requests go on; one killed while it holds a job
+fails that job's requests only, naming it; text requests are answered while every worker is busy."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_image
@@ -16,6 +17,7 @@ from conftest import random_image
 from fovea import LLM, SamplingParams
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 @pytest.fixture
@@ -30,11 +32,14 @@ def llms():
 
 def prompts():
     images = [random_image(120 + 30 * i, 90 + 20 * i, seed=i) for i in range(4)]
+    clips = [np.random.default_rng(seed).integers(0, 255, (4, 56, 84, 3), dtype=np.uint8) for seed in (1, 2)]
     return [
         {"prompt": IMAGE + "What is it?", "multi_modal_data": {"image": images[0]}},
         {"prompt": IMAGE + IMAGE + "Both?", "multi_modal_data": {"image": images[1:3]}},
         {"prompt": "No image at all.", "multi_modal_data": {}},
         {"prompt": IMAGE + "And this one?", "multi_modal_data": {"image": images[3]}},
+        {"prompt": VIDEO + "What moves?", "multi_modal_data": {"video": clips[0]}},
+        {"prompt": IMAGE + VIDEO + "Both?", "multi_modal_data": {"image": images[0], "video": clips[1]}},
     ]
 
 
@@ -137,3 +142,24 @@ def test_image_embeddings_skip_the_workers(tiny_dirs, llms):
         [{"prompt": IMAGE + p, "multi_modal_data": {"image": image}} for p in ("What?", "Why?")], params, use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in (*as_embeds, *as_pixels)] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_text_is_answered_while_every_worker_is_busy(tiny_dirs, llms):
+    """The only worker taken (as a long job would hold it): an image request waits for it, a text request added
+    after it is answered meanwhile; once the worker is free the image request is answered too."""
+    llm = llms(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024, mm_encoder_workers=1)
+    pool, engine = llm.engine.remote_tower.encoders.pool, llm.engine
+    held = pool._take(time.monotonic() + 5)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for name, prompt in (("image", prompts()[0]), ("text", prompts()[2])):
+        engine.add_request(llm.inputs.make_request(name, llm.inputs.process(prompt), params))
+    finished, deadline = {}, time.monotonic() + 120
+    while "text" not in finished:
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+        assert time.monotonic() < deadline
+    assert "image" not in finished and len(finished["text"].outputs[0].token_ids) == 4
+    pool._give_back(held)
+    while "image" not in finished:
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+        assert time.monotonic() < deadline
+    assert len(finished["image"].outputs[0].token_ids) == 4

@@ -142,6 +142,60 @@ def test_data_parallel_replicas_answer_like_one_engine_and_a_lost_one_comes_back
     assert "data-parallel replica 0 restarted" in proc.output
 
 
+def test_a_request_goes_to_the_replica_that_encoded_its_images_unless_it_is_much_busier():
+    import collections
+
+    from fovea.frontend.async_llm import AFFINITY_SLACK, IMAGE_HOMES, pick_replica
+
+    homes = collections.OrderedDict()
+    assert pick_replica([0, 1], [0, 0], homes, ["a"]) == 0  # new: the least busy
+    assert pick_replica([0, 1], [1, 0], homes, ["b"]) == 1
+    assert pick_replica([0, 1], [AFFINITY_SLACK, 0], homes, ["a", "c"]) == 0  # a's replica, not much busier
+    assert homes["c"] == 0
+    assert pick_replica([0, 1], [AFFINITY_SLACK + 1, 0], homes, ["a"]) == 1  # too much busier: the least busy,
+    assert pick_replica([0, 1], [0, 0], homes, ["a"]) == 1  # which now holds a
+    assert pick_replica([0], [3, 0], homes, ["b"]) == 0  # b's replica is down
+    assert pick_replica([0, 1], [2, 1], homes, []) == 1  # text: the least busy
+    for i in range(IMAGE_HOMES + 5):
+        pick_replica([0, 1], [0, 0], homes, [str(i)])
+    assert len(homes) == IMAGE_HOMES and "0" not in homes  # bounded, the oldest forgotten
+
+
+def test_an_image_sent_again_is_answered_from_its_replicas_encoder_cache(tiny_dirs):
+    """Two replicas; an image goes to replica 0 (both idle), then a long request keeps replica 0 busy. The same
+    image again (after another question: no prefix in common) still goes to replica 0 (the fewest-in-flight rule
+    alone would send it to the idle replica 1, whose encoder has never seen it): its encoder cache answers. A new
+    image goes to replica 1."""
+    from test_llava_serving import data_url
+
+    model = tiny_dirs["tiny-3b"]
+    seen, new = data_url(random_image(120, 90, seed=1)), data_url(random_image(100, 80, seed=2))
+
+    def chat(url, question="What is it?"):  # the question first: a prompt sent again differs before its image
+        content = [{"type": "text", "text": question}, {"type": "image_url", "image_url": {"url": url}}]
+        return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+
+    def counter(base, name) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(base + "/metrics").text.splitlines()
+                   if line.startswith(name + "_total") or line.startswith(name + " "))  # fmt: skip
+
+    with running_server(model, "--data-parallel-size", "2", *COMMON) as (base, _):
+        assert httpx.post(base + "/v1/chat/completions", json=chat(seen), timeout=120).status_code == 200
+
+        async def behind_a_long_request():
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {"prompt": "Once", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+                long = asyncio.create_task(client.post(base + "/v1/completions", json=body))
+                await asyncio.sleep(0.5)
+                again = await client.post(base + "/v1/chat/completions", json=chat(seen, "And now?"))
+                other = await client.post(base + "/v1/chat/completions", json=chat(new))
+                return [(await long).status_code, again.status_code, other.status_code]
+
+        assert asyncio.run(behind_a_long_request()) == [200, 200, 200]
+        assert labelled(base, "fovea:replica_requests_added") == {"0": 3.0, "1": 1.0}
+        assert counter(base, "fovea:encoder_cache_hits") == 1
+
+
 def test_killed_tensor_parallel_worker_stops_the_server_with_its_message(tiny_dirs):
     """The server stops (an engine missing a rank cannot go on), saying why, and leaves no process of its own
     running (issue 56)."""

@@ -62,6 +62,7 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
     assert config.max_model_len == 1024
     for args, words in [
         (dict(pipeline_parallel_size=2), "pipeline parallelism is not implemented"),
+        (dict(ec_transfer_config='{"ec_role": "ec_consumer"}'), "--mm-encoder-workers N runs the vision tower"),
         (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2 is not"),
         (dict(quantization="awq"), "the checkpoint is not quantized"),
         (dict(load_format="pt"), "only safetensors"),

@@ -285,6 +285,9 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-format", default="auto", help="auto or safetensors")
     group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
     group.add_argument(
+        "--ec-transfer-config", default=None, help="vLLM's encoder disaggregation: see --mm-encoder-workers"
+    )
+    group.add_argument(
         "--disable-mm-preprocessor-cache",
         action="store_true",
         default=None,

@@ -33,6 +33,13 @@ ONLY_AT = {
     "cpu_offload_gb": ((0, None), "offloading weights to the CPU is not implemented"),
     "tokenizer_mode": (("auto", "hf", None), "only the checkpoint's Hugging Face tokenizer is supported"),
     "worker_cls": (("auto", None), "custom worker classes are not supported"),
+    # vLLM's encoder instances, fed by a proxy, hand their outputs to the language model's through a connector
+    "ec_transfer_config": (
+        (None,),
+        "encoder instances behind a proxy are not how fovea splits the encoder: one server with "
+        "--mm-encoder-workers N runs the vision tower in N workers of its own (processes on this host, Ray actors "
+        "on any node with --distributed-executor-backend ray)",
+    ),
 }
 
 # vLLM's older spellings of a setting fovea has: (the setting, its value when the old switch is on)

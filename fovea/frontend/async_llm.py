@@ -12,7 +12,8 @@ EngineDeadError and a new process is started (at most `max_restarts` in `RESTART
 messages; tracebacks go to the log.
 
 With data_parallel_size N there are N engine processes (replicas, each tensor_parallel_size GPUs): a request
-goes to the live one with the fewest requests in flight and the stats are summed. A replica that dies (with Ray,
+goes to the live one with the fewest requests in flight (or, with images, to the one that encoded them last, while
+it is not much busier: pick_replica) and the stats are summed. A replica that dies (with Ray,
 also because its node was lost) fails only its own streams and is started again under the same budget while the
 others serve (503 while none does). Only when no replica can be started again is `on_fatal` called, so that the
 server can exit instead of answering 503 forever.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -54,6 +56,28 @@ from fovea.multimodal.prompt import ChatOptions, load_tokenizer
 
 logger = logging.getLogger("fovea")
 RESTART_WINDOW_S = 600.0
+# A request whose images a replica encoded last goes there while that replica has at most this many requests more
+# in flight than the least busy one: its encoder cache likely still holds them, so they skip its encoder
+AFFINITY_SLACK = 4
+IMAGE_HOMES = 65536  # images whose replica is remembered (~100 bytes each), the least recently seen forgotten
+
+
+def pick_replica(live: list[int], in_flight: list[int], homes: collections.OrderedDict, hashes: list[str]) -> int:
+    """The replica for a request with these images' content hashes: the least busy live one, unless a live one
+    that encoded some of them last is within AFFINITY_SLACK of it. `homes` (hash -> replica) learns the choice."""
+    least = min(live, key=in_flight.__getitem__)
+    known = [homes[h] for h in hashes if h in homes and homes[h] in live]
+    chosen = least
+    if known:
+        home = max(set(known), key=known.count)
+        if in_flight[home] <= in_flight[least] + AFFINITY_SLACK:
+            chosen = home
+    for h in hashes:
+        homes[h] = chosen
+        homes.move_to_end(h)
+    while len(homes) > IMAGE_HOMES:
+        homes.popitem(last=False)
+    return chosen
 
 
 def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
@@ -107,6 +131,7 @@ class AsyncLLM:
         self._stopped = False
         self._replica_stats = [EngineStats() for _ in range(config.data_parallel_size)]
         self._in_flight = [0] * config.data_parallel_size  # requests per replica
+        self._image_homes: collections.OrderedDict[str, int] = collections.OrderedDict()  # see pick_replica
         self._replica_of: dict[str, int] = {}  # request id -> the replica running it
         self._sent_pixels: dict[str, list] = {}  # request id -> its shared pixels, freed here if its engine dies
         self.replicas_down: set[int] = set()  # replicas that died: being restarted, or given up
@@ -243,7 +268,8 @@ class AsyncLLM:
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
         live = [r for r in range(len(self._engines)) if r not in self.replicas_down] or [0]  # none: _check_alive
-        replica = min(live, key=self._in_flight.__getitem__)
+        hashes = [item.content_hash for item in request.mm_items] if len(self._engines) > 1 else []
+        replica = pick_replica(live, self._in_flight, self._image_homes, hashes)
         self._replica_of[request_id] = replica
         self._in_flight[replica] += 1
         engine = self._engines[replica]
