@@ -43,6 +43,15 @@ def prompts():
     ]
 
 
+def assert_same_answers(got, expected) -> None:
+    """The same prompt ids and greedy tokens, log-probabilities within 1e-4."""
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.prompt_token_ids == theirs.prompt_token_ids
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(mine.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob) <= 1e-4
+
+
 def test_tokens_are_the_engines_own(tiny_dirs, llms):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     model_dir = str(tiny_dirs["tiny-3b"])
@@ -50,11 +59,7 @@ def test_tokens_are_the_engines_own(tiny_dirs, llms):
     llm = llms(model_dir, dtype="float32", max_model_len=1024, mm_encoder_workers=2)
     assert llm.engine.runner.model.visual is None  # the engine holds no tower: the workers do
     got = llm.generate(prompts(), params, use_tqdm=False)
-    for mine, theirs in zip(got, expected, strict=True):
-        assert mine.prompt_token_ids == theirs.prompt_token_ids
-        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
-        for a, b in zip(mine.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
-            assert abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob) <= 1e-4
+    assert_same_answers(got, expected)
     pool = llm.engine.remote_tower.encoders.pool
     victim = next(iter(pool._started))
     os.kill(victim.pid, signal.SIGKILL)  # while idle: seen when next taken, the job goes on, a replacement starts
@@ -163,3 +168,16 @@ def test_text_is_answered_while_every_worker_is_busy(tiny_dirs, llms):
         finished |= {out.request_id: out for out in engine.step() if out.finished}
         assert time.monotonic() < deadline
     assert len(finished["image"].outputs[0].token_ids) == 4
+
+
+def test_tensor_parallel_ranks_take_the_workers_embeddings(tiny_dirs, llms):
+    """Two ranks on the CPU (gloo) and one worker: rank 0's encoder thread gets the embeddings from the worker and
+    broadcasts them with each step, as it does its own tower's; no rank holds a tower. The single engine's
+    tokens, log-probabilities within 1e-4."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    model_dir, options = str(tiny_dirs["tiny-3b"]), dict(dtype="float32", max_model_len=1024, device="cpu")
+    expected = LLM(model_dir, **options).generate(prompts(), params, use_tqdm=False)
+    llm = llms(model_dir, **options, tensor_parallel_size=2, mm_encoder_workers=1)
+    assert llm.engine.runner.model.visual is None
+    got = llm.generate(prompts(), params, use_tqdm=False)
+    assert_same_answers(got, expected)

@@ -217,10 +217,10 @@ def check_tensor_parallel(config: EngineConfig) -> None:
             f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
             f"{config.data_parallel_size}"
         )
-    if config.mm_encoder_workers < 0 or (config.mm_encoder_workers and (size > 1 or config.enable_lora)):
+    if config.mm_encoder_workers < 0 or (config.mm_encoder_workers and config.enable_lora):
         raise ValueError(
-            f"mm_encoder_workers must be 0 or more, and works without tensor parallelism or LoRA for now, got "
-            f"{config.mm_encoder_workers} with tensor_parallel_size {size} and enable_lora {config.enable_lora}"
+            f"mm_encoder_workers must be 0 or more, and works without LoRA for now (an adapter may change the "
+            f"tower), got {config.mm_encoder_workers} with enable_lora {config.enable_lora}"
         )
     if config.mm_encoder_tp_mode not in ("weights", "data"):
         raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {config.mm_encoder_tp_mode!r}")
