@@ -44,6 +44,7 @@ SLOW_FILES = {
     "test_lora.py",
     "test_bench.py",
     "test_server_templates.py",
+    "test_docs_examples.py",
     "test_vllm_args.py",
     "test_tool_calls.py",
     "test_cli.py",

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from fovea.testing.tiny import DEMO_DIR_NAME
 
@@ -63,20 +61,3 @@ def test_serve_flags_help_and_errors():
     tensor_parallel = run_fovea("serve", "--tensor-parallel-size", "4")  # the demo model's vision tower has 2 heads
     assert tensor_parallel.returncode != 0
     assert "vision attention heads (2) do not divide over tensor_parallel_size 4" in tensor_parallel.stderr
-
-
-def test_readme_offline_snippet_runs_as_written(tmp_path):
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Offline API") :]
-    snippet = section[section.index("```python\n") + len("```python\n") : section.index("\n```\n")]
-    done = subprocess.run(
-        [sys.executable, "-c", snippet],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "FOVEA_CACHE_DIR": str(tmp_path)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    samples = ast.literal_eval(lines[-1])  # the last print: two samples for each of the two prompts
-    assert len(lines) >= 2 and [len(texts) for texts in samples] == [2, 2]
