@@ -3,7 +3,7 @@
 Each family is one module under fovea/models/ whose `Model` is a `VisionLanguageModel` (base.py) built from
 (ModelConfig, ModelOptions, vision_tp); its config.json is parsed by fovea/config/families.py (shapes, placeholder
 token ids, the image processor, the position rule). Adding a model is a parser there, a module here and a line
-below (README, "Adding a model").
+below (docs/models.md, "Adding a model").
 """
 
 from __future__ import annotations

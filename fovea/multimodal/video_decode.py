@@ -1,7 +1,7 @@
 """Reading video files with PyAV (FFmpeg): what a file holds (frame count, rate, size) and the RGB frames at given
 indices. PyAV is the library because it installs as one wheel with FFmpeg inside (H.264, HEVC, VP9, AV1; no
 torchvision), is what torchvision's and transformers' own video readers call, and decoded a 60 s 720p H.264 clip
-as fast as OpenCV and faster than decord2 here (benchmarks/video_decode.py; README "Video").
+as fast as OpenCV and faster than decord2 here (benchmarks/video_decode.py; docs/offline.md, "Videos").
 
 Every frame up to the last one kept is decoded (inter-frame codecs need their predecessors); only the kept ones are
 converted to RGB, which is most of the per-frame cost. Any failure is a ValueError naming the problem: a server
