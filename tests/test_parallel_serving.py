@@ -145,7 +145,7 @@ def test_data_parallel_replicas_answer_like_one_engine_and_a_lost_one_comes_back
 def test_a_request_goes_to_the_replica_that_encoded_its_images_unless_it_is_much_busier():
     import collections
 
-    from fovea.frontend.async_llm import AFFINITY_SLACK, IMAGE_HOMES, pick_replica
+    from fovea.frontend.replica_routing import AFFINITY_SLACK, IMAGE_HOMES, pick_replica
 
     homes = collections.OrderedDict()
     assert pick_replica([0, 1], [0, 0], homes, ["a"]) == 0  # new: the least busy
