@@ -1,7 +1,8 @@
 """The vision tower in worker processes of its own (--mm-encoder-workers, issue 58; one host): the same tokens as
 the engine's own tower for one image, two images, a text prompt, a video and an image with a video, the engine
 holding no tower; a worker killed while idle is replaced and the requests go on; one killed while it holds a job
-fails that job's requests only, naming it; text requests are answered while every worker is busy."""
+fails that job's requests only, naming it; text requests are answered while every worker is busy; LoRA adapters of
+the language model run with workers, one that changes the tower is refused."""
 
 from __future__ import annotations
 
@@ -181,3 +182,26 @@ def test_tensor_parallel_ranks_take_the_workers_embeddings(tiny_dirs, llms):
     assert llm.engine.runner.model.visual is None
     got = llm.generate(prompts(), params, use_tqdm=False)
     assert_same_answers(got, expected)
+
+
+def test_lora_adapters_of_the_language_model_run_with_workers(tiny_dirs, llms, tmp_path):
+    """With LoRA on, an adapter of the language model only answers as it does with the engine's own tower (text and
+    image prompts); one that changes the vision tower is refused by name, since the workers run the tower bare."""
+    from test_lora import write_adapter
+
+    from fovea import LoRARequest
+
+    model_dir = tiny_dirs["tiny-3b"]
+    language = LoRARequest("language", 1, str(write_adapter(model_dir, tmp_path / "lm", ["q_proj", "v_proj"], seed=3)))
+    vision = LoRARequest("vision", 2, str(write_adapter(model_dir, tmp_path / "vision", ["qkv"], seed=4)))
+    options = dict(dtype="float32", max_model_len=1024, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    chosen = prompts()[:3]
+    colocated = llms(str(model_dir), **options)
+    expected = colocated.generate(chosen, params, use_tqdm=False, lora_request=language)
+    bare = colocated.generate(chosen, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in expected] != [o.outputs[0].token_ids for o in bare]  # it changes them
+    llm = llms(str(model_dir), **options, mm_encoder_workers=1)
+    assert_same_answers(llm.generate(chosen, params, use_tqdm=False, lora_request=language), expected)
+    with pytest.raises(ValueError, match="'vision' changes the vision tower.*--mm-encoder-workers"):
+        llm.generate(chosen[:1], params, use_tqdm=False, lora_request=vision)

@@ -153,10 +153,11 @@ def image_chats(seeds) -> list[list[dict]]:
 
 
 def test_encoder_workers_on_both_hosts_give_the_colocated_tokens_and_come_back(tiny_dirs, cluster):
-    """`--mm-encoder-workers 3` under Ray: the engine core takes one host's CPU, the three encoder actors the
-    cluster's other three, so images and the video go through Ray's object store to actors on both hosts; every
-    answer is the engine's own in this process. Host B's actors killed: Ray restarts them and their jobs run again
-    there, so new images are answered the same, none failed."""
+    """`-dp 2 --mm-encoder-workers 2` under Ray: two replicas' engine cores and two encoder actors that both
+    replicas share fill the cluster's four CPUs (an encoder pair per replica would not fit), so images and the
+    video go through Ray's object store to actors on both hosts; every answer is the engine's own in this process,
+    and both replicas answered. Host B's actor killed: Ray restarts it and its jobs run again there, so new images
+    are answered the same, none failed."""
     import psutil
 
     model = tiny_dirs["tiny-3b"]
@@ -181,12 +182,14 @@ def test_encoder_workers_on_both_hosts_give_the_colocated_tokens_and_come_back(t
         return found
 
     with running_server(
-        model, *flags, "--mm-encoder-workers", "3", env=cluster.env, prefix=a.command(),
+        model, *flags, "-dp", "2", "--mm-encoder-workers", "2", env=cluster.env, prefix=a.command(),
         address=cluster.client_address, startup_s=300,
     ) as (base, proc):  # fmt: skip
         assert asyncio.run(chat_all(base, chats)) == expected
+        added = per_replica(base, "fovea:replica_requests_added")
+        assert set(added) == {"0", "1"} and min(added.values()) >= 1, added
         on_b = encoders_on(b)
-        assert on_b and encoders_on(a), "an encoder actor on each host"
+        assert len(on_b) == len(encoders_on(a)) == 1, "the replicas share one encoder actor on each host"
         for actor in on_b:
             actor.kill()
         # their jobs, held or sent before Ray saw them die, run again on the restarted actors

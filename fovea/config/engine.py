@@ -54,6 +54,7 @@ class EngineConfig:
     data_parallel_size: int = default("data_parallel_size")
     mm_encoder_tp_mode: str = default("mm_encoder_tp_mode")
     mm_encoder_workers: int = default("mm_encoder_workers")  # the tower in processes of its own (issue 58)
+    mm_encoder_actors: tuple[str, ...] = ()  # set by a Ray server: the names of the encoder actors it started
     # None: mp when tensor_parallel_size > 1. Named with one rank, the engine still takes the distributed path (a
     # group of one: its cost can be measured).
     distributed_executor_backend: str | None = default("distributed_executor_backend")
@@ -109,7 +110,8 @@ class EngineConfig:
     @classmethod
     def from_args(cls, model: str | Path | None = None, **args) -> EngineConfig:
         """From vLLM-style engine arguments (what `LLM(...)` and `fovea serve` take)."""
-        known = {f.name for f in fields(cls)} - {"model_dir", "model"} | {"dtype", "device", "max_model_len"}
+        known = {f.name for f in fields(cls)} - {"model_dir", "model", "mm_encoder_actors"}
+        known |= {"dtype", "device", "max_model_len"}
         hub = {"revision", "download_dir", "tokenizer"}
         unknown = set(args) - known - hub - VLLM_ONLY_ARGS
         if unknown:
@@ -217,11 +219,8 @@ def check_tensor_parallel(config: EngineConfig) -> None:
             f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
             f"{config.data_parallel_size}"
         )
-    if config.mm_encoder_workers < 0 or (config.mm_encoder_workers and config.enable_lora):
-        raise ValueError(
-            f"mm_encoder_workers must be 0 or more, and works without LoRA for now (an adapter may change the "
-            f"tower), got {config.mm_encoder_workers} with enable_lora {config.enable_lora}"
-        )
+    if config.mm_encoder_workers < 0:
+        raise ValueError(f"mm_encoder_workers must be 0 or more, got {config.mm_encoder_workers}")
     if config.mm_encoder_tp_mode not in ("weights", "data"):
         raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {config.mm_encoder_tp_mode!r}")
     if config.distributed_executor_backend not in (None, "mp", "ray"):

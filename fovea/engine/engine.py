@@ -95,7 +95,7 @@ class LLMEngine:
         # on the CPU a step waiting for images has this thread encode half of them: not under tensor parallelism
         # (ranks encode in step with rank 0's encoder thread) nor LoRA (adapters are switched around the tower)
         helps = config.device.type == "cpu" and self.workers is None and not config.enable_lora
-        if config.mm_encoder_workers:  # the tower in processes of its own: one thread waits on each
+        if config.mm_encoder_workers:  # the tower in processes or Ray actors of its own: one thread waits on each
             from fovea.runner.encoder_workers import RemoteTower
 
             self.remote_tower = RemoteTower(config)

@@ -123,14 +123,18 @@ class AsyncLLM:
         self.image_workers = ImageWorkers(workers) if workers else None  # else: decoded in the preparation pool
         # everything the engine's messages touch exists before it starts: they may come at once
         self._engines: list[EngineProcess] = []
+        self.encoder_actors = None
         try:
+            if config.mm_encoder_workers and config.distributed_executor_backend == "ray":
+                # one set of encoder actors for all replicas, owned here: a replica's death leaves them serving
+                from fovea.runner.encoder_workers import RayEncoders
+
+                self.encoder_actors = RayEncoders.start(config, named=True)
+                self._start_config = dataclasses.replace(config, mm_encoder_actors=self.encoder_actors.names)
             for replica in range(config.data_parallel_size):
                 self._engines.append(self._start(replica))
         except BaseException:
-            for engine in self._engines:
-                engine.stop()
-            if self.image_workers is not None:
-                self.image_workers.close()
+            self._stop_workers()
             raise
         # runs before multiprocessing's own exit handler ends the engine process, which would look like a death
         atexit.register(self.shutdown)
@@ -294,13 +298,18 @@ class AsyncLLM:
         if self._stopped:
             return
         self._stopped = True
-        for engine in self._engines:
-            engine.stop()
+        self._stop_workers()
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
-        if self.image_workers is not None:
-            self.image_workers.close()
         if hasattr(self, "grammar_checks"):
             self.grammar_checks.close()
+
+    def _stop_workers(self) -> None:
+        for engine in self._engines:
+            engine.stop()
+        if self.encoder_actors is not None:
+            self.encoder_actors.close()
+        if self.image_workers is not None:
+            self.image_workers.close()
 
     # ------------------------------------------------------------------- messages from the engine process
 

@@ -231,7 +231,13 @@ class InputProcessor:
             raise TypeError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         if self.adapter_check is None:
             raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off: start with enable_lora")
-        return self.adapter_check(lora)
+        checked, changes_vision = self.adapter_check(lora)
+        if changes_vision and self.config.mm_encoder_workers:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r} changes the vision tower, which runs without adapters in the "
+                "encoder workers (--mm-encoder-workers): only adapters of the language model are served with them"
+            )
+        return checked, changes_vision
 
     def _reasoning_end(self, prompt: str | None, params: SamplingParams) -> str | None:
         """With --reasoning-parser, a prompt that opens the reasoning (a thinking template's `<think>`) lets the

@@ -7,7 +7,9 @@ encoder cache. Each worker holds the tower alone (loader.load_tower), not the la
   it) and a replacement starts (fovea/worker_pool.py).
 - `--distributed-executor-backend ray`: Ray actors spread over the cluster's nodes; pixels and embeddings travel
   through Ray's object store. Ray restarts an actor that dies and runs the job it held there again; a job that
-  kills it twice fails its requests.
+  kills it twice fails its requests. A server starts them (`RayEncoders.start`) and all its data-parallel
+  replicas send their jobs to the same N (`RayEncoders.attach`, by name): N encoders for M replicas, and a
+  replica's death leaves them serving the others.
 """
 
 from __future__ import annotations
@@ -101,9 +103,21 @@ class EncoderActor(Tower):
 
 class RayEncoders:
     """Ray actors, spread over the cluster's nodes (one CPU each, or one GPU on a GPU engine); jobs go to them in
-    the order they come, each to the first actor free."""
+    the order they come, each to the first actor free (free of this engine's jobs: replicas that share the actors
+    do not see each other's, and an actor runs the jobs it is sent one after another)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, actors: list, owned: bool, names: tuple[str, ...] = ()):
+        import ray
+
+        self.actors, self.owned, self.names = actors, owned, names  # names: where replicas attach
+        self.nodes = ray.get([a.node.remote() for a in actors], timeout=600)
+        self._idle: queue.Queue = queue.Queue()
+        for a in actors:
+            self._idle.put(a)
+
+    @classmethod
+    def start(cls, config: EngineConfig, named: bool = False) -> RayEncoders:
+        """config.mm_encoder_workers new actors; `named`: under names that the server's replicas attach to."""
         import ray
 
         if not ray.is_initialized():
@@ -114,14 +128,19 @@ class RayEncoders:
         options = dict(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=-1, max_task_retries=1)
         actor = ray.remote(**options)(EncoderActor)
         args = (config.model_dir, config.dtype, "cuda" if gpu else "cpu")  # a GPU of the actor's own
-        self.actors = [
-            actor.options(scheduling_strategy="SPREAD").remote(*args) for _ in range(config.mm_encoder_workers)
-        ]
-        self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=600)
-        logger.info("vision encoder workers (Ray actors) on %s", ", ".join(self.nodes))
-        self._idle: queue.Queue = queue.Queue()
-        for a in self.actors:
-            self._idle.put(a)
+        names = [f"fovea-encoder-{secrets.token_hex(6)}" if named else None for _ in range(config.mm_encoder_workers)]
+        actors = [actor.options(scheduling_strategy="SPREAD", name=name).remote(*args) for name in names]
+        encoders = cls(actors, owned=True, names=tuple(names) if named else ())
+        logger.info("vision encoder workers (Ray actors) on %s", ", ".join(encoders.nodes))
+        return encoders
+
+    @classmethod
+    def attach(cls, names: tuple[str, ...]) -> RayEncoders:
+        """The actors a server started for all its replicas (EngineConfig.mm_encoder_actors): this engine
+        neither starts nor stops them."""
+        import ray
+
+        return cls([ray.get_actor(name) for name in names], owned=False)
 
     def __call__(self, pixels: list[np.ndarray], grids: list[tuple]) -> np.ndarray:
         import ray
@@ -142,7 +161,7 @@ class RayEncoders:
     def close(self) -> None:
         import ray
 
-        for a in self.actors:
+        for a in self.actors if self.owned else ():
             ray.kill(a, no_restart=True)
 
 
@@ -151,8 +170,12 @@ class RemoteTower:
 
     def __init__(self, config: EngineConfig):
         self.device, self.dtype, self.unit = config.device, config.dtype, config.model.vision.spatial_merge_size**2
-        ray = config.distributed_executor_backend == "ray"
-        self.encoders = RayEncoders(config) if ray else ProcessEncoders(config)
+        if config.mm_encoder_actors:  # a server's, shared by its replicas
+            self.encoders = RayEncoders.attach(config.mm_encoder_actors)
+        elif config.distributed_executor_backend == "ray":
+            self.encoders = RayEncoders.start(config)
+        else:
+            self.encoders = ProcessEncoders(config)
 
     def __call__(self, items: list[MMItem]) -> list[torch.Tensor]:
         given = {i: item for i, item in enumerate(items) if item.embeds}  # the tower's output already
