@@ -205,3 +205,19 @@ def test_lora_adapters_of_the_language_model_run_with_workers(tiny_dirs, llms, t
     assert_same_answers(llm.generate(chosen, params, use_tqdm=False, lora_request=language), expected)
     with pytest.raises(ValueError, match="'vision' changes the vision tower.*--mm-encoder-workers"):
         llm.generate(chosen[:1], params, use_tqdm=False, lora_request=vision)
+
+
+@pytest.mark.parametrize("family", ["qwen3-vl", "gemma3", "internvl"])
+def test_other_families_through_a_worker(family, family_dirs, llms):
+    """Qwen3-VL's embeddings carry its DeepStack features (wider rows), Gemma 3's are pooled to a fixed count and
+    InternVL's come from tiles: through a worker, each gives the engine's own tower's tokens for two images."""
+    model_dir = str(family_dirs[family])
+    images = [random_image(150, 100, seed=1), random_image(90, 120, seed=2)]
+    content = [*({"type": "image_pil", "image_pil": image} for image in images), {"type": "text", "text": "Which?"}]
+    chat = [{"role": "user", "content": content}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    options = dict(dtype="float32", max_model_len=2048)
+    expected = llms(model_dir, **options).chat(chat, params, use_tqdm=False)
+    llm = llms(model_dir, **options, mm_encoder_workers=1)
+    assert llm.engine.runner.model.visual is None
+    assert_same_answers(llm.chat(chat, params, use_tqdm=False), expected)
