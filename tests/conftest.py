@@ -21,17 +21,17 @@ IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 151655, 151656
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "slow: a test left out of the fast tier (pytest -m 'not slow', under 3 minutes); CI runs it"
-    )
+    config.addinivalue_line("markers", "slow: a test left out of the fast tier (pytest -m 'not slow'); CI runs it")
     config.addinivalue_line("markers", "extended: a longer tier (more fuzzer draws); FOVEA_EXTENDED=1 runs it")
 
 
-# Left out of the fast tier (`pytest -m "not slow"`, under 3 minutes on 2 cores): the files that took the longest in
+# Left out of the fast tier (`pytest -m "not slow"`, docs/development.md): the files that took the longest in
 # a full run (`--durations=0` at 6acf457, 650 of its 930 test seconds): servers started, parallel ranks, the
 # fuzzer, every family against transformers. The engine's parity with transformers (test_engine_vs_hf,
 # test_model_vs_hf), its unit tests and one server's stay in it.
 SLOW_FILES = {
+    "test_soak.py",
+    "test_encoder_workers.py",
     "test_config_fuzz.py",
     "test_parallel_serving.py",
     "test_multihost.py",
