@@ -60,9 +60,9 @@ SLOW_FILES = {
 
 
 # The files that take longest, longest first (`--durations=0` at 552ce28 on the 2-core CI machine, 3,043 test
-# seconds in all): they start
-# first, so that the two workers end together instead of one running a long file alone at the end (with
-# `--no-loadscope-reorder` in pyproject.toml: xdist's own order puts the files with the most tests first).
+# seconds in all): they start first, so that the two workers end together instead of one running a long file alone
+# at the end (with `--no-loadscope-reorder` in pyproject.toml: xdist's own order puts the files with the most tests
+# first).
 LONGEST_FIRST = [
     "test_soak.py",
     "test_config_fuzz.py",

@@ -134,7 +134,7 @@ class AsyncLLM:
             for replica in range(config.data_parallel_size):
                 self._engines.append(self._start(replica))
         except BaseException:
-            self._stop_workers()
+            self._stop_processes()
             raise
         # runs before multiprocessing's own exit handler ends the engine process, which would look like a death
         atexit.register(self.shutdown)
@@ -298,12 +298,12 @@ class AsyncLLM:
         if self._stopped:
             return
         self._stopped = True
-        self._stop_workers()
+        self._stop_processes()
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         if hasattr(self, "grammar_checks"):
             self.grammar_checks.close()
 
-    def _stop_workers(self) -> None:
+    def _stop_processes(self) -> None:
         for engine in self._engines:
             engine.stop()
         if self.encoder_actors is not None:
