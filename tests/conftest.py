@@ -6,6 +6,7 @@ import io
 import json
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,6 +159,24 @@ def family_dirs(tmp_path_factory):
     }
 
 
+_HF_TOKENIZERS: dict = {}
+
+
+def hf_tokenizer(model_dir):
+    """transformers' AutoTokenizer for a checkpoint, loaded once per process for each set of tokenizer files (the
+    engine's key, tokenizer_source): many checkpoints here (every fuzzer draw, most families' tiny ones) carry the
+    same files, and reading Qwen's vocabulary takes about a second a time, a tenth of the suite's CPU before.
+    Shared: callers must not change it."""
+    from transformers import AutoTokenizer
+
+    from fovea.multimodal.prompt import tokenizer_source
+
+    key = tokenizer_source(Path(model_dir))
+    if key not in _HF_TOKENIZERS:
+        _HF_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(model_dir))
+    return _HF_TOKENIZERS[key]
+
+
 _HF_CACHE: dict = {}
 _OURS_CACHE: dict = {}
 
@@ -273,7 +292,7 @@ def assert_same_tokens_and_logprobs(expected: list, got: list) -> None:
 def internvl_processor(model_dir):
     """transformers' InternVLProcessor with the checkpoint's image processor (PIL) and tokenizer, built without its
     video processor: that needs torchvision, which this machine lacks, and images do not use it."""
-    from transformers import AutoTokenizer, InternVLProcessor
+    from transformers import InternVLProcessor
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     class ImagesOnly(InternVLProcessor):
@@ -283,7 +302,7 @@ def internvl_processor(model_dir):
     settings = json.loads((model_dir / "processor_config.json").read_text())
     return ImagesOnly(
         GotOcr2ImageProcessorPil.from_pretrained(str(model_dir)),
-        AutoTokenizer.from_pretrained(str(model_dir)),
+        hf_tokenizer(model_dir),
         None,
         image_seq_length=settings["image_seq_length"],
         chat_template=(model_dir / "chat_template.jinja").read_text(),
@@ -302,10 +321,9 @@ def hf_inputs(model_dir, messages, images, max_pixels=None, videos=()):
     our processor sized them, seconds per temporal patch or None for Qwen2-VL): transformers resizes frames with
     torchvision, which this machine lacks; the rest (normalising, the patch layout, the placeholders) is done here
     as published."""
-    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = hf_tokenizer(model_dir)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     out = {}
     if images:

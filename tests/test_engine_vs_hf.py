@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_inputs, hf_model, random_image
+from conftest import hf_inputs, hf_model, hf_tokenizer, random_image
 
 from fovea import LLM, SamplingParams
 from fovea.engine.engine import LLMEngine
@@ -83,9 +83,7 @@ def our_prompt(req):
 def hf_greedy(model_dir, req) -> list[int]:
     hf = hf_model(model_dir)
     if req["kind"] == "text":
-        from transformers import AutoTokenizer
-
-        ids = AutoTokenizer.from_pretrained(str(model_dir)).encode(req["text"], add_special_tokens=False)
+        ids = hf_tokenizer(model_dir).encode(req["text"], add_special_tokens=False)
         inputs = {"input_ids": torch.tensor([ids])}
     else:
         inputs = hf_inputs(model_dir, req["messages"], req["images"])

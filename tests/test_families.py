@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import hf_inputs, internvl_inputs, random_image
+from conftest import hf_inputs, hf_tokenizer, internvl_inputs, random_image
 
 from fovea import LLM, SamplingParams
 from fovea.attention.layer import AttentionMetadata
@@ -54,10 +54,9 @@ def llava_template(model_dir) -> str:
 
 def hf_llava_inputs(model_dir, messages, images):
     """transformers only: its tokenizer with the template, CLIPImageProcessorPil, 576 <image> tokens per image."""
-    from transformers import AutoTokenizer
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = hf_tokenizer(model_dir)
     text = tok.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, chat_template=llava_template(model_dir)
     )

@@ -176,3 +176,11 @@ def test_a_checkpoint_tokenizer_loads_once_per_process_until_a_file_changes(tiny
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
     changed = load_tokenizer(model)
     assert changed is not first and changed.model_max_length == 77 and first.model_max_length != 77
+    # keyed by the files' content, not the directory: a checkpoint with other weights and another config.json but
+    # the same tokenizer files shares it, unless its config.json names another tokenizer class
+    assert load_tokenizer(tiny_dirs["tiny-7b"]) is load_tokenizer(tiny_dirs["tiny-3b"])
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))
+    assert load_tokenizer(model) is changed
+    (model / "config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert load_tokenizer(model) is not changed

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import random_image, video_file
+from conftest import hf_tokenizer, random_image, video_file
 from PIL import Image
 
 from fovea import LLM, SamplingParams
@@ -86,13 +86,12 @@ def hf_reference(model_dir, messages, images, videos):
     video (frames, fps) its sample_frames, smart_resize, patchify and _calculate_timestamps, with the released
     prompt rule: the template's whole <|vision_start|><|video_pad|><|vision_end|> becomes, per temporal patch,
     `<t seconds><|vision_start|>` + its pads + `<|vision_end|>`."""
-    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
     from transformers.video_utils import VideoMetadata
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = hf_tokenizer(model_dir)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     out = {}
     if images:

@@ -501,7 +501,7 @@ def test_special_tokens_text_in_a_constraint_is_followed_or_refused_never_violat
     """Every added token of the tiny vocabularies inside a regex, a choice and a JSON schema's const: the output
     satisfies the constraint, or the request fails saying the output cannot follow the grammar. `<tool_call>abc`
     once came back as `<tool_call>` and EOS, finish reason stop: the grammar silently broken."""
-    from transformers import AutoTokenizer
+    from conftest import hf_tokenizer
 
     from fovea.engine.engine import StepFailed
 
@@ -511,7 +511,7 @@ def test_special_tokens_text_in_a_constraint_is_followed_or_refused_never_violat
         model_dir = write_llava_checkpoint(tmp_path / "llava", seed=3)
     else:
         model_dir = tiny_dirs[family]
-    specials = sorted(AutoTokenizer.from_pretrained(str(model_dir)).get_added_vocab())
+    specials = sorted(hf_tokenizer(model_dir).get_added_vocab())
     llm = LLM(str(model_dir), max_model_len=256, dtype="float32")
     refused = followed = 0
     for token in specials:

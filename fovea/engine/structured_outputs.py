@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import hashlib
 import logging
 import os
 import threading
@@ -64,12 +65,22 @@ def tokenizer_json(tokenizer) -> str:
     return backend.to_str()
 
 
+_LL_TOKENIZERS: OrderedDict[tuple, object] = OrderedDict()  # (the JSON's digest, vocabulary, EOS ids) -> tokenizer
+
+
 def ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
     """llguidance's view of a fast tokenizer's JSON (what llguidance.hf.from_tokenizer makes, less its copy of the
-    tokenizer and its import of transformers)."""
+    tokenizer and its import of transformers). Made once per process for each vocabulary: reading Qwen's takes about
+    a second, and a process may run several engines (offline LLMs, evaluations); llguidance's tokenizer is
+    read-only, shared by every matcher made from it."""
     import llguidance
 
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    key = (hashlib.sha1(tokenizer_json.encode()).hexdigest(), vocab_size, tuple(eos_token_ids))
+    if key not in _LL_TOKENIZERS:
+        _LL_TOKENIZERS[key] = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        if len(_LL_TOKENIZERS) > 4:  # a process going through many checkpoints keeps the latest few
+            _LL_TOKENIZERS.popitem(last=False)
+    return _LL_TOKENIZERS[key]
 
 
 def compile_matcher(tokenizer, params: StructuredOutputsParams):

