@@ -35,21 +35,26 @@ def task_file(tmp_path_factory):
     return root / "task.yaml"
 
 
+@pytest.fixture(scope="module")
+def served(tiny_dirs):
+    """The tiny model served under another name (the one model a server serves is the one meant): the base URL."""
+    with running_server(tiny_dirs["tiny-3b"], *ENGINE, "--served-model-name", "tiny") as (base, _):
+        yield base
+
+
 def read_outputs(out):
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     return predictions, json.loads((out / "results.json").read_text())
 
 
-def test_in_process_server_and_ray_give_identical_predictions(tiny_dirs, task_file, tmp_path, capsys):
+def test_in_process_server_and_ray_give_identical_predictions(tiny_dirs, task_file, tmp_path, capsys, served):
     model = str(tiny_dirs["tiny-3b"])
     common = ["eval", "--model", model, "--task", str(task_file), "--max-tokens", "6"]
     main([*common, *ENGINE, "--output-dir", str(tmp_path / "in-process")])
     assert "tumour on tiny-3b (in-process): 2 run(s), 16 predictions" in capsys.readouterr().out
-    # served under another name: the one model a server serves is the one meant
-    with running_server(model, *ENGINE, "--served-model-name", "tiny") as (base, _):
-        main([*common, "--base-url", f"{base}/v1", "--concurrency", "3", "--output-dir", str(tmp_path / "server")])
-        with pytest.raises(ValueError, match=r"the server serves \['tiny'\], not 'other/model'"):
-            OpenAIBackend(f"{base}/v1", ModelEntry("other", "other/model"))  # never the one served instead
+    main([*common, "--base-url", f"{served}/v1", "--concurrency", "3", "--output-dir", str(tmp_path / "server")])
+    with pytest.raises(ValueError, match=r"the server serves \['tiny'\], not 'other/model'"):
+        OpenAIBackend(f"{served}/v1", ModelEntry("other", "other/model"))  # never the one served instead
     main([*common, *ENGINE, "--ray", "--num-replicas", "2", "--output-dir", str(tmp_path / "ray")])
 
     expected, results = read_outputs(tmp_path / "in-process")
@@ -191,7 +196,7 @@ def test_structured_answer_leaves_only_failed_requests_missing(tiny_dirs, task_f
     assert "(answers under the options' JSON schema)" in printed
 
 
-def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, capsys):
+def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, capsys, served):
     """A jsonl dataset mixing video rows (files next to it), an image row and a video that does not decode."""
     import numpy as np
     from conftest import video_file
@@ -216,16 +221,15 @@ def test_video_samples_in_process_and_against_a_server(tiny_dirs, tmp_path, caps
     model = str(tiny_dirs["tiny-3b"])
     common = ["eval", "--model", model, "--task", str(task), "--max-tokens", "4"]
     main([*common, *ENGINE, "--output-dir", str(tmp_path / "in-process")])
-    with running_server(model, *ENGINE, "--served-model-name", "tiny") as (base, _):
-        main([*common, "--base-url", f"{base}/v1", "--output-dir", str(tmp_path / "server")])
+    main([*common, "--base-url", f"{served}/v1", "--output-dir", str(tmp_path / "server")])
     capsys.readouterr()
 
     expected, _ = read_outputs(tmp_path / "in-process")
-    served, _ = read_outputs(tmp_path / "server")
+    from_server, _ = read_outputs(tmp_path / "server")
     same = [{k: p.get(k) for k in SAME_FIELDS} for p in expected]
-    assert [{k: p.get(k) for k in SAME_FIELDS} for p in served] == same
+    assert [{k: p.get(k) for k in SAME_FIELDS} for p in from_server] == same
     assert ["error" in p for p in expected] == [False, False, False, True]
-    assert "could not be read" in expected[3]["error"] and "could not be read" in served[3]["error"]
+    assert "could not be read" in expected[3]["error"] and "could not be read" in from_server[3]["error"]
     sizes = [frame_size(56, 84, kept, VideoOptions()) for kept in (4, 6)]  # the published sizes (test_video.py)
     video_tokens = [kept // 2 * h * w // 28**2 for kept, (h, w) in zip((4, 6), sizes)]
     image_tokens = 4  # 56 x 56: 4 x 4 patches, merged 2 x 2
