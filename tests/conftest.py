@@ -60,31 +60,31 @@ SLOW_FILES = {
 }
 
 
-# The files that take longest, longest first (`--durations=0` at 552ce28 on the 2-core CI machine, 3,043 test
+# The files that take longest, longest first (`--durations=0` at e78fb7f on the 2-core CI machine, 2,552 test
 # seconds in all): they start first, so that the two workers end together instead of one running a long file alone
 # at the end (with `--no-loadscope-reorder` in pyproject.toml: xdist's own order puts the files with the most tests
 # first).
 LONGEST_FIRST = [
     "test_soak.py",
-    "test_config_fuzz.py",
     "test_multihost.py",
     "test_parallel_serving.py",
-    "test_eval_backends.py",
-    "test_families.py",
-    "test_structured_outputs.py",
-    "test_tensor_parallel.py",
     "test_encoder_workers.py",
-    "test_quantized.py",
-    "test_engine_vs_hf.py",
+    "test_structured_outputs.py",
+    "test_config_fuzz.py",
+    "test_tensor_parallel.py",
+    "test_eval_backends.py",
     "test_kernels.py",
-    "test_lora.py",
-    "test_loading.py",
-    "test_tool_calls.py",
     "test_bench.py",
     "test_docs_examples.py",
+    "test_families.py",
+    "test_tool_calls.py",
     "test_vllm_args.py",
-    "test_model_vs_hf.py",
+    "test_quantized.py",
     "test_async_engine.py",
+    "test_metrics.py",
+    "test_responses.py",
+    "test_playground.py",
+    "test_model_vs_hf.py",
 ]
 
 
