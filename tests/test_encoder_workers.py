@@ -80,7 +80,8 @@ def test_a_worker_killed_with_its_job_fails_only_its_requests(tiny_dirs, llms):
     worker = llm.engine.remote_tower.encoders.pool._idle[0]
     send = worker.conn.send
 
-    def send_and_die(message):  # the worker dies holding this job
+    def send_and_die(message):  # the worker dies holding this job (stopped first: a tiny job can be done at once)
+        os.kill(worker.process.pid, signal.SIGSTOP)
         send(message)
         os.kill(worker.process.pid, signal.SIGKILL)
         worker.process.join()
