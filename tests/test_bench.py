@@ -153,68 +153,70 @@ def bench(*flags):
     return args.func(args)
 
 
-def test_bench_serve_against_a_live_server(tiny_dirs, tmp_path, capsys):
-    model = str(tiny_dirs["tiny-3b"])
-    with running_server(
-        model,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--num-gpu-blocks-override",
-        "300",
-        "--served-model-name",
-        "tiny",
-    ) as (base, _):
-        common = ["--base-url", base, "--tokenizer", model, "--ignore-eos", "--random-output-len", "6"]
-        result = bench(
-            *common,
-            "--num-prompts",
-            "8",
-            "--random-input-len",
-            "40",
-            "--request-rate",
-            "10",
-            "--burstiness",
-            "100",
-            "--save-detailed",
-            "--result-dir",
-            str(tmp_path),
-            "--label",
-            "t",
-            "--metadata",
-            "hardware=cpu",
-            "--goodput",
-            "e2el:60000",
-            "--num-warmups",
-            "1",
-            "--plot",
-            str(tmp_path / "run.png"),
-        )
-        table = capsys.readouterr().out
-        # a served name and no --tokenizer: the server's own directory, not the hub (once ~50 s of retries)
-        named = bench("--base-url", base, "--model", "tiny", "--num-prompts", "2", "--random-input-len", "12",
-                      "--random-output-len", "2", "--ignore-eos")  # fmt: skip
-        assert named["completed"] == 2 and named["total_input_tokens"] == 24
-        with pytest.raises(ValueError, match="no tokenizer at .*pass --tokenizer DIR"):
-            bench("--base-url", base, "--tokenizer", str(tmp_path / "nothing-here"), "--num-prompts", "1")
-        mm = bench(
-            *common,
-            "--num-prompts",
-            "3",
-            "--random-input-len",
-            "12",
-            "--dataset-name",
-            "random-mm",
-            "--backend",
-            "openai-chat",
-            "--random-mm-bucket-config",
-            "{(56, 84, 1): 0.5, (56, 84, 6): 0.5}",
-            "--random-mm-base-items-per-request",
-            "2",
-            "--random-mm-limit-mm-per-prompt",
-            '{"image": 1, "video": 1}',
-        )
+KEY = "sk-env"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs):
+    """One server for the file's runs against a live server, with a key (VLLM_API_KEY, as vLLM's server reads it)."""
+    flags = ["--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "300"]
+    env = {"VLLM_API_KEY": KEY}
+    with running_server(tiny_dirs["tiny-3b"], *flags, "--served-model-name", "tiny", env=env) as (base, _):
+        yield base
+
+
+def test_bench_serve_against_a_live_server(tiny_dirs, served, tmp_path, capsys, monkeypatch):
+    model, base = str(tiny_dirs["tiny-3b"]), served
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    common = ["--base-url", base, "--tokenizer", model, "--ignore-eos", "--random-output-len", "6"]
+    result = bench(
+        *common,
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "40",
+        "--request-rate",
+        "10",
+        "--burstiness",
+        "100",
+        "--save-detailed",
+        "--result-dir",
+        str(tmp_path),
+        "--label",
+        "t",
+        "--metadata",
+        "hardware=cpu",
+        "--goodput",
+        "e2el:60000",
+        "--num-warmups",
+        "1",
+        "--plot",
+        str(tmp_path / "run.png"),
+    )
+    table = capsys.readouterr().out
+    # a served name and no --tokenizer: the server's own directory, not the hub (once ~50 s of retries)
+    named = bench("--base-url", base, "--model", "tiny", "--num-prompts", "2", "--random-input-len", "12",
+                  "--random-output-len", "2", "--ignore-eos")  # fmt: skip
+    assert named["completed"] == 2 and named["total_input_tokens"] == 24
+    with pytest.raises(ValueError, match="no tokenizer at .*pass --tokenizer DIR"):
+        bench("--base-url", base, "--tokenizer", str(tmp_path / "nothing-here"), "--num-prompts", "1")
+    mm = bench(
+        *common,
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "12",
+        "--dataset-name",
+        "random-mm",
+        "--backend",
+        "openai-chat",
+        "--random-mm-bucket-config",
+        "{(56, 84, 1): 0.5, (56, 84, 6): 0.5}",
+        "--random-mm-base-items-per-request",
+        "2",
+        "--random-mm-limit-mm-per-prompt",
+        '{"image": 1, "video": 1}',
+    )
     assert result["completed"] == 8 and result["failed"] == 0
     assert result["total_output_tokens"] == 8 * 6 and result["output_lens"] == [6] * 8
     assert result["total_input_tokens"] == 8 * 40 and result["request_goodput"] == result["request_throughput"]
@@ -444,7 +446,7 @@ def test_vllm_backend_names_and_sampling_flags():
     assert (args.top_k, args.temperature, args.top_p) == (5, 0.5, None)
 
 
-def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, tmp_path, monkeypatch):
+def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, served, tmp_path, monkeypatch):
     """No server, a refused key, or every request failing: a non-zero exit naming why, and no result file. The
     client reads OPENAI_API_KEY (vLLM's bench does), the server VLLM_API_KEY."""
     from serving import free_port
@@ -473,23 +475,14 @@ def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, tmp_path, mo
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with pytest.raises(SystemExit, match="could not reach the server at http://127.0.0.1:"):
         main([*common, "--base-url", f"http://127.0.0.1:{free_port()}"])
-    with running_server(
-        model,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--num-gpu-blocks-override",
-        "64",
-        env={"VLLM_API_KEY": "sk-env"},
-    ) as (base, _):
-        with pytest.raises(SystemExit, match="answered 401 .give the key with --api-key or OPENAI_API_KEY"):
-            main([*common, "--base-url", base])
-        with pytest.raises(SystemExit, match=r"no request completed \(2 failed\); the first failure: .*401"):
-            main([*common, "--base-url", base, "--model", "fovea-demo"])  # past the model lookup
-        assert not list(tmp_path.iterdir())  # nothing written for runs that measured nothing
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    base = served
+    with pytest.raises(SystemExit, match="answered 401 .give the key with --api-key or OPENAI_API_KEY"):
         main([*common, "--base-url", base])
+    with pytest.raises(SystemExit, match=r"no request completed \(2 failed\); the first failure: .*401"):
+        main([*common, "--base-url", base, "--model", "fovea-demo"])  # past the model lookup
+    assert not list(tmp_path.iterdir())  # nothing written for runs that measured nothing
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    main([*common, "--base-url", base])
     written = json.loads(next(tmp_path.iterdir()).read_text())
     assert written["completed"] == 2 and written["failed"] == 0
 

@@ -168,6 +168,7 @@ def test_windows_and_bidirectional_spans_match_the_reference(window, spans, dtyp
     if spans:  # the spans change what a query sees
         plain = attend(TorchAttention(), meta, q.float(), k.float(), v.float(), cache.float(), {})
         assert (plain - expected).abs().max().item() > 1e-2
+        return  # the decode-only step below has no spans: checked once per window and dtype, in the causal case
     decodes = [(300, 1), (15, 1), (64, 1), (129, 1), (0, 1)]
     q, k, v, cache, meta = ragged_batch(decodes, 4, 2, 32, 16, dtype, seed=5)
     expected = attend(TorchAttention(), meta, q.float(), k.float(), v.float(), cache.float(), {})
