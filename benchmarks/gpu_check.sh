@@ -93,18 +93,21 @@ print(f\"{r['matmul_tflops']},{r['copy_tb_s']}\")" 2>/dev/null || echo 798,3.0)
     cat "$out/media_checks.json"; tail -n 30 "$out/decode_step.log"
     cat "$out/summary.md" "$out/overlapped/summary.md" "$out/baseline/summary.md" 2>/dev/null ;;
   host)  # the step limits and the 7B build fit one 600 s device call
+    # HOST_ARGS: host_overhead.py's own flags (--cases, --sampling), for the runs beside BASELINE and this tree's
+    host_args=${HOST_ARGS:-}
     build_7b
     step decode_variants 100 $py benchmarks/decode_step.py --model $model --out "$out" --variants fused,unfused $quick
     if [[ -n ${BASELINE:-} ]]; then
       step host_baseline 150 env PYTHONPATH="$BASELINE:$PYTHONPATH" $py benchmarks/host_overhead.py --model $model \
-        --out "$out/host-baseline.json" --label baseline $quick
+        --out "$out/host-baseline.json" --label baseline $host_args $quick
     else  # the same tree stepping in order: what overlapping the outputs with the next step gains
       step host_in_order 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-in-order.json" \
         --label "$commit in order" --order in-order $quick
     fi
     step host_overlapped 150 $py benchmarks/host_overhead.py --model $model --out "$out/host-overlapped.json" \
       --label "$commit overlapped" --order overlapped $quick
-    step host 150 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" $quick
+    step host 150 $py benchmarks/host_overhead.py --model $model --out "$out/host.json" --label "$commit" \
+      $host_args $quick
     grep -h "decode step, batch" "$out/decode_variants.log"; grep -h "synchronized by phase" "$out"/host*.log ;;
   kernels)  # PARITY_DONE: a folder of parity runs taken earlier, copied in so that they are not repeated
     step kernels 250 $py -m fovea.cli bench kernels --out "$out/kernels.json" $quick

@@ -195,11 +195,12 @@ def test_candidate_filters_equal_the_whole_vocabulary_filters():
             assert torch.allclose(probs, reference[i], atol=1e-6), i
 
 
-def test_whole_row_top_p_keeps_the_sorted_definitions_tokens():
-    """The binned top_p cut (drop_outside_top_p) keeps the tokens of the definition written out here in float64:
-    sort the row, drop a token once the tokens above it cover top_p. Flat rows whose cut lies deep in the
-    vocabulary, peaked ones, a top_k before it, and a row of many equal logits (where the definition fixes how
-    many of them stay, not which)."""
+@pytest.mark.parametrize("sort_rows", [False, True], ids=["binned", "sorted"])
+def test_whole_row_top_p_keeps_the_sorted_definitions_tokens(sort_rows):
+    """Both top_p cuts over whole rows (the binned one, drop_outside_top_p, and the GPU's by sorting) keep the
+    tokens of the definition written out here in float64: sort the row, drop a token once the tokens above it
+    cover top_p. Flat rows whose cut lies deep in the vocabulary, peaked ones, a top_k before it, and a row of many
+    equal logits (where the definition fixes how many of them stay, not which)."""
     from fovea.runner.sampler import filter_logits
 
     vocab = 20000
@@ -211,7 +212,7 @@ def test_whole_row_top_p_keeps_the_sorted_definitions_tokens():
     cases = [(flat, 0.9, 0), (flat, 0.3, 0), (peaked, 0.95, 0), (flat, 0.5, 5000), (tied, 0.7, 0), (peaked, 0.2, 0)]
     logits = torch.stack([row for row, _, _ in cases])
     batch = [SampleRow(SamplingParams(temperature=1.0, top_p=p, top_k=k), [1], 1, None, ()) for _, p, k in cases]
-    kept = filter_logits(logits.clone(), batch).isfinite()
+    kept = filter_logits(logits.clone(), batch, sort_rows).isfinite()
     for i, (row, top_p, top_k) in enumerate(cases):
         values, order = row.double().sort(descending=True)
         if top_k:
@@ -247,6 +248,31 @@ def test_seeded_rows_draw_the_same_token_on_either_path():
             ), i
             drawn.append(token)
         assert probs[drawn].min() > 0  # never a filtered token
+
+
+def test_top_p_rows_settled_on_the_device_draw_the_tokens_read_back_rows_do(monkeypatch):
+    """Where the host must not wait for the device (a GPU), a top_p-only row gets both its candidates' token and
+    its whole row's (sorted) and the device picks one by whether the candidates covered top_p: the tokens are
+    those of the path that reads that answer back (the CPU's), for every kind of row, seeded rows and a greedy one
+    among them, and no value is read back meanwhile (any read fails the test)."""
+    logits, batch = mixed_rows(5000)
+    params = [r.params for r in batch] + [r.params.clone(seed=20 + i) for i, r in enumerate(batch)]
+    params.append(SamplingParams(temperature=0))
+    logits = torch.cat([logits, logits, logits[:1]])
+
+    def rows_drawn_with(seed: int) -> list[SampleRow]:
+        def generator(p):
+            return None if p.seed is None else torch.Generator().manual_seed(p.seed + seed)
+
+        return [SampleRow(p, [1, 2], 1, generator(p), ()) for p in params]
+
+    for seed in range(4):
+        read_back = Sampler(seed=seed)(logits.clone(), rows_drawn_with(seed)).token_ids
+        with monkeypatch.context() as no_reads:
+            for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+                no_reads.setattr(torch.Tensor, name, lambda *_: pytest.fail("a value read back from the device"))
+            on_device = Sampler(seed=seed, reads_back=False)(logits.clone(), rows_drawn_with(seed)).token_ids
+        assert torch.equal(read_back, on_device), seed
 
 
 def test_sparse_penalties_equal_dense_ones():
@@ -310,6 +336,9 @@ NO_WAIT = {  # batches a served step samples every step, whose sampling must not
     # what Qwen3-VL's model card recommends for vision tasks
     "Qwen3-VL's card": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5),
     "top_k, top_p and min_p": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05),
+    # what most OpenAI clients send: whether a row's best tokens cover top_p is known on the device only
+    "top_p alone": SamplingParams(temperature=0.7, top_p=0.9),
+    "a top_k past the candidates, and top_p": SamplingParams(temperature=0.7, top_k=2000, top_p=0.9),
 }
 
 
@@ -318,9 +347,9 @@ NO_WAIT = {  # batches a served step samples every step, whose sampling must not
 def test_a_step_of_new_samples_is_queued_without_waiting_for_the_device(params):
     """A sample new to the sampler copied its prompt's ids to the device for its penalties, and a plain copy waits
     for the queued forward: under image traffic that cost nearly every step its overlap with the next (py-spy,
-    random-mm on an H200). min_p and top_k rows asked the device whether to act. Under CUDA's sync debug mode any
-    such wait raises."""
-    vocab, device = 1000, torch.device("cuda")
+    random-mm on an H200). min_p and top_k rows asked the device whether to act, and top_p-only rows whether their
+    candidates covered top_p. Under CUDA's sync debug mode any such wait raises."""
+    vocab, device = 5000, torch.device("cuda")
     batch = [SampleRow(params, list(range(i, i + 50)), 48, None, (7,), key=(i, 0)) for i in range(4)]
     pending = ([1, 3], torch.tensor([5, 9], device=device))  # tokens of the step still on the device
     sampler = Sampler(seed=0)

@@ -22,6 +22,7 @@ import torch
 from fovea.attention.layer import AttentionMetadata
 from fovea.config.engine import EngineConfig
 from fovea.config.image import largest_side
+from fovea.runner.sampler import TOP_P_SORT_ROWS, drop_outside_sorted_top_p
 
 logger = logging.getLogger("fovea")
 GIB = 2**30
@@ -83,7 +84,11 @@ def language_model_step(model: torch.nn.Module, config: EngineConfig) -> None:
     positions = torch.arange(tokens, device=device).expand(3, tokens)
     hidden = model(ids, positions, AttentionMetadata.from_lengths([tokens], device))
     rows = hidden[: min(config.max_num_seqs, tokens)]
-    model.compute_logits(rows).float().softmax(-1)  # the sampler works on fp32 probabilities
+    logits = model.compute_logits(rows).float()
+    probs = logits.softmax(-1)  # the sampler works on fp32 probabilities, a copy of them beside the logits
+    if probs.is_cuda:  # and on a GPU sorts top_p rows, a slice of them at a time
+        part = probs[:TOP_P_SORT_ROWS]
+        drop_outside_sorted_top_p(part, torch.full((len(part),), 0.9, device=part.device))
 
 
 def free_memory_at_start(config: EngineConfig) -> int:

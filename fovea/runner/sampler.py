@@ -8,8 +8,9 @@ so its tokens do not depend on what else is in the batch.
 
 What keeps a step cheap with a 150k vocabulary: penalties touch only the tokens a row has seen (penalties.py);
 top_k / top_p are resolved among each row's best `CANDIDATES` tokens (one topk instead of a sort of the whole
-vocabulary; only a row whose top_p cut falls outside them takes the whole-row cut, which bins instead of sorting);
-on the CPU argmax and topk read
+vocabulary; only a row whose top_p cut falls outside them takes the whole-row cut, which on the CPU bins instead of
+sorting; on a GPU, where asking which rows those are would make the host wait for the step, every top_p-only row
+also gets its whole row's cut, sorted, and the device picks per row); on the CPU argmax and topk read
 blocks' maxima first; and a draw costs one number per row, not a noise value per vocabulary entry (torch's
 exponential noise for 64 x 152k was 210 ms on one CPU core, the cumulative sum 11 ms).
 """
@@ -82,23 +83,28 @@ def _apply_min_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return logits.masked_fill_(logits < floor, float("-inf"))
 
 
-def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, rows: list[SampleRow], sort_rows: bool = False) -> torch.Tensor:
     """top_k, top_p and min_p over whole rows: the reference the candidate path below must agree with, and the
-    path of rows it cannot resolve. May write into `logits`."""
+    path of rows it cannot resolve. Which rows need which filter is read off the rows, never the device.
+    `sort_rows`: the top_p cut by sorting (a GPU's: it never waits for the device), else binned. May write into
+    `logits`."""
     device, vocab = logits.device, logits.shape[1]
-    top_k = column(rows, lambda p: min(p.top_k or vocab, vocab), torch.long, device)  # any int, clamped first
-    top_p = column(rows, lambda p: p.top_p, logits.dtype, device)
-    if bool((top_k < vocab).any()):
-        kth = topk(logits, int(top_k.max()))[0].gather(1, (top_k - 1)[:, None])
+    top_ks = [min(r.params.top_k or vocab, vocab) for r in rows]  # any int, clamped first
+    if any(k < vocab for k in top_ks):
+        top_k = to_device(top_ks, torch.long, device)
+        kth = topk(logits, max(top_ks))[0].gather(1, (top_k - 1)[:, None])
         logits = logits.masked_fill_(logits < kth, float("-inf"))
-    if bool((top_p < 1).any()):
-        # a few rows at a time: their temporaries stay in the cache and off fresh pages
-        for rows_ in (top_p < 1).nonzero()[:, 0].split(TOP_P_ROWS):
-            logits[rows_] = drop_outside_top_p(logits[rows_], top_p[rows_])
+    cut = [i for i, r in enumerate(rows) if r.params.top_p < 1]
+    if cut:
+        top_p = column(rows, lambda p: p.top_p, logits.dtype, device)
+        drop, at_once = (drop_outside_sorted_top_p, TOP_P_SORT_ROWS) if sort_rows else (drop_outside_top_p, TOP_P_ROWS)
+        for rows_ in to_device(cut, torch.long, device).split(at_once):
+            logits[rows_] = drop(logits[rows_], top_p[rows_])
     return _apply_min_p(logits, rows)
 
 
-TOP_P_ROWS = 8
+TOP_P_ROWS = 8  # the binned cut's rows at a time: their temporaries stay in the cache and off fresh pages
+TOP_P_SORT_ROWS = 32  # the sorted cut's: a sort's temporaries for 32 x 152k are ~80 MB
 TOP_P_BINS = 0x3F80 + 1  # a float in [0, 1] by its top 16 bits (exponent, 7 mantissa bits): 1.0 is 0x3F80
 
 
@@ -125,6 +131,17 @@ def drop_outside_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
         kept = int(((ranked.cumsum(0) - ranked + mass_above) < goal).sum())
         logits[row, members[order[max(kept, 1) :]]] = float("-inf")
     return logits
+
+
+def drop_outside_sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The same cut as drop_outside_top_p, by sorting whole rows (equal logits in vocabulary order, as there): a
+    few kernels on a GPU, none of which the host waits for."""
+    ranked, order = logits.sort(dim=-1, descending=True, stable=True)
+    weights = (ranked - ranked[:, :1].clamp(min=torch.finfo(ranked.dtype).min)).exp_().nan_to_num_(0.0, posinf=0.0)
+    total_at = weights.cumsum(-1)
+    drop = (total_at - weights) >= top_p[:, None] * total_at[:, -1:]
+    drop[:, 0] = False  # the first always stays
+    return logits.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
 
 
 def scaled_logsumexp(logits: torch.Tensor, index: torch.Tensor, temperature: torch.Tensor, work=None):
@@ -168,8 +185,12 @@ def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: lis
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, reads_back: bool | None = None):
+        """`reads_back`: whether a step may read the device's values (None: only on the CPU, where reading costs
+        nothing). Without, a top_p-only row gets both its candidates' token and its whole row's, and the device
+        chooses between them: the host queues the next step meanwhile instead of waiting for this one."""
         self.seed = seed
+        self.reads_back = reads_back
         self.generators: dict[torch.device, torch.Generator] = {}  # unseeded requests share one per device
         self.seen: dict[tuple, SeenTokens] = {}  # penalized samples' tokens by row key, for the rows of the last step
         self.scratch: torch.Tensor | None = None  # see _work
@@ -196,6 +217,7 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Tokens for sampled (non-greedy) rows."""
         device, vocab = logits.device, logits.shape[1]
+        reads_back = device.type == "cpu" if self.reads_back is None else self.reads_back
         temperature = column(rows, lambda p: p.temperature, logits.dtype, device)
         uniforms = self._uniforms(rows, device)
         work = self._work(len(rows), vocab, device)
@@ -207,26 +229,37 @@ class Sampler:
             if k < vocab and k <= MAX_CANDIDATE_TOP_K or r.params.top_p < 1 and k == vocab
         ]
         rest = [i for i in range(len(rows)) if i not in set(narrowed)]
+
+        def whole_rows(picked: list[int]) -> torch.Tensor:
+            """Draws for the rows `picked`, filtered over the whole vocabulary."""
+            at = to_device(picked, torch.long, device)
+            scaled = _scaled_rows(logits, at, temperature[at], work)
+            return inverse_cdf(filter_logits(scaled, [rows[i] for i in picked], not reads_back), uniforms[at])
+
         if narrowed:
             index = to_device(narrowed, torch.long, device)
             values, ids, settled = filter_candidates(
                 _take(logits, narrowed, index), temperature[index], [rows[i] for i in narrowed], work
             )
-            # a row with a top_k is settled; one with top_p alone is known only on the device, and reading it
-            # makes the host wait for the step (a step queued ahead loses its overlap here)
-            uncertain = any(top_k[i] == vocab for i in narrowed)
-            done = settled.tolist() if uncertain else [True] * len(narrowed)
-            keep = [j for j, ok in enumerate(done) if ok]
-            rest += [narrowed[j] for j, ok in enumerate(done) if not ok]
+            # a row with a top_k is settled; one with top_p alone is known only on the device
+            uncertain = [j for j, i in enumerate(narrowed) if top_k[i] == vocab]
+            keep = list(range(len(narrowed)))
+            if uncertain and reads_back:
+                done = settled.tolist()
+                keep = [j for j, ok in enumerate(done) if ok]
+                rest += [narrowed[j] for j, ok in enumerate(done) if not ok]
             if keep:
                 keep_index = to_device(keep, torch.long, device)
                 ids, order = ids[keep_index].sort(-1)  # vocabulary order, as the whole-row path draws
                 chosen = inverse_cdf(values[keep_index].gather(1, order), uniforms[index[keep_index]])
                 tokens[index[keep_index]] = ids.gather(1, chosen[:, None])[:, 0]
+            if uncertain and not reads_back:
+                picked = [narrowed[j] for j in uncertain]
+                at = to_device(picked, torch.long, device)
+                use_candidates = settled[to_device(uncertain, torch.long, device)]
+                tokens[at] = torch.where(use_candidates, tokens[at], whole_rows(picked))
         if rest:
-            index = to_device(sorted(rest), torch.long, device)
-            scaled = _scaled_rows(logits, index, temperature[index], work)
-            tokens[index] = inverse_cdf(filter_logits(scaled, [rows[i] for i in sorted(rest)]), uniforms[index])
+            tokens[to_device(sorted(rest), torch.long, device)] = whole_rows(sorted(rest))
         return tokens
 
     def __call__(
