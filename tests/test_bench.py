@@ -515,3 +515,17 @@ def test_pyspy_summary_counts_each_thread_and_leaves_out_the_engines_start_up():
     assert dict(threads[main_thread]["leaves"]) == {"execute (model_runner.py)": 30, "poll (connection.py)": 10}
     assert threads[encoder]["samples"] == 20
     assert summarize(lines)["samples"] == 150
+
+
+def test_the_tests_the_gpu_check_leaves_out_exist():
+    """gpu_check.sh's `tests` stage deselects the Ray tests by name (Ray is not on the GPU machine): a test renamed
+    since is no longer left out there, and fails on its missing import instead. Each named test is still defined."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    named = re.findall(r"--deselect (\S+)", (root / "benchmarks" / "gpu_check.sh").read_text())
+    assert len(named) >= 3, named
+    for node in named:
+        path, name = node.split("::")
+        assert f"def {name}(" in (root / path).read_text(), f"{node}: no such test (renamed?)"
