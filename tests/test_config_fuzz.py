@@ -2,7 +2,8 @@
 below, scaled down from the released checkpoints'), written by the installed transformers' own `save_pretrained`,
 against transformers: logits (fp32, within 1e-4 of transformers' float64 ones: `parity`) and greedy tokens through
 the engine, for text, one image and two images of odd sizes, and (the Qwen families) an image then a video of an
-odd frame count. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw
+odd frame count. The engine's own settings are drawn too (`engine_options`: block size, a step budget that cuts
+prompts and images into chunks, sequences at a time, prefix caching, a cache small enough to preempt). The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw
 per family runs by default, FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
 
 What is drawn, per family:
@@ -246,6 +247,24 @@ def video_case(family: str, model_dir):
     return messages, prompt, inputs
 
 
+def engine_options(rng: random.Random, prompt_lens: list[int]) -> dict:
+    """The engine's own settings, drawn: the tokens must not depend on them. Block sizes, step budgets small
+    enough to cut prompts (and images' spans) into chunks, one sequence at a time or several, prefix caching on or
+    off, and at times a KV cache that holds only the longest sequence and a block, so that sequences preempt one
+    another and come back."""
+    block_size = rng.choice([16, 32, 64])
+    options = dict(
+        block_size=block_size,
+        max_num_batched_tokens=rng.choice([64, 128, 256, 2048]),
+        max_num_seqs=rng.choice([1, 2, 8]),
+        enable_prefix_caching=rng.random() < 0.5,
+    )
+    if rng.random() < 0.5:  # the cache must hold max_model_len: the model length shrinks with it
+        blocks = -(-(max(prompt_lens) + MAX_TOKENS) // block_size) + 1
+        options.update(num_gpu_blocks_override=blocks, max_model_len=blocks * block_size)
+    return options
+
+
 def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
     seed = SEED + 1000 * draw_index + FAMILIES.index(family)
     config = draw(family, random.Random(seed))
@@ -268,12 +287,13 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
                 inputs = reference_inputs(family, model_dir, template_messages, images)
                 messages = with_pil(template_messages, images)
             cases.append((messages, inputs))
-        llm = LLM(str(model_dir), dtype="float32", max_model_len=2048, max_num_batched_tokens=256)
+        options = engine_options(random.Random(seed + 1), [inputs["input_ids"].shape[1] for _, inputs in cases])
+        llm = LLM(str(model_dir), dtype="float32", **{"max_model_len": 2048, **options})
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.chat([messages for messages, _ in cases], params, use_tqdm=False)
         for (_, inputs), out, kind in zip(cases, outputs, kinds):
             assert out.outputs[0].token_ids == hf_generate(model_dir, inputs), (
-                f"{kind}: greedy tokens differ at {where}"
+                f"{kind}: greedy tokens differ at {where}, engine {options}"
             )
     finally:
         forget_hf_models(model_dir)
