@@ -3,8 +3,9 @@ below, scaled down from the released checkpoints'), written by the installed tra
 against transformers: logits (fp32, within 1e-4 of transformers' float64 ones: `parity`) and greedy tokens through
 the engine, for text, one image and two images of odd sizes, and (the Qwen families) an image then a video of an
 odd frame count. The engine's own settings are drawn too (`engine_options`: block size, a step budget that cuts
-prompts and images into chunks, sequences at a time, prefix caching, a cache small enough to preempt). The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw
-per family runs by default, FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
+prompts and images into chunks, sequences at a time, prefix caching, a cache small enough to preempt). The seed is
+fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw per family runs by default,
+FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
 
 What is drawn, per family:
 - every decoder: 1-3 layers; 2 or 4 attention heads of 8, 16 or 32 dimensions; KV heads any divisor (GQA, MQA or

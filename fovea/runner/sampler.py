@@ -230,9 +230,8 @@ class Sampler:
         ]
         rest = [i for i in range(len(rows)) if i not in set(narrowed)]
 
-        def whole_rows(picked: list[int]) -> torch.Tensor:
-            """Draws for the rows `picked`, filtered over the whole vocabulary."""
-            at = to_device(picked, torch.long, device)
+        def whole_rows(picked: list[int], at: torch.Tensor) -> torch.Tensor:
+            """Draws for the rows `picked` (at `at` on the device), filtered over the whole vocabulary."""
             scaled = _scaled_rows(logits, at, temperature[at], work)
             return inverse_cdf(filter_logits(scaled, [rows[i] for i in picked], not reads_back), uniforms[at])
 
@@ -257,9 +256,11 @@ class Sampler:
                 picked = [narrowed[j] for j in uncertain]
                 at = to_device(picked, torch.long, device)
                 use_candidates = settled[to_device(uncertain, torch.long, device)]
-                tokens[at] = torch.where(use_candidates, tokens[at], whole_rows(picked))
+                tokens[at] = torch.where(use_candidates, tokens[at], whole_rows(picked, at))
         if rest:
-            tokens[to_device(sorted(rest), torch.long, device)] = whole_rows(sorted(rest))
+            rest = sorted(rest)
+            at = to_device(rest, torch.long, device)
+            tokens[at] = whole_rows(rest, at)
         return tokens
 
     def __call__(
