@@ -116,6 +116,45 @@ def test_moe_config_and_the_released_expert_layout(tmp_path):
     assert ours.model.layers[0].mlp.experts.gate_up_proj.shape == (6, 48, 64)
 
 
+MOE_CASES = [("cpu", torch.float32, 1e-5), ("cpu", torch.bfloat16, 2e-2)]
+if torch.cuda.is_available():  # the native grouped kernel
+    MOE_CASES.append(("cuda", torch.bfloat16, 2e-2))
+
+
+@pytest.mark.parametrize("device, dtype, tolerance", MOE_CASES)
+def test_grouped_experts_give_the_loops_outputs_without_reading_the_device(device, dtype, tolerance, monkeypatch):
+    """The experts as two grouped products equal the loop over the chosen experts (transformers' order) for
+    batches where some experts get no token, one token or all of them; and they never read the device: on a GPU
+    a read would make the host wait for each MoE layer and stop a CUDA graph from recording the step."""
+    from fovea.config.model import MoEConfig
+    from fovea.layers import moe
+
+    assert moe.GROUPED_MM is not None  # the installed torch has it: the grouped path is what runs here
+    cfg = MoEConfig(num_experts=8, top_k=2, intermediate_size=48, sparse_layers=(0,))
+    layer = moe.SparseMoE(64, cfg)
+    generator = torch.Generator().manual_seed(0)
+    for param in layer.parameters():
+        param.data = torch.randn(param.shape, generator=generator) * 0.2
+    layer = layer.to(device, dtype)
+    for num_tokens in (1, 2, 5, 40):
+        x = torch.randn(num_tokens, 64, generator=generator).to(device, dtype)
+        weights, chosen = torch.softmax(layer.gate(x), dim=-1, dtype=torch.float).topk(cfg.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+        expected = layer.experts.per_expert(x, chosen, weights)
+        with monkeypatch.context() as patched:
+            if device == "cpu":
+                for name in ("tolist", "item", "nonzero", "unique", "__bool__", "__int__"):
+                    patched.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"{_n}: a device read"))
+            else:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = layer.experts(x, chosen, weights)
+            finally:
+                if device != "cpu":
+                    torch.cuda.set_sync_debug_mode("default")
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 TOOLS_TURN = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "

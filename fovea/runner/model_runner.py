@@ -148,8 +148,8 @@ class ModelRunner:
         rows = min(config.max_num_seqs, LOGITS_BUFFER_ROWS)  # a larger step's logits are allocated for it
         self.logits_buffer = torch.empty(rows, config.model.text.vocab_size, dtype=config.dtype, device=self.device)
         self.graphs: DecodeGraphs | None = None
-        if capture and config.model.text.moe is not None:  # the reference experts loop over the experts that
-            # the step's tokens chose, a host sync a graph cannot record: decode steps run eagerly
+        if capture and config.model.text.moe is not None:  # the grouped experts read nothing back from the device,
+            # but no GPU run has yet recorded them in a graph (benchmarks/README, GPU): decode steps run eagerly
             logger.info("decode CUDA graphs off: the MoE layers run eagerly (fovea/layers/moe.py)")
         elif capture:
             self.graphs = DecodeGraphs(
