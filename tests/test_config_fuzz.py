@@ -3,7 +3,8 @@ below, scaled down from the released checkpoints'), written by the installed tra
 against transformers: logits (fp32, within 1e-4 of transformers' float64 ones: `parity`) and greedy tokens through
 the engine, for text, one image and two images of odd sizes, and (the Qwen families) an image then a video of an
 odd frame count. The engine's own settings are drawn too (`engine_options`: block size, a step budget that cuts
-prompts and images into chunks, sequences at a time, prefix caching, a cache small enough to preempt). The seed is
+prompts and images into chunks, sequences at a time, prefix caching, a cache small enough to preempt), and every KV
+block the engine takes afresh holds noise (`poison_fresh_blocks`). The seed is
 fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw per family runs by default,
 FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
 
@@ -266,6 +267,22 @@ def engine_options(rng: random.Random, prompt_lens: list[int]) -> dict:
     return options
 
 
+def poison_fresh_blocks(llm: LLM) -> None:
+    """Each KV block the cache hands out afresh is filled with noise first. Without it a sequence preempted and
+    taken up again would often get its own freed blocks back, still holding its KV, and a step that reads KV it
+    never wrote (a recomputation skipped, a chunk's slots off by a block) would give the right tokens anyway."""
+    engine = llm.engine
+    take, noise = engine.blocks._take_free_block, torch.Generator().manual_seed(0)
+
+    def take_poisoned() -> int:
+        block = take()
+        for cache in engine.runner.kv_caches:
+            cache[:, block].normal_(0, 10, generator=noise)
+        return block
+
+    engine.blocks._take_free_block = take_poisoned
+
+
 def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
     seed = SEED + 1000 * draw_index + FAMILIES.index(family)
     config = draw(family, random.Random(seed))
@@ -290,6 +307,7 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
             cases.append((messages, inputs))
         options = engine_options(random.Random(seed + 1), [inputs["input_ids"].shape[1] for _, inputs in cases])
         llm = LLM(str(model_dir), dtype="float32", **{"max_model_len": 2048, **options})
+        poison_fresh_blocks(llm)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.chat([messages for messages, _ in cases], params, use_tqdm=False)
         for (_, inputs), out, kind in zip(cases, outputs, kinds):
