@@ -16,7 +16,8 @@ What is drawn, per family:
   too), windows of 56 or 112 pixels;
 - Qwen2-VL's tower: 1-3 blocks, MLP ratio 2 or 4;
 - Qwen3-VL's tower: 2-4 blocks, DeepStack from any 1-3 of them, a learned position grid of 4x4, 6x6 or 8x8;
-  its MoE variant: 2 or 4 experts, 1 or 2 per token, a sparse step of 1 or 2, any dense (mlp_only) layers;
+  its MoE variant: 2 or 4 experts of width 16, 20 (not a multiple of 8, so the loop runs, not the grouped products) or
+  24, 1 or 2 per token, a sparse step of 1 or 2, any dense (mlp_only) layers;
 - LLaVA's CLIP tower: 2-3 layers of 1-4 heads, features from the last or the second-to-last layer;
 - Gemma 3: 1-4 decoder layers, every one, every second or every third seeing all keys and the others a window of
   4-64, the scores' scale its own (query_pre_attn_scalar), the global layers' positions scaled linearly or not;
@@ -166,7 +167,7 @@ def draw(family: str, rng: random.Random) -> dict:
         if family == "qwen3-vl-moe":
             layers = text["num_hidden_layers"]
             text.update(num_experts=rng.choice([2, 4]), num_experts_per_tok=rng.choice([1, 2]),
-                        moe_intermediate_size=rng.choice([16, 24]), decoder_sparse_step=rng.choice([1, 2]),
+                        moe_intermediate_size=rng.choice([16, 20, 24]), decoder_sparse_step=rng.choice([1, 2]),
                         mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))))  # fmt: skip
             text["num_experts_per_tok"] = min(text["num_experts_per_tok"], text["num_experts"])
     vision["initializer_range"] = INIT

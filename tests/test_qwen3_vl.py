@@ -5,6 +5,7 @@ the other families in test_families.py; videos in test_qwen3_vl_video.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -129,9 +130,10 @@ def test_grouped_experts_give_the_loops_outputs_without_reading_the_device(devic
     from fovea.config.model import MoEConfig
     from fovea.layers import moe
 
-    assert moe.GROUPED_MM is not None  # the installed torch has it: the grouped path is what runs here
     cfg = MoEConfig(num_experts=8, top_k=2, intermediate_size=48, sparse_layers=(0,))
     layer = moe.SparseMoE(64, cfg)
+    assert layer.experts.grouped  # the installed torch has it: the grouped path is what runs here
+    assert not moe.SparseMoE(64, dataclasses.replace(cfg, intermediate_size=50)).experts.grouped  # rows unaligned
     generator = torch.Generator().manual_seed(0)
     for param in layer.parameters():
         param.data = torch.randn(param.shape, generator=generator) * 0.2

@@ -4,8 +4,9 @@ and the token's output is their outputs weighted by the router's probabilities.
 The experts run as two grouped matrix products (torch's grouped_mm: one kernel each for all experts, the group
 sizes read on the device), so a layer neither waits for the device nor launches kernels per expert: with 128
 experts, the loop it replaces launched ~600 kernels a layer and read the chosen experts back to the host first.
-Where torch has no grouped product for the device and dtype (before torch 2.8; on CUDA only bfloat16 is used,
-its native kernel), the loop over the chosen experts runs instead, in expert order as transformers runs it. Under
+Where torch has no grouped product for the device, dtype or shapes (before torch 2.9 none on the CPU and only
+Hopper's on CUDA; on CUDA only bfloat16 is used, its native kernel; rows of a multiple of 16 bytes), the loop over
+the chosen experts runs instead, in expert order as transformers runs it. Under
 tensor parallelism every rank holds all experts and runs them on the whole (replicated) input, so no reduction
 follows: simple and correct, at the cost of each rank's memory holding every expert.
 """
@@ -19,7 +20,8 @@ from torch import nn
 from fovea.config.model import MoEConfig
 from fovea.layers.linear import LinearBase
 
-GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # public from torch 2.10
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+GROUPED_MM = getattr(torch, "_grouped_mm", None) if TORCH_VERSION >= (2, 9) else None
 
 
 class Experts(nn.Module):
@@ -28,6 +30,7 @@ class Experts(nn.Module):
     def __init__(self, hidden: int, cfg: MoEConfig):
         super().__init__()
         self.hub_layout = cfg.hub_layout
+        self.grouped = GROUPED_MM is not None and hidden % 8 == 0 and cfg.intermediate_size % 8 == 0
         shapes = {"gate_up_proj": (cfg.num_experts, 2 * cfg.intermediate_size, hidden),
                   "down_proj": (cfg.num_experts, hidden, cfg.intermediate_size)}  # fmt: skip
         for name, shape in shapes.items():
@@ -43,7 +46,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: (N, hidden); chosen, weights: (N, top_k) expert ids and their weights."""
-        if GROUPED_MM is None or (x.device.type != "cpu" and x.dtype != torch.bfloat16):
+        if not self.grouped or (x.device.type != "cpu" and x.dtype != torch.bfloat16):
             return self.per_expert(x, chosen, weights)
         num_tokens, top_k = chosen.shape
         flat = chosen.flatten()
