@@ -1,6 +1,7 @@
 """One MoE layer's experts, grouped products against the per-expert loop (fovea/layers/moe.py), on the device
 given: Qwen3-VL-30B-A3B's text experts (hidden 2048, 128 experts of width 768, 8 per token), random weights, a
-router's choice of experts for 1, 16 and 256 tokens. Milliseconds per call, medians over 5 seconds each.
+router's choice of experts for 1, 16 and 256 tokens. Milliseconds per call, timed as `fovea bench kernels` times
+(on CUDA triton's do_bench, the median; on the CPU one call after a warm-up).
 
     python benchmarks/moe_experts.py [--device cuda --dtype bfloat16] [--out FILE]
 """
@@ -9,27 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
-import time
 
 import torch
 
+from fovea.bench.kernels import timed_ms
 from fovea.config.model import MoEConfig
 from fovea.layers.moe import SparseMoE
-
-
-def timed_ms(call, device: torch.device, seconds: float = 5.0) -> float:
-    call()
-    times = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -53,7 +40,7 @@ def main() -> None:
         weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
         row = {"tokens": tokens}
         for name, call in (("loop_ms", layer.experts.per_expert), ("grouped_ms", layer.experts.forward)):
-            row[name] = round(timed_ms(lambda call=call: call(x, chosen, weights), device), 3)
+            row[name] = round(timed_ms(lambda call=call: call(x, chosen, weights)), 3)
         print(row, flush=True)
         rows.append(row)
     if args.out:

@@ -6,9 +6,9 @@ sizes read on the device), so a layer neither waits for the device nor launches 
 experts, the loop it replaces launched ~600 kernels a layer and read the chosen experts back to the host first.
 Where torch has no grouped product for the device, dtype or shapes (before torch 2.9 none on the CPU and only
 Hopper's on CUDA; on CUDA only bfloat16 is used, its native kernel; rows of a multiple of 16 bytes), the loop over
-the chosen experts runs instead, in expert order as transformers runs it. Under
-tensor parallelism every rank holds all experts and runs them on the whole (replicated) input, so no reduction
-follows: simple and correct, at the cost of each rank's memory holding every expert.
+the chosen experts runs instead, in expert order as transformers runs it. Under tensor parallelism every rank holds
+all experts and runs them on the whole (replicated) input, so no reduction follows: simple and correct, at the cost
+of each rank's memory holding every expert.
 """
 
 from __future__ import annotations
