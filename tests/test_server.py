@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 
 import httpx
 import openai
@@ -201,6 +202,67 @@ def test_streaming_chat_with_usage(client):
     assert text == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 15
+
+
+def stream_events(server: str, path: str, body: dict) -> list[dict]:
+    """A streamed response's events, in order (the JSON of each `data:` line before [DONE])."""
+    with httpx.stream("POST", server + path, json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_stream_options_usage_last_and_in_every_chunk(server):
+    """vLLM's stream_options: the usage comes after the last choice once stream_options is sent (include_usage
+    defaults to true there) and not without it; continuous_usage_stats puts it in every chunk too: the prompt's
+    tokens and that choice's tokens so far, each prompt's own for completions."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about boats."}], "max_tokens": 5}
+    chat |= {"n": 2, "temperature": 1.0, "seed": 1, "ignore_eos": True, "logprobs": True}
+    plain = stream_events(server, "/v1/chat/completions", {**chat, "stream": True})
+    assert all("usage" not in event for event in plain)
+    last = stream_events(server, "/v1/chat/completions", {**chat, "stream": True, "stream_options": {}})
+    assert all("usage" not in event for event in last[:-1])
+    prompt = last[-1]["usage"]["prompt_tokens"]
+    assert last[-1]["choices"] == [] and last[-1]["usage"]["completion_tokens"] == 10
+    every = {"include_usage": True, "continuous_usage_stats": True}
+    events = stream_events(server, "/v1/chat/completions", {**chat, "stream": True, "stream_options": every})
+    counted = {0: 0, 1: 0}
+    role, *events = events  # the first chunk gives each choice its role: no tokens yet
+    assert len(role["choices"]) == 2 and role["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 0,
+        "total_tokens": prompt,
+    }
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        counted[choice["index"]] += len((choice["logprobs"] or {}).get("content") or [])  # the chunk's tokens
+        assert event["usage"] == {
+            "prompt_tokens": prompt,
+            "completion_tokens": counted[choice["index"]],
+            "total_tokens": prompt + counted[choice["index"]],
+        }, event
+    assert counted == {0: 5, 1: 5} and events[-1]["usage"]["completion_tokens"] == 10
+
+    prompts = ["A", "The harbour at dawn, the boats"]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 2, "logprobs": 1}
+    body |= {"ignore_eos": True, "stream": True, "stream_options": every}
+    events = stream_events(server, "/v1/completions", body)
+    lengths = [
+        len(httpx.post(server + "/tokenize", json={"prompt": p}, headers=AUTH).json()["tokens"]) for p in prompts
+    ]
+    counted = {}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        counted[choice["index"]] = counted.get(choice["index"], 0) + len(choice["logprobs"]["tokens"])
+        prompt = lengths[choice["index"] // 2]  # choice i * n + j is prompt i's sample j
+        assert event["usage"] == {
+            "prompt_tokens": prompt,
+            "completion_tokens": counted[choice["index"]],
+            "total_tokens": prompt + counted[choice["index"]],
+        }, event
+    assert counted == {0: 4, 1: 4, 2: 4, 3: 4}
+    assert events[-1]["usage"]["prompt_tokens"] == sum(lengths) and events[-1]["usage"]["completion_tokens"] == 16
 
 
 def test_n_seed_logprobs_stop(client):

@@ -5,6 +5,7 @@ they do in vLLM."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -128,8 +129,16 @@ def test_a_vllm_launch_line_serves(tiny_dirs):
         "0",
         "--uvicorn-log-level",
         "info",
+        "--enable-force-include-usage",
     ]
     with running_server(None, *flags) as (base, proc):
+        # load balancers' and SageMaker's probe; every stream carries its usage, asked for or not
+        assert [httpx.request(method, base + "/ping").status_code for method in ("GET", "POST")] == [200, 200]
+        body = {"model": "first", "prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as streamed:
+            events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+        assert all("usage" in event for event in events), events
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
         # on a loopback address: a page that rebound its name here, a foreign page, a text/plain body are refused
         rebound = httpx.get(base + "/health", headers={"host": "rebound.example:8000"})
         foreign = httpx.get(base + "/v1/models", headers={"origin": "https://evil.example"})
@@ -219,6 +228,7 @@ def test_serve_help_shows_every_default():
         "--disable",
         "--enable-log",
         "--enable-auto",
+        "--enable-force",
         "--enforce",
         "--skip",
         "--fp32",

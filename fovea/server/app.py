@@ -33,7 +33,7 @@ logger = logging.getLogger("fovea")
 
 
 # what answers without the API key (as in vLLM); the playground's page asks for the key, its settings want it
-PUBLIC_PATHS = {"/health", "/version", "/metrics"}
+PUBLIC_PATHS = {"/health", "/ping", "/version", "/metrics"}
 
 
 @dataclass
@@ -49,6 +49,7 @@ class ServerOptions:
     trust_request_chat_template: bool = False  # vLLM's flag: client chat templates, in the sandbox
     response_role: str = "assistant"  # the role of a chat completion's message
     log_requests: bool = False  # a log line per request: id, prompt tokens, sampling parameters
+    force_include_usage: bool = False  # every stream's chunks carry the usage, whatever stream_options says
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses calls
     lora_modules: list[LoRAModule] = field(default_factory=list)  # --lora-modules
     playground: bool = True  # the chat page at / (--disable-playground)

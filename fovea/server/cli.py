@@ -56,6 +56,11 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--enable-log-requests", action="store_true", help="log each request's id, length, parameters")
     net.add_argument("--response-role", default="assistant", help="role of the chat completion's message")
     net.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="streams carry the usage in every chunk and after the last, whatever the request's stream_options",
+    )
+    net.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='tool_choice "auto": calls found in the answer (needs --tool-call-parser)',
@@ -197,6 +202,7 @@ def run_serve(args: argparse.Namespace) -> None:
             trust_request_chat_template=args.trust_request_chat_template,
             response_role=args.response_role,
             log_requests=args.enable_log_requests,
+            force_include_usage=args.enable_force_include_usage,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             lora_modules=args.lora_modules,
             playground=not args.disable_playground,

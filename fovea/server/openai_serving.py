@@ -66,6 +66,27 @@ class Usage:
         return usage
 
 
+class RunningUsage:
+    """One prompt's usage as it streams (vLLM's continuous_usage_stats): its prompt tokens and each choice's
+    tokens so far."""
+
+    def __init__(self, prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens: dict[int, int] = {}
+
+    def add(self, choice: int, tokens: int) -> RunningUsage:
+        self.completion_tokens[choice] = self.completion_tokens.get(choice, 0) + tokens
+        return self
+
+    def of(self, choice: int) -> dict:
+        done = self.completion_tokens.get(choice, 0)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
+
+
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
     return ranked[:k]
@@ -174,11 +195,12 @@ async def chat_stream(
     request_id: str,
     n: int,
     top_logprobs: int,
-    include_usage: bool,
+    include_usage: tuple[bool, bool],
     role: str = "assistant",
     tool_use: ToolUse | None = None,
     reasoning_parser: str | None = None,
 ) -> AsyncIterator[str]:
+    """`include_usage`: usage in the last chunk, and in every chunk (StreamOptions.usage)."""
     created = int(time.time())
     tool_calls = {i: ToolCallStream(tool_use) for i in range(n)} if tool_use and tool_use.choice != "none" else {}
     reasoning = {i: Reasoning(reasoning_parser, first.prompt) for i in range(n)} if reasoning_parser else {}
@@ -198,12 +220,14 @@ async def chat_stream(
     usage = Usage()
     usage.add_prompt(first)
     finished: set[int] = set()
+    so_far = RunningUsage(len(first.prompt_token_ids)) if include_usage[1] else None
     try:
         yield chunk(
             [
                 {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(n)
-            ]
+            ],
+            None if so_far is None else so_far.of(0),
         )
         output = first
         while True:
@@ -211,6 +235,8 @@ async def chat_stream(
                 if c.index in finished:
                     continue
                 usage.completion_tokens += len(c.token_ids)
+                if so_far is not None:
+                    so_far.add(c.index, len(c.token_ids))
                 if c.text or c.token_ids or c.finish_reason:
                     deltas, finish = choice_deltas(c, tool_calls.get(c.index), reasoning.get(c.index))
                     if not deltas and (finish or c.logprobs):  # held back text: only what else it carries
@@ -226,14 +252,15 @@ async def chat_stream(
                                     "finish_reason": finish if last else None,
                                     "stop_reason": c.stop_reason if last else None,
                                 }
-                            ]
+                            ],
+                            None if so_far is None else so_far.of(c.index),
                         )
                 if c.finish_reason:
                     finished.add(c.index)
             if output.finished:
                 break
             output = await anext(rest)
-        if include_usage:
+        if include_usage[0]:
             yield chunk([], usage.as_dict())
     except Exception as error:  # noqa: BLE001 - the client hears why its stream ends early
         yield error_event(error)
@@ -339,10 +366,12 @@ def completion_response(
 
 
 async def completion_stream(
-    first, merged, model: str, request_id: str, n: int, logprobs: int | None, include_usage: bool
+    first, merged, model: str, request_id: str, n: int, logprobs: int | None, include_usage: tuple[bool, bool]
 ) -> AsyncIterator[str]:
+    """`include_usage`: usage in the last chunk, and in every chunk (each prompt's own tokens and its choice's)."""
     usage = Usage()
     created = int(time.time())
+    so_far: dict[int, RunningUsage] = {}  # by prompt, with usage in every chunk
 
     def chunk(choices: list[dict], **extra) -> str:
         return sse(
@@ -362,12 +391,16 @@ async def completion_stream(
             index, output = item
             for c in output.outputs:
                 usage.completion_tokens += len(c.token_ids)
+                extra = {}
+                if include_usage[1]:
+                    running = so_far.setdefault(index, RunningUsage(len(output.prompt_token_ids)))
+                    extra["usage"] = running.add(c.index, len(c.token_ids)).of(c.index)
                 if c.text or c.finish_reason:
-                    yield chunk([completion_choice(output, c, index * n + c.index, None, logprobs)])
+                    yield chunk([completion_choice(output, c, index * n + c.index, None, logprobs)], **extra)
             if output.finished:
                 usage.add_prompt(output)
             item = await anext(merged, None)
-        if include_usage:
+        if include_usage[0]:
             yield chunk([], usage=usage.as_dict())
     except Exception as error:  # noqa: BLE001 - the client hears why its stream ends early
         yield error_event(error)

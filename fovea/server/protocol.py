@@ -50,7 +50,19 @@ MAX_REQUEST_TEMPLATE_CHARS = 64 << 10  # released chat templates are 2-20 kB
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """vLLM's: once a client sends stream_options, the last chunk carries the usage unless include_usage is
+    false; continuous_usage_stats puts it in every chunk too (prompt tokens, and that choice's tokens so far)."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+    @staticmethod
+    def usage(options: StreamOptions | None, forced: bool = False) -> tuple[bool, bool]:
+        """(usage in the last chunk, usage in every chunk); `forced`: --enable-force-include-usage, both."""
+        if forced:
+            return True, True
+        last = bool(options is not None and options.include_usage)
+        return last, last and bool(options.continuous_usage_stats)
 
 
 # Fields of OpenAI's or vLLM's request protocol that fovea does not implement, with the values that ask for

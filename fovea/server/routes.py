@@ -36,6 +36,7 @@ from fovea.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     NamedToolChoice,
+    StreamOptions,
     TokenizeRequest,
     parse_body,
     tool_list,
@@ -264,7 +265,7 @@ async def chat_completions(request: Request):
     body = run.body
     top, role, parser = body.top_logprobs or 0, served.options.response_role, served.engine.config.reasoning_parser
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage = StreamOptions.usage(body.stream_options, served.options.force_include_usage)
         return StreamingResponse(
             serving.chat_stream(
                 run.first,
@@ -311,7 +312,7 @@ async def completions(request: Request):
     merged, first, prompt_tokens = await unless_disconnected(request, start())
     served.log_request(request_id, prompt_tokens, params)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage = StreamOptions.usage(body.stream_options, served.options.force_include_usage)
         return StreamingResponse(
             serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs, include_usage),
             media_type="text/event-stream",
@@ -375,6 +376,8 @@ async def detokenize(request: Request):
 ROUTES = [
     ("/metrics", "GET", prometheus_metrics),
     ("/health", "GET", health),
+    ("/ping", "GET", health),  # vLLM's, for load balancers and SageMaker (which POSTs)
+    ("/ping", "POST", health),
     ("/version", "GET", version),
     ("/v1/models", "GET", models),
     ("/v1/chat/completions", "POST", chat_completions),
