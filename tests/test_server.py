@@ -191,6 +191,27 @@ def test_completions_equal_offline_greedy(client, llm):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_sagemaker_invocations_route_chats_and_completions(server, client):
+    """vLLM's /invocations (SageMaker's one route): a body with messages is a chat completion, one with a prompt a
+    completion, each answered as its own route answers; anything else is a 400 saying what the route takes."""
+    messages = [{"role": "user", "content": "Tell me about boats."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6)
+    completion = client.completions.create(model="tiny", prompt="The harbour at dawn", temperature=0, max_tokens=6)
+    bodies = [
+        {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 6},
+        {"model": "tiny", "prompt": "The harbour at dawn", "temperature": 0, "max_tokens": 6},
+        {"model": "tiny", "input": "hi"},
+    ]
+    replies = [httpx.post(server + "/invocations", json=body, headers=AUTH, timeout=60) for body in bodies]
+    assert [r.status_code for r in replies] == [200, 200, 400]
+    assert replies[0].json()["object"] == "chat.completion"
+    assert replies[0].json()["choices"][0]["message"]["content"] == chat.choices[0].message.content
+    assert replies[1].json()["object"] == "text_completion"
+    assert replies[1].json()["choices"][0]["text"] == completion.choices[0].text
+    assert "messages" in replies[2].json()["error"]["message"]
+    assert httpx.post(server + "/invocations", json=bodies[0], timeout=60).status_code == 401  # the key guards it
+
+
 def test_streaming_chat_with_usage(client):
     kwargs = dict(
         model="tiny", messages=[{"role": "user", "content": "Tell me about boats."}], temperature=0, max_tokens=15

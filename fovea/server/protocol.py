@@ -365,6 +365,20 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class InvocationRequest(BaseModel):
+    """SageMaker's /invocations body, only as far as telling which request it is (vLLM's route)."""
+
+    messages: Any = None
+    prompt: Any = None
+
+    def route(self) -> str:
+        if self.messages is not None:
+            return "chat"
+        if self.prompt is not None:
+            return "completion"
+        raise InvalidBody("an /invocations body is a chat completion (messages) or a completion (prompt) request")
+
+
 class InvalidBody(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)

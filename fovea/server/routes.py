@@ -35,6 +35,7 @@ from fovea.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    InvocationRequest,
     NamedToolChoice,
     StreamOptions,
     TokenizeRequest,
@@ -333,6 +334,14 @@ async def completions(request: Request):
     )
 
 
+async def invocations(request: Request):
+    """SageMaker's one route: a chat completion or a completion, told apart by the body (read once: the handler
+    finds it cached; parsed twice, the second time by the handler)."""
+    served: Served = request.app.state.served
+    kind = (await served.read_body(request, InvocationRequest)).route()
+    return await (chat_completions if kind == "chat" else completions)(request)
+
+
 async def tokenize(request: Request):
     served: Served = request.app.state.served
     engine, options = served.engine, served.options
@@ -382,6 +391,7 @@ ROUTES = [
     ("/v1/models", "GET", models),
     ("/v1/chat/completions", "POST", chat_completions),
     ("/v1/completions", "POST", completions),
+    ("/invocations", "POST", invocations),
     ("/tokenize", "POST", tokenize),
     ("/detokenize", "POST", detokenize),
 ]
