@@ -16,6 +16,7 @@ from fovea import LLM
 
 KEY = "sk-fovea-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+HELLO = [{"role": "user", "content": "Say something."}]
 OPTIONS = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=400)
 
 
@@ -189,6 +190,68 @@ def test_completions_equal_offline_greedy(client, llm):
     reply = client.completions.create(model="tiny-alias", prompt=prompts, temperature=0, max_tokens=10)
     assert [c.text for c in reply.choices] == [e.outputs[0].text for e in expected]
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_return_token_ids_gives_the_offline_ids_whole_and_streamed(server, llm, media_dir):
+    """vLLM's return_token_ids: a chat's prompt ids (the image's placeholder tokens in them) beside the choices
+    and each choice's ids, as offline generation gives them; streamed, the prompt's in the first chunk and each
+    chunk's new ids with its choice; completions carry both with each choice (streamed: the prompt's once)."""
+    messages = image_message(data_url(media_dir / "boat.jpg"))
+    expected = llm.chat(messages, greedy(llm, 8), use_tqdm=False)[0]
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "return_token_ids": True}
+    whole = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    assert whole["prompt_token_ids"] == list(expected.prompt_token_ids)
+    assert whole["choices"][0]["token_ids"] == list(expected.outputs[0].token_ids)
+    answer, ids = whole["choices"][0]["message"]["content"], whole["choices"][0]["token_ids"]
+    events = stream_events(server, "/v1/chat/completions", {**body, "stream": True})
+    assert events[0]["prompt_token_ids"] == list(expected.prompt_token_ids)
+    assert all("prompt_token_ids" not in event for event in events[1:])
+    assert [t for event in events[1:] for c in event["choices"] for t in c["token_ids"]] == ids
+    # every prefix of the answer starts this stop string: the text is held back to the end, the ids are not
+    held = stream_events(server, "/v1/chat/completions", {**body, "stream": True, "stop": [answer + "\u2603"]})
+    assert [t for event in held[1:] for c in event["choices"] for t in c["token_ids"]] == ids
+    assert held[1]["choices"][0]["token_ids"] == ids[:1] and not held[1]["choices"][0]["delta"].get("content")
+    plain = httpx.post(
+        server + "/v1/chat/completions", json={**body, "return_token_ids": False}, headers=AUTH, timeout=60
+    )
+    assert "prompt_token_ids" not in plain.json() and "token_ids" not in plain.json()["choices"][0]
+
+    prompts = ["The harbour at dawn", "Count: one two"]
+    offline = llm.generate(prompts, greedy(llm, 5), use_tqdm=False)
+    body = {"model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 5, "return_token_ids": True}
+    whole = httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in whole["choices"]] == [
+        (list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in offline
+    ]
+    held = [offline[0].outputs[0].text + "\u2603"]  # the first prompt's text held back to its end
+    for stop in (None, held):
+        streamed = {0: [], 1: []}
+        for event in stream_events(server, "/v1/completions", {**body, "stream": True, "stop": stop}):
+            (choice,) = event["choices"]
+            if not streamed[choice["index"]]:  # its first chunk
+                assert choice["prompt_token_ids"] == list(offline[choice["index"]].prompt_token_ids)
+            else:
+                assert "prompt_token_ids" not in choice
+            streamed[choice["index"]] += choice["token_ids"]
+        assert streamed == {i: list(o.outputs[0].token_ids) for i, o in enumerate(offline)}, stop
+
+
+def test_streamed_logprobs_cover_tokens_whose_text_is_held_back(server):
+    """A stop string that every prefix of the answer starts holds the text back to the end; the tokens' logprobs
+    still stream, each with its own chunk, as vLLM sends them (chat and completions alike)."""
+    body = {"model": "tiny", "prompt": "The harbour at dawn", "temperature": 0, "max_tokens": 6, "logprobs": 1}
+    whole = httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["choices"][0]
+    stop = [whole["text"] + "\u2603"]
+    events = stream_events(server, "/v1/completions", {**body, "stream": True, "stop": stop})
+    assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"] and not events[0]["choices"][0]["text"]
+
+    chat = {"model": "tiny", "messages": HELLO, "temperature": 0, "max_tokens": 6, "logprobs": True}
+    whole = httpx.post(server + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60).json()["choices"][0]
+    stop = [whole["message"]["content"] + "\u2603"]
+    events = stream_events(server, "/v1/chat/completions", {**chat, "stream": True, "stop": stop})
+    streamed = [t["token"] for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("content") or []]
+    assert streamed == [t["token"] for t in whole["logprobs"]["content"]]
 
 
 def test_sagemaker_invocations_route_chats_and_completions(server, client):

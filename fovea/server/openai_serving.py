@@ -143,7 +143,9 @@ def chat_response(
     tool_use: ToolUse | None = None,
     reasoning_parser: str | None = None,
     with_prompt_logprobs: bool = False,
+    with_token_ids: bool = False,
 ) -> dict:
+    """`with_token_ids`: vLLM's return_token_ids, the prompt's ids beside the choices and each choice's own."""
     usage = Usage()
     usage.add_prompt(output)
     choices = []
@@ -163,6 +165,7 @@ def chat_response(
                 "logprobs": chat_logprobs(c, top_logprobs),
                 "finish_reason": finish,
                 "stop_reason": c.stop_reason,
+                **({"token_ids": list(c.token_ids)} if with_token_ids else {}),
             }
         )
     return {
@@ -173,6 +176,7 @@ def chat_response(
         "choices": choices,
         "usage": usage.as_dict(),
         **({"prompt_logprobs": prompt_logprobs(output)} if with_prompt_logprobs else {}),
+        **({"prompt_token_ids": list(output.prompt_token_ids)} if with_token_ids else {}),
     }
 
 
@@ -199,19 +203,22 @@ async def chat_stream(
     role: str = "assistant",
     tool_use: ToolUse | None = None,
     reasoning_parser: str | None = None,
+    with_token_ids: bool = False,
 ) -> AsyncIterator[str]:
-    """`include_usage`: usage in the last chunk, and in every chunk (StreamOptions.usage)."""
+    """`include_usage`: usage in the last chunk, and in every chunk (StreamOptions.usage). `with_token_ids`:
+    the prompt's ids in the first chunk, each chunk's new ids with its choice (vLLM's return_token_ids)."""
     created = int(time.time())
     tool_calls = {i: ToolCallStream(tool_use) for i in range(n)} if tool_use and tool_use.choice != "none" else {}
     reasoning = {i: Reasoning(reasoning_parser, first.prompt) for i in range(n)} if reasoning_parser else {}
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+    def chunk(choices: list[dict], usage: dict | None = None, **extra) -> str:
         body = {
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
             "choices": choices,
+            **extra,
         }
         if usage is not None:
             body["usage"] = usage
@@ -228,6 +235,7 @@ async def chat_stream(
                 for i in range(n)
             ],
             None if so_far is None else so_far.of(0),
+            **({"prompt_token_ids": list(first.prompt_token_ids)} if with_token_ids else {}),
         )
         output = first
         while True:
@@ -239,10 +247,11 @@ async def chat_stream(
                     so_far.add(c.index, len(c.token_ids))
                 if c.text or c.token_ids or c.finish_reason:
                     deltas, finish = choice_deltas(c, tool_calls.get(c.index), reasoning.get(c.index))
-                    if not deltas and (finish or c.logprobs):  # held back text: only what else it carries
+                    if not deltas and (finish or c.logprobs or with_token_ids):  # held back text: what else
                         deltas = [{}]
-                    for k, delta in enumerate(deltas):  # logprobs with the first, finish_reason with the last
+                    for k, delta in enumerate(deltas):  # logprobs, ids with the first, finish_reason with the last
                         last = k == len(deltas) - 1
+                        ids = {"token_ids": list(c.token_ids) if k == 0 else []} if with_token_ids else {}
                         yield chunk(
                             [
                                 {
@@ -251,6 +260,7 @@ async def chat_stream(
                                     "logprobs": chat_logprobs(c, top_logprobs) if k == 0 else None,
                                     "finish_reason": finish if last else None,
                                     "stop_reason": c.stop_reason if last else None,
+                                    **ids,
                                 }
                             ],
                             None if so_far is None else so_far.of(c.index),
@@ -276,7 +286,9 @@ def completion_choice(
     echo_text: str | None,
     logprobs: int | None,
     with_prompt_logprobs: bool = False,
+    token_ids: tuple[bool, bool] = (False, False),
 ) -> dict:
+    """`token_ids`: (the prompt's ids, the choice's ids) with it, vLLM's return_token_ids."""
     text = (echo_text or "") + c.text
     lp = None
     if logprobs is not None and c.logprobs is not None:
@@ -292,6 +304,8 @@ def completion_choice(
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
         **({"prompt_logprobs": prompt_logprobs(output)} if with_prompt_logprobs else {}),
+        **({"prompt_token_ids": list(output.prompt_token_ids)} if token_ids[0] else {}),
+        **({"token_ids": list(c.token_ids)} if token_ids[1] else {}),
     }
 
 
@@ -345,6 +359,7 @@ def completion_response(
     echo_prompts: bool,
     logprobs: int | None,
     with_prompt_logprobs: bool = False,
+    with_token_ids: bool = False,
 ) -> dict:
     """The prompts' final outputs as one text_completion; choice i*n+j is prompt i's sample j."""
     usage = Usage()
@@ -354,7 +369,8 @@ def completion_response(
         echo = output.prompt if echo_prompts else None
         for c in output.outputs:
             usage.completion_tokens += len(c.token_ids)
-            choices.append(completion_choice(output, c, i * n + c.index, echo, logprobs, with_prompt_logprobs))
+            ids = (with_token_ids, with_token_ids)
+            choices.append(completion_choice(output, c, i * n + c.index, echo, logprobs, with_prompt_logprobs, ids))
     return {
         "id": request_id,
         "object": "text_completion",
@@ -366,12 +382,21 @@ def completion_response(
 
 
 async def completion_stream(
-    first, merged, model: str, request_id: str, n: int, logprobs: int | None, include_usage: tuple[bool, bool]
+    first,
+    merged,
+    model: str,
+    request_id: str,
+    n: int,
+    logprobs: int | None,
+    include_usage: tuple[bool, bool],
+    with_token_ids: bool = False,
 ) -> AsyncIterator[str]:
-    """`include_usage`: usage in the last chunk, and in every chunk (each prompt's own tokens and its choice's)."""
+    """`include_usage`: usage in the last chunk, and in every chunk (each prompt's own tokens and its choice's).
+    `with_token_ids`: each chunk's new ids with its choice, the prompt's with the choice's first chunk."""
     usage = Usage()
     created = int(time.time())
     so_far: dict[int, RunningUsage] = {}  # by prompt, with usage in every chunk
+    started: set[int] = set()  # choices that have had a chunk
 
     def chunk(choices: list[dict], **extra) -> str:
         return sse(
@@ -395,8 +420,11 @@ async def completion_stream(
                 if include_usage[1]:
                     running = so_far.setdefault(index, RunningUsage(len(output.prompt_token_ids)))
                     extra["usage"] = running.add(c.index, len(c.token_ids)).of(c.index)
-                if c.text or c.finish_reason:
-                    yield chunk([completion_choice(output, c, index * n + c.index, None, logprobs)], **extra)
+                choice = index * n + c.index
+                if c.text or c.token_ids or c.finish_reason:  # tokens whose text is held back: their logprobs, ids
+                    ids = (with_token_ids and choice not in started, with_token_ids)
+                    started.add(choice)
+                    yield chunk([completion_choice(output, c, choice, None, logprobs, token_ids=ids)], **extra)
             if output.finished:
                 usage.add_prompt(output)
             item = await anext(merged, None)

@@ -279,6 +279,7 @@ async def chat_completions(request: Request):
                 role,
                 run.tool_use,
                 parser,
+                body.return_token_ids,
             ),
             media_type="text/event-stream",
         )
@@ -293,6 +294,7 @@ async def chat_completions(request: Request):
         run.tool_use,
         parser,
         body.prompt_logprobs is not None,
+        body.return_token_ids,
     )
 
 
@@ -315,7 +317,9 @@ async def completions(request: Request):
     if body.stream:
         include_usage = StreamOptions.usage(body.stream_options, served.options.force_include_usage)
         return StreamingResponse(
-            serving.completion_stream(first, merged, model, request_id, body.n, body.logprobs, include_usage),
+            serving.completion_stream(
+                first, merged, model, request_id, body.n, body.logprobs, include_usage, body.return_token_ids
+            ),
             media_type="text/event-stream",
         )
     try:
@@ -331,6 +335,7 @@ async def completions(request: Request):
         body.echo,
         body.logprobs,
         body.prompt_logprobs is not None,
+        body.return_token_ids,
     )
 
 
