@@ -80,13 +80,20 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         chat_template_content_format: str = "auto",
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of conversations; `tools`
         (OpenAI's function definitions) and `chat_template_kwargs` go to the chat template, as in vLLM;
-        `chat_template_content_format`: auto, string or openai (fovea/multimodal/chat_format.py)."""
+        `chat_template_content_format`: auto, string or openai (fovea/multimodal/chat_format.py);
+        `continue_final_message` (with add_generation_prompt=False): the model goes on with the last message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         chat = ChatOptions(
-            chat_template, add_generation_prompt, tools, chat_template_kwargs, chat_template_content_format
+            chat_template,
+            add_generation_prompt,
+            tools,
+            chat_template_kwargs,
+            chat_template_content_format,
+            continue_final_message,
         )
         processed = self._prepare(
             lambda messages: self.inputs.process_chat(messages, mm_processor_kwargs, chat), conversations

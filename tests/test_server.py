@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import jpeg_bytes, random_image
+from conftest import hf_tokenizer, jpeg_bytes, random_image
 from serving import running_server
 
 from fovea import LLM
@@ -252,6 +252,33 @@ def test_streamed_logprobs_cover_tokens_whose_text_is_held_back(server):
     events = stream_events(server, "/v1/chat/completions", {**chat, "stream": True, "stop": stop})
     streamed = [t["token"] for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("content") or []]
     assert streamed == [t["token"] for t in whole["logprobs"]["content"]]
+
+
+def test_continue_final_message_goes_on_with_the_last_message(server, llm, tiny_dirs):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message, as transformers'
+    apply_chat_template(continue_final_message=True) writes it; served as offline; with add_generation_prompt
+    left true, a 400 saying why."""
+    messages = [{"role": "user", "content": "Name a boat."}, {"role": "assistant", "content": "The boat is called"}]
+    reference = hf_tokenizer(tiny_dirs["tiny-3b"]).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert reference.endswith("The boat is called")  # (the template would close the turn otherwise)
+    offline = llm.chat(
+        messages, greedy(llm, 6), use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )[0]
+    assert offline.prompt_token_ids == hf_tokenizer(tiny_dirs["tiny-3b"]).encode(reference)
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 6}
+    body |= {"add_generation_prompt": False, "continue_final_message": True}
+    reply = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert reply.json()["choices"][0]["message"]["content"] == offline.outputs[0].text
+    counted = httpx.post(
+        server + "/tokenize",
+        json={k: body[k] for k in ("model", "messages", "add_generation_prompt", "continue_final_message")},
+        headers=AUTH,
+    )
+    assert counted.json()["tokens"] == offline.prompt_token_ids
+    both = httpx.post(server + "/v1/chat/completions", json={**body, "add_generation_prompt": True}, headers=AUTH)
+    assert both.status_code == 400 and "add_generation_prompt" in both.json()["error"]["message"]
 
 
 def test_sagemaker_invocations_route_chats_and_completions(server, client):

@@ -80,15 +80,23 @@ RESERVED_TEMPLATE_KWARGS = {
 @dataclass(frozen=True)
 class ChatOptions:
     """How chat messages become a prompt: the template (None: the model's own), whether the assistant's turn is
-    opened at the end, the tools the template lists, and extra template variables (chat_template_kwargs)."""
+    opened at the end, the tools the template lists, extra template variables (chat_template_kwargs), and
+    whether the last message is left open for the model to go on with (vLLM's continue_final_message: a reply's
+    start, "prefilled")."""
 
     template: str | None = None
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     template_kwargs: dict | None = None
     content_format: str = "auto"  # the shape of message content the template expects (chat_format.py)
+    continue_final_message: bool = False
 
     def __post_init__(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: the last message is either "
+                "left open or followed by a new turn (set add_generation_prompt to false)"
+            )
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs or {}))
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: they are request fields of their own")
@@ -104,6 +112,7 @@ class ChatOptions:
             tools=self.tools or None,
             tokenize=False,
             add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
             **(self.template_kwargs or {}),
         )
 

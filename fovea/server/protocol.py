@@ -82,7 +82,6 @@ NOT_IMPLEMENTED = {
     "priority": (None, 0),
     "chat_template_kwargs": (None, {}),
     "documents": (None, []),
-    "continue_final_message": (None, False),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
@@ -281,6 +280,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     chat_template: str | None = Field(None, max_length=MAX_REQUEST_TEMPLATE_CHARS)  # run in the sandbox
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open: the model goes on with it
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -357,6 +357,7 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -219,6 +219,7 @@ async def start_chat(
             tools,
             body.chat_template_kwargs,
             options.chat_template_content_format,
+            body.continue_final_message,
         )
         prepared = None
         if body.chat_template is None and not media_to_fetch(body.messages, options.media, limits):
@@ -363,6 +364,7 @@ async def tokenize(request: Request):
                 tool_list(body.tools),
                 body.chat_template_kwargs,
                 options.chat_template_content_format,
+                body.continue_final_message,
             )
             processed = await engine.run_in_pool(engine.inputs.process_chat, messages, None, chat)
             return processed.token_ids
