@@ -236,6 +236,32 @@ def test_return_token_ids_gives_the_offline_ids_whole_and_streamed(server, llm, 
         assert streamed == {i: list(o.outputs[0].token_ids) for i, o in enumerate(offline)}, stop
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
+    """vLLM's return_tokens_as_token_ids: every token in logprobs (chosen and top) is "token_id:N", N the id the
+    choice's token_ids give (greedy: the top one is the chosen one); whole and streamed, chat and completions."""
+    ids_of = lambda tokens: [int(t.removeprefix("token_id:")) for t in tokens]  # noqa: E731
+    chat = {"model": "tiny", "messages": HELLO, "temperature": 0, "max_tokens": 5, "logprobs": True, "top_logprobs": 2}
+    chat |= {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = httpx.post(server + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert ids_of(t["token"] for t in content) == whole["token_ids"]
+    assert [t["top_logprobs"][0]["token"] for t in content] == [t["token"] for t in content]
+    assert all(t["bytes"] == list(t["token"].encode()) for t in content)
+    events = stream_events(server, "/v1/chat/completions", {**chat, "stream": True})
+    streamed = [t for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("content") or []]
+    assert streamed == content
+
+    body = {"model": "tiny", "prompt": "The harbour at dawn", "temperature": 0, "max_tokens": 5, "logprobs": 2}
+    body |= {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["choices"][0]
+    assert ids_of(whole["logprobs"]["tokens"]) == whole["token_ids"]
+    assert [next(iter(top)) for top in whole["logprobs"]["top_logprobs"]] == whole["logprobs"]["tokens"]
+    text = httpx.post(server + "/v1/completions", json={**body, "return_tokens_as_token_ids": False}, headers=AUTH)
+    assert "".join(text.json()["choices"][0]["logprobs"]["tokens"]) == whole["text"]  # the default: the text
+    events = stream_events(server, "/v1/completions", {**body, "stream": True})
+    assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
+
+
 def test_streamed_logprobs_cover_tokens_whose_text_is_held_back(server):
     """A stop string that every prefix of the answer starts holds the text back to the end; the tokens' logprobs
     still stream, each with its own chunk, as vLLM sends them (chat and completions alike)."""

@@ -92,12 +92,18 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def chat_logprobs(completion: CompletionOutput, k: int) -> dict | None:
+def shown_token(token: int, lp: Logprob, as_ids: bool) -> str:
+    """A logprob entry's token: its text, or with vLLM's return_tokens_as_token_ids "token_id:N" (a token whose
+    bytes are no whole character decodes to text that does not tell it apart)."""
+    return f"token_id:{token}" if as_ids else lp.decoded_token or ""
+
+
+def chat_logprobs(completion: CompletionOutput, k: int, as_ids: bool = False) -> dict | None:
     if completion.logprobs is None:
         return None
 
     def item(token: int, lp: Logprob) -> dict:
-        text = lp.decoded_token or ""
+        text = shown_token(token, lp, as_ids)
         return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode())}
 
     content = []
@@ -106,20 +112,20 @@ def chat_logprobs(completion: CompletionOutput, k: int) -> dict | None:
     return {"content": content}
 
 
-def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset: int) -> dict:
+def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset: int, as_ids: bool = False) -> dict:
+    """`text_offset`s are into the text, also with `as_ids`."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for token, entry in zip(token_ids, entries):
         offsets.append(text_offset)
         if entry is None:  # the first prompt token has no logprob
-            tokens.append("")
+            tokens.append(f"token_id:{token}" if as_ids else "")
             token_logprobs.append(None)
             tops.append(None)
             continue
-        text = entry[token].decoded_token or ""
-        tokens.append(text)
+        tokens.append(shown_token(token, entry[token], as_ids))
         token_logprobs.append(entry[token].logprob)
-        tops.append({lp.decoded_token: lp.logprob for _, lp in _top(entry, k)})
-        text_offset += len(text)
+        tops.append({shown_token(t, lp, as_ids): lp.logprob for t, lp in _top(entry, k)})
+        text_offset += len(entry[token].decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -144,8 +150,10 @@ def chat_response(
     reasoning_parser: str | None = None,
     with_prompt_logprobs: bool = False,
     with_token_ids: bool = False,
+    tokens_as_ids: bool = False,
 ) -> dict:
-    """`with_token_ids`: vLLM's return_token_ids, the prompt's ids beside the choices and each choice's own."""
+    """`with_token_ids`: vLLM's return_token_ids, the prompt's ids beside the choices and each choice's own;
+    `tokens_as_ids`: its return_tokens_as_token_ids (shown_token)."""
     usage = Usage()
     usage.add_prompt(output)
     choices = []
@@ -162,7 +170,7 @@ def chat_response(
             {
                 "index": c.index,
                 "message": message,
-                "logprobs": chat_logprobs(c, top_logprobs),
+                "logprobs": chat_logprobs(c, top_logprobs, tokens_as_ids),
                 "finish_reason": finish,
                 "stop_reason": c.stop_reason,
                 **({"token_ids": list(c.token_ids)} if with_token_ids else {}),
@@ -204,6 +212,7 @@ async def chat_stream(
     tool_use: ToolUse | None = None,
     reasoning_parser: str | None = None,
     with_token_ids: bool = False,
+    tokens_as_ids: bool = False,
 ) -> AsyncIterator[str]:
     """`include_usage`: usage in the last chunk, and in every chunk (StreamOptions.usage). `with_token_ids`:
     the prompt's ids in the first chunk, each chunk's new ids with its choice (vLLM's return_token_ids)."""
@@ -257,7 +266,7 @@ async def chat_stream(
                                 {
                                     "index": c.index,
                                     "delta": delta,
-                                    "logprobs": chat_logprobs(c, top_logprobs) if k == 0 else None,
+                                    "logprobs": chat_logprobs(c, top_logprobs, tokens_as_ids) if k == 0 else None,
                                     "finish_reason": finish if last else None,
                                     "stop_reason": c.stop_reason if last else None,
                                     **ids,
@@ -287,16 +296,19 @@ def completion_choice(
     logprobs: int | None,
     with_prompt_logprobs: bool = False,
     token_ids: tuple[bool, bool] = (False, False),
+    tokens_as_ids: bool = False,
 ) -> dict:
-    """`token_ids`: (the prompt's ids, the choice's ids) with it, vLLM's return_token_ids."""
+    """`token_ids`: (the prompt's ids, the choice's ids) with it, vLLM's return_token_ids; `tokens_as_ids`:
+    logprobs' tokens as ids (shown_token)."""
     text = (echo_text or "") + c.text
     lp = None
     if logprobs is not None and c.logprobs is not None:
         if echo_text is not None and output.prompt_logprobs is not None:
             ids = list(output.prompt_token_ids) + list(c.token_ids)
-            lp = completion_logprobs(ids, list(output.prompt_logprobs) + list(c.logprobs), logprobs, 0)
+            entries = list(output.prompt_logprobs) + list(c.logprobs)
+            lp = completion_logprobs(ids, entries, logprobs, 0, tokens_as_ids)
         else:
-            lp = completion_logprobs(c.token_ids, c.logprobs, logprobs, len(echo_text or ""))
+            lp = completion_logprobs(c.token_ids, c.logprobs, logprobs, len(echo_text or ""), tokens_as_ids)
     return {
         "index": index,
         "text": text,
@@ -360,6 +372,7 @@ def completion_response(
     logprobs: int | None,
     with_prompt_logprobs: bool = False,
     with_token_ids: bool = False,
+    tokens_as_ids: bool = False,
 ) -> dict:
     """The prompts' final outputs as one text_completion; choice i*n+j is prompt i's sample j."""
     usage = Usage()
@@ -370,7 +383,10 @@ def completion_response(
         for c in output.outputs:
             usage.completion_tokens += len(c.token_ids)
             ids = (with_token_ids, with_token_ids)
-            choices.append(completion_choice(output, c, i * n + c.index, echo, logprobs, with_prompt_logprobs, ids))
+            choice = completion_choice(
+                output, c, i * n + c.index, echo, logprobs, with_prompt_logprobs, ids, tokens_as_ids
+            )
+            choices.append(choice)
     return {
         "id": request_id,
         "object": "text_completion",
@@ -390,6 +406,7 @@ async def completion_stream(
     logprobs: int | None,
     include_usage: tuple[bool, bool],
     with_token_ids: bool = False,
+    tokens_as_ids: bool = False,
 ) -> AsyncIterator[str]:
     """`include_usage`: usage in the last chunk, and in every chunk (each prompt's own tokens and its choice's).
     `with_token_ids`: each chunk's new ids with its choice, the prompt's with the choice's first chunk."""
@@ -424,7 +441,10 @@ async def completion_stream(
                 if c.text or c.token_ids or c.finish_reason:  # tokens whose text is held back: their logprobs, ids
                     ids = (with_token_ids and choice not in started, with_token_ids)
                     started.add(choice)
-                    yield chunk([completion_choice(output, c, choice, None, logprobs, token_ids=ids)], **extra)
+                    shown = completion_choice(
+                        output, c, choice, None, logprobs, token_ids=ids, tokens_as_ids=tokens_as_ids
+                    )
+                    yield chunk([shown], **extra)
             if output.finished:
                 usage.add_prompt(output)
             item = await anext(merged, None)

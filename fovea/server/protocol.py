@@ -85,7 +85,6 @@ NOT_IMPLEMENTED = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
-    "return_tokens_as_token_ids": (None, False),
     "prompt_embeds": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
@@ -146,6 +145,7 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids with the text
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
     prompt_logprobs: int | None = None  # each prompt token's log-probability and this many top ones, as vLLM
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None  # vLLM's: how media are loaded (video num_frames, fps)

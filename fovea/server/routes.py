@@ -281,6 +281,7 @@ async def chat_completions(request: Request):
                 run.tool_use,
                 parser,
                 body.return_token_ids,
+                body.return_tokens_as_token_ids,
             ),
             media_type="text/event-stream",
         )
@@ -296,6 +297,7 @@ async def chat_completions(request: Request):
         parser,
         body.prompt_logprobs is not None,
         body.return_token_ids,
+        body.return_tokens_as_token_ids,
     )
 
 
@@ -319,7 +321,15 @@ async def completions(request: Request):
         include_usage = StreamOptions.usage(body.stream_options, served.options.force_include_usage)
         return StreamingResponse(
             serving.completion_stream(
-                first, merged, model, request_id, body.n, body.logprobs, include_usage, body.return_token_ids
+                first,
+                merged,
+                model,
+                request_id,
+                body.n,
+                body.logprobs,
+                include_usage,
+                body.return_token_ids,
+                body.return_tokens_as_token_ids,
             ),
             media_type="text/event-stream",
         )
@@ -337,6 +347,7 @@ async def completions(request: Request):
         body.logprobs,
         body.prompt_logprobs is not None,
         body.return_token_ids,
+        body.return_tokens_as_token_ids,
     )
 
 
