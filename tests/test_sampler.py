@@ -105,6 +105,22 @@ def test_logit_bias_and_min_tokens():
     assert got[1, 5] == -math.inf and got[1, 0] == -math.inf and got[1, 1:5].eq(0).all()
 
 
+def test_allowed_token_ids_leave_only_those_tokens():
+    """vLLM's allowed_token_ids: every other token's logit is -inf, the allowed ones keep theirs (bias and penalties
+    still apply to them); a row without it is untouched, and draws come only from the allowed set."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.5, -1.0, 4.0], [3.0, 1.0, 2.0, 0.5, -1.0, 4.0]])
+    allowed = rows(SamplingParams(allowed_token_ids=[1, 4, 4], logit_bias={4: 2.0, 0: 9.0}), 1)
+    got = logits.clone()
+    apply_penalties_and_bias(got, allowed + rows(SamplingParams(), 1))
+    inf = -math.inf
+    assert got[0].tolist() == [inf, 1.0, inf, inf, 1.0, inf] and got[1].tolist() == logits[1].tolist()
+    draws = draw(SamplingParams(temperature=1.0, allowed_token_ids=[2, 3]), PROBS)
+    assert set(draws.tolist()) == {2, 3}
+    assert (draw(SamplingParams(temperature=0, allowed_token_ids=[3, 1]), PROBS) == 1).all()
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_seeded_rows_do_not_depend_on_the_batch():
     vocab = 50
     torch.manual_seed(0)

@@ -307,6 +307,30 @@ def test_continue_final_message_goes_on_with_the_last_message(server, llm, tiny_
     assert both.status_code == 400 and "add_generation_prompt" in both.json()["error"]["message"]
 
 
+def test_allowed_token_ids_are_the_only_tokens_drawn(server, llm):
+    """vLLM's allowed_token_ids: sampled or greedy, every token is one of them (greedy: the one offline generation
+    picks among them); an empty list or an id outside the vocabulary is a 400 naming the field."""
+    allowed = [11, 220, 1879, 14990, 151643]
+    body = {"model": "tiny", "prompt": "The harbour at dawn", "max_tokens": 8, "allowed_token_ids": allowed}
+    body |= {"return_token_ids": True, "ignore_eos": True}
+    sampled = httpx.post(
+        server + "/v1/completions",
+        json={**body, "n": 3, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "seed": 4},
+        headers=AUTH,
+    )
+    ids = [t for c in sampled.json()["choices"] for t in c["token_ids"]]
+    assert len(ids) == 24 and set(ids) <= set(allowed) and len(set(ids)) > 1
+    greedy_reply = httpx.post(server + "/v1/completions", json={**body, "temperature": 0}, headers=AUTH).json()
+    offline = llm.generate(
+        ["The harbour at dawn"], greedy(llm, 8).clone(allowed_token_ids=allowed, ignore_eos=True), use_tqdm=False
+    )
+    assert greedy_reply["choices"][0]["token_ids"] == list(offline[0].outputs[0].token_ids)
+    assert set(greedy_reply["choices"][0]["token_ids"]) <= set(allowed)
+    for bad, words in (([], "must not be empty"), ([5, 10**7], "allowed_token_ids has token id 10000000")):
+        refused = httpx.post(server + "/v1/completions", json={**body, "allowed_token_ids": bad}, headers=AUTH)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
+
+
 def test_sagemaker_invocations_route_chats_and_completions(server, client):
     """vLLM's /invocations (SageMaker's one route): a body with messages is a chat completion, one with a prompt a
     completion, each answered as its own route answers; anything else is a 400 saying what the route takes."""

@@ -156,6 +156,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (the others' logits -inf), as vLLM
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # or its fields as a dict
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
@@ -171,6 +172,8 @@ class SamplingParams:
             self.top_p = MIN_TOP_P
         if self.logit_bias:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
@@ -216,6 +219,7 @@ class SamplingParams:
             value = getattr(self, name)
             check(value is None or 0 <= value <= INT64_MAX, f"{name} must be at least 0, got {value}")
         check(all(self.stop_strings), "stop strings must not be empty")
+        check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (leave it out to allow every token)")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         check(
             self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX - self.n,

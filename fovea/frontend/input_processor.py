@@ -125,7 +125,11 @@ class InputProcessor:
                 )
         if grammar and params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]}, out of vocabulary (size {self.vocab_size})")

@@ -1,4 +1,4 @@
-"""logit_bias, min_tokens bans and the repetition / frequency / presence penalties, applied in place to a step's
+"""allowed_token_ids, logit_bias, min_tokens bans and the repetition / frequency / presence penalties, applied in place to a step's
 logits (the sampler's first stage), and the per-sample token sets the penalties read, kept between steps.
 
 Penalties touch only the (row, token) entries a row has seen: no vocabulary-wide count tensors. Which entries those
@@ -112,7 +112,7 @@ def _with_pending(found: SeenKeys, rows: list[SampleRow], pending: tuple, vocab:
 def apply_penalties_and_bias(
     logits: torch.Tensor, rows: list[SampleRow], seen: dict | None = None, pending: tuple | None = None
 ) -> None:
-    """Applies logit_bias, min_tokens bans and the penalties to `logits` in place (the step's logits are read
+    """Applies allowed_token_ids, logit_bias, min_tokens bans and the penalties to `logits` in place (the step's logits are read
     only by the sampler, which takes log-probabilities before this). Only the entries changed are touched: at
     batch 256 the seen tokens are ~256k entries scattered over a 150 MB batch, each a cache miss on the CPU, so
     they are read once and written once. `seen`: the caller's SeenTokens by row key, kept across steps; without
@@ -132,6 +132,12 @@ def apply_penalties_and_bias(
     ]
     rows_penalized = [i for i, r in enumerate(rows) if penalized(r.params)]
     flat = logits.view(-1)
+    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if allowed:  # every other token -inf: the allowed ones' logits kept, the row filled, they put back
+        keys = to_device([i * vocab + t for i, ids in allowed for t in ids], torch.long, device)
+        kept = flat.index_select(0, keys)
+        logits[to_device([i for i, _ in allowed], torch.long, device)] = float("-inf")
+        flat.index_copy_(0, keys, kept)
     if bias:
         keys = to_device([k for k, _ in bias], torch.long, device)
         flat.index_put_((keys,), to_device([b for _, b in bias], logits.dtype, device), accumulate=True)

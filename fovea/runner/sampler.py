@@ -1,10 +1,10 @@
 """From the last hidden state's logits to the next token of every sequence in the batch, in a few batched ops.
 
-Order, as in vLLM: log-probabilities are taken from the model's raw logits; then logit_bias, min_tokens (stop
-tokens banned), repetition/frequency/presence penalties; greedy rows take the argmax; the others are divided by
-their temperature, filtered by top_k, top_p and min_p, and drawn by inverting their cumulative distribution in
-vocabulary order with one uniform number per row. A request with a seed draws its number from its own generator,
-so its tokens do not depend on what else is in the batch.
+Order, as in vLLM: log-probabilities are taken from the model's raw logits; then allowed_token_ids (the others
+-inf), logit_bias, min_tokens (stop tokens banned), repetition/frequency/presence penalties; greedy rows take the
+argmax; the others are divided by their temperature, filtered by top_k, top_p and min_p, and drawn by inverting
+their cumulative distribution in vocabulary order with one uniform number per row. A request with a seed draws its
+number from its own generator, so its tokens do not depend on what else is in the batch.
 
 What keeps a step cheap with a 150k vocabulary: penalties touch only the tokens a row has seen (penalties.py);
 top_k / top_p are resolved among each row's best `CANDIDATES` tokens (one topk instead of a sort of the whole

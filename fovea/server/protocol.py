@@ -31,6 +31,7 @@ class RequestLimits:
     max_stop_string_chars: int = 1000
     max_stop_token_ids: int = 1024
     max_logit_bias: int = 1024  # entries
+    max_allowed_token_ids: int = 1 << 16  # a set of answers' tokens (digits, letters, a label's words)
     max_prompts: int = 1024  # prompts in one /v1/completions request
 
     def check(self, fields: SamplingFields) -> None:
@@ -39,6 +40,7 @@ class RequestLimits:
             ("stop", len(stop), self.max_stop_strings),
             ("stop_token_ids", len(fields.stop_token_ids or ()), self.max_stop_token_ids),
             ("logit_bias", len(fields.logit_bias or {}), self.max_logit_bias),
+            ("allowed_token_ids", len(fields.allowed_token_ids or ()), self.max_allowed_token_ids),
         ):
             if count > limit:
                 raise ValueError(f"{name} has {count} entries; at most {limit} are allowed")
@@ -82,7 +84,6 @@ NOT_IMPLEMENTED = {
     "priority": (None, 0),
     "chat_template_kwargs": (None, {}),
     "documents": (None, []),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
     "prompt_embeds": (None,),
@@ -141,6 +142,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -228,6 +230,7 @@ class SamplingFields(BaseModel):
                 "min_tokens": self.min_tokens,
                 "ignore_eos": self.ignore_eos,
                 "stop_token_ids": self.stop_token_ids,
+                "allowed_token_ids": self.allowed_token_ids,
                 "skip_special_tokens": self.skip_special_tokens,
                 "prompt_logprobs": prompt_logprobs,
                 "spaces_between_special_tokens": self.spaces_between_special_tokens,
