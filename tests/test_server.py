@@ -326,7 +326,9 @@ def test_allowed_token_ids_are_the_only_tokens_drawn(server, llm):
     )
     assert greedy_reply["choices"][0]["token_ids"] == list(offline[0].outputs[0].token_ids)
     assert set(greedy_reply["choices"][0]["token_ids"]) <= set(allowed)
-    for bad, words in (([], "must not be empty"), ([5, 10**7], "allowed_token_ids has token id 10000000")):
+    refusals = [([], "must not be empty"), ([5, 10**7], "allowed_token_ids has token id 10000000")]
+    refusals.append((list(range(1025)), "allowed_token_ids has 1025 entries; at most 1024"))
+    for bad, words in refusals:
         refused = httpx.post(server + "/v1/completions", json={**body, "allowed_token_ids": bad}, headers=AUTH)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
 

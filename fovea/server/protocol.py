@@ -31,7 +31,8 @@ class RequestLimits:
     max_stop_string_chars: int = 1000
     max_stop_token_ids: int = 1024
     max_logit_bias: int = 1024  # entries
-    max_allowed_token_ids: int = 1 << 16  # a set of answers' tokens (digits, letters, a label's words)
+    # a set of answers' tokens (digits, letters, labels): like logit_bias, entries each step writes for each row
+    max_allowed_token_ids: int = 1024
     max_prompts: int = 1024  # prompts in one /v1/completions request
 
     def check(self, fields: SamplingFields) -> None:
