@@ -50,6 +50,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops the cached KV of earlier prompts (vLLM's: timing or comparing runs without cache hits); False
+        while a request is running."""
+        return self.engine.blocks.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         return self.default_params.clone()
 

@@ -81,6 +81,21 @@ def test_freed_blocks_stay_cached_until_evicted_least_recent_first():
         assert bm.block_hash[table] is not None
 
 
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_held():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    a = list(range(100, 112))
+    ha = block_hashes(a, BS)
+    table, _ = alloc(bm, ha, len(a))
+    bm.mark_computed(table, ha, len(a))
+    assert not bm.reset_prefix_cache() and len(bm.cached) == 3  # held: nothing forgotten
+    bm.release(table)
+    assert bm.reset_prefix_cache() and not bm.cached and bm.num_free_blocks == 6
+    again, cached = alloc(bm, ha, len(a) + 1)
+    assert cached == 0  # computed again
+    bm.mark_computed(again, ha, len(a))
+    assert len(bm.cached) == 3  # and cached again
+
+
 def test_decode_growth_and_sealing():
     bm = BlockManager(num_blocks=4, block_size=BS)
     tokens = [1, 2, 3, 4, 5, 6]

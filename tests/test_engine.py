@@ -58,6 +58,9 @@ def test_shared_system_prompt_hits_the_prefix_cache(llm, tiny_dirs):
     first = llm.chat(conversations[0], params, use_tqdm=False)
     rest = llm.chat(conversations[1:], params, use_tqdm=False)
     assert all(o.num_cached_tokens >= 32 for o in rest)
+    assert llm.reset_prefix_cache()  # vLLM's: nothing found cached after it, the same tokens
+    again = llm.chat(conversations[1], params, use_tqdm=False)
+    assert again[0].num_cached_tokens == 0 and tokens(again) == tokens(rest[:1])
     uncached = LLM(
         str(tiny_dirs["tiny-3b"]),
         dtype="float32",

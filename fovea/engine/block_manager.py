@@ -172,6 +172,15 @@ class BlockManager:
                 self.free[block] = None
         table.clear()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, so later prompts compute all their KV again (vLLM's reset_prefix_cache);
+        False, forgetting nothing, while a sequence holds blocks."""
+        if any(self.ref_counts):
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def _take_free_block(self) -> int:
         block, _ = self.free.popitem(last=False)
         old = self.block_hash[block]
