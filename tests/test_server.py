@@ -305,6 +305,18 @@ def test_continue_final_message_goes_on_with_the_last_message(server, llm, tiny_
     assert counted.json()["tokens"] == offline.prompt_token_ids
     both = httpx.post(server + "/v1/chat/completions", json={**body, "add_generation_prompt": True}, headers=AUTH)
     assert both.status_code == 400 and "add_generation_prompt" in both.json()["error"]["message"]
+    # vLLM's echo: the reply starts with the last message when that is the reply's role (the prefill's text)
+    whole = "The boat is called" + offline.outputs[0].text
+    echoed = httpx.post(server + "/v1/chat/completions", json={**body, "echo": True}, headers=AUTH, timeout=60)
+    assert echoed.json()["choices"][0]["message"]["content"] == whole
+    events = stream_events(server, "/v1/chat/completions", {**body, "echo": True, "stream": True})
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == whole
+    asked = {**body, "messages": messages[:1], "add_generation_prompt": True, "continue_final_message": False}
+    plain, with_echo = (
+        httpx.post(server + "/v1/chat/completions", json={**asked, "echo": echo}, headers=AUTH, timeout=60)
+        for echo in (False, True)
+    )
+    assert with_echo.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]  # a user's: not echoed
 
 
 def test_allowed_token_ids_are_the_only_tokens_drawn(server, llm):

@@ -151,9 +151,10 @@ def chat_response(
     with_prompt_logprobs: bool = False,
     with_token_ids: bool = False,
     tokens_as_ids: bool = False,
+    echo: str = "",
 ) -> dict:
     """`with_token_ids`: vLLM's return_token_ids, the prompt's ids beside the choices and each choice's own;
-    `tokens_as_ids`: its return_tokens_as_token_ids (shown_token)."""
+    `tokens_as_ids`: its return_tokens_as_token_ids (shown_token); `echo`: text before each reply's content."""
     usage = Usage()
     usage.add_prompt(output)
     choices = []
@@ -165,6 +166,8 @@ def chat_response(
         message = tool_use.message(text or "", role) if tool_use else {"role": role, "content": text}
         if reasoning_parser:
             message.update(reasoning=reasoning, reasoning_content=reasoning)
+        if echo:
+            message["content"] = echo + (message.get("content") or "")
         finish = tool_use.finish_reason("tool_calls" in message, c.finish_reason) if tool_use else c.finish_reason
         choices.append(
             {
@@ -213,9 +216,11 @@ async def chat_stream(
     reasoning_parser: str | None = None,
     with_token_ids: bool = False,
     tokens_as_ids: bool = False,
+    echo: str = "",
 ) -> AsyncIterator[str]:
     """`include_usage`: usage in the last chunk, and in every chunk (StreamOptions.usage). `with_token_ids`:
-    the prompt's ids in the first chunk, each chunk's new ids with its choice (vLLM's return_token_ids)."""
+    the prompt's ids in the first chunk, each chunk's new ids with its choice (vLLM's return_token_ids).
+    `echo`: a chunk of that text for each choice before its reply."""
     created = int(time.time())
     tool_calls = {i: ToolCallStream(tool_use) for i in range(n)} if tool_use and tool_use.choice != "none" else {}
     reasoning = {i: Reasoning(reasoning_parser, first.prompt) for i in range(n)} if reasoning_parser else {}
@@ -246,6 +251,11 @@ async def chat_stream(
             None if so_far is None else so_far.of(0),
             **({"prompt_token_ids": list(first.prompt_token_ids)} if with_token_ids else {}),
         )
+        for i in range(n) if echo else ():
+            yield chunk(
+                [{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}],
+                None if so_far is None else so_far.of(i),
+            )
         output = first
         while True:
             for c in output.outputs:

@@ -91,8 +91,7 @@ NOT_IMPLEMENTED = {
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "structural_tag": (None,),
-    "echo": (None, False),
-    "add_special_tokens": (None, False),  # chat (completions has its own echo)
+    "add_special_tokens": (None, False),  # chat's
 }
 # no effect on the answer, or asking nothing of a model that does not reason or search (vLLM accepts them too)
 IGNORED = {
@@ -285,10 +284,24 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = Field(None, max_length=MAX_REQUEST_TEMPLATE_CHARS)  # run in the sandbox
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message left open: the model goes on with it
+    echo: bool = False  # vLLM's: the reply starts with the last message's text when that is the reply's role
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    def echo_text(self, role: str) -> str:
+        """What `echo` puts before the reply: the last message's text if it has the reply's role (its text parts
+        joined by newlines, as vLLM joins them), else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.get("role") != role:
+            return ""
+        content = last.get("content") or ""
+        if isinstance(content, list):
+            content = "\n".join(
+                part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+        return content if isinstance(content, str) else ""
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

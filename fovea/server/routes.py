@@ -282,6 +282,7 @@ async def chat_completions(request: Request):
                 parser,
                 body.return_token_ids,
                 body.return_tokens_as_token_ids,
+                body.echo_text(role),
             ),
             media_type="text/event-stream",
         )
@@ -298,6 +299,7 @@ async def chat_completions(request: Request):
         body.prompt_logprobs is not None,
         body.return_token_ids,
         body.return_tokens_as_token_ids,
+        body.echo_text(role),
     )
 
 
