@@ -69,6 +69,8 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         (dict(load_format="pt"), "only safetensors"),
         (dict(tokenizer=str(tiny_dirs["tiny-7b"])), "a tokenizer other than the model's own"),
         (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or"),
+        (dict(scheduling_policy="priority"), "priority scheduling is not implemented"),
+        (dict(model_impl="transformers"), "fovea runs its own model code"),
     ]:
         with pytest.raises(ValueError, match=words):
             EngineConfig.from_args(str(model), **args)
@@ -130,8 +132,28 @@ def test_a_vllm_launch_line_serves(tiny_dirs):
         "--uvicorn-log-level",
         "info",
         "--enable-force-include-usage",
+        "--return-tokens-as-token-ids",
+        "--enable-request-id-headers",
+        "--disable-fastapi-docs",
+        "--disable-uvicorn-access-log",
+        "--scheduling-policy",
+        "fcfs",
+        "--model-impl",
+        "auto",
+        "--prefix-caching-hash-algo",
+        "sha256",
+        "--enable-prompt-tokens-details",
     ]
     with running_server(None, *flags) as (base, proc):
+        assert [httpx.get(base + path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
+        given = httpx.get(base + "/v1/models", headers={"x-request-id": "trace-7"}).headers["x-request-id"]
+        made = httpx.get(base + "/v1/models").headers["x-request-id"]
+        assert given == "trace-7" and len(made) == 32
+        scored = {"model": "first", "prompt": "hi", "max_tokens": 2, "logprobs": 1}
+        as_ids = httpx.post(base + "/v1/completions", json=scored).json()["choices"][0]["logprobs"]["tokens"]
+        scored["return_tokens_as_token_ids"] = False  # the request's own choice wins
+        as_text = httpx.post(base + "/v1/completions", json=scored).json()["choices"][0]["logprobs"]["tokens"]
+        assert all(t.startswith("token_id:") for t in as_ids) and not any(t.startswith("token_id:") for t in as_text)
         # load balancers' and SageMaker's probe; every stream carries its usage, asked for or not
         assert [httpx.request(method, base + "/ping").status_code for method in ("GET", "POST")] == [200, 200]
         body = {"model": "first", "prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
@@ -170,6 +192,8 @@ def test_a_vllm_launch_line_serves(tiny_dirs):
         and "sampling defaults for fields a request leaves out: none (--generation-config vllm)" in proc.output
     )
     assert "accepted and ignored enable_chunked_prefill=False" in proc.output
+    assert "accepted and ignored prefix_caching_hash_algo='sha256'" in proc.output
+    assert "HTTP/1.1" not in proc.output  # no access log, though the log level is info
 
 
 def fovea_serve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
@@ -229,6 +253,9 @@ def test_serve_help_shows_every_default():
         "--enable-log",
         "--enable-auto",
         "--enable-force",
+        "--enable-request-id",
+        "--enable-prompt-tokens",
+        "--return-tokens",
         "--enforce",
         "--skip",
         "--fp32",

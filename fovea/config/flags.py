@@ -284,6 +284,11 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=only)
     group.add_argument("--load-format", default="auto", help="auto or safetensors")
     group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
+    group.add_argument("--scheduling-policy", default="fcfs", help="fcfs (requests in arrival order)")
+    group.add_argument("--model-impl", default="auto", help="auto (fovea's own model code)")
+    group.add_argument(
+        "--prefix-caching-hash-algo", default=None, help="accepted and logged: blocks are keyed by blake2b digests"
+    )
     group.add_argument(
         "--ec-transfer-config", default=None, help="vLLM's encoder disaggregation: see --mm-encoder-workers"
     )
@@ -304,6 +309,7 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         "--disable-log-stats",
         "--disable-frontend-multiprocessing",
         "--disable-custom-all-reduce",
+        "--enable-prompt-tokens-details",
     ):
         group.add_argument(
             flag,

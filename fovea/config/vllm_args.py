@@ -24,6 +24,8 @@ NO_EFFECT = {
     "tokenizer_revision": "the tokenizer comes with the model's revision",
     "enable_chunked_prefill": "fovea always chunks long prompts (the tokens are the same)",
     "disable_frontend_multiprocessing": "the engine always runs in its own process",
+    "enable_prompt_tokens_details": "usage has prompt_tokens_details.cached_tokens whenever the prefix cache served",
+    "prefix_caching_hash_algo": "cached KV blocks are keyed by blake2b digests of their tokens",
 }
 
 # value(s) at which the argument changes nothing; any other value asks for something fovea does not do
@@ -33,6 +35,8 @@ ONLY_AT = {
     "cpu_offload_gb": ((0, None), "offloading weights to the CPU is not implemented"),
     "tokenizer_mode": (("auto", "hf", None), "only the checkpoint's Hugging Face tokenizer is supported"),
     "worker_cls": (("auto", None), "custom worker classes are not supported"),
+    "scheduling_policy": (("fcfs", None), "priority scheduling is not implemented: requests run in arrival order"),
+    "model_impl": (("auto", None), "fovea runs its own model code"),
     # vLLM's encoder instances, fed by a proxy, hand their outputs to the language model's through a connector
     "ec_transfer_config": (
         (None,),

@@ -16,7 +16,7 @@ from fovea.config.flags import LoRAModule
 from fovea.core.sampling_params import sampling_defaults
 from fovea.frontend.async_llm import AsyncLLM
 from fovea.server.errors import add_error_handlers
-from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit, SiteCheck
+from fovea.server.guards import MAX_BODY_OBJECTS, APIKeyCheck, BodyLimit, RequestIdHeader, SiteCheck
 from fovea.server.lora_routes import ServedAdapters
 from fovea.server.lora_routes import routes as lora_routes
 from fovea.server.media import MediaPolicy
@@ -50,6 +50,9 @@ class ServerOptions:
     response_role: str = "assistant"  # the role of a chat completion's message
     log_requests: bool = False  # a log line per request: id, prompt tokens, sampling parameters
     force_include_usage: bool = False  # every stream's chunks carry the usage, whatever stream_options says
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as token_id:N unless a request says otherwise
+    request_id_headers: bool = False  # responses carry X-Request-Id (--enable-request-id-headers)
+    fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs turns them off)
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses calls
     lora_modules: list[LoRAModule] = field(default_factory=list)  # --lora-modules
     playground: bool = True  # the chat page at / (--disable-playground)
@@ -59,7 +62,8 @@ class ServerOptions:
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
-    app = FastAPI(title="fovea", version=__version__)
+    docs = {} if options.fastapi_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="fovea", version=__version__, **docs)
     names = options.served_model_names or [str(engine.config.model_dir)]
     config = engine.config
     defaults = sampling_defaults(config.model_dir, config.generation_config)
@@ -119,6 +123,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     hosts = None if options.allowed_hosts is None or "*" in options.allowed_hosts else options.allowed_hosts
     origins = frozenset(origin.lower().rstrip("/") for origin in options.allowed_origins)
     hosts = None if hosts is None else frozenset(host.lower() for host in hosts)
+    if options.request_id_headers:
+        app.add_middleware(RequestIdHeader)
     app.add_middleware(SiteCheck, allowed_origins=origins, local_names=hosts)  # added last: runs first
     for path, method, route in routes:
         app.add_api_route(path, route, methods=[method])

@@ -56,6 +56,16 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--enable-log-requests", action="store_true", help="log each request's id, length, parameters")
     net.add_argument("--response-role", default="assistant", help="role of the chat completion's message")
     net.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name their tokens token_id:N unless a request's return_tokens_as_token_ids says otherwise",
+    )
+    net.add_argument(
+        "--enable-request-id-headers", action="store_true", help="responses carry X-Request-Id (the request's own)"
+    )
+    net.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    net.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log")
+    net.add_argument(
         "--enable-force-include-usage",
         action="store_true",
         help="streams carry the usage in every chunk and after the last, whatever the request's stream_options",
@@ -203,6 +213,9 @@ def run_serve(args: argparse.Namespace) -> None:
             response_role=args.response_role,
             log_requests=args.enable_log_requests,
             force_include_usage=args.enable_force_include_usage,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            request_id_headers=args.enable_request_id_headers,
+            fastapi_docs=not args.disable_fastapi_docs,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             lora_modules=args.lora_modules,
             playground=not args.disable_playground,
@@ -227,7 +240,7 @@ def run_serve(args: argparse.Namespace) -> None:
                 root_path=args.root_path,
                 ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile,
-                access_log=not args.disable_log_requests,
+                access_log=not (args.disable_log_requests or args.disable_uvicorn_access_log),
                 timeout_graceful_shutdown=30,
             )
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import uuid
 
 from fovea.server.protocol import error_body
 
@@ -94,6 +95,26 @@ class APIKeyCheck:
         ):
             return await send_error(send, 401, "invalid or missing API key", "AuthenticationError")
         return await self.app(scope, receive, send)
+
+
+class RequestIdHeader:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's own (a header value
+    already, so no CR or LF) or a new one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
 
 
 # JSON parsing holds the GIL whichever thread runs it: a 60 MB body of two million small objects kept every

@@ -147,7 +147,9 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids with the text
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
+    return_tokens_as_token_ids: bool | None = (
+        None  # vLLM's: logprobs name their tokens "token_id:N" (None: the server's)
+    )
     prompt_logprobs: int | None = None  # each prompt token's log-probability and this many top ones, as vLLM
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None  # vLLM's: how media are loaded (video num_frames, fps)

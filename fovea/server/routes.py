@@ -119,6 +119,11 @@ class Served:
         seconds to build and encode, which on the event loop stalled every other client."""
         return await self.engine.run_in_pool(lambda: JSONResponse(build(*args)))
 
+    def tokens_as_ids(self, body) -> bool:
+        """return_tokens_as_token_ids: the request's, else the server's (--return-tokens-as-token-ids)."""
+        asked = body.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids if asked is None else asked
+
     def log_request(self, request_id: str, prompt_tokens: int, params) -> None:
         if self.options.log_requests:  # a 100,000-entry choice list would make one log line of megabytes
             logger.info("request %s: %d prompt tokens, %.1000s", request_id, prompt_tokens, params)
@@ -281,7 +286,7 @@ async def chat_completions(request: Request):
                 run.tool_use,
                 parser,
                 body.return_token_ids,
-                body.return_tokens_as_token_ids,
+                served.tokens_as_ids(body),
                 body.echo_text(role),
             ),
             media_type="text/event-stream",
@@ -298,7 +303,7 @@ async def chat_completions(request: Request):
         parser,
         body.prompt_logprobs is not None,
         body.return_token_ids,
-        body.return_tokens_as_token_ids,
+        served.tokens_as_ids(body),
         body.echo_text(role),
     )
 
@@ -331,7 +336,7 @@ async def completions(request: Request):
                 body.logprobs,
                 include_usage,
                 body.return_token_ids,
-                body.return_tokens_as_token_ids,
+                served.tokens_as_ids(body),
             ),
             media_type="text/event-stream",
         )
@@ -349,7 +354,7 @@ async def completions(request: Request):
         body.logprobs,
         body.prompt_logprobs is not None,
         body.return_token_ids,
-        body.return_tokens_as_token_ids,
+        served.tokens_as_ids(body),
     )
 
 
