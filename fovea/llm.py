@@ -27,11 +27,14 @@ class LLM:
                 "data_parallel_size > 1 is for `fovea serve` (one engine process per replica); offline, "
                 "run one LLM per replica (as `fovea eval --ray --num-replicas N` does)"
             )
+        # first: a bad --override-generation-config fails before the model loads
+        self.default_params = default_sampling_params(
+            config.model_dir, config.generation_config, config.override_generation_config
+        )
         self.engine = LLMEngine(config, tokenizer=load_tokenizer(config.model_dir), assembler=OutputAssembler)
         # prompts are prepared here, with the engine's tokenizer and grammars (its config: max_model_len may have
         # been lowered to what the KV cache holds)
         self.inputs = InputProcessor(self.engine.config, tokenizer=self.engine.tokenizer, grammars=self.engine.grammars)
-        self.default_params = default_sampling_params(config.model_dir, config.generation_config)
         self._ids = itertools.count()
         # prompts are prepared in this many threads: decoding, resizing and hashing images release the GIL, so a
         # batch of image prompts is ready in a fraction of the time one thread takes (the server's pool does the same)

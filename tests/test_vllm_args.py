@@ -16,7 +16,9 @@ import pytest
 from serving import free_port, running_server
 
 from fovea import LLM, SamplingParams
+from fovea.cli import build_parser
 from fovea.config.engine import EngineConfig
+from fovea.config.flags import engine_kwargs
 from fovea.config.vllm_args import parse_max_model_len
 from fovea.core.sampling_params import default_sampling_params
 
@@ -86,6 +88,14 @@ def test_generation_config_auto_vllm_or_a_directory(tiny_dirs, tmp_path):
     assert default_sampling_params(model, "vllm") == SamplingParams()
     other = default_sampling_params(model, str(tmp_path))
     assert (other.temperature, other.top_k, other.repetition_penalty) == (0.5, 7, 1.0)
+    # vLLM's --override-generation-config: over the chosen defaults (also over none), its max_new_tokens ours
+    over = default_sampling_params(model, "auto", {"temperature": 0.3, "max_new_tokens": 7})
+    assert (over.temperature, over.top_k, over.repetition_penalty, over.max_tokens) == (0.3, 1, 1.05, 7)
+    assert default_sampling_params(model, "vllm", {"top_p": 0.5}) == SamplingParams(top_p=0.5)
+    with pytest.raises(ValueError, match="temperature must be in"):
+        default_sampling_params(model, "auto", {"temperature": -1})
+    llm_args = build_parser().parse_args(["serve", str(model), "--override-generation-config", '{"top_k": 3}'])
+    assert engine_kwargs(llm_args)["override_generation_config"] == {"top_k": 3}
 
 
 def test_max_logprobs_bounds_requests(tiny_dirs):
@@ -210,6 +220,9 @@ def test_refusals_come_before_the_model_loads(tiny_dirs):
     assert done.returncode != 0 and "pipeline parallelism is not implemented" in done.stderr
     done, _ = fovea_serve(model, "--gpu-memory-utilization", "1.5")  # vLLM refuses more than all of it too
     assert done.returncode != 0 and "gpu_memory_utilization must be in (0, 1], got 1.5" in done.stderr
+    done, _ = fovea_serve(model, "--override-generation-config", '{"temprature": 0.5}')
+    assert done.returncode != 0 and "['temprature'] are not sampling defaults" in done.stderr
+    assert "KV cache" not in done.stderr
     assert "Traceback" not in done.stderr
     with socket.socket() as busy:
         port = free_port()

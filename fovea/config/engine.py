@@ -59,6 +59,7 @@ class EngineConfig:
     # group of one: its cost can be measured).
     distributed_executor_backend: str | None = default("distributed_executor_backend")
     generation_config: str = default("generation_config")
+    override_generation_config: dict | None = default("override_generation_config")
     max_logprobs: int = default("max_logprobs")
     quantization: str | None = default("quantization")
     kv_cache_dtype: str = default("kv_cache_dtype")

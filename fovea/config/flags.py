@@ -106,6 +106,12 @@ FLAGS = (
         "auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; or a directory holding one",
     ),
     Flag(
+        "override_generation_config",
+        None,
+        'sampling defaults over the generation config\'s, e.g. {"temperature": 0.5, "max_new_tokens": 512}',
+        type=json_arg,
+    ),
+    Flag(
         "quantization",
         None,
         "the checkpoint's quantized weights: fp8, compressed-tensors or awq, read from its config.json "

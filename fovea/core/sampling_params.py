@@ -236,28 +236,42 @@ class SamplingParams:
         return replace(self, **{k: v for k, v in changes.items() if k in known})
 
 
+# generation_config.json's sampling fields (the ones vLLM reads), by our name
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
 def generation_config_defaults(model_dir: str | Path) -> dict:
     """vLLM's `generation_config="auto"`: the sampling fields the checkpoint's generation_config.json sets
     (a checkpoint may ship a repetition penalty); requests that leave a field out get these."""
     path = Path(model_dir) / "generation_config.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
-    names = {
-        "temperature": "temperature",
-        "top_p": "top_p",
-        "top_k": "top_k",
-        "min_p": "min_p",
-        "repetition_penalty": "repetition_penalty",
-        "max_new_tokens": "max_tokens",
-    }
-    return {ours: raw[theirs] for theirs, ours in names.items() if raw.get(theirs) is not None}
+    return {ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if raw.get(theirs) is not None}
 
 
-def sampling_defaults(model_dir: str | Path, generation_config: str = "auto") -> dict:
-    """vLLM's --generation-config: auto (the checkpoint's), vllm (none: SamplingParams' own), or a directory."""
-    if generation_config == "vllm":
-        return {}
-    return generation_config_defaults(model_dir if generation_config == "auto" else generation_config)
+def sampling_defaults(model_dir: str | Path, generation_config: str = "auto", override: dict | None = None) -> dict:
+    """vLLM's --generation-config: auto (the checkpoint's), vllm (none: SamplingParams' own), or a directory;
+    then its --override-generation-config on top (generation_config.json's names, or ours for max_tokens)."""
+    defaults = (
+        {}
+        if generation_config == "vllm"
+        else generation_config_defaults(model_dir if generation_config == "auto" else generation_config)
+    )
+    unknown = sorted(set(override or {}) - set(GENERATION_CONFIG_FIELDS) - set(GENERATION_CONFIG_FIELDS.values()))
+    if unknown:
+        raise ValueError(
+            f"override_generation_config: {unknown} are not sampling defaults; it takes {sorted(GENERATION_CONFIG_FIELDS)}"
+        )
+    return {**defaults, **{GENERATION_CONFIG_FIELDS.get(name, name): value for name, value in (override or {}).items()}}
 
 
-def default_sampling_params(model_dir: str | Path, generation_config: str = "auto") -> SamplingParams:
-    return SamplingParams(**sampling_defaults(model_dir, generation_config))
+def default_sampling_params(
+    model_dir: str | Path, generation_config: str = "auto", override: dict | None = None
+) -> SamplingParams:
+    return SamplingParams(**sampling_defaults(model_dir, generation_config, override))

@@ -95,6 +95,10 @@ class AsyncLLM:
         prepare_threads: int | None = None,
     ):
         self._start_config, self._startup_timeout = config, startup_timeout
+        # first: a bad --override-generation-config fails before anything starts
+        self.default_params = default_sampling_params(
+            config.model_dir, config.generation_config, config.override_generation_config
+        )
         self.stats = EngineStats()
         self.on_stats = on_stats
         self.on_fatal: Callable[[], None] | None = None  # the engine cannot be brought back
@@ -142,7 +146,6 @@ class AsyncLLM:
         tokenizer, self.grammar_checks = loaded.result()
         self.inputs = InputProcessor(self.config, self.image_workers, tokenizer, self.grammar_checks)
         self.tokenizer = self.inputs.tokenizer
-        self.default_params = default_sampling_params(self.config.model_dir, self.config.generation_config)
 
     @classmethod
     def from_args(cls, model: str | None = None, on_stats=None, max_restarts: int = 3, **engine_args) -> AsyncLLM:

@@ -66,7 +66,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="fovea", version=__version__, **docs)
     names = options.served_model_names or [str(engine.config.model_dir)]
     config = engine.config
-    defaults = sampling_defaults(config.model_dir, config.generation_config)
+    defaults = sampling_defaults(config.model_dir, config.generation_config, config.override_generation_config)
     logger.info(
         "sampling defaults for fields a request leaves out: %s",
         json.dumps(defaults)
