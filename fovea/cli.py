@@ -132,11 +132,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; for serve with `--config FILE` (vLLM's YAML of flags), the file's values as the flags'
+    defaults, then the command line again over them."""
     args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "config", None) and args.command == "serve":
+        from fovea.server.cli import with_config_file
+
+        try:
+            with_config_file(parser.subcommands["serve"], args.config)
+        except ValueError as exc:
+            parser.subcommands["serve"].error(str(exc))
+        args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported with the usage of the subcommand they were given to, not the top-level one
         parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parse_args(parser, argv)
     if args.version:
         from fovea import __version__
 

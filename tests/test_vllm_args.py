@@ -16,7 +16,7 @@ import pytest
 from serving import free_port, running_server
 
 from fovea import LLM, SamplingParams
-from fovea.cli import build_parser
+from fovea.cli import build_parser, parse_args
 from fovea.config.engine import EngineConfig
 from fovea.config.flags import engine_kwargs
 from fovea.config.vllm_args import parse_max_model_len
@@ -107,11 +107,15 @@ def test_max_logprobs_bounds_requests(tiny_dirs):
         llm.generate("hi", SamplingParams(max_tokens=2, logprobs=4), use_tqdm=False)
 
 
-def test_a_vllm_launch_line_serves(tiny_dirs):
+def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
     model = str(tiny_dirs["tiny-3b"])
+    config = tmp_path / "serve.yaml"  # vLLM's --config: some of the flags from a file
+    config.write_text("response-role: bot\nmax_logprobs: 2\nmax-model-len: 1k\n")
     flags = [
         "--model",
         model,
+        "--config",
+        str(config),
         "--served-model-name",
         "first",
         "second",
@@ -123,13 +127,7 @@ def test_a_vllm_launch_line_serves(tiny_dirs):
         "auto",
         "--generation-config",
         "vllm",
-        "--max-model-len",
-        "1k",
-        "--max-logprobs",
-        "2",
         "--enable-log-requests",
-        "--response-role",
-        "bot",
         "--tokenizer",
         model,
         "--root-path",
@@ -212,6 +210,32 @@ def fovea_serve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedPr
         [sys.executable, "-m", "fovea.cli", "serve", *args], capture_output=True, text=True, timeout=timeout
     )
     return done, time.monotonic() - start
+
+
+def test_a_config_file_gives_defaults_the_command_line_overrides(tmp_path, capsys):
+    """vLLM's `--config FILE`: YAML keys are serve's flags (dashes or underscores), the model too; typed as on the
+    command line (lists of LoRA modules, sizes like 32k, JSON objects as mappings); flags given win; a key that is
+    no flag fails naming it."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: /models/a\nport: 9000\nmax-model-len: 32k\nlimit_mm_per_prompt: {image: 3}\n"
+        "enable-prefix-caching: false\nlora-modules: [sql=/adapters/sql, {name: b, path: /adapters/b}]\n"
+    )
+    args = parse_args(build_parser(), ["serve", "--config", str(config), "--port", "9100"])
+    engine = engine_kwargs(args)
+    assert (args.model, args.port, engine["max_model_len"], engine["limit_mm_per_prompt"]) == (
+        "/models/a",
+        9100,
+        32000,
+        {"image": 3},
+    )
+    assert engine["enable_prefix_caching"] is False
+    assert [(m.name, m.path) for m in args.lora_modules] == [("sql", "/adapters/sql"), ("b", "/adapters/b")]
+    assert parse_args(build_parser(), ["serve", "/models/b", "--config", str(config)]).model == "/models/b"
+    config.write_text("max-model-len: 1k\nmax-modle-len: 2k\n")
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), ["serve", "--config", str(config)])
+    assert "['max-modle-len'] are not flags of fovea serve" in capsys.readouterr().err
 
 
 def test_refusals_come_before_the_model_loads(tiny_dirs):

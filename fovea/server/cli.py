@@ -13,6 +13,33 @@ from pathlib import Path
 from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs, lora_module_arg
 
 
+def with_config_file(serve: argparse.ArgumentParser, path: str) -> None:
+    """vLLM's `--config FILE`: a YAML mapping of serve's flags (dashes or underscores, no leading --) to values,
+    which become the flags' defaults, so that the command line's own flags win. A key that is no flag fails."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: {error}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flags to values")
+    actions = {action.dest: action for action in serve._actions if action.dest not in ("help", "config")}
+    unknown = sorted(str(key) for key in values if str(key).replace("-", "_") not in actions)
+    if unknown:
+        raise ValueError(f"--config {path}: {unknown} are not flags of fovea serve")
+    defaults = {}
+    for key, value in values.items():
+        action = actions[str(key).replace("-", "_")]
+        if isinstance(value, list) and action.type is not None:  # (a string is converted by argparse itself)
+            try:
+                value = [action.type(v if isinstance(v, str) else json.dumps(v)) for v in value]
+            except (argparse.ArgumentTypeError, ValueError) as error:
+                raise ValueError(f"--config {path}: {key}: {error}") from None
+        defaults[action.dest] = value
+    serve.set_defaults(**defaults)
+
+
 def add_serve_parser(sub) -> None:
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (default: the embedded demo model)", formatter_class=DefaultsShown
@@ -21,6 +48,11 @@ def add_serve_parser(sub) -> None:
         "model", nargs="?", default=None, help="model directory or hub id (downloaded unless HF_HUB_OFFLINE is set)"
     )
     serve.add_argument("--model", dest="model_flag", default=None, help="the model, as vLLM's older flag")
+    serve.add_argument(
+        "--config",
+        default=None,
+        help="a YAML file of these flags (model: ..., max-model-len: 32k, ...), as vLLM's; the command line's win",
+    )
     net = serve.add_argument_group("server")
     net.add_argument(
         "--host",
