@@ -62,7 +62,7 @@ def test_every_route_but_the_public_ones_wants_the_key_under_any_root_path(engin
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")  # the runtime LoRA routes too
     app = app_of(engine, api_key=KEY)
     routes = every_route(app)
-    public = {"/health", "/ping", "/version", "/metrics", "/", "/playground"} | {
+    public = {"/health", "/ping", "/load", "/version", "/metrics", "/", "/playground"} | {
         path for _, path in routes if path.startswith("/playground/") and path != "/playground/settings"
     }
     assert {"/v1/load_lora_adapter", "/playground/settings", "/tokenize", "/v1/responses"} <= {p for _, p in routes}

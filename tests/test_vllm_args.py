@@ -151,8 +151,21 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
         "--prefix-caching-hash-algo",
         "sha256",
         "--enable-prompt-tokens-details",
+        "--enable-server-load-tracking",
+        "--max-log-len",
+        "60",
     ]
     with running_server(None, *flags) as (base, proc):
+        assert httpx.get(base + "/load").json() == {"server_load": 0}
+        body = {"model": "first", "prompt": "hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as streamed:
+            lines = streamed.iter_lines()  # (kept: an iterator dropped closes the stream, and the request goes)
+            assert next(lines).startswith("data: ")  # under way
+            assert httpx.get(base + "/load").json() == {"server_load": 1}
+        deadline = time.monotonic() + 30  # the client left: its request is aborted
+        while httpx.get(base + "/load").json() != {"server_load": 0}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         assert [httpx.get(base + path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
         given = httpx.get(base + "/v1/models", headers={"x-request-id": "trace-7"}).headers["x-request-id"]
         made = httpx.get(base + "/v1/models").headers["x-request-id"]
@@ -195,6 +208,8 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
     }
     assert 'vllm:num_requests_running{model_name="first"}' in samples  # dashboards made for vLLM find theirs
     request_id = reply.json()["id"]
+    (logged,) = [line for line in proc.output.splitlines() if f"request {request_id}: " in line]
+    assert len(logged.split(" prompt tokens, ", 1)[1]) == 60  # --max-log-len: its parameters cut there
     assert (
         f"request {request_id}: " in proc.output
         and "sampling defaults for fields a request leaves out: none (--generation-config vllm)" in proc.output
@@ -292,6 +307,7 @@ def test_serve_help_shows_every_default():
         "--enable-force",
         "--enable-request-id",
         "--enable-prompt-tokens",
+        "--enable-server-load",
         "--return-tokens",
         "--enforce",
         "--skip",

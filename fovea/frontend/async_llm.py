@@ -160,6 +160,11 @@ class AsyncLLM:
         )
 
     @property
+    def num_requests_in_flight(self) -> int:
+        """Requests sent to an engine and not yet finished or aborted (vLLM's /load)."""
+        return sum(self._in_flight)
+
+    @property
     def process(self):
         return self._engines[0].process
 

@@ -33,7 +33,7 @@ logger = logging.getLogger("fovea")
 
 
 # what answers without the API key (as in vLLM); the playground's page asks for the key, its settings want it
-PUBLIC_PATHS = {"/health", "/ping", "/version", "/metrics"}
+PUBLIC_PATHS = {"/health", "/ping", "/load", "/version", "/metrics"}
 
 
 @dataclass
@@ -49,6 +49,7 @@ class ServerOptions:
     trust_request_chat_template: bool = False  # vLLM's flag: client chat templates, in the sandbox
     response_role: str = "assistant"  # the role of a chat completion's message
     log_requests: bool = False  # a log line per request: id, prompt tokens, sampling parameters
+    max_log_len: int = 1000  # characters of a request's parameters in its log line (--max-log-len)
     force_include_usage: bool = False  # every stream's chunks carry the usage, whatever stream_options says
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as token_id:N unless a request says otherwise
     request_id_headers: bool = False  # responses carry X-Request-Id (--enable-request-id-headers)

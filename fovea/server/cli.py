@@ -98,6 +98,14 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     net.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log")
     net.add_argument(
+        "--max-log-len", type=int, default=1000, help="characters of a request's parameters in its log line"
+    )
+    net.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="accepted: /load always reports the requests in flight",
+    )
+    net.add_argument(
         "--enable-force-include-usage",
         action="store_true",
         help="streams carry the usage in every chunk and after the last, whatever the request's stream_options",
@@ -244,6 +252,7 @@ def run_serve(args: argparse.Namespace) -> None:
             trust_request_chat_template=args.trust_request_chat_template,
             response_role=args.response_role,
             log_requests=args.enable_log_requests,
+            max_log_len=args.max_log_len,
             force_include_usage=args.enable_force_include_usage,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             request_id_headers=args.enable_request_id_headers,

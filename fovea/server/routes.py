@@ -126,7 +126,9 @@ class Served:
 
     def log_request(self, request_id: str, prompt_tokens: int, params) -> None:
         if self.options.log_requests:  # a 100,000-entry choice list would make one log line of megabytes
-            logger.info("request %s: %d prompt tokens, %.1000s", request_id, prompt_tokens, params)
+            logger.info(
+                "request %s: %d prompt tokens, %s", request_id, prompt_tokens, str(params)[: self.options.max_log_len]
+            )
 
 
 async def unless_disconnected(request: Request, awaitable):
@@ -156,6 +158,11 @@ async def health(request: Request):
         return error_response(503, engine.error, "ServiceUnavailableError")
     down = sorted(engine.replicas_down)
     return JSONResponse({"replicas_down": down} if down else {})
+
+
+async def server_load(request: Request):
+    """vLLM's /load: the requests in flight, for a load balancer's choice (always counted here)."""
+    return {"server_load": request.app.state.served.engine.num_requests_in_flight}
 
 
 async def version():
@@ -412,6 +419,7 @@ ROUTES = [
     ("/health", "GET", health),
     ("/ping", "GET", health),  # vLLM's, for load balancers and SageMaker (which POSTs)
     ("/ping", "POST", health),
+    ("/load", "GET", server_load),
     ("/version", "GET", version),
     ("/v1/models", "GET", models),
     ("/v1/chat/completions", "POST", chat_completions),
