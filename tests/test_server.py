@@ -340,8 +340,10 @@ def test_allowed_token_ids_are_the_only_tokens_drawn(server, llm):
     assert set(greedy_reply["choices"][0]["token_ids"]) <= set(allowed)
     refusals = [([], "must not be empty"), ([5, 10**7], "allowed_token_ids has token id 10000000")]
     refusals.append((list(range(1025)), "allowed_token_ids has 1025 entries; at most 1024"))
+    refusals.append(([151645], "holds only stop tokens"))  # with min_tokens, nothing could be drawn
     for bad, words in refusals:
-        refused = httpx.post(server + "/v1/completions", json={**body, "allowed_token_ids": bad}, headers=AUTH)
+        asked = {**body, "allowed_token_ids": bad, "ignore_eos": False, "min_tokens": 2}
+        refused = httpx.post(server + "/v1/completions", json=asked, headers=AUTH)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
 
 

@@ -133,6 +133,10 @@ class InputProcessor:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]}, out of vocabulary (size {self.vocab_size})")
+        eos = () if params.ignore_eos else self.config.model.eos_token_ids
+        stops = {*eos, *params.stop_token_ids}  # what min_tokens bans (sequence.py)
+        if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= stops:
+            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens keeps from being drawn")
 
     def make_request(
         self,

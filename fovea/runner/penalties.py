@@ -1,5 +1,6 @@
-"""allowed_token_ids, logit_bias, min_tokens bans and the repetition / frequency / presence penalties, applied in place to a step's
-logits (the sampler's first stage), and the per-sample token sets the penalties read, kept between steps.
+"""allowed_token_ids, logit_bias, min_tokens bans and the repetition / frequency / presence penalties, applied in
+place to a step's logits (the sampler's first stage), and the per-sample token sets the penalties read, kept
+between steps.
 
 Penalties touch only the (row, token) entries a row has seen: no vocabulary-wide count tensors. Which entries those
 are is kept per sample (`SeenTokens`): the prompt's distinct ids once on the device, the generated ids on the host,
@@ -112,12 +113,12 @@ def _with_pending(found: SeenKeys, rows: list[SampleRow], pending: tuple, vocab:
 def apply_penalties_and_bias(
     logits: torch.Tensor, rows: list[SampleRow], seen: dict | None = None, pending: tuple | None = None
 ) -> None:
-    """Applies allowed_token_ids, logit_bias, min_tokens bans and the penalties to `logits` in place (the step's logits are read
-    only by the sampler, which takes log-probabilities before this). Only the entries changed are touched: at
-    batch 256 the seen tokens are ~256k entries scattered over a 150 MB batch, each a cache miss on the CPU, so
-    they are read once and written once. `seen`: the caller's SeenTokens by row key, kept across steps; without
-    it they are built for this call. `pending`: (rows, their tokens on the device) sampled by the step still on
-    the device and not yet in the rows' token lists (async scheduling): seen too."""
+    """Applies allowed_token_ids, logit_bias, min_tokens bans and the penalties to `logits` in place (the step's
+    logits are read only by the sampler, which takes log-probabilities before this). Only the entries changed are
+    touched: at batch 256 the seen tokens are ~256k entries scattered over a 150 MB batch, each a cache miss on the
+    CPU, so they are read once and written once. `seen`: the caller's SeenTokens by row key, kept across steps;
+    without it they are built for this call. `pending`: (rows, their tokens on the device) sampled by the step
+    still on the device and not yet in the rows' token lists (async scheduling): seen too."""
     vocab = logits.shape[1]
     device = logits.device
     bias = [
