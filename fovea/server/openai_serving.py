@@ -66,6 +66,18 @@ class Usage:
         return usage
 
 
+@dataclasses.dataclass(frozen=True)
+class Shown:
+    """What a response carries beside each choice's text, as its request asked (built once per request)."""
+
+    logprobs: int | None = None  # top log-probabilities per token (chat: top_logprobs); None: no logprobs
+    prompt_logprobs: bool = False
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's ids
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as token_id:N (shown_token)
+    echo: str = ""  # chat: text before each reply (vLLM's echo, ChatCompletionRequest.echo_text)
+    usage: tuple[bool, bool] = (False, False)  # streams: usage after the last choice, and in every chunk
+
+
 class RunningUsage:
     """One prompt's usage as it streams (vLLM's continuous_usage_stats): its prompt tokens and each choice's
     tokens so far."""
@@ -144,17 +156,12 @@ def chat_response(
     output: RequestOutput,
     model: str,
     request_id: str,
-    top_logprobs: int,
+    shown: Shown = Shown(),
     role: str = "assistant",
     tool_use: ToolUse | None = None,
     reasoning_parser: str | None = None,
-    with_prompt_logprobs: bool = False,
-    with_token_ids: bool = False,
-    tokens_as_ids: bool = False,
-    echo: str = "",
 ) -> dict:
-    """`with_token_ids`: vLLM's return_token_ids, the prompt's ids beside the choices and each choice's own;
-    `tokens_as_ids`: its return_tokens_as_token_ids (shown_token); `echo`: text before each reply's content."""
+    """A chat completion; the prompt's token ids beside the choices (`shown.token_ids`)."""
     usage = Usage()
     usage.add_prompt(output)
     choices = []
@@ -166,17 +173,17 @@ def chat_response(
         message = tool_use.message(text or "", role) if tool_use else {"role": role, "content": text}
         if reasoning_parser:
             message.update(reasoning=reasoning, reasoning_content=reasoning)
-        if echo:
-            message["content"] = echo + (message.get("content") or "")
+        if shown.echo:
+            message["content"] = shown.echo + (message.get("content") or "")
         finish = tool_use.finish_reason("tool_calls" in message, c.finish_reason) if tool_use else c.finish_reason
         choices.append(
             {
                 "index": c.index,
                 "message": message,
-                "logprobs": chat_logprobs(c, top_logprobs, tokens_as_ids),
+                "logprobs": chat_logprobs(c, shown.logprobs or 0, shown.tokens_as_ids),
                 "finish_reason": finish,
                 "stop_reason": c.stop_reason,
-                **({"token_ids": list(c.token_ids)} if with_token_ids else {}),
+                **({"token_ids": list(c.token_ids)} if shown.token_ids else {}),
             }
         )
     return {
@@ -186,8 +193,8 @@ def chat_response(
         "model": model,
         "choices": choices,
         "usage": usage.as_dict(),
-        **({"prompt_logprobs": prompt_logprobs(output)} if with_prompt_logprobs else {}),
-        **({"prompt_token_ids": list(output.prompt_token_ids)} if with_token_ids else {}),
+        **({"prompt_logprobs": prompt_logprobs(output)} if shown.prompt_logprobs else {}),
+        **({"prompt_token_ids": list(output.prompt_token_ids)} if shown.token_ids else {}),
     }
 
 
@@ -209,18 +216,13 @@ async def chat_stream(
     model: str,
     request_id: str,
     n: int,
-    top_logprobs: int,
-    include_usage: tuple[bool, bool],
+    shown: Shown,
     role: str = "assistant",
     tool_use: ToolUse | None = None,
     reasoning_parser: str | None = None,
-    with_token_ids: bool = False,
-    tokens_as_ids: bool = False,
-    echo: str = "",
 ) -> AsyncIterator[str]:
-    """`include_usage`: usage in the last chunk, and in every chunk (StreamOptions.usage). `with_token_ids`:
-    the prompt's ids in the first chunk, each chunk's new ids with its choice (vLLM's return_token_ids).
-    `echo`: a chunk of that text for each choice before its reply."""
+    """A chat completion's chunks: the roles (with the prompt's ids, `shown.token_ids`), the echoed text, then
+    each choice's deltas (with their new ids), the usage last (`shown.usage`)."""
     created = int(time.time())
     tool_calls = {i: ToolCallStream(tool_use) for i in range(n)} if tool_use and tool_use.choice != "none" else {}
     reasoning = {i: Reasoning(reasoning_parser, first.prompt) for i in range(n)} if reasoning_parser else {}
@@ -241,7 +243,7 @@ async def chat_stream(
     usage = Usage()
     usage.add_prompt(first)
     finished: set[int] = set()
-    so_far = RunningUsage(len(first.prompt_token_ids)) if include_usage[1] else None
+    so_far = RunningUsage(len(first.prompt_token_ids)) if shown.usage[1] else None
     try:
         yield chunk(
             [
@@ -249,11 +251,11 @@ async def chat_stream(
                 for i in range(n)
             ],
             None if so_far is None else so_far.of(0),
-            **({"prompt_token_ids": list(first.prompt_token_ids)} if with_token_ids else {}),
+            **({"prompt_token_ids": list(first.prompt_token_ids)} if shown.token_ids else {}),
         )
-        for i in range(n) if echo else ():
+        for i in range(n) if shown.echo else ():
             yield chunk(
-                [{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}],
+                [{"index": i, "delta": {"content": shown.echo}, "logprobs": None, "finish_reason": None}],
                 None if so_far is None else so_far.of(i),
             )
         output = first
@@ -266,17 +268,19 @@ async def chat_stream(
                     so_far.add(c.index, len(c.token_ids))
                 if c.text or c.token_ids or c.finish_reason:
                     deltas, finish = choice_deltas(c, tool_calls.get(c.index), reasoning.get(c.index))
-                    if not deltas and (finish or c.logprobs or with_token_ids):  # held back text: what else
+                    if not deltas and (finish or c.logprobs or shown.token_ids):  # held back text: what else
                         deltas = [{}]
                     for k, delta in enumerate(deltas):  # logprobs, ids with the first, finish_reason with the last
                         last = k == len(deltas) - 1
-                        ids = {"token_ids": list(c.token_ids) if k == 0 else []} if with_token_ids else {}
+                        ids = {"token_ids": list(c.token_ids) if k == 0 else []} if shown.token_ids else {}
                         yield chunk(
                             [
                                 {
                                     "index": c.index,
                                     "delta": delta,
-                                    "logprobs": chat_logprobs(c, top_logprobs, tokens_as_ids) if k == 0 else None,
+                                    "logprobs": chat_logprobs(c, shown.logprobs or 0, shown.tokens_as_ids)
+                                    if k == 0
+                                    else None,
                                     "finish_reason": finish if last else None,
                                     "stop_reason": c.stop_reason if last else None,
                                     **ids,
@@ -289,7 +293,7 @@ async def chat_stream(
             if output.finished:
                 break
             output = await anext(rest)
-        if include_usage[0]:
+        if shown.usage[0]:
             yield chunk([], usage.as_dict())
     except Exception as error:  # noqa: BLE001 - the client hears why its stream ends early
         yield error_event(error)
@@ -303,31 +307,28 @@ def completion_choice(
     c: CompletionOutput,
     index: int,
     echo_text: str | None,
-    logprobs: int | None,
-    with_prompt_logprobs: bool = False,
-    token_ids: tuple[bool, bool] = (False, False),
-    tokens_as_ids: bool = False,
+    shown: Shown,
+    prompt_ids: bool = True,
 ) -> dict:
-    """`token_ids`: (the prompt's ids, the choice's ids) with it, vLLM's return_token_ids; `tokens_as_ids`:
-    logprobs' tokens as ids (shown_token)."""
+    """One choice of a completion; `echo_text`: its prompt, echoed; `prompt_ids`: the prompt's ids with it, when
+    `shown.token_ids` (a stream sends them once)."""
     text = (echo_text or "") + c.text
-    lp = None
-    if logprobs is not None and c.logprobs is not None:
+    lp, k, as_ids = None, shown.logprobs, shown.tokens_as_ids
+    if k is not None and c.logprobs is not None:
         if echo_text is not None and output.prompt_logprobs is not None:
             ids = list(output.prompt_token_ids) + list(c.token_ids)
-            entries = list(output.prompt_logprobs) + list(c.logprobs)
-            lp = completion_logprobs(ids, entries, logprobs, 0, tokens_as_ids)
+            lp = completion_logprobs(ids, list(output.prompt_logprobs) + list(c.logprobs), k, 0, as_ids)
         else:
-            lp = completion_logprobs(c.token_ids, c.logprobs, logprobs, len(echo_text or ""), tokens_as_ids)
+            lp = completion_logprobs(c.token_ids, c.logprobs, k, len(echo_text or ""), as_ids)
     return {
         "index": index,
         "text": text,
         "logprobs": lp,
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
-        **({"prompt_logprobs": prompt_logprobs(output)} if with_prompt_logprobs else {}),
-        **({"prompt_token_ids": list(output.prompt_token_ids)} if token_ids[0] else {}),
-        **({"token_ids": list(c.token_ids)} if token_ids[1] else {}),
+        **({"prompt_logprobs": prompt_logprobs(output)} if shown.prompt_logprobs else {}),
+        **({"prompt_token_ids": list(output.prompt_token_ids)} if shown.token_ids and prompt_ids else {}),
+        **({"token_ids": list(c.token_ids)} if shown.token_ids else {}),
     }
 
 
@@ -379,10 +380,7 @@ def completion_response(
     request_id: str,
     n: int,
     echo_prompts: bool,
-    logprobs: int | None,
-    with_prompt_logprobs: bool = False,
-    with_token_ids: bool = False,
-    tokens_as_ids: bool = False,
+    shown: Shown = Shown(),
 ) -> dict:
     """The prompts' final outputs as one text_completion; choice i*n+j is prompt i's sample j."""
     usage = Usage()
@@ -392,11 +390,7 @@ def completion_response(
         echo = output.prompt if echo_prompts else None
         for c in output.outputs:
             usage.completion_tokens += len(c.token_ids)
-            ids = (with_token_ids, with_token_ids)
-            choice = completion_choice(
-                output, c, i * n + c.index, echo, logprobs, with_prompt_logprobs, ids, tokens_as_ids
-            )
-            choices.append(choice)
+            choices.append(completion_choice(output, c, i * n + c.index, echo, shown))
     return {
         "id": request_id,
         "object": "text_completion",
@@ -413,13 +407,10 @@ async def completion_stream(
     model: str,
     request_id: str,
     n: int,
-    logprobs: int | None,
-    include_usage: tuple[bool, bool],
-    with_token_ids: bool = False,
-    tokens_as_ids: bool = False,
+    shown: Shown,
 ) -> AsyncIterator[str]:
-    """`include_usage`: usage in the last chunk, and in every chunk (each prompt's own tokens and its choice's).
-    `with_token_ids`: each chunk's new ids with its choice, the prompt's with the choice's first chunk."""
+    """A completion's chunks: each choice's new text (the prompt's ids with its first, `shown.token_ids`), the
+    usage last or in every chunk too (`shown.usage`: each prompt's own tokens and its choice's)."""
     usage = Usage()
     created = int(time.time())
     so_far: dict[int, RunningUsage] = {}  # by prompt, with usage in every chunk
@@ -444,21 +435,18 @@ async def completion_stream(
             for c in output.outputs:
                 usage.completion_tokens += len(c.token_ids)
                 extra = {}
-                if include_usage[1]:
+                if shown.usage[1]:
                     running = so_far.setdefault(index, RunningUsage(len(output.prompt_token_ids)))
                     extra["usage"] = running.add(c.index, len(c.token_ids)).of(c.index)
                 choice = index * n + c.index
                 if c.text or c.token_ids or c.finish_reason:  # tokens whose text is held back: their logprobs, ids
-                    ids = (with_token_ids and choice not in started, with_token_ids)
+                    first_of_choice = choice not in started
                     started.add(choice)
-                    shown = completion_choice(
-                        output, c, choice, None, logprobs, token_ids=ids, tokens_as_ids=tokens_as_ids
-                    )
-                    yield chunk([shown], **extra)
+                    yield chunk([completion_choice(output, c, choice, None, shown, first_of_choice)], **extra)
             if output.finished:
                 usage.add_prompt(output)
             item = await anext(merged, None)
-        if include_usage[0]:
+        if shown.usage[0]:
             yield chunk([], usage=usage.as_dict())
     except Exception as error:  # noqa: BLE001 - the client hears why its stream ends early
         yield error_event(error)

@@ -219,7 +219,13 @@ async def create_response(request: Request):
 
     def whole() -> dict:
         chat_result = serving.chat_response(
-            run.first, run.model, run.request_id, 0, "assistant", run.tool_use, served.engine.config.reasoning_parser
+            run.first,
+            run.model,
+            run.request_id,
+            serving.Shown(),
+            "assistant",
+            run.tool_use,
+            served.engine.config.reasoning_parser,
         )
         choice = chat_result["choices"][0]
         usage = chat_result["usage"] | {"reasoning_tokens": count_reasoning(run.first.outputs[0].token_ids)}

@@ -119,10 +119,18 @@ class Served:
         seconds to build and encode, which on the event loop stalled every other client."""
         return await self.engine.run_in_pool(lambda: JSONResponse(build(*args)))
 
-    def tokens_as_ids(self, body) -> bool:
-        """return_tokens_as_token_ids: the request's, else the server's (--return-tokens-as-token-ids)."""
-        asked = body.return_tokens_as_token_ids
-        return self.options.return_tokens_as_token_ids if asked is None else asked
+    def shown(self, body, logprobs: int | None, echo: str = "") -> serving.Shown:
+        """What the response carries beside the text, as `body` asked; return_tokens_as_token_ids and the usage
+        of streams fall back on the server's flags."""
+        as_ids = body.return_tokens_as_token_ids
+        return serving.Shown(
+            logprobs,
+            body.prompt_logprobs is not None,
+            body.return_token_ids,
+            self.options.return_tokens_as_token_ids if as_ids is None else as_ids,
+            echo,
+            StreamOptions.usage(body.stream_options, self.options.force_include_usage),
+        )
 
     def log_request(self, request_id: str, prompt_tokens: int, params) -> None:
         if self.options.log_requests:  # a 100,000-entry choice list would make one log line of megabytes
@@ -277,41 +285,18 @@ async def chat_completions(request: Request):
     raw = await request.body()
     run = await start_chat(request, served, lambda: parse_body(raw, ChatCompletionRequest), "chatcmpl")
     body = run.body
-    top, role, parser = body.top_logprobs or 0, served.options.response_role, served.engine.config.reasoning_parser
+    role, parser = served.options.response_role, served.engine.config.reasoning_parser
+    shown = served.shown(body, body.top_logprobs or 0, body.echo_text(role))
     if body.stream:
-        include_usage = StreamOptions.usage(body.stream_options, served.options.force_include_usage)
         return StreamingResponse(
             serving.chat_stream(
-                run.first,
-                run.stream,
-                run.model,
-                run.request_id,
-                body.n,
-                top,
-                include_usage,
-                role,
-                run.tool_use,
-                parser,
-                body.return_token_ids,
-                served.tokens_as_ids(body),
-                body.echo_text(role),
+                run.first, run.stream, run.model, run.request_id, body.n, shown, role, run.tool_use, parser
             ),
             media_type="text/event-stream",
         )
     await run.stream.aclose()
     return await served.json_off_loop(
-        serving.chat_response,
-        run.first,
-        run.model,
-        run.request_id,
-        top,
-        role,
-        run.tool_use,
-        parser,
-        body.prompt_logprobs is not None,
-        body.return_token_ids,
-        served.tokens_as_ids(body),
-        body.echo_text(role),
+        serving.chat_response, run.first, run.model, run.request_id, shown, role, run.tool_use, parser
     )
 
 
@@ -331,21 +316,10 @@ async def completions(request: Request):
 
     merged, first, prompt_tokens = await unless_disconnected(request, start())
     served.log_request(request_id, prompt_tokens, params)
+    shown = served.shown(body, body.logprobs)
     if body.stream:
-        include_usage = StreamOptions.usage(body.stream_options, served.options.force_include_usage)
         return StreamingResponse(
-            serving.completion_stream(
-                first,
-                merged,
-                model,
-                request_id,
-                body.n,
-                body.logprobs,
-                include_usage,
-                body.return_token_ids,
-                served.tokens_as_ids(body),
-            ),
-            media_type="text/event-stream",
+            serving.completion_stream(first, merged, model, request_id, body.n, shown), media_type="text/event-stream"
         )
     try:
         finals = await unless_disconnected(request, serving.final_outputs(first, merged, len(prompts)))
@@ -358,10 +332,7 @@ async def completions(request: Request):
         request_id,
         body.n,
         body.echo,
-        body.logprobs,
-        body.prompt_logprobs is not None,
-        body.return_token_ids,
-        served.tokens_as_ids(body),
+        shown,
     )
 
 
