@@ -10,6 +10,7 @@ from typing import Literal
 
 import jsonschema
 import openai
+import psutil
 import pytest
 from pydantic import BaseModel, Field
 from serving import running_server
@@ -300,9 +301,16 @@ def test_a_grammar_past_its_time_kills_its_child_and_is_refused_at_once_after(ti
     from fovea.multimodal.prompt import load_tokenizer
 
     model = ModelConfig.from_dir(tiny_dirs["tiny-3b"])
+    before = {child.pid for child in psutil.Process().children()}
+
+    def grammar_children() -> list:
+        return [c for c in psutil.Process().children() if c.pid not in before and "grammar_checks" in c.cmdline()[-1]]
+
     checks = GrammarChecks(load_tokenizer(tiny_dirs["tiny-3b"]), model.text.vocab_size, model.eos_token_ids)
     try:
+        assert grammar_children() == []  # none until a grammar comes: a server that never sees one has none
         checks.check(StructuredOutputsParams(choice=["warm"]))  # the child has read the vocabulary
+        assert len(grammar_children()) == 1
         # ~0.16 s to compile here (40 properties took 14 ms, close enough to the 5 ms limit to pass it under load)
         wide = StructuredOutputsParams(json={"type": "object", "properties": {f"p{i}": PERSON for i in range(400)}})
         monkeypatch.setattr(so, "COMPILE_TIMEOUT_S", 0.005)

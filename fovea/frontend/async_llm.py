@@ -71,8 +71,7 @@ def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
 
 
 def load_front_end(config: EngineConfig) -> tuple[object, GrammarChecks]:
-    """The tokenizer, and the checks of requests' grammars (their child process started now, not by the first
-    structured request)."""
+    """The tokenizer, and the checks of requests' grammars (their child process started by the first)."""
     tokenizer = load_tokenizer(config.model_dir)
     return tokenizer, GrammarChecks(tokenizer, config.model.text.vocab_size, config.model.eos_token_ids)
 

@@ -3,7 +3,9 @@ that recurses, and a grammar it crashes on (a chain of 5,000 Lark rules is a seg
 exception) must cost that request a 400 and a new child process, never the server or the engine.
 
 Each child holds llguidance's view of the tokenizer (built once, as the engine's compiler does) and answers one
-grammar at a time over its pipes, a JSON line each way. A child that outruns FOVEA_GRAMMAR_TIMEOUT is killed (the
+grammar at a time over its pipes, a JSON line each way. The first child starts with the first grammar to check, as
+vLLM starts its grammar backend: a server that never sees one spends neither its ~2 s of CPU nor its ~160 MB, and
+the first structured request waits for the vocabulary to be read once (time that does not count against its limit). A child that outruns FOVEA_GRAMMAR_TIMEOUT is killed (the
 build cannot be interrupted otherwise) and that grammar is refused at once from then on; a child that dies is
 started again for the next check. Grammars that compiled are remembered, so a repeated schema costs nothing.
 
@@ -69,13 +71,11 @@ class GrammarChecks:
     """`check(params)` raises ValueError unless the grammar compiles, in time, in a child process."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, children: int = 2):
-        self._setup = json.dumps(
-            {"tokenizer": tokenizer_json(tokenizer), "vocab_size": vocab_size, "eos": list(eos_token_ids)}
-        )
-        self._idle: queue.LifoQueue = queue.LifoQueue()  # a started child first
-        for _ in range(children - 1):  # the others when checks come together
+        self._tokenizer, self._vocab_size, self._eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
+        self._setup: str | None = None  # the child's first line, made with the first child
+        self._idle: queue.LifoQueue = queue.LifoQueue()  # a started child first; None: one to start when needed
+        for _ in range(children):
             self._idle.put(None)
-        self._idle.put(_Child(self._setup))  # now: it reads the vocabulary while the server starts
         self._passed: OrderedDict[tuple, None] = OrderedDict()
         self._too_slow: OrderedDict[tuple, None] = OrderedDict()
         self._lock = threading.Lock()
@@ -90,22 +90,31 @@ class GrammarChecks:
         child = self._idle.get()  # time queued behind other checks does not count against the limit
         try:
             if child is None or child.process.poll() is not None:
-                child = _Child(self._setup)
+                child = _Child(self._child_setup())
             error = self._ask(child, params)
         except TimeoutError:
             child.stop()
-            child = _Child(self._setup)
+            child = None
             self._remember(self._too_slow, key)
             raise too_slow_error() from None
         except EOFError:
             status = child.stop()
-            child = _Child(self._setup)
+            child = None
             raise ValueError(f"{WHERE}: the grammar crashed the grammar compiler (exit status {status})") from None
         finally:
             self._idle.put(child)
         if error:
             raise ValueError(error)
         self._remember(self._passed, key)
+
+    def _child_setup(self) -> str:
+        with self._lock:
+            if self._setup is None:
+                tokenizer = tokenizer_json(self._tokenizer)
+                self._setup = json.dumps(
+                    {"tokenizer": tokenizer, "vocab_size": self._vocab_size, "eos": self._eos_token_ids}
+                )
+        return self._setup
 
     def _ask(self, child: _Child, params: StructuredOutputsParams) -> str | None:
         child.send(json.dumps(dataclasses.asdict(params)))
