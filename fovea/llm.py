@@ -73,8 +73,14 @@ class LLM:
         `lora_request`: the adapter of every prompt, or a list with one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        processed = self._prepare(lambda prompt: self.inputs.process(prompt, mm_processor_kwargs), prompts)
-        return self._run(processed, sampling_params, use_tqdm, lora_request)
+        prompts = list(prompts)
+        params = self._params(sampling_params, len(prompts))
+        processed = self._prepare(
+            lambda prompt, p: self.inputs.process(prompt, mm_processor_kwargs, p.truncate_prompt_tokens),
+            prompts,
+            params,
+        )
+        return self._run(processed, params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -94,7 +100,7 @@ class LLM:
         (OpenAI's function definitions) and `chat_template_kwargs` go to the chat template, as in vLLM;
         `chat_template_content_format`: auto, string or openai (fovea/multimodal/chat_format.py);
         `continue_final_message` (with add_generation_prompt=False): the model goes on with the last message."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         chat = ChatOptions(
             chat_template,
             add_generation_prompt,
@@ -103,23 +109,27 @@ class LLM:
             chat_template_content_format,
             continue_final_message,
         )
+        params = self._params(sampling_params, len(conversations))
         processed = self._prepare(
-            lambda messages: self.inputs.process_chat(messages, mm_processor_kwargs, chat), conversations
+            lambda messages, p: self.inputs.process_chat(messages, mm_processor_kwargs, chat, p.truncate_prompt_tokens),
+            conversations,
+            params,
         )
-        return self._run(processed, sampling_params, use_tqdm, lora_request)
+        return self._run(processed, params, use_tqdm, lora_request)
 
-    def _prepare(self, process: Callable, prompts: list) -> list:
-        """`process` over the prompts, in order; the first prompt that fails raises, as in one thread."""
-        prompts = list(prompts)
+    def _params(self, sampling_params, count: int) -> list[SamplingParams]:
+        return per_prompt(self.default_params if sampling_params is None else sampling_params, count, "sampling_params")
+
+    def _prepare(self, process: Callable, prompts: list, params: list[SamplingParams]) -> list:
+        """`process(prompt, its params)` over the prompts, in order; the first prompt that fails raises, as in one
+        thread."""
         if self.prepare_threads < 2 or len(prompts) < 2:
-            return [process(prompt) for prompt in prompts]
+            return [process(prompt, p) for prompt, p in zip(prompts, params)]
         with concurrent.futures.ThreadPoolExecutor(min(self.prepare_threads, len(prompts)), "fovea-prepare") as pool:
-            return list(pool.map(process, prompts))
+            return list(pool.map(process, prompts, params))
 
     def _run(self, processed, sampling_params, use_tqdm, lora_request=None) -> list[RequestOutput]:
-        if sampling_params is None:
-            sampling_params = self.default_params
-        params = per_prompt(sampling_params, len(processed), "sampling_params")
+        params = self._params(sampling_params, len(processed))
         loras = per_prompt(lora_request, len(processed), "lora_request")
         final = RequestOutputKind.FINAL_ONLY
         requests = [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import our_model, random_image
+from conftest import hf_tokenizer, our_model, random_image
 from test_engine_vs_hf import LOREM, SYSTEM, assert_engine_idle
 from test_model_vs_hf import our_logits
 
@@ -452,3 +452,42 @@ def test_streamed_outputs_carry_the_prompt_only_first_and_last(llm):
         assert carries == (i in (0, len(outputs) - 1)), i
         assert len(output.outputs[0].token_ids) == 1
     assert_engine_idle(engine)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tiny_dirs):
+    """vLLM's truncate_prompt_tokens: a text prompt keeps the last k of transformers' tokens of the whole text (one
+    longer than max_model_len too, which is otherwise refused) and runs as those k given as ids; token ids keep
+    their last k; -1 is max_model_len. A chat with an image is cut in the text before the image, never into it;
+    k above max_model_len, or 0, is refused."""
+    text = LOREM * 120
+    whole = hf_tokenizer(tiny_dirs["tiny-3b"]).encode(text)
+    assert len(whole) > llm.engine.config.max_model_len
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    cut = llm.generate(text, greedy.clone(truncate_prompt_tokens=100), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == whole[-100:]
+    as_ids = llm.generate({"prompt_token_ids": whole[-100:]}, greedy, use_tqdm=False)[0]
+    assert tokens([cut]) == tokens([as_ids])
+    ids = llm.generate(whole[:300], greedy.clone(truncate_prompt_tokens=50), use_tqdm=False)[0]
+    assert ids.prompt_token_ids == whole[250:300]
+    every = llm.generate(whole[:1000], greedy.clone(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert every.prompt_token_ids == whole[:1000]  # shorter than max_model_len: nothing cut
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        llm.generate(whole[:3000], greedy, use_tqdm=False)
+
+    image = random_image(96, 64, seed=8)
+    messages = image_chat(image, system=SYSTEM)
+    full = llm.inputs.process_chat(messages).token_ids
+    image_start = full.index(llm.engine.config.model.vision_start_token_id)
+    kept = len(full) - image_start  # the image and everything after it
+    chat = llm.chat(messages, greedy.clone(truncate_prompt_tokens=kept), use_tqdm=False)[0]
+    assert chat.prompt_token_ids == full[image_start:]
+    rendered = llm.inputs.prompts.render_chat(messages)[0]
+    tail = {"prompt": rendered[rendered.index("<|vision_start|>") :], "multi_modal_data": {"image": image}}
+    assert tokens([chat]) == tokens(llm.generate(tail, greedy, use_tqdm=False))
+    with pytest.raises(ValueError, match="would cut into the prompt's images"):
+        llm.chat(messages, greedy.clone(truncate_prompt_tokens=kept - 1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(4096\) is more than max_model_len \(2048\)"):
+        llm.generate(text, greedy.clone(truncate_prompt_tokens=4096), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+        SamplingParams(truncate_prompt_tokens=0)
+    assert_engine_idle(llm.engine)

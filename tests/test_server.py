@@ -595,3 +595,31 @@ def test_prompt_logprobs_as_vllm_gives_them(server, llm):
     assert "prompt_logprobs" not in plain["choices"][0]
     streamed = httpx.post(server + "/v1/completions", headers=AUTH, json={**body, "stream": True})
     assert streamed.status_code == 400 and "not available when stream" in streamed.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_prompt_too_long_for_the_model(server, tiny_dirs):
+    """vLLM's truncate_prompt_tokens: a completion over max_model_len (2048 here) keeps the last k of
+    transformers' tokens of its text, so does a chat of its rendered prompt, and the usage counts k; k above
+    max_model_len, or 0, is a 400 naming the field."""
+    text = "Sailors watched the grey horizon while gulls circled the masts. " * 300
+    whole = hf_tokenizer(tiny_dirs["tiny-3b"]).encode(text)
+    assert len(whole) > 2048
+    body = {"model": "tiny", "prompt": text, "temperature": 0, "max_tokens": 3, "return_token_ids": True}
+    too_long = httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert too_long.status_code == 400 and "maximum model length" in too_long.json()["error"]["message"]
+    reply = httpx.post(
+        server + "/v1/completions", json={**body, "truncate_prompt_tokens": 64}, headers=AUTH, timeout=60
+    ).json()
+    assert reply["choices"][0]["prompt_token_ids"] == whole[-64:] and reply["usage"]["prompt_tokens"] == 64
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 3, "return_token_ids": True}
+    chat_reply = httpx.post(
+        server + "/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 32}, headers=AUTH, timeout=60
+    ).json()
+    assert (
+        chat_reply["prompt_token_ids"][-5:]
+        == hf_tokenizer(tiny_dirs["tiny-3b"]).encode("<|im_end|>\n<|im_start|>assistant\n")
+        and len(chat_reply["prompt_token_ids"]) == 32 == chat_reply["usage"]["prompt_tokens"]
+    )
+    for k, words in ((4096, "truncate_prompt_tokens (4096) is more than max_model_len (2048)"), (0, "must be -1")):
+        refused = httpx.post(server + "/v1/completions", json={**body, "truncate_prompt_tokens": k}, headers=AUTH)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text

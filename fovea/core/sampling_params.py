@@ -157,6 +157,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (the others' logits -inf), as vLLM
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len), as vLLM
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # or its fields as a dict
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
@@ -218,6 +219,12 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or 0 <= value <= INT64_MAX, f"{name} must be at least 0, got {value}")
+        check(
+            self.truncate_prompt_tokens is None
+            or 1 <= self.truncate_prompt_tokens <= INT64_MAX
+            or self.truncate_prompt_tokens == -1,
+            f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {self.truncate_prompt_tokens}",
+        )
         check(all(self.stop_strings), "stop strings must not be empty")
         check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (leave it out to allow every token)")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")

@@ -241,12 +241,14 @@ class AsyncLLM:
         """A prompt (any form LLM.generate takes) or chat `messages` made into the engine's request: the template,
         tokens, images and every admission check. Blocking: the preparation pool's work (generate, or a route's
         own pool job); `stream` sends the request it returns."""
+        params = params or self.default_params
+        truncate = params.truncate_prompt_tokens
         processed = (
-            self.inputs.process_chat(messages, mm_processor_kwargs, chat)
+            self.inputs.process_chat(messages, mm_processor_kwargs, chat, truncate)
             if messages is not None
-            else self.inputs.process(prompt, mm_processor_kwargs)
+            else self.inputs.process(prompt, mm_processor_kwargs, truncate)
         )
-        return self.inputs.make_request(request_id, processed, params or self.default_params, arrival, fair_rank, lora)
+        return self.inputs.make_request(request_id, processed, params, arrival, fair_rank, lora)
 
     async def stream(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
         """Sends a prepared request to the engine and yields its outputs; leaving early aborts it."""

@@ -54,9 +54,10 @@ class InputProcessor:
         self.grammars = grammars or Grammars(self.tokenizer, self.vocab_size, config.model.eos_token_ids, config.device)
         self.adapter_check = AdapterCheck(config.model, config.max_lora_rank) if config.enable_lora else None
 
-    def process(self, prompt, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+    def process(self, prompt, mm_processor_kwargs: dict | None = None, truncate: int | None = None) -> ProcessedPrompt:
         """A prompt is a string, a list of token ids, or {"prompt" | "prompt_token_ids": ...,
-        "multi_modal_data": {"image": image or [images], "video": video or [videos]}, "mm_processor_kwargs": {...}}."""
+        "multi_modal_data": {"image": image or [images], "video": video or [videos]}, "mm_processor_kwargs": {...}}.
+        `truncate`: SamplingParams.truncate_prompt_tokens (a longer prompt keeps its last tokens)."""
         images: list = []
         videos: list = []
         if isinstance(prompt, dict):
@@ -89,17 +90,29 @@ class InputProcessor:
             self.config.max_model_len,
             videos,
             add_special_tokens=True,
+            truncate=self._kept_tokens(truncate),
         )
 
     def process_chat(
-        self, messages: list[dict], mm_processor_kwargs: dict | None = None, chat: ChatOptions | None = None
+        self,
+        messages: list[dict],
+        mm_processor_kwargs: dict | None = None,
+        chat: ChatOptions | None = None,
+        truncate: int | None = None,
     ) -> ProcessedPrompt:
         text, media = self.prompts.render_chat(messages, chat, self.config.max_model_len)
         self._check_count("image", len(media.images))
         self._check_count("video", len(media.videos))
-        return self.prompts.process(
-            text, media.images, self._kwargs(mm_processor_kwargs), self.config.max_model_len, media.videos
-        )
+        kwargs, kept = self._kwargs(mm_processor_kwargs), self._kept_tokens(truncate)
+        return self.prompts.process(text, media.images, kwargs, self.config.max_model_len, media.videos, truncate=kept)
+
+    def _kept_tokens(self, truncate: int | None) -> int | None:
+        """truncate_prompt_tokens as vLLM reads it: -1 is max_model_len, and more than that is an error."""
+        if truncate is not None and truncate > self.config.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({truncate}) is more than max_model_len ({self.config.max_model_len})"
+            )
+        return self.config.max_model_len if truncate == -1 else truncate
 
     def _kwargs(self, mm_processor_kwargs: dict | None) -> dict | None:
         return {**self.media_io, **(mm_processor_kwargs or {})} or None

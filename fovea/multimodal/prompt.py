@@ -235,13 +235,16 @@ class PromptProcessor:
             return text
         return self.tokenizer.convert_ids_to_tokens(start) + text + self.tokenizer.convert_ids_to_tokens(end)
 
-    def encode(self, text: str, max_tokens: int | None = None, add_special_tokens: bool = False) -> list[int]:
+    def encode(
+        self, text: str, max_tokens: int | None = None, add_special_tokens: bool = False, truncating: bool = False
+    ) -> list[int]:
         """Token ids of `text`; with `max_tokens`, a text that clearly has more is refused before it is
-        tokenized whole. `add_special_tokens`: what the tokenizer adds around a plain prompt (Llama's BOS; Qwen's
-        adds nothing), as vLLM does for completions; a rendered chat template has its own."""
+        tokenized whole (`truncating`: only one whose characters alone say so, the same bound on the work).
+        `add_special_tokens`: what the tokenizer adds around a plain prompt (Llama's BOS; Qwen's adds nothing), as
+        vLLM does for completions; a rendered chat template has its own."""
         check_text(text)
         self._check_characters(len(text), max_tokens)
-        if max_tokens is not None and len(text) > COUNT_CHUNK_CHARS:
+        if max_tokens is not None and not truncating and len(text) > COUNT_CHUNK_CHARS:
             self._count_up_to(text, max_tokens)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -322,10 +325,12 @@ class PromptProcessor:
         max_tokens: int | None = None,
         videos: list = (),
         add_special_tokens: bool = False,
+        truncate: int | None = None,
     ) -> ProcessedPrompt:
         """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
         writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
-        videos' pixels are decoded."""
+        videos' pixels are decoded. `truncate` (vLLM's truncate_prompt_tokens, at most `max_tokens`): a longer
+        prompt keeps its last `truncate` tokens instead, as long as the cut falls before its first image or video."""
         if self.config.image_text is not None and isinstance(prompt, str):  # e.g. "<image>" for InternVL's own
             prompt = prompt.replace(self.config.image_text, self.placeholders["image"], len(images))
         wrapped = self.config.image_placeholder_id is not None
@@ -335,7 +340,10 @@ class PromptProcessor:
         if wrapped:  # the images' text is the processor's, which may depend on their size (pan-and-scan)
             prompt, planned = self._pan_and_scan(prompt, planned)
             prompt = self._wrap_images(prompt, len(planned))
-        ids = self.encode(prompt, max_tokens, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        truncating = truncate is not None
+        ids = (
+            self.encode(prompt, max_tokens, add_special_tokens, truncating) if isinstance(prompt, str) else list(prompt)
+        )
         if videos and self.config.video_token_id is None:
             raise ValueError(f"{self.config.architecture} takes no videos")
         if planned is None:
@@ -354,6 +362,8 @@ class PromptProcessor:
         added = len(self.image_wrap) - 1  # a placeholder's own token, less the tokens around the image
         length = len(ids) + sum(p.num_tokens - 1 for p in planned_videos)
         length += 0 if wrapped else sum(p.num_tokens + added for p in planned)
+        if truncating and length > truncate:  # before any pixel is decoded
+            ids, length = self._cut_front(ids, length - truncate, truncate), truncate
         if max_tokens is not None and length > max_tokens:
             raise prompt_too_long(length, max_tokens)
         processed, clips = [], []
@@ -370,6 +380,18 @@ class PromptProcessor:
             raise
         result.text = prompt if isinstance(prompt, str) else None
         return result
+
+    def _cut_front(self, ids: list[int], count: int, kept: int) -> list[int]:
+        """`ids` less their first `count`, which must all come before the first image or video (their tokens and
+        the positions after them are the expanded prompt's: what is cut is the same either way)."""
+        media = {self.config.image_token_id, self.config.video_token_id, self.config.vision_start_token_id}
+        media.update(self.image_wrap)
+        if not media.isdisjoint(ids[:count]):
+            raise ValueError(
+                f"truncate_prompt_tokens={kept} would cut into the prompt's images or videos (they and the text "
+                "after them must fit in the tokens kept)"
+            )
+        return ids[count:]
 
     def _plan_images(self, images: list, mm_processor_kwargs: dict | None) -> list[PlannedImage | ProcessedImage]:
         return [

@@ -86,7 +86,6 @@ NOT_IMPLEMENTED = {
     "chat_template_kwargs": (None, {}),
     "documents": (None, []),
     "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
     "prompt_embeds": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
@@ -143,6 +142,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -233,6 +233,7 @@ class SamplingFields(BaseModel):
                 "ignore_eos": self.ignore_eos,
                 "stop_token_ids": self.stop_token_ids,
                 "allowed_token_ids": self.allowed_token_ids,
+                "truncate_prompt_tokens": self.truncate_prompt_tokens,
                 "skip_special_tokens": self.skip_special_tokens,
                 "prompt_logprobs": prompt_logprobs,
                 "spaces_between_special_tokens": self.spaces_between_special_tokens,
