@@ -473,6 +473,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tiny_dirs):
     assert every.prompt_token_ids == whole[:1000]  # shorter than max_model_len: nothing cut
     with pytest.raises(ValueError, match="longer than the maximum model length"):
         llm.generate(whole[:3000], greedy, use_tqdm=False)
+    chars = 2048 * llm.inputs.prompts.max_token_chars
+    with pytest.raises(ValueError, match=f"truncate_prompt_tokens reads at most 2048 tokens' worth \\({chars} char"):
+        llm.generate("a" * (chars + 1), greedy.clone(truncate_prompt_tokens=8), use_tqdm=False)
 
     image = random_image(96, 64, seed=8)
     messages = image_chat(image, system=SYSTEM)

@@ -243,6 +243,11 @@ class PromptProcessor:
         `add_special_tokens`: what the tokenizer adds around a plain prompt (Llama's BOS; Qwen's adds nothing), as
         vLLM does for completions; a rendered chat template has its own."""
         check_text(text)
+        if truncating and max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+            raise ValueError(
+                f"the prompt has {len(text)} characters; truncate_prompt_tokens reads at most {max_tokens} tokens' "
+                f"worth ({max_tokens * self.max_token_chars} characters, max_model_len x the longest token)"
+            )
         self._check_characters(len(text), max_tokens)
         if max_tokens is not None and not truncating and len(text) > COUNT_CHUNK_CHARS:
             self._count_up_to(text, max_tokens)
