@@ -68,9 +68,11 @@ class LLM:
         use_tqdm: bool | Callable = True,
         mm_processor_kwargs: dict | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """`prompts`: one or a list of strings, token-id lists or {"prompt", "multi_modal_data", ...} dicts.
-        `lora_request`: the adapter of every prompt, or a list with one per prompt (None: the base model)."""
+        `lora_request`: the adapter of every prompt, or a list with one per prompt (None: the base model).
+        `priority`: one per prompt, lower first (needs scheduling_policy="priority"), as in vLLM."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -80,7 +82,7 @@ class LLM:
             prompts,
             params,
         )
-        return self._run(processed, params, use_tqdm, lora_request)
+        return self._run(processed, params, use_tqdm, lora_request, priority)
 
     def chat(
         self,
@@ -128,13 +130,16 @@ class LLM:
         with concurrent.futures.ThreadPoolExecutor(min(self.prepare_threads, len(prompts)), "fovea-prepare") as pool:
             return list(pool.map(process, prompts, params))
 
-    def _run(self, processed, sampling_params, use_tqdm, lora_request=None) -> list[RequestOutput]:
+    def _run(self, processed, sampling_params, use_tqdm, lora_request=None, priority=None) -> list[RequestOutput]:
         params = self._params(sampling_params, len(processed))
         loras = per_prompt(lora_request, len(processed), "lora_request")
+        priorities = [0] * len(processed) if priority is None else list(priority)
+        if len(priorities) != len(processed):
+            raise ValueError(f"got {len(priorities)} priorities for {len(processed)} prompts")
         final = RequestOutputKind.FINAL_ONLY
         requests = [
-            self.inputs.make_request(str(next(self._ids)), prompt, p.clone(output_kind=final), lora=lora)
-            for prompt, p, lora in zip(processed, params, loras)
+            self.inputs.make_request(str(next(self._ids)), prompt, p.clone(output_kind=final), lora=lora, priority=rank)
+            for prompt, p, lora, rank in zip(processed, params, loras, priorities)
         ]
         for request in requests:
             self.engine.add_request(request)

@@ -494,3 +494,19 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tiny_dirs):
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
         SamplingParams(truncate_prompt_tokens=0)
     assert_engine_idle(llm.engine)
+
+
+def test_priority_scheduling_runs_the_lowest_priority_first(llm, tiny_dirs):
+    """vLLM's scheduling_policy="priority": with room for one sequence, prompts run by priority (lower first),
+    whatever their order; a non-zero priority under the default fcfs policy is refused, naming the setting."""
+    ranked = LLM(
+        str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=256, max_num_seqs=1, scheduling_policy="priority"
+    )
+    prompts = ["First given", "Second given", "Third given"]
+    outputs = ranked.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False, priority=[2, 0, 1])
+    started = sorted(range(3), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert started == [1, 2, 0]
+    with pytest.raises(ValueError, match="priority 1 needs --scheduling-policy priority"):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 1, 0])
+    with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
+        ranked.generate(prompts, use_tqdm=False, priority=[0, 1])

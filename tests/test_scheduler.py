@@ -35,9 +35,9 @@ def scheduler(
     return Scheduler(config, BlockManager(blocks, BLOCK, prefix_caching), EncoderCache(encoder_tokens))
 
 
-def sequence(seq_id: int, prompt: list[int], max_tokens=100, images: list[MMItem] = ()) -> Sequence:
+def sequence(seq_id: int, prompt: list[int], max_tokens=100, images: list[MMItem] = (), priority=0) -> Sequence:
     request = Request(RequestInput(f"r{seq_id}", prompt, SamplingParams(max_tokens=max_tokens), mm_items=list(images)))
-    request.input.arrival_index = seq_id
+    request.input.arrival_index, request.input.priority = seq_id, priority
     seq = Sequence(seq_id, request)
     request.sequences.append(seq)
     return seq
@@ -94,6 +94,22 @@ def test_the_latest_arrival_is_preempted_when_blocks_run_out_and_is_named_for_th
     assert sched.num_preemptions == 1 and [s.seq_id for s in batch.seqs] == [0]
     assert late.num_computed_tokens == 0 and late.block_table == [] and late in sched.waiting
     assert batch.step.relaid == [1]  # the runner lays it out afresh when it comes back
+
+
+def test_priorities_order_admission_and_the_lowest_priority_is_preempted_first():
+    """--scheduling-policy priority (the front end lets non-zero priorities through only then): the lowest value is
+    admitted first, arrival breaking ties, and when KV blocks run out the running sequence with the highest value
+    gives its blocks up, however early it arrived."""
+    sched = scheduler(budget=64, max_seqs=2, blocks=6, prefix_caching=False)
+    seqs = [sequence(i, list(range(10 * i, 10 * i + 8)), priority=p) for i, p in enumerate([5, 1, 1, 0])]
+    for seq in seqs:
+        sched.add(seq)
+    assert step(sched) == {3: 8, 1: 8}  # priority 0, then the first of the two 1s
+    for _ in range(4):
+        assert step(sched) == {3: 1, 1: 1}
+    batch = sched.schedule()  # each needs a fourth block, none is free: the priority-1 one, not the latest, gives way
+    assert sched.num_preemptions == 1 and [s.seq_id for s in batch.seqs] == [3]
+    assert seqs[1] in sched.waiting and [s.seq_id for s in sched.waiting] == [1, 2, 0]
 
 
 def test_a_second_sequence_starts_after_the_cached_prefix():

@@ -243,7 +243,6 @@ def test_bad_constraints_get_400_with_the_reason(client, body, words):
     "extra, refused",
     [
         ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
-        ({"priority": 5}, "priority"),
         ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"bad_words": ["harbour"]}, "bad_words"),

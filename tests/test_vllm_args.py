@@ -71,7 +71,8 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         (dict(load_format="pt"), "only safetensors"),
         (dict(tokenizer=str(tiny_dirs["tiny-7b"])), "a tokenizer other than the model's own"),
         (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or"),
-        (dict(scheduling_policy="priority"), "priority scheduling is not implemented"),
+        (dict(scheduling_policy="lottery"), "scheduling_policy must be one of fcfs, priority; got 'lottery'"),
+        (dict(attention_backend="flash"), "attention_backend must be one of auto, torch, triton"),
         (dict(model_impl="transformers"), "fovea runs its own model code"),
     ]:
         with pytest.raises(ValueError, match=words):
@@ -195,6 +196,8 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
             timeout=60,
         )
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "bot"
+        ranked = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": 3})
+        assert ranked.status_code == 400 and "needs --scheduling-policy priority" in ranked.text  # fcfs here
         too_many = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 3})
         assert too_many.status_code == 400 and "max_logprobs=2" in too_many.json()["error"]["message"]
         samples = dict(

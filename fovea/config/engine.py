@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.config.flags import default
+from fovea.config.flags import FLAGS, default
 from fovea.config.model import ModelConfig, resolve_model_dir, serving_dtype
 from fovea.config.quant import check_flag
 from fovea.config.video import media_io_processor_kwargs
@@ -40,6 +40,7 @@ class EngineConfig:
     seed: int = default("seed")
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool | None = default("async_scheduling")  # None: schedules_ahead decides
+    scheduling_policy: str = default("scheduling_policy")
     max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it
     attention_backend: str = default("attention_backend")
     fp32_softmax: bool = default("fp32_softmax")
@@ -158,12 +159,14 @@ class EngineConfig:
             max_model_len_from_model=max_model_len_from_model,
             **options,
         )
-        if config.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {config.attention_backend!r}")
         if config.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(
                 f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported: auto, or fp8 (e4m3; fp8_e5m2 is not)"
             )
+        for flag in FLAGS:  # what the command line's choices check, for LLM(...) too
+            value = getattr(config, flag.name, None) if flag.choices and flag.name != "dtype" else None
+            if value is not None and value not in flag.choices:
+                raise ValueError(f"{flag.name} must be one of {', '.join(flag.choices)}; got {value!r}")
         check_flag(config.quantization, model.text.quant)
         if model.bidirectional_images:  # a chunk holds an image whole (scheduler.py)
             per_image = model.image.tokens_per_image

@@ -149,6 +149,13 @@ FLAGS = (
         "off on the CPU, as in vLLM)",
         type=argparse.BooleanOptionalAction,
     ),
+    Flag(
+        "scheduling_policy",
+        "fcfs",
+        "fcfs: requests in arrival order; priority: by each request's priority (lower first, as in vLLM), then "
+        "arrival, and when KV blocks run out the running request with the highest value is preempted first",
+        choices=("fcfs", "priority"),
+    ),
     Flag("mm_buckets", None, "vision encoder patch-count buckets, e.g. 1024,4096,16384", type=str),
     Flag("skip_warmup", False, "capture encoder buckets on first use"),
     Flag("fp32_softmax", False, "language-model attention softmax in fp32"),
@@ -290,7 +297,6 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=only)
     group.add_argument("--load-format", default="auto", help="auto or safetensors")
     group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
-    group.add_argument("--scheduling-policy", default="fcfs", help="fcfs (requests in arrival order)")
     group.add_argument("--model-impl", default="auto", help="auto (fovea's own model code)")
     group.add_argument(
         "--prefix-caching-hash-algo", default=None, help="accepted and logged: blocks are keyed by blake2b digests"

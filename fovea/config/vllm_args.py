@@ -35,7 +35,6 @@ ONLY_AT = {
     "cpu_offload_gb": ((0, None), "offloading weights to the CPU is not implemented"),
     "tokenizer_mode": (("auto", "hf", None), "only the checkpoint's Hugging Face tokenizer is supported"),
     "worker_cls": (("auto", None), "custom worker classes are not supported"),
-    "scheduling_policy": (("fcfs", None), "priority scheduling is not implemented: requests run in arrival order"),
     "model_impl": (("auto", None), "fovea runs its own model code"),
     # vLLM's encoder instances, fed by a proxy, hand their outputs to the language model's through a connector
     "ec_transfer_config": (

@@ -99,6 +99,7 @@ class RequestInput:
     # the i-th prompt of one API request waits behind the first prompts of later requests: a request with
     # thousands of prompts cannot hold everyone else behind it (0 for single-prompt requests)
     fair_rank: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower first (and preempted last), then the order above
     grammar_after: str | None = None  # structured outputs start once this text is in the output (reasoning's end)
     lora: LoRARequest | None = None
     # front end only: frees shared pixels if the request is dropped before it is sent

@@ -7,7 +7,9 @@ their longest cached prefix. Requests that arrive together with the same image o
 step, one sequence fills each block; the others wait a step and take the filled blocks from the cache (also
 when they were admitted before it was filled, as all are while their image is being encoded). When KV blocks
 run out, the latest-arrived running sequence is preempted: its blocks
-are freed and it waits again, to be recomputed (prefix caching usually finds its blocks still there).
+are freed and it waits again, to be recomputed (prefix caching usually finds its blocks still there). Arrival order
+is `Sequence.order`, which puts a request's priority first (--scheduling-policy priority; 0 under fcfs): the lowest
+value is admitted first and preempted last.
 The requests of a failed step are suspects (isolate): recomputed, each runs in steps of its own, every other step,
 until a step samples for it; the others run in the steps between, without them.
 """

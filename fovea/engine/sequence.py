@@ -102,7 +102,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
-        self.order = (request.input.fair_rank, request.input.arrival_index, index)
+        self.order = (request.input.priority, request.input.fair_rank, request.input.arrival_index, index)
         self.pending_forks = request.params.n - 1 if index == 0 else 0  # samples to split off after the prefill
         self.queried_images: set[str] = set()  # images this sequence looked up in the encoder cache
         self.cumulative_logprob = 0.0

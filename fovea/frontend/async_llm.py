@@ -184,9 +184,11 @@ class AsyncLLM:
         mm_processor_kwargs: dict | None = None,
         chat: ChatOptions | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request: `prompt` in any form LLM.generate takes, or chat `messages`.
-        Bad input raises ValueError here, before anything reaches the engine."""
+        Bad input raises ValueError here, before anything reaches the engine. `priority`: vLLM's (lower runs
+        first; needs --scheduling-policy priority)."""
         self._check_alive()
         arrival = time.time()  # latencies count the preparation below
         request = await self.run_in_pool(
@@ -200,6 +202,7 @@ class AsyncLLM:
             arrival,
             0,
             lora_request,
+            priority,
         )
         async for output in self.stream(request):
             yield output
@@ -211,6 +214,7 @@ class AsyncLLM:
         request_id: str,
         mm_processor_kwargs: dict | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> list[RequestInput]:
         """Requests `{request_id}-{i}` for several prompts, prepared in one pool job; prompt i waits behind the
         first prompts of requests that arrive later (fair_rank)."""
@@ -229,6 +233,7 @@ class AsyncLLM:
                     arrival,
                     i,
                     lora_request,
+                    priority,
                 )
                 for i, prompt in enumerate(prompts)
             ]
@@ -236,7 +241,17 @@ class AsyncLLM:
         return await self.run_in_pool(make_all)
 
     def make_request(
-        self, request_id, prompt, messages, params, mm_processor_kwargs, chat, arrival, fair_rank=0, lora=None
+        self,
+        request_id,
+        prompt,
+        messages,
+        params,
+        mm_processor_kwargs,
+        chat,
+        arrival,
+        fair_rank=0,
+        lora=None,
+        priority=0,
     ) -> RequestInput:
         """A prompt (any form LLM.generate takes) or chat `messages` made into the engine's request: the template,
         tokens, images and every admission check. Blocking: the preparation pool's work (generate, or a route's
@@ -248,7 +263,7 @@ class AsyncLLM:
             if messages is not None
             else self.inputs.process(prompt, mm_processor_kwargs, truncate)
         )
-        return self.inputs.make_request(request_id, processed, params, arrival, fair_rank, lora)
+        return self.inputs.make_request(request_id, processed, params, arrival, fair_rank, lora, priority)
 
     async def stream(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
         """Sends a prepared request to the engine and yields its outputs; leaving early aborts it."""

@@ -17,7 +17,7 @@ from fovea.config.engine import EngineConfig
 from fovea.config.flags import REASONING_TAGS
 from fovea.config.video import media_io_processor_kwargs
 from fovea.core.request import LoRARequest, MMItem, MMSpan, RequestInput
-from fovea.core.sampling_params import SamplingParams
+from fovea.core.sampling_params import INT64_MAX, SamplingParams
 from fovea.engine.structured_outputs import Grammars
 from fovea.models.lora import AdapterCheck
 from fovea.multimodal.image import ProcessedImage
@@ -106,6 +106,14 @@ class InputProcessor:
         kwargs, kept = self._kwargs(mm_processor_kwargs), self._kept_tokens(truncate)
         return self.prompts.process(text, media.images, kwargs, self.config.max_model_len, media.videos, truncate=kept)
 
+    def _check_priority(self, priority: int) -> None:
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs --scheduling-policy priority (this engine runs requests in arrival order)"
+            )
+        if not isinstance(priority, int) or abs(priority) > INT64_MAX:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+
     def _kept_tokens(self, truncate: int | None) -> int | None:
         """truncate_prompt_tokens as vLLM reads it: -1 is max_model_len, and more than that is an error."""
         if truncate is not None and truncate > self.config.max_model_len:
@@ -159,9 +167,10 @@ class InputProcessor:
         arrival_time: float | None = None,
         fair_rank: int = 0,
         lora: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestInput:
         try:
-            return self._make_request(request_id, processed, params, arrival_time, fair_rank, lora)
+            return self._make_request(request_id, processed, params, arrival_time, fair_rank, lora, priority)
         except BaseException:
             release_images(processed.images)  # refused: its pixels never reach the engine
             raise
@@ -174,7 +183,9 @@ class InputProcessor:
         arrival_time: float | None,
         fair_rank: int,
         lora: LoRARequest | None,
+        priority: int,
     ) -> RequestInput:
+        self._check_priority(priority)
         ids = processed.token_ids
         if not ids:
             raise ValueError("the prompt is empty")
@@ -231,6 +242,7 @@ class InputProcessor:
             eos_token_ids=self.config.model.eos_token_ids,
             arrival_index=next(self._arrivals),
             fair_rank=fair_rank,
+            priority=priority,
             grammar_after=self._reasoning_end(processed.text, params),
             lora=lora,
         )

@@ -82,7 +82,6 @@ NOT_IMPLEMENTED = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
-    "priority": (None, 0),
     "chat_template_kwargs": (None, {}),
     "documents": (None, []),
     "bad_words": (None, []),
@@ -143,6 +142,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority (else only 0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -244,7 +244,16 @@ async def start_chat(
         prepared = None
         if body.chat_template is None and not media_to_fetch(body.messages, options.media, limits):
             prepared = engine.make_request(
-                request_id, None, body.messages, params, body.processor_kwargs(), chat, arrival, 0, served.lora(model)
+                request_id,
+                None,
+                body.messages,
+                params,
+                body.processor_kwargs(),
+                chat,
+                arrival,
+                0,
+                served.lora(model),
+                body.priority,
             )
         return body, model, tool_use, params, chat, prepared
 
@@ -261,6 +270,7 @@ async def start_chat(
                 mm_processor_kwargs=body.processor_kwargs(),
                 chat=chat,
                 lora_request=served.lora(model),
+                priority=body.priority,
             )
         else:  # a thread of its own, not the pool: it waits up to 2 s for a sandbox process
             messages = await fetch_media(body.messages, options.media, limits)
@@ -272,6 +282,7 @@ async def start_chat(
                 request_id=request_id,
                 mm_processor_kwargs=body.processor_kwargs(),
                 lora_request=served.lora(model),
+                priority=body.priority,
             )
         return stream, await anext(stream)  # bad input fails here, before any 200
 
@@ -310,7 +321,9 @@ async def completions(request: Request):
     request_id = serving.new_id("cmpl")
 
     async def start():
-        requests = await engine.prepare_many(prompts, params, request_id, body.processor_kwargs(), served.lora(model))
+        requests = await engine.prepare_many(
+            prompts, params, request_id, body.processor_kwargs(), served.lora(model), body.priority
+        )
         merged = serving.merge([engine.stream(r) for r in requests])
         return merged, await anext(merged), sum(len(r.prompt_token_ids) for r in requests)
 
