@@ -24,12 +24,18 @@ def test_streamed_pieces_are_whole_characters_and_add_up(tokenizer, skip):
     assert not any("\ufffd" in p for p in pieces)
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip)
     assert ("<|im_end|>" in "".join(pieces)) is not skip
+    for cuts in ([], [3], [1, 2, 9], list(range(1, len(ids)))):  # whole outputs and deltas of any size, in one call
+        whole = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello", add_special_tokens=False), skip)
+        parts = [whole.decode_all(ids[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+        assert "".join(parts) == "".join(pieces), cuts
 
 
 def test_special_tokens_without_spaces_between_them(tokenizer):
     ids = tokenizer.encode("<|im_end|><|im_start|>user", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=False)
     assert "".join(detok.decode(i) for i in ids) == "<|im_end|><|im_start|>user"
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert detok.decode_all(ids) == "<|im_end|><|im_start|>user"
 
 
 def test_stop_string_search_only_looks_at_new_text():
@@ -54,6 +60,7 @@ def test_ids_past_a_small_tokenizer_give_no_text_and_leave_the_stream_intact(tmp
         text = "".join(detok.decode(i) for i in ids)
         whole = small.decode([i for i in ids if i < len(small)], skip_special_tokens=True)
         assert text == whole.rstrip("\ufffd")  # bytes of a character still partial at the end are held back
+        assert IncrementalDetokenizer(small, [1, 50, 60]).decode_all(ids) == text  # one call, the same text
 
 
 def _vocabularies(tiny_dirs, tmp_path):

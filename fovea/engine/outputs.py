@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
     ):
         self.backend = tokenizer.backend_tokenizer
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         # Without spaces between special tokens, two consecutive added tokens are joined with their raw text
         # (some decoders prefix a space to each).
@@ -45,6 +46,19 @@ class IncrementalDetokenizer:
             return self.stream.step(self.backend, token_id) or ""
         except Exception:  # an id outside the vocabulary (random weights can produce one): no text
             return ""
+
+    def decode_all(self, token_ids: list[int]) -> str:
+        """The text these tokens complete, as `decode` one at a time gives it: one call into the tokenizers
+        library for all of them where no token needs a look of its own (a whole non-streamed output at its end;
+        benchmarks/detokenize.py)."""
+        # an id past the vocabulary (a padded embedding's row) makes the library drop the whole call's text: alone,
+        # it drops only its own
+        if self.added is None and len(token_ids) > 1 and max(token_ids) < self.vocab_size:
+            try:
+                return self.stream.step(self.backend, token_ids) or ""
+            except TypeError:  # older tokenizers releases step one id at a time (the call fails before any step)
+                pass
+        return "".join(map(self.decode, token_ids))
 
     def decode(self, token_id: int) -> str:
         """The text this token completes ("" while a character is still partial)."""
@@ -77,7 +91,7 @@ def decode_pending(seq: Sequence) -> int:
     if seq.detokenizer is None:
         return 0
     before = len(seq.text)
-    seq.text += "".join(seq.detokenizer.decode(token) for token in seq.token_ids[seq.num_decoded :])
+    seq.text += seq.detokenizer.decode_all(seq.token_ids[seq.num_decoded :])
     seq.num_decoded = len(seq.token_ids)
     return len(seq.text) - before
 

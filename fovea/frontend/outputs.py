@@ -36,7 +36,7 @@ class SampleText:
         if delta.logprobs is not None:
             self.logprobs += delta.logprobs
         if self.detokenizer is not None:
-            self.text += "".join(self.detokenizer.decode(token) for token in delta.token_ids)
+            self.text += self.detokenizer.decode_all(delta.token_ids)
         if delta.text_len is not None:  # a stop string: cut where the engine cut its own text of the same tokens
             self.text = self.text[: delta.text_len]
 
