@@ -510,3 +510,36 @@ def test_priority_scheduling_runs_the_lowest_priority_first(llm, tiny_dirs):
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 1, 0])
     with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
         ranked.generate(prompts, use_tqdm=False, priority=[0, 1])
+
+
+def contains(ids: list[int], word: list[int]) -> bool:
+    return any(ids[i : i + len(word)] == word for i in range(len(ids) - len(word) + 1))
+
+
+def test_bad_words_are_never_generated_and_change_nothing_before(llm, tiny_dirs):
+    """vLLM's bad_words: a word's last token is banned wherever the output ends with its other tokens (a
+    one-token word: everywhere). Words taken from what the model writes unconstrained (greedy and seeded
+    sampling) never appear, the tokens before the first place one would are unchanged, and an engine that
+    schedules steps ahead (async_scheduling) gives the same tokens."""
+    tokenizer = hf_tokenizer(tiny_dirs["tiny-3b"])
+    ahead = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=256, async_scheduling=True)
+    for params in (
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=-1, top_p=1.0, seed=3, max_tokens=16, ignore_eos=True),
+    ):
+        free = list(llm.generate("The harbour at dawn", params, use_tqdm=False)[0].outputs[0].token_ids)
+        pair, single = free[4:6], free[9]
+        words = [tokenizer.decode(pair), tokenizer.decode([single])]
+        assert tokenizer.encode(words[0].lstrip(), add_special_tokens=False) == pair  # as the engine reads it
+        banned = params.clone(bad_words=words)
+        got = [
+            list(o.outputs[0].token_ids)
+            for m in (llm, ahead)
+            for o in m.generate("The harbour at dawn", banned, use_tqdm=False)
+        ]
+        assert got[0] == got[1]
+        assert not contains(got[0], pair) and single not in got[0]
+        first = min(free.index(single), next(i for i in range(len(free)) if free[i : i + 2] == pair) + 1)
+        assert got[0][:first] == free[:first], (free, got[0])
+    with pytest.raises(ValueError, match="bad_words must be non-blank strings"):
+        SamplingParams(bad_words=["ok", "  "])

@@ -623,3 +623,33 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_prompt_too_long_for_t
     for k, words in ((4096, "truncate_prompt_tokens (4096) is more than max_model_len (2048)"), (0, "must be -1")):
         refused = httpx.post(server + "/v1/completions", json={**body, "truncate_prompt_tokens": k}, headers=AUTH)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
+
+
+def test_bad_words_are_taken_and_bounded(server, llm):
+    """vLLM's bad_words through the API: the offline engine's tokens for the same words; more than 128 words,
+    one of over 200 characters, or a blank one is a 400 naming the field."""
+    body = {"model": "tiny", "prompt": "The harbour at dawn", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    free = llm.generate(["The harbour at dawn"], greedy(llm, 8).clone(ignore_eos=True), use_tqdm=False)[0]
+    tokenizer = llm.get_tokenizer()
+    reads = {t: tokenizer.decode([t]) for t in free.outputs[0].token_ids}  # a word that starts with no blank
+    words = [
+        next(w for t, w in reads.items() if w == w.lstrip() and tokenizer.encode(w, add_special_tokens=False) == [t])
+    ]
+    offline = llm.generate(
+        ["The harbour at dawn"], greedy(llm, 8).clone(ignore_eos=True, bad_words=words), use_tqdm=False
+    )
+    reply = httpx.post(
+        server + "/v1/completions", json={**body, "bad_words": words, "return_token_ids": True}, headers=AUTH
+    )
+    assert (
+        reply.json()["choices"][0]["token_ids"]
+        == list(offline[0].outputs[0].token_ids)
+        != list(free.outputs[0].token_ids)
+    )
+    for bad, words in (
+        (["w"] * 129, "bad_words has 129 entries; at most 128"),
+        (["w" * 201], "bad_words may have at most 200 characters"),
+        ([" "], "bad_words must be non-blank strings"),
+    ):
+        refused = httpx.post(server + "/v1/completions", json={**body, "bad_words": bad}, headers=AUTH)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text

@@ -158,10 +158,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (the others' logits -inf), as vLLM
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len), as vLLM
+    bad_words: list[str] | None = None  # never generated: each word's last token is banned after the rest, as vLLM
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # or its fields as a dict
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     stop_holdback: int = field(init=False, repr=False, default=0)  # characters a stream holds back
+    # bad_words as token ids (the front end's tokenizer sets them: InputProcessor.check_params)
+    bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -226,6 +229,10 @@ class SamplingParams:
             f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {self.truncate_prompt_tokens}",
         )
         check(all(self.stop_strings), "stop strings must not be empty")
+        check(
+            self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words must be non-blank strings",
+        )
         check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (leave it out to allow every token)")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         check(

@@ -277,13 +277,15 @@ class LLMEngine:
 
     def _schedules_ahead(self, previous: tuple[ScheduledBatch, StepOutput]) -> bool:
         """Whether the next step may be scheduled before `previous` is back: not when the host must see one of
-        its samples first (a grammar consumes it, min_tokens counts it, a request forks after it)."""
+        its samples first (a grammar consumes it, min_tokens counts it, a bad word's last token is banned after it,
+        a request forks after it)."""
         if not self.config.schedules_ahead or self.workers is not None:
             return False
         batch, result = previous
         for index, fork in result.row_owners():
             seq = batch.seqs[index]
-            if fork or seq.request.grammars or seq.params.min_tokens > seq.num_output_tokens:
+            request = seq.request
+            if fork or request.grammars or request.reads_last_tokens or seq.params.min_tokens > seq.num_output_tokens:
                 return False
         return True
 

@@ -35,7 +35,7 @@ class Request:
         "streams", "stop_set", "metrics", "sequences", "eos_token_ids", "request_id", "mm_items", "lora", "suspect",
         "prompt_logprobs", "params", "input", "prompt_token_ids", "mrope_delta", "positions", "mm_spans", "hash_salt",
         "stop_ids", "stop_token_set", "generators", "grammars", "num_cached_tokens", "aborted", "prompt_sent",
-        "num_finished_sequences", "failed_steps", "__weakref__",
+        "num_finished_sequences", "failed_steps", "reads_last_tokens", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, input: RequestInput):
@@ -57,6 +57,8 @@ class Request:
         self.stop_token_set = frozenset(params.stop_token_ids)
         self.stop_set = self.stop_token_set.union(self.eos_token_ids)
         self.streams = params.output_kind != RequestOutputKind.FINAL_ONLY  # reported after every step it samples in
+        # a bad word of several tokens: the sampler reads the last ones generated (no step is scheduled ahead)
+        self.reads_last_tokens = any(len(ids) > 1 for ids in params.bad_words_token_ids)
         self.generators: list[torch.Generator | None] = []  # one per sample, on the engine's device
         self.grammars: list = []  # structured outputs: an llguidance matcher per sample
         self.metrics = RequestMetrics(input.arrival_time)

@@ -106,6 +106,18 @@ class InputProcessor:
         kwargs, kept = self._kwargs(mm_processor_kwargs), self._kept_tokens(truncate)
         return self.prompts.process(text, media.images, kwargs, self.config.max_model_len, media.videos, truncate=kept)
 
+    def _bad_words_ids(self, words) -> list[list[int]]:
+        """bad_words as vLLM reads them: each word's tokens with its leading blanks stripped, and again after a
+        space (the word in mid-text) where that starts with another token and has as many."""
+        found = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            found.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                found.append(spaced)
+        return found
+
     def _check_priority(self, priority: int) -> None:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(
@@ -146,10 +158,12 @@ class InputProcessor:
                 )
         if grammar and params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        params.bad_words_token_ids = self._bad_words_ids(params.bad_words or ())
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or {}),
             ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for ids in params.bad_words_token_ids for t in ids]),
         ):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:

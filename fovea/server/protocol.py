@@ -33,6 +33,9 @@ class RequestLimits:
     max_logit_bias: int = 1024  # entries
     # a set of answers' tokens (digits, letters, labels): like logit_bias, entries each step writes for each row
     max_allowed_token_ids: int = 1024
+    # each word's tokens are compared with each row's last generated ones at every step
+    max_bad_words: int = 128
+    max_bad_word_chars: int = 200
     max_prompts: int = 1024  # prompts in one /v1/completions request
 
     def check(self, fields: SamplingFields) -> None:
@@ -42,11 +45,14 @@ class RequestLimits:
             ("stop_token_ids", len(fields.stop_token_ids or ()), self.max_stop_token_ids),
             ("logit_bias", len(fields.logit_bias or {}), self.max_logit_bias),
             ("allowed_token_ids", len(fields.allowed_token_ids or ()), self.max_allowed_token_ids),
+            ("bad_words", len(fields.bad_words or ()), self.max_bad_words),
         ):
             if count > limit:
                 raise ValueError(f"{name} has {count} entries; at most {limit} are allowed")
         if any(len(s) > self.max_stop_string_chars for s in stop):
             raise ValueError(f"stop strings may have at most {self.max_stop_string_chars} characters")
+        if any(len(w) > self.max_bad_word_chars for w in fields.bad_words or () if isinstance(w, str)):
+            raise ValueError(f"bad_words may have at most {self.max_bad_word_chars} characters each")
 
 
 MAX_REQUEST_TEMPLATE_CHARS = 64 << 10  # released chat templates are 2-20 kB
@@ -84,7 +90,6 @@ NOT_IMPLEMENTED = {
     "length_penalty": (None, 1.0),
     "chat_template_kwargs": (None, {}),
     "documents": (None, []),
-    "bad_words": (None, []),
     "prompt_embeds": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
@@ -143,6 +148,7 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority (else only 0)
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -234,6 +240,7 @@ class SamplingFields(BaseModel):
                 "stop_token_ids": self.stop_token_ids,
                 "allowed_token_ids": self.allowed_token_ids,
                 "truncate_prompt_tokens": self.truncate_prompt_tokens,
+                "bad_words": self.bad_words,
                 "skip_special_tokens": self.skip_special_tokens,
                 "prompt_logprobs": prompt_logprobs,
                 "spaces_between_special_tokens": self.spaces_between_special_tokens,
