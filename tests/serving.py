@@ -59,12 +59,22 @@ def running_server(
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         start_new_session=True,
     )  # its own process group, as under a terminal or systemd
+    # read as it comes: a pipe nobody reads holds 64 kB, and a server that has logged more then blocks in its log
+    # call, event loop and all (its request log did, once each line named a few more sampling fields)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def output() -> str:
+        reader.join(timeout=60)
+        return "".join(lines)
+
     base = f"http://{address}:{port}"
     deadline = time.time() + startup_s
     with httpx.Client(timeout=1) as client:  # one: each new client's TLS set-up costs ~0.1 s of CPU here
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {output()}")
             try:
                 if client.get(base + "/health").status_code == 200:
                     break
@@ -72,14 +82,16 @@ def running_server(
                 pass
             if time.time() > deadline:
                 proc.kill()
-                raise RuntimeError(f"server did not start: {proc.communicate()[0]}")
+                proc.wait()
+                raise RuntimeError(f"server did not start: {output()}")
             time.sleep(0.3)
     try:
         yield base, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        proc.output = proc.communicate(timeout=60)[0]
+        proc.wait(timeout=60)
+        proc.output = output()
 
 
 def metric(base: str, name: str) -> float:

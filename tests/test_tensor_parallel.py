@@ -144,7 +144,7 @@ def test_ray_backend_same_tokens(tiny_dirs):
     [
         ("tiny-3b", 3, "weights", "attention heads (4) do not divide over tensor_parallel_size 3"),
         ("tiny-3b", 4, "weights", "vision attention heads (2)"),
-        ("tiny-3b", 2, "pipeline", "mm_encoder_tp_mode must be weights or data"),
+        ("tiny-3b", 2, "pipeline", "mm_encoder_tp_mode must be one of weights, data; got 'pipeline'"),
     ],
 )
 def test_sizes_that_do_not_divide_fail_at_start(tiny_dirs, name, size, mode, words):

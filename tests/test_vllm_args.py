@@ -73,6 +73,7 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         (dict(generation_config="/no/such/dir"), "generation_config must be auto, vllm or"),
         (dict(scheduling_policy="lottery"), "scheduling_policy must be one of fcfs, priority; got 'lottery'"),
         (dict(attention_backend="flash"), "attention_backend must be one of auto, torch, triton"),
+        (dict(distributed_executor_backend="uni"), "distributed_executor_backend must be one of mp, ray; got 'uni'"),
         (dict(model_impl="transformers"), "fovea runs its own model code"),
     ]:
         with pytest.raises(ValueError, match=words):

@@ -225,10 +225,6 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         )
     if config.mm_encoder_workers < 0:
         raise ValueError(f"mm_encoder_workers must be 0 or more, got {config.mm_encoder_workers}")
-    if config.mm_encoder_tp_mode not in ("weights", "data"):
-        raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {config.mm_encoder_tp_mode!r}")
-    if config.distributed_executor_backend not in (None, "mp", "ray"):
-        raise ValueError(f"distributed_executor_backend must be mp or ray, got {config.distributed_executor_backend!r}")
     split = [("attention heads", text.num_heads), ("MLP width", text.intermediate_size)]
     if config.mm_encoder_tp_mode == "weights":
         split += [("vision attention heads", vision.num_heads), ("vision MLP width", vision.intermediate_size)]
