@@ -328,6 +328,30 @@ def test_a_grammar_past_its_time_kills_its_child_and_is_refused_at_once_after(ti
         checks.close()
 
 
+def test_a_grammar_child_that_dies_as_it_starts_fails_that_check_only(tiny_dirs, monkeypatch):
+    """A child that exits before reading the vocabulary (here: a command that ends at once) is the server's failure,
+    named as such, not the grammar's; it is reaped, and the next check starts a child that works."""
+    import sys
+
+    from fovea.config.model import ModelConfig
+    from fovea.frontend.grammar_checks import GrammarChecks
+    from fovea.multimodal.prompt import load_tokenizer
+
+    model = ModelConfig.from_dir(tiny_dirs["tiny-3b"])
+    checks = GrammarChecks(load_tokenizer(tiny_dirs["tiny-3b"]), model.text.vocab_size, model.eos_token_ids)
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(sys, "executable", "/bin/true")
+            with pytest.raises(RuntimeError, match="a grammar-check process died as it started"):
+                checks.check(StructuredOutputsParams(regex="[a-z]{2}"))
+        assert not [c for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
+        checks.check(StructuredOutputsParams(regex="[a-z]{2}"))
+        with pytest.raises(ValueError, match="does not compile"):
+            checks.check(StructuredOutputsParams(regex="(a"))
+    finally:
+        checks.close()
+
+
 def test_the_engine_keeps_few_compiled_grammars_and_the_ones_in_use(tiny_dirs, monkeypatch):
     """The engine kept up to 1,024 compiled grammars, each ~130 KB for a small schema: ever-new schemas grew it
     for an hour (the soak). It keeps COMPILED_KEPT now, the least recently used going first, so a schema in steady

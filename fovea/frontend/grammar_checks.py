@@ -40,7 +40,11 @@ class _Child:
             [sys.executable, "-m", "fovea.frontend.grammar_checks"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         self.received = b""
-        self.send(setup)
+        try:
+            self.send(setup)
+        except EOFError:  # it died before reading its first line
+            self.stop()
+            raise RuntimeError("a grammar-check process died as it started") from None
 
     def send(self, line: str) -> None:
         try:
@@ -90,6 +94,7 @@ class GrammarChecks:
         child = self._idle.get()  # time queued behind other checks does not count against the limit
         try:
             if child is None or child.process.poll() is not None:
+                child = None  # (the slot stays empty if the next one cannot start)
                 child = _Child(self._child_setup())
             error = self._ask(child, params)
         except TimeoutError:
