@@ -165,11 +165,14 @@ class SamplingParams:
     stop_holdback: int = field(init=False, repr=False, default=0)  # characters a stream holds back
     # bad_words as token ids (the front end's tokenizer sets them: InputProcessor.check_params)
     bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
+    # the sampler may have to ban tokens (min_tokens, bad_words): one test per row and step, not two
+    bans_tokens: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_holdback = max((len(s) - 1 for s in self.stop_strings), default=0)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        self.bans_tokens = self.min_tokens > 0 or bool(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         if 0 < self.top_p < MIN_TOP_P:  # 1e-300 would be 0 in float32, which drops every token
@@ -280,7 +283,8 @@ def sampling_defaults(model_dir: str | Path, generation_config: str = "auto", ov
     unknown = sorted(set(override or {}) - set(GENERATION_CONFIG_FIELDS) - set(GENERATION_CONFIG_FIELDS.values()))
     if unknown:
         raise ValueError(
-            f"override_generation_config: {unknown} are not sampling defaults; it takes {sorted(GENERATION_CONFIG_FIELDS)}"
+            f"override_generation_config: {unknown} are not sampling defaults; "
+            f"it takes {sorted(GENERATION_CONFIG_FIELDS)}"
         )
     return {**defaults, **{GENERATION_CONFIG_FIELDS.get(name, name): value for name, value in (override or {}).items()}}
 

@@ -5,9 +5,10 @@ exception) must cost that request a 400 and a new child process, never the serve
 Each child holds llguidance's view of the tokenizer (built once, as the engine's compiler does) and answers one
 grammar at a time over its pipes, a JSON line each way. The first child starts with the first grammar to check, as
 vLLM starts its grammar backend: a server that never sees one spends neither its ~2 s of CPU nor its ~160 MB, and
-the first structured request waits for the vocabulary to be read once (time that does not count against its limit). A child that outruns FOVEA_GRAMMAR_TIMEOUT is killed (the
-build cannot be interrupted otherwise) and that grammar is refused at once from then on; a child that dies is
-started again for the next check. Grammars that compiled are remembered, so a repeated schema costs nothing.
+the first structured request waits for the vocabulary to be read once (time that does not count against its
+limit). A child that outruns FOVEA_GRAMMAR_TIMEOUT is killed (the build cannot be interrupted otherwise) and that
+grammar is refused at once from then on; a child that dies is started again for the next check. Grammars that
+compiled are remembered, so a repeated schema costs nothing.
 
     python -m fovea.frontend.grammar_checks   # a child: its first line is the tokenizer, then grammars
 """

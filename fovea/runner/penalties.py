@@ -1,6 +1,6 @@
 """allowed_token_ids, logit_bias, min_tokens and bad_words bans and the repetition / frequency / presence
-penalties, applied in place to a step's logits (the sampler's first stage), and the per-sample token sets the penalties read, kept
-between steps.
+penalties, applied in place to a step's logits (the sampler's first stage), and the per-sample token sets the
+penalties read, kept between steps.
 
 Penalties touch only the (row, token) entries a row has seen: no vocabulary-wide count tensors. Which entries those
 are is kept per sample (`SeenTokens`): the prompt's distinct ids once on the device, the generated ids on the host,
@@ -65,16 +65,18 @@ class SeenTokens:
         return self.generated[: self.num_generated]
 
 
-def bad_word_ends(row: SampleRow) -> list[int]:
-    """The last token of each of the row's bad words whose other tokens its output ends with (all of a one-token
-    word's), as vLLM bans them: generated tokens only, the prompt's not."""
-    tokens, generated = row.token_ids, len(row.token_ids) - row.num_prompt_tokens
-    ends = []
-    for ids in row.params.bad_words_token_ids:
+def banned_tokens(row: SampleRow) -> list[int]:
+    """What the row may not draw now: its stop tokens while it has fewer than min_tokens, and the last token of
+    each bad word whose other tokens its output ends with (a one-token word's always), as vLLM bans them (generated
+    tokens only, the prompt's not)."""
+    tokens, params = row.token_ids, row.params
+    generated = len(tokens) - row.num_prompt_tokens
+    banned = list(row.stop_ids) if generated < params.min_tokens else []
+    for ids in params.bad_words_token_ids:
         head = len(ids) - 1
         if head == 0 or (generated >= head and list(tokens[len(tokens) - head :]) == ids[:head]):
-            ends.append(ids[-1])
-    return ends
+            banned.append(ids[-1])
+    return banned
 
 
 def column(rows: list[SampleRow], getter, dtype, device) -> torch.Tensor:
@@ -125,25 +127,20 @@ def _with_pending(found: SeenKeys, rows: list[SampleRow], pending: tuple, vocab:
 def apply_penalties_and_bias(
     logits: torch.Tensor, rows: list[SampleRow], seen: dict | None = None, pending: tuple | None = None
 ) -> None:
-    """Applies allowed_token_ids, logit_bias, min_tokens and bad_words bans and the penalties to `logits` in place (the step's
-    logits are read only by the sampler, which takes log-probabilities before this). Only the entries changed are
-    touched: at batch 256 the seen tokens are ~256k entries scattered over a 150 MB batch, each a cache miss on the
-    CPU, so they are read once and written once. `seen`: the caller's SeenTokens by row key, kept across steps;
-    without it they are built for this call. `pending`: (rows, their tokens on the device) sampled by the step
-    still on the device and not yet in the rows' token lists (async scheduling): seen too."""
+    """Applies allowed_token_ids, logit_bias, min_tokens and bad_words bans and the penalties to `logits` in place
+    (the step's logits are read only by the sampler, which takes log-probabilities before this). Only the entries
+    changed are touched: at batch 256 the seen tokens are ~256k entries scattered over a 150 MB batch, each a cache
+    miss on the CPU, so they are read once and written once. `seen`: the caller's SeenTokens by row key, kept across
+    steps; without it they are built for this call. `pending`: (rows, their tokens on the device) sampled by the
+    step still on the device and not yet in the rows' token lists (async scheduling): seen too."""
     vocab = logits.shape[1]
     device = logits.device
     bias = [
         (i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if 0 <= t < vocab
     ]
     banned = [
-        i * vocab + t
-        for i, r in enumerate(rows)
-        if r.params.min_tokens and len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
-        for t in r.stop_ids
-        if 0 <= t < vocab
+        i * vocab + t for i, r in enumerate(rows) if r.params.bans_tokens for t in banned_tokens(r) if 0 <= t < vocab
     ]
-    banned += [i * vocab + t for i, r in enumerate(rows) if r.params.bad_words_token_ids for t in bad_word_ends(r)]
     rows_penalized = [i for i, r in enumerate(rows) if penalized(r.params)]
     flat = logits.view(-1)
     allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
