@@ -15,7 +15,15 @@ if not _logger.handlers:
     _logger.addHandler(_handler)
     _logger.setLevel(os.environ.get("FOVEA_LOGGING_LEVEL", "INFO").upper())
     _logger.propagate = False
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "LoRARequest",
+]
 
 
 def __getattr__(name: str):
@@ -28,10 +36,10 @@ def __getattr__(name: str):
         from fovea.core.sampling_params import SamplingParams
 
         return SamplingParams
-    if name == "StructuredOutputsParams":
-        from fovea.core.sampling_params import StructuredOutputsParams
+    if name in ("StructuredOutputsParams", "BeamSearchParams"):
+        from fovea.core import sampling_params
 
-        return StructuredOutputsParams
+        return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput", "LoRARequest"):
         from fovea.core import request
 

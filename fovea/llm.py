@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 
 from fovea.config.engine import EngineConfig
 from fovea.core.request import LoRARequest, RequestOutput
-from fovea.core.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
+from fovea.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, default_sampling_params
 from fovea.engine.engine import LLMEngine
+from fovea.frontend.beam_search import BeamSearch, BeamSearchOutput, beam_search_output
 from fovea.frontend.input_processor import InputProcessor
 from fovea.frontend.outputs import OutputAssembler
 from fovea.multimodal.prompt import ChatOptions, load_tokenizer
@@ -119,6 +120,27 @@ class LLM:
         )
         return self._run(processed, params, use_tqdm, lora_request)
 
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool | Callable = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's: the `beam_width` best beams of each prompt (any form `generate` takes), best first; each
+        sequence's tokens and text include its prompt. `concurrency_limit`: prompts searched at a time."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts, loras = list(prompts), per_prompt(lora_request, len(prompts), "lora_request")
+        step = concurrency_limit or max(len(prompts), 1)
+        found = []
+        for start in range(0, len(prompts), step):
+            chunk = prompts[start : start + step]
+            outputs = self.generate(chunk, params.sampling_params(), use_tqdm, lora_request=loras[start : start + step])
+            found += [beam_search_output(output, self.engine.tokenizer) for output in outputs]
+        return found
+
     def _params(self, sampling_params, count: int) -> list[SamplingParams]:
         return per_prompt(self.default_params if sampling_params is None else sampling_params, count, "sampling_params")
 
@@ -141,15 +163,31 @@ class LLM:
             self.inputs.make_request(str(next(self._ids)), prompt, p.clone(output_kind=final), lora=lora, priority=rank)
             for prompt, p, lora, rank in zip(processed, params, loras, priorities)
         ]
-        for request in requests:
-            self.engine.add_request(request)
+        searches: dict[str, BeamSearch] = {}  # beam searches (frontend/beam_search.py), by their step requests' ids
+
+        def search_on(search: BeamSearch) -> RequestOutput | None:
+            if search.done:
+                return search.output(self.engine.tokenizer)
+            for step in search.step_requests():
+                searches[step.request_id] = search
+                self.engine.add_request(step)
+            return None
+
         order = {request.request_id: i for i, request in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
+        for request in requests:
+            if request.params.use_beam_search:
+                results[order[request.request_id]] = search_on(BeamSearch(request, self.engine.config.max_model_len))
+            else:
+                self.engine.add_request(request)
         bar = (use_tqdm if callable(use_tqdm) else _progress_bar)(total=len(requests)) if use_tqdm else None
         prompt_tokens = output_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
+                    search = searches.pop(output.request_id, None)
+                    if search is not None and (not search.take(output) or (output := search_on(search)) is None):
+                        continue
                     if output.finished and output.request_id in order:
                         results[order[output.request_id]] = output
                         if bar is not None:
@@ -163,7 +201,9 @@ class LLM:
                             )
                             bar.update(1)
         except BaseException:
-            self.engine.abort_request(list(order))  # Ctrl-C or a failure: free everything, keep the engine usable
+            self.engine.abort_request(
+                [*order, *searches]
+            )  # Ctrl-C or a failure: free everything, keep the engine usable
             self.engine.finished_outputs.clear()  # nobody waits for these aborts' outputs
             raise
         finally:

@@ -12,7 +12,7 @@ import pytest
 from conftest import hf_tokenizer, jpeg_bytes, random_image
 from serving import running_server
 
-from fovea import LLM
+from fovea import LLM, SamplingParams
 
 KEY = "sk-fovea-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -652,4 +652,44 @@ def test_bad_words_are_taken_and_bounded(server, llm):
         ([" "], "bad_words must be non-blank strings"),
     ):
         refused = httpx.post(server + "/v1/completions", json={**body, "bad_words": bad}, headers=AUTH)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
+
+
+def test_beam_search_answers_the_offline_beams_whole_and_streamed(server, llm, media_dir):
+    """use_beam_search with n beams: the offline engine's beams (an image chat, and completions of two prompts),
+    best first, with their tokens and logprobs; streamed, the same texts. Settings a beam search cannot apply and
+    more beams than max_logprobs allows are 400s naming them."""
+    messages = image_message(data_url(media_dir / "boat.jpg"))
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=5, temperature=0)
+    expected = llm.chat(messages, params, use_tqdm=False)[0].outputs
+    body = {"model": "tiny", "messages": messages, "use_beam_search": True, "n": 3, "max_tokens": 5, "temperature": 0}
+    whole = httpx.post(server + "/v1/chat/completions", json={**body, "return_token_ids": True}, headers=AUTH).json()
+    assert [c["token_ids"] for c in whole["choices"]] == [o.token_ids for o in expected]
+    assert [c["message"]["content"] for c in whole["choices"]] == [o.text for o in expected]
+    assert len({o.text for o in expected}) == 3
+    streamed = ["", "", ""]
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed[choice["index"]] += choice["delta"].get("content") or ""
+    assert streamed == [o.text for o in expected]
+    prompts = ["The harbour at dawn", "Three ships"]
+    offline = llm.generate(prompts, params.clone(n=2, max_tokens=4, logprobs=2), use_tqdm=False)
+    reply = httpx.post(
+        server + "/v1/completions",
+        json={"model": "tiny", "prompt": prompts, "use_beam_search": True, "n": 2, "max_tokens": 4, "logprobs": 2,
+              "temperature": 0},
+        headers=AUTH,
+    ).json()  # fmt: skip
+    choices = [(c["text"], c["logprobs"]["token_logprobs"]) for c in reply["choices"]]
+    want = [(o.text, [e[t].logprob for e, t in zip(o.logprobs, o.token_ids)]) for out in offline for o in out.outputs]
+    assert [text for text, _ in choices] == [text for text, _ in want]
+    assert all(got == pytest.approx(w, abs=1e-5) for (_, got), (_, w) in zip(choices, want))
+    for extra, words in (
+        ({"stop": ["x"]}, "stop cannot be used with beam search"),
+        ({"response_format": {"type": "json_object"}}, "structured_outputs cannot be used with beam search"),
+        ({"n": 11}, "needs 22 logprobs a step, more than max_logprobs=20"),
+    ):
+        refused = httpx.post(server + "/v1/chat/completions", json={**body, **extra}, headers=AUTH)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text

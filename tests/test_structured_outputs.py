@@ -244,7 +244,7 @@ def test_bad_constraints_get_400_with_the_reason(client, body, words):
     [
         ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
         ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
-        ({"use_beam_search": True}, "use_beam_search"),
+        ({"best_of": 2}, "best_of"),
         ({"structural_tag": "{}"}, "structural_tag"),
         ({"priority": 0, "best_of": 1, "parallel_tool_calls": False, "store": False}, None),  # values asking nothing
         ({"not_a_field_of_any_api": 1}, None),  # outside both protocols: logged and ignored, as vLLM does

@@ -127,6 +127,25 @@ class StructuredOutputsParams:
             raise ValueError(f"{WHERE}.json is not a JSON schema: {error}") from None
 
 
+# what beam search does not apply, with the values that ask for nothing: anything else is refused, not ignored
+BEAM_SEARCH_IGNORES = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "stop": None,
+    "stop_token_ids": [],
+    "min_tokens": 0,
+    "prompt_logprobs": None,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "structured_outputs": None,
+}
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries everything generated so far
     DELTA = 1  # only what is new since the previous output (streaming)
@@ -161,6 +180,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generated: each word's last token is banned after the rest, as vLLM
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # or its fields as a dict
+    # vLLM's beam search: n beams, run by the front end one token at a time (frontend/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # a finished beam's score: cumulative logprob / length ** length_penalty
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     stop_holdback: int = field(init=False, repr=False, default=0)  # characters a stream holds back
     # bad_words as token ids (the front end's tokenizer sets them: InputProcessor.check_params)
@@ -238,6 +260,10 @@ class SamplingParams:
         )
         check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (leave it out to allow every token)")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        check(math.isfinite(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty}")
+        if self.use_beam_search:
+            changed = [name for name, default in BEAM_SEARCH_IGNORES.items() if getattr(self, name) != default]
+            check(not changed, f"{', '.join(changed)} cannot be used with beam search (use_beam_search)")
         check(
             self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX - self.n,
             f"seed must be within the 64-bit integer range, got {self.seed}",
@@ -251,6 +277,30 @@ class SamplingParams:
     def clone(self, **changes) -> SamplingParams:
         known = {f.name for f in fields(self) if f.init}
         return replace(self, **{k: v for k, v in changes.items() if k in known})
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's fields for `LLM.beam_search` (frontend/beam_search.py)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.beam_width,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            use_beam_search=True,
+            logprobs=0,  # each beam's step entries and cumulative logprob come back (beam_search_output)
+        )
 
 
 # generation_config.json's sampling fields (the ones vLLM reads), by our name

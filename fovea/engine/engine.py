@@ -129,6 +129,8 @@ class LLMEngine:
         request = Request(input)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        if request.params.use_beam_search:
+            raise ValueError("beam search runs in the front end (LLM, the server), not as one engine request")
         if request.lora is not None and not self.config.enable_lora:
             raise ValueError(f"request {request.request_id} asks for a LoRA adapter, but LoRA is off (enable_lora)")
         # the front end checked the parameters (InputProcessor.check_params); the KV cache's size is known here only

@@ -47,6 +47,7 @@ from fovea.core.messages import (
 from fovea.core.request import LoRARequest, RequestDelta, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
+from fovea.frontend.beam_search import BeamSearch
 from fovea.frontend.engine_process import EngineProcess
 from fovea.frontend.grammar_checks import GrammarChecks
 from fovea.frontend.input_processor import InputProcessor
@@ -266,7 +267,37 @@ class AsyncLLM:
         return self.inputs.make_request(request_id, processed, params, arrival, fair_rank, lora, priority)
 
     async def stream(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
-        """Sends a prepared request to the engine and yields its outputs; leaving early aborts it."""
+        """Sends a prepared request to the engine and yields its outputs; leaving early aborts it. A beam search
+        yields its one final output."""
+        if request.params.use_beam_search:
+            yield await self._beam_search(request)
+            return
+        async for output in self._stream(request):
+            yield output
+
+    async def _beam_search(self, request: RequestInput) -> RequestOutput:
+        """Its steps' one-token requests go to the engine together; the first to fail fails the search (the
+        others are aborted)."""
+        search = BeamSearch(request, self.config.max_model_len)
+
+        async def final(step: RequestInput) -> RequestOutput:
+            async for output in self._stream(step):
+                pass
+            return output
+
+        while not search.done:
+            tasks = [asyncio.ensure_future(final(step)) for step in search.step_requests()]
+            try:
+                outputs = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                raise
+            for output in outputs:
+                search.take(output)
+        return search.output(self.tokenizer)
+
+    async def _stream(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")

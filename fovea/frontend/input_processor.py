@@ -156,6 +156,11 @@ class InputProcessor:
                     f"{name}={getattr(params, name)} is more than max_logprobs="
                     f"{self.config.max_logprobs} (a server flag: --max-logprobs)"
                 )
+        if params.use_beam_search and 2 * params.n > self.config.max_logprobs:
+            raise ValueError(
+                f"beam search with n={params.n} beams needs {2 * params.n} logprobs a step, more than max_logprobs="
+                f"{self.config.max_logprobs} (a server flag: --max-logprobs)"
+            )
         if grammar and params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words or ())

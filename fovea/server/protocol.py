@@ -86,8 +86,6 @@ NOT_IMPLEMENTED = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "best_of": (None, 1),
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0),
     "chat_template_kwargs": (None, {}),
     "documents": (None, []),
     "prompt_embeds": (None,),
@@ -149,6 +147,8 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority (else only 0)
     bad_words: list[str] | None = None  # vLLM's: words never generated
+    use_beam_search: bool = False  # vLLM's: the n best beams (frontend/beam_search.py)
+    length_penalty: float = 1.0  # vLLM's: beams ranked by cumulative logprob / length ** length_penalty
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -223,7 +223,13 @@ class SamplingFields(BaseModel):
             bias = {int(token): min(100.0, max(-100.0, value)) for token, value in (self.logit_bias or {}).items()}
         except ValueError:
             raise ValueError("logit_bias keys must be token ids") from None
-        base = {name: value for name, value in defaults.items() if name != "max_tokens"}
+        # the checkpoint's defaults, but a beam search takes only its temperature (as vLLM): the others would be
+        # refused as settings it cannot apply, while a request's own are
+        base = {
+            name: value
+            for name, value in defaults.items()
+            if name != "max_tokens" and (name == "temperature" or not self.use_beam_search)
+        }
         return SamplingParams(
             **{**base, **fields},
             **{
@@ -246,6 +252,8 @@ class SamplingFields(BaseModel):
                 "spaces_between_special_tokens": self.spaces_between_special_tokens,
                 "include_stop_str_in_output": self.include_stop_str_in_output,
                 "structured_outputs": self.structured(),
+                "use_beam_search": self.use_beam_search,
+                "length_penalty": self.length_penalty,
                 "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             },
         )
