@@ -82,3 +82,26 @@ def test_add_generation_prompt_is_honoured(server, tiny_dirs):
         expected = tokenizer.apply_chat_template(HELLO, add_generation_prompt=flag, tokenize=False)
         reply = chat(server, add_generation_prompt=flag).json()
         assert reply["usage"]["prompt_tokens"] == len(tokenizer.encode(expected)), flag
+
+
+def test_documents_reach_the_template_as_transformers_passes_them(server, tiny_dirs):
+    """vLLM's `documents` (retrieval-augmented templates): the prompt is transformers' apply_chat_template with
+    the same documents, in the sandboxed workers and with the model's own template (which ignores them)."""
+    from conftest import hf_tokenizer
+
+    tokenizer = hf_tokenizer(tiny_dirs["tiny-3b"])
+    documents = [{"title": "Tides", "text": "High water at six."}, {"title": "Gulls", "text": "Loud at dawn."}]
+    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}" + PLAIN
+    for given in (template, None):
+        expected = tokenizer.apply_chat_template(
+            HELLO, chat_template=given, documents=documents, tokenize=False, add_generation_prompt=True
+        )
+        fields = {"documents": documents, "return_token_ids": True} | ({"chat_template": given} if given else {})
+        reply = chat(server, **fields)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["prompt_token_ids"] == tokenizer.encode(expected, add_special_tokens=False)
+    assert "[Tides: High water at six.][Gulls: Loud at dawn.]hello" == tokenizer.apply_chat_template(
+        HELLO, chat_template=template, documents=documents, tokenize=False
+    )  # the check above sees the documents
+    refused = chat(server, documents=[{"title": ["not text"]}])
+    assert refused.status_code == 400 and "documents" in refused.json()["error"]["message"], refused.text

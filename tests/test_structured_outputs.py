@@ -243,7 +243,7 @@ def test_bad_constraints_get_400_with_the_reason(client, body, words):
     "extra, refused",
     [
         ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
-        ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
+        ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
         ({"best_of": 2}, "best_of"),
         ({"structural_tag": "{}"}, "structural_tag"),
         ({"priority": 0, "best_of": 1, "parallel_tool_calls": False, "store": False}, None),  # values asking nothing

@@ -90,6 +90,7 @@ class ChatOptions:
     template_kwargs: dict | None = None
     content_format: str = "auto"  # the shape of message content the template expects (chat_format.py)
     continue_final_message: bool = False
+    documents: list[dict] | None = None  # for templates that do retrieval-augmented generation (vLLM's field)
 
     def __post_init__(self):
         if self.continue_final_message and self.add_generation_prompt:
@@ -110,6 +111,7 @@ class ChatOptions:
             messages,
             chat_template=template,
             tools=self.tools or None,
+            documents=self.documents or None,
             tokenize=False,
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
@@ -308,8 +310,8 @@ class PromptProcessor:
         in the shape `template` expects (chat.content_format, or read off the template when "auto")."""
         chat = chat or ChatOptions()
         normalized, media = split_chat_media(messages)
-        tools = chat.tools
-        self._check_characters(text_length(normalized) + (len(json.dumps(tools)) if tools else 0), max_tokens)
+        extra = sum(len(json.dumps(given)) for given in (chat.tools, chat.documents) if given)
+        self._check_characters(text_length(normalized) + extra, max_tokens)
         template = template or chat.template or self.chat_template
         content_format = chat.content_format
         if content_format == "auto":

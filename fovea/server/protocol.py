@@ -87,7 +87,6 @@ NOT_IMPLEMENTED = {
     "modalities": (None, ["text"]),
     "best_of": (None, 1),
     "chat_template_kwargs": (None, {}),
-    "documents": (None, []),
     "prompt_embeds": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
@@ -304,6 +303,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # the last message left open: the model goes on with it
     echo: bool = False  # vLLM's: the reply starts with the last message's text when that is the reply's role
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # vLLM's: for templates that do retrieval-augmented generation
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

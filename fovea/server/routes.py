@@ -240,6 +240,7 @@ async def start_chat(
             body.chat_template_kwargs,
             options.chat_template_content_format,
             body.continue_final_message,
+            body.documents,
         )
         prepared = None
         if body.chat_template is None and not media_to_fetch(body.messages, options.media, limits):
