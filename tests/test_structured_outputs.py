@@ -245,7 +245,6 @@ def test_bad_constraints_get_400_with_the_reason(client, body, words):
         ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
         ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
         ({"best_of": 2}, "best_of"),
-        ({"structural_tag": "{}"}, "structural_tag"),
         ({"priority": 0, "best_of": 1, "parallel_tool_calls": False, "store": False}, None),  # values asking nothing
         ({"not_a_field_of_any_api": 1}, None),  # outside both protocols: logged and ignored, as vLLM does
     ],
@@ -571,3 +570,67 @@ def test_special_tokens_text_in_a_constraint_is_followed_or_refused_never_violat
                 ), (token, spec, output.text)
                 followed += 1
     assert refused + followed > len(specials)  # most cases end one way or the other within 24 tokens
+
+
+def tagged_parts_hold(text: str, trigger: str, begin: str, schema: dict, end: str) -> int:
+    """Checks that every `trigger` in `text` opens `begin`, then compact JSON valid under `schema`, then `end`
+    (the last part may be cut by the length limit); the number of complete parts."""
+    complete, at = 0, text.find(trigger)
+    while at >= 0:
+        rest = text[at:]
+        if len(rest) < len(begin):
+            assert begin.startswith(rest), rest
+            return complete
+        assert rest.startswith(begin), rest
+        body = rest[len(begin) :]
+        try:
+            value, used = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError:
+            return complete  # cut inside the JSON
+        jsonschema.validate(value, schema)
+        assert body[:used] == json.dumps(value, separators=(",", ":")), body[:used]  # compact, as the json form
+        after = body[used:]
+        assert after.startswith(end) or end.startswith(after), after
+        complete += after.startswith(end)
+        next_at = text.find(trigger, len(text) - len(after) + len(end))
+        at = next_at if after.startswith(end) else -1
+    return complete
+
+
+def test_structural_tags_hold_the_parts_their_triggers_open(tiny_dirs, client):
+    """vLLM's structural_tag (structures + triggers, llguidance's tags): text runs free until a trigger, which
+    opens its structure's begin, JSON held to the schema and end; offline, as response_format and as the older
+    request field, the same greedy text."""
+    llm = LLM(str(tiny_dirs["tiny-3b"]), max_model_len=512)
+    messages = [{"role": "user", "content": "Give me the answer."}]
+    greedy = llm.get_default_sampling_params().clone(temperature=0, max_tokens=40)  # what the server's requests get
+    free = llm.chat(messages, greedy, use_tqdm=False)[0].outputs[0]
+    trigger = llm.get_tokenizer().decode(free.token_ids[:2])  # where the model goes on its own
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"enum": [1, 2, 3]}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    begin, end = trigger + "<call>", "</call>"
+    tag = {
+        "structures": [{"begin": begin, "schema": schema, "end": end}, {"begin": "@none", "schema": {}, "end": "."}],
+        "triggers": [trigger, "@none"],
+    }
+    spec = StructuredOutputsParams(structural_tag=tag)
+    tagged = llm.chat(messages, greedy.clone(structured_outputs=spec), use_tqdm=False)[0].outputs[0].text
+    assert free.text.startswith(trigger) and not free.text.startswith(begin)
+    assert tagged.startswith(begin) and tagged_parts_hold(tagged, trigger, begin, schema, end) >= 1, tagged
+    served = [
+        chat(client, temperature=0, max_tokens=40, response_format={"type": "structural_tag", **tag})[0][0],
+        chat(client, temperature=0, max_tokens=40, extra_body={"structured_outputs": {"structural_tag": tag}})[0][0],
+        chat(client, temperature=0, max_tokens=40, extra_body={"structural_tag": json.dumps(tag)})[0][0],
+    ]
+    assert served == [tagged] * 3
+    for broken, words in (
+        ({**tag, "triggers": ["<other>"]}, "starts with none of the triggers"),
+        ({"format": {"type": "any_text"}}, "the format form is not supported"),
+        ({**tag, "structures": [{"begin": begin, "schema": [1], "end": end}]}, "must be a JSON schema"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=words):
+            chat(client, response_format={"type": "structural_tag", **broken})

@@ -24,6 +24,38 @@ MAX_GRAMMAR_CHARS = 4 << 20  # 100,000 choices of 14 characters compile in about
 MAX_SCHEMA_DEPTH = 64  # nested objects and arrays, and $ref jumps, on any path from the root
 
 
+FORMS = ("json", "regex", "choice", "grammar", "structural_tag")  # structured outputs' forms, but json_object
+
+
+def loaded(given, where: str, what: str):
+    """`given`, read from JSON when it is a string."""
+    if not isinstance(given, str):
+        return given
+    try:
+        return json.loads(given)
+    except ValueError as error:
+        raise ValueError(f"{where} is not {what}: {error}") from None
+    except RecursionError:
+        raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+
+
+def checked_schema(given, where: str) -> dict | bool:
+    """A JSON schema (a dict, a boolean, or either as JSON text), refused if it nests too deep for the compiler."""
+    schema = loaded(given, where, "a JSON schema")
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"{where} must be a JSON schema (an object), got {type(schema).__name__}")
+    if isinstance(schema, dict) and schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels (objects, arrays, $ref jumps)")
+    return schema
+
+
+def compact(schema: dict | bool) -> dict | bool:
+    """The schema with its JSON written compact unless it says otherwise, as the json form writes it."""
+    if not isinstance(schema, dict):
+        return schema
+    return {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+
+
 def schema_depth(schema) -> int:
     """The longest path from the root through nested objects and arrays and local `$ref` jumps ("#/..."), a
     jump to a node already on the path ending it (a recursive schema). Without recursion: a schema may nest
@@ -62,21 +94,22 @@ def _schema_children(root, node) -> list:
 @dataclass(frozen=True, eq=False)
 class StructuredOutputsParams:
     """vLLM's names: exactly one of json (a schema, as a dict or a JSON string), regex, choice, grammar (Lark,
-    llguidance's dialect) or json_object (any JSON object)."""
+    llguidance's dialect), json_object (any JSON object) or structural_tag (free text in which each trigger starts
+    a tagged part held to its schema: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, as a
+    dict or a JSON string)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: dict | str | None = None
 
     def __post_init__(self):
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in FORMS if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(
-                f"{WHERE} takes exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}"
-            )
+            raise ValueError(f"{WHERE} takes exactly one of {', '.join(FORMS)}, json_object; got {given or 'none'}")
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"{WHERE}.choice must be a non-empty list of non-empty strings")
@@ -85,29 +118,49 @@ class StructuredOutputsParams:
 
     def _check_size(self) -> None:
         """Bounds what the grammar library gets, before it compiles anything."""
-        schema = self.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as error:
-                raise ValueError(f"{WHERE}.json is not a JSON schema: {error}") from None
-            except RecursionError:
-                raise ValueError(f"{WHERE}.json nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
-        if self.json is not None and not isinstance(schema, (dict, bool)):
-            raise ValueError(f"{WHERE}.json must be a JSON schema (an object), got {type(schema).__name__}")
-        if isinstance(schema, dict) and schema_depth(schema) > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"{WHERE}.json nests deeper than {MAX_SCHEMA_DEPTH} levels (objects, arrays, $ref jumps)")
         sizes = {name: len(getattr(self, name) or "") for name in ("regex", "grammar")}
         sizes["choice"] = sum(map(len, self.choice or ()))
-        sizes["json"] = len(self.json) if isinstance(self.json, str) else len(json.dumps(schema)) if schema else 0
+        for name in ("json", "structural_tag"):
+            given = getattr(self, name)
+            sizes[name] = len(given) if isinstance(given, str) else len(json.dumps(given)) if given else 0
         for name, size in sizes.items():
             if size > MAX_GRAMMAR_CHARS:
                 raise ValueError(f"{WHERE}.{name} has {size} characters; at most {MAX_GRAMMAR_CHARS} are allowed")
+        if self.json is not None:
+            checked_schema(self.json, f"{WHERE}.json")
+        if self.structural_tag is not None:
+            self.structural_tags()
+
+    def structural_tags(self) -> list[tuple[str, str, dict | bool, str]]:
+        """structural_tag as (trigger, begin, schema, end) per structure, each begin after its trigger."""
+        where = f"{WHERE}.structural_tag"
+        spec = loaded(self.structural_tag, where, "an object with structures and triggers")
+        if not isinstance(spec, dict) or "format" in spec:
+            raise ValueError(
+                f"{where} must be an object with structures and triggers (the format form is not supported)"
+            )
+        structures, triggers = spec.get("structures"), spec.get("triggers")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise ValueError(f"{where}.triggers must be a non-empty list of non-empty strings")
+        if not isinstance(structures, list) or not structures:
+            raise ValueError(f"{where}.structures must be a non-empty list")
+        tags = []
+        for i, part in enumerate(structures):
+            begin, end = (part.get(k) if isinstance(part, dict) else None for k in ("begin", "end"))
+            if not isinstance(begin, str) or not isinstance(end, str) or "schema" not in part:
+                raise ValueError(f"{where}.structures[{i}] needs begin and end strings and a schema")
+            trigger = next((t for t in triggers if begin.startswith(t)), None)
+            if trigger is None:
+                raise ValueError(f"{where}.structures[{i}]: begin {begin[:100]!r} starts with none of the triggers")
+            tags.append((trigger, begin, checked_schema(part["schema"], f"{where}.structures[{i}].schema"), end))
+        return tags
 
     def key(self) -> tuple:
         """Hashable and equal for equal requests (a schema dict is not hashable)."""
-        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
-        return schema, self.regex, self.choice, self.grammar, self.json_object
+        schema, tag = (
+            v if not isinstance(v, dict) else json.dumps(v, sort_keys=True) for v in (self.json, self.structural_tag)
+        )
+        return schema, self.regex, self.choice, self.grammar, self.json_object, tag
 
     def grammar_text(self) -> str:
         """The request as an llguidance grammar."""
@@ -119,6 +172,14 @@ class StructuredOutputsParams:
             return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
         if self.grammar is not None:
             return LLMatcher.grammar_from_lark(self.grammar)
+        if self.structural_tag is not None:
+            from llguidance import StructTag
+
+            tags = [
+                StructTag(trigger=t, begin=b, grammar=compact(schema), end=e)
+                for t, b, schema, e in self.structural_tags()
+            ]
+            return StructTag.to_grammar(tags)
         schema = {"type": "object"} if self.json_object else self.json
         text = schema if isinstance(schema, str) else json.dumps(schema)
         try:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fovea.config.video import media_io_processor_kwargs
 from fovea.core.sampling_params import (
+    FORMS,
     MAX_SCHEMA_DEPTH,
     RequestOutputKind,
     SamplingParams,
@@ -90,7 +91,6 @@ NOT_IMPLEMENTED = {
     "prompt_embeds": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "structural_tag": (None,),
     "add_special_tokens": (None, False),  # chat's
 }
 # no effect on the answer, or asking nothing of a model that does not reason or search (vLLM accepts them too)
@@ -165,6 +165,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structural_tag: str | None = None  # vLLM's older field: a structural tag as JSON text
 
     def processor_kwargs(self) -> dict[str, Any] | None:
         """mm_processor_kwargs, over what media_io_kwargs asks of loading (raises ValueError for a bad one)."""
@@ -182,8 +183,14 @@ class SamplingFields(BaseModel):
                     raise ValueError("response_format json_schema needs a json_schema object")
                 schema = spec.get("schema")
                 forms["response_format"] = dict(json=schema) if schema is not None else dict(json_object=True)
+            elif kind == "structural_tag":
+                forms["response_format"] = dict(
+                    structural_tag={k: v for k, v in self.response_format.items() if k != "type"}
+                )
             elif kind != "text":
-                raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+                raise ValueError(
+                    f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}"
+                )
         if self.structured_outputs:
             forms["structured_outputs"] = self.structured_outputs
         guided = {
@@ -193,16 +200,16 @@ class SamplingFields(BaseModel):
         }
         if guided:
             forms["guided_" + "/".join(guided)] = guided
+        if self.structural_tag is not None:
+            forms["structural_tag"] = dict(structural_tag=self.structural_tag)
         if len(forms) > 1:
             raise ValueError(f"give one way of constraining the output, not {' and '.join(forms)}")
         if not forms:
             return None
         ((where, fields),) = forms.items()
-        unknown = set(fields) - {"json", "regex", "choice", "grammar", "json_object"}
+        unknown = set(fields) - {*FORMS, "json_object"}
         if unknown:
-            raise ValueError(
-                f"{where}: {sorted(unknown)} not supported; supported: json, regex, choice, grammar, json_object"
-            )
+            raise ValueError(f"{where}: {sorted(unknown)} not supported; supported: {', '.join(FORMS)}, json_object")
         return StructuredOutputsParams(**fields)
 
     def sampling_params(
