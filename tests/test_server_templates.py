@@ -28,6 +28,9 @@ def server(tiny_dirs):
         "--num-gpu-blocks-override",
         "200",
         "--trust-request-chat-template",
+        "--default-chat-template-kwargs",
+        '{"greeting": "Ahoy "}',
+        "--exclude-tools-when-tool-choice-none",
     ) as (base, proc):
         yield base
     assert proc.returncode == 0, proc.output
@@ -105,3 +108,23 @@ def test_documents_reach_the_template_as_transformers_passes_them(server, tiny_d
     )  # the check above sees the documents
     refused = chat(server, documents=[{"title": ["not text"]}])
     assert refused.status_code == 400 and "documents" in refused.json()["error"]["message"], refused.text
+
+
+def test_server_template_variables_and_tools_under_tool_choice_none(server, tiny_dirs):
+    """--default-chat-template-kwargs: every request's template sees them, under its own chat_template_kwargs;
+    --exclude-tools-when-tool-choice-none: a request's tools reach the template unless tool_choice is "none"."""
+    from conftest import hf_tokenizer
+
+    tokenizer = hf_tokenizer(tiny_dirs["tiny-3b"])
+    template = "{{ greeting | default('') }}{% if tools %}[tools]{% endif %}" + PLAIN
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    def prompt(**fields) -> str:
+        reply = chat(server, chat_template=template, return_token_ids=True, **fields)
+        assert reply.status_code == 200, reply.text
+        return tokenizer.decode(reply.json()["prompt_token_ids"])
+
+    assert prompt() == "Ahoy hello"
+    assert prompt(chat_template_kwargs={"greeting": "Hi "}) == "Hi hello"
+    assert prompt(tools=tools, tool_choice="none") == "Ahoy hello"
+    assert prompt(tools=tools, tool_choice="required") == "Ahoy [tools]hello"

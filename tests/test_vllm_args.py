@@ -6,6 +6,7 @@ they do in vLLM."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -61,6 +62,14 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         max_model_len="1K",
         swap_space=4,
         mm_processor_cache_gb=0,
+        disable_cascade_attn=True,
+        cuda_graph_sizes=[1, 2, 4],
+        enable_expert_parallel=True,
+        guided_decoding_backend="xgrammar",
+        stream_interval=4,
+        enable_sleep_mode=False,
+        logprobs_mode="raw_logprobs",
+        speculative_config=None,
     )
     assert config.max_model_len == 1024
     for args, words in [
@@ -75,6 +84,11 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         (dict(attention_backend="flash"), "attention_backend must be one of auto, torch, triton"),
         (dict(distributed_executor_backend="uni"), "distributed_executor_backend must be one of mp, ray; got 'uni'"),
         (dict(model_impl="transformers"), "fovea runs its own model code"),
+        (dict(speculative_config={"method": "ngram"}), "speculative decoding is not implemented"),
+        (dict(enable_sleep_mode=True), "sleep mode is not implemented"),
+        (dict(logprobs_mode="processed_logprobs"), "the other modes are not implemented"),
+        (dict(hf_overrides={"max_position_embeddings": 4096}), "overriding the checkpoint's config.json"),
+        (dict(kv_transfer_config={"kv_connector": "x"}), "disaggregated prefill"),
     ]:
         with pytest.raises(ValueError, match=words):
             EngineConfig.from_args(str(model), **args)
@@ -156,6 +170,25 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
         "--enable-server-load-tracking",
         "--max-log-len",
         "60",
+        "--disable-cascade-attn",
+        "--max-cudagraph-capture-size",
+        "64",
+        "--enable-expert-parallel",
+        "--guided-decoding-backend",
+        "xgrammar",
+        "-asc",
+        "1",
+        "--stream-interval",
+        "2",
+        "--no-enable-sleep-mode",
+        "--logprobs-mode",
+        "raw_logprobs",
+        "--swap-space",
+        "4",
+        "-O",
+        "3",
+        "--skip-mm-profiling",
+        "--enable-log-outputs",
     ]
     with running_server(None, *flags) as (base, proc):
         assert httpx.get(base + "/load").json() == {"server_load": 0}
@@ -220,6 +253,10 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
     )
     assert "accepted and ignored enable_chunked_prefill=False" in proc.output
     assert "accepted and ignored prefix_caching_hash_algo='sha256'" in proc.output
+    assert "accepted and ignored disable_cascade_attn=True" in proc.output
+    assert "accepted and ignored cuda_graph_sizes" not in proc.output  # not given
+    # --enable-log-outputs: a finished request's whole text (the 3 tokens streamed above), in its log line
+    assert re.search(r"request cmpl-[\w-]+ output 0 \(length\): '", proc.output), proc.output[-3000:]
     assert "HTTP/1.1" not in proc.output  # no access log, though the log level is info
 
 
@@ -265,6 +302,12 @@ def test_refusals_come_before_the_model_loads(tiny_dirs):
     assert done.returncode != 0 and "gpu_memory_utilization must be in (0, 1], got 1.5" in done.stderr
     done, _ = fovea_serve(model, "--override-generation-config", '{"temprature": 0.5}')
     assert done.returncode != 0 and "['temprature'] are not sampling defaults" in done.stderr
+    done, _ = fovea_serve(model, "--enable-sleep-mode")
+    assert done.returncode != 0 and "sleep mode is not implemented" in done.stderr
+    done, _ = fovea_serve(model, "--enable-log-outputs")
+    assert done.returncode != 0 and "--enable-log-outputs requires --enable-log-requests" in done.stderr
+    done, _ = fovea_serve(model, "--default-chat-template-kwargs", '{"tools": []}')
+    assert done.returncode != 0 and "--default-chat-template-kwargs may not set ['tools']" in done.stderr
     assert "KV cache" not in done.stderr
     assert "Traceback" not in done.stderr
     with socket.socket() as busy:
@@ -317,6 +360,10 @@ def test_serve_help_shows_every_default():
         "--skip",
         "--fp32",
         "--enable-chunked",
+        "--enable-expert",
+        "--enable-sleep",
+        "--interleave-mm",
+        "--exclude-tools",
         "--allow-credentials",
     )
     for entry in entries:

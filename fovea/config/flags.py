@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fovea.config.vllm_args import VLLM_ONLY_ARGS, max_model_len_arg
+from fovea.config.vllm_args import NO_EFFECT, ONLY_AT, SWITCHES, VLLM_ONLY_ARGS, max_model_len_arg
 
 
 def json_arg(text: str) -> dict:
@@ -289,46 +289,76 @@ def add_engine_flags(parser: argparse.ArgumentParser, names=None, given_only: bo
     return groups.get(title) if title else groups
 
 
+# how vLLM's command line spells each of vllm_args.py's arguments: a switch (--x and --no-x), or a value of this
+# type (a list of them when the type is in a list); -pp, -O and -asc as vLLM's short forms
+SWITCH = "switch"
+VLLM_ARG_KINDS = {
+    "pipeline_parallel_size": int,
+    "load_format": str,
+    "tokenizer_mode": str,
+    "model_impl": str,
+    "worker_cls": str,
+    "cpu_offload_gb": float,
+    "swap_space": float,
+    "tokenizer_revision": str,
+    "max_seq_len_to_capture": int,
+    "compilation_config": str,
+    "prefix_caching_hash_algo": str,
+    "ec_transfer_config": json_arg,
+    "kv_transfer_config": json_arg,
+    "speculative_config": json_arg,
+    "hf_overrides": json_arg,
+    "logprobs_mode": str,
+    "logits_processors": [str],
+    "cuda_graph_sizes": [int],
+    "max_cudagraph_capture_size": int,
+    "max_parallel_loading_workers": int,
+    "pt_load_map_location": str,
+    "max_num_partial_prefills": int,
+    "max_long_partial_prefills": int,
+    "long_prefill_token_threshold": int,
+    "mm_shm_cache_max_object_size_mb": int,
+    "mm_encoder_attn_backend": str,
+    "structured_outputs_config": str,
+    "guided_decoding_backend": str,
+    "api_server_count": int,
+    "stream_interval": int,
+    "otlp_traces_endpoint": str,
+    "collect_detailed_traces": str,
+    "video_pruning_rate": float,
+    "tool_parser_plugin": str,
+    "hf_token": str,
+}
+SHORT = {"pipeline_parallel_size": "-pp", "compilation_config": "-O", "api_server_count": "-asc"}
+
+
 def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     """Accepted so that vLLM launch lines run: they change nothing here, or fail naming what is not implemented
     (fovea/config/vllm_args.py)."""
     group = parser.add_argument_group("vLLM flags kept for launch lines (see fovea/config/vllm_args.py)")
-    only = "only this value; others fail naming what is missing"
-    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=only)
-    group.add_argument("--load-format", default="auto", help="auto or safetensors")
-    group.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
-    group.add_argument("--model-impl", default="auto", help="auto (fovea's own model code)")
-    group.add_argument(
-        "--prefix-caching-hash-algo", default=None, help="accepted and logged: blocks are keyed by blake2b digests"
-    )
-    group.add_argument(
-        "--ec-transfer-config", default=None, help="vLLM's encoder disaggregation: see --mm-encoder-workers"
-    )
-    group.add_argument(
-        "--disable-mm-preprocessor-cache",
-        action="store_true",
-        default=None,
-        help="vLLM's older switch: the same as --mm-processor-cache-gb 0",
-    )
-    group.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="accepted and logged: long prompts are always chunked",
-    )
-    for flag in (
-        "--trust-remote-code",
-        "--disable-log-stats",
-        "--disable-frontend-multiprocessing",
-        "--disable-custom-all-reduce",
-        "--enable-prompt-tokens-details",
-    ):
-        group.add_argument(
-            flag,
-            action="store_true",
-            default=None,  # None: not given, nothing to log
-            help="accepted and logged: changes nothing here",
-        )
+    for name in sorted(VLLM_ONLY_ARGS):
+        kind = VLLM_ARG_KINDS.get(name, SWITCH)
+        if name in NO_EFFECT:
+            what = f"accepted and logged: {NO_EFFECT[name]}"
+        elif name in ONLY_AT:
+            values, why = ONLY_AT[name]
+            shown = [str(value) for value in values if value not in (None, [], {}, "")]
+            what = f"{why}; accepted only {'as ' + ' or '.join(shown) if shown else 'when left out'}"
+        elif name in SWITCHES:
+            setting, value = SWITCHES[name]
+            what = f"vLLM's older switch: the same as --{setting.replace('_', '-')} {value}"
+        else:  # hf_token
+            what = "a Hugging Face token for the hub's downloads (else HF_TOKEN's, or the saved login's)"
+        names = [SHORT[name]] if name in SHORT else []
+        names.append("--" + name.replace("_", "-"))
+        options = dict(default=None, help=what)
+        if kind == SWITCH:
+            options["action"] = argparse.BooleanOptionalAction
+        elif isinstance(kind, list):
+            options.update(type=kind[0], nargs="+")
+        else:
+            options["type"] = kind
+        group.add_argument(*names, **options)
 
 
 def engine_kwargs(args: argparse.Namespace, names=None) -> dict:

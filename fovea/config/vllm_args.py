@@ -26,6 +26,23 @@ NO_EFFECT = {
     "disable_frontend_multiprocessing": "the engine always runs in its own process",
     "enable_prompt_tokens_details": "usage has prompt_tokens_details.cached_tokens whenever the prefix cache served",
     "prefix_caching_hash_algo": "cached KV blocks are keyed by blake2b digests of their tokens",
+    "disable_cascade_attn": "fovea has no cascade attention",
+    "cuda_graph_sizes": "decode CUDA graphs are captured by batch size, up to max_num_seqs",
+    "max_cudagraph_capture_size": "decode CUDA graphs are captured by batch size, up to max_num_seqs",
+    "max_parallel_loading_workers": "each rank reads the checkpoint once, file by file",
+    "pt_load_map_location": "only safetensors checkpoints load",
+    "max_num_partial_prefills": "prompts are cut into each step's budget in arrival order",
+    "max_long_partial_prefills": "prompts are cut into each step's budget in arrival order",
+    "long_prefill_token_threshold": "prompts are cut into each step's budget in arrival order",
+    "disable_chunked_mm_input": "the tokens are the same whether an image's placeholders span steps or not",
+    "skip_mm_profiling": "the start-up profile always runs the vision tower's largest step",
+    "mm_shm_cache_max_object_size_mb": "decoded images travel in shared-memory segments of their own size",
+    "mm_encoder_attn_backend": "the vision tower runs fovea's own attention",
+    "structured_outputs_config": "structured outputs run on llguidance",
+    "guided_decoding_backend": "structured outputs run on llguidance",
+    "enable_expert_parallel": "MoE experts are split over the ranks by tensor parallelism",
+    "api_server_count": "one front-end process serves; its preparation work runs in pools of threads and processes",
+    "stream_interval": "streams send each token's text as it comes",
 }
 
 # value(s) at which the argument changes nothing; any other value asks for something fovea does not do
@@ -37,6 +54,17 @@ ONLY_AT = {
     "worker_cls": (("auto", None), "custom worker classes are not supported"),
     "model_impl": (("auto", None), "fovea runs its own model code"),
     # vLLM's encoder instances, fed by a proxy, hand their outputs to the language model's through a connector
+    "speculative_config": ((None, {}), "speculative decoding is not implemented"),
+    "enable_sleep_mode": ((None, False), "sleep mode is not implemented"),
+    "logprobs_mode": ((None, "raw_logprobs"), "logprobs are the model's raw ones; the other modes are not implemented"),
+    "kv_transfer_config": ((None, {}), "disaggregated prefill (KV transfer between instances) is not implemented"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "hf_overrides": ((None, {}), "overriding the checkpoint's config.json is not implemented"),
+    "otlp_traces_endpoint": ((None,), "OpenTelemetry tracing is not implemented"),
+    "collect_detailed_traces": ((None,), "OpenTelemetry tracing is not implemented"),
+    "video_pruning_rate": ((None, 0, 0.0), "pruning video tokens is not implemented"),
+    "interleave_mm_strings": ((None, False), "media placeholders inside string content are not implemented"),
+    "tool_parser_plugin": ((None, ""), "tool parser plugins are not supported; --tool-call-parser hermes is built in"),
     "ec_transfer_config": (
         (None,),
         "encoder instances behind a proxy are not how fovea splits the encoder: one server with "
@@ -50,7 +78,7 @@ SWITCHES = {"disable_mm_preprocessor_cache": ("mm_processor_cache_gb", 0)}
 # vLLM's environment variables that stand for a setting fovea has (a switch the arguments leave off)
 ENVIRONMENT = {"VLLM_SKIP_WARMUP": ("skip_warmup", True)}
 
-VLLM_ONLY_ARGS = set(NO_EFFECT) | set(ONLY_AT) | set(SWITCHES)
+VLLM_ONLY_ARGS = set(NO_EFFECT) | set(ONLY_AT) | set(SWITCHES) | {"hf_token"}
 
 
 def take_vllm_args(args: dict) -> dict:
@@ -60,6 +88,10 @@ def take_vllm_args(args: dict) -> dict:
         if name in ONLY_AT and value not in ONLY_AT[name][0]:
             raise ValueError(f"{name}={value!r}: {ONLY_AT[name][1]}")
     args = dict(args)
+    token = args.get("hf_token")
+    if isinstance(token, str) and token:  # (True: the token `huggingface-cli login` saved, which the hub reads anyway)
+        os.environ["HF_TOKEN"] = token  # the hub's downloads, here and in the processes started from here
+        logger.info("hf_token given: the hub's downloads use it")
     for name, (setting, value) in SWITCHES.items():
         if args.pop(name, None):
             args[setting] = value

@@ -102,6 +102,7 @@ class AsyncLLM:
         self.stats = EngineStats()
         self.on_stats = on_stats
         self.on_fatal: Callable[[], None] | None = None  # the engine cannot be brought back
+        self.log_outputs = 0  # --enable-log-outputs: log each finished request's text, up to this many characters
         self.error: str | None = None  # why the engine is not serving now, in words for clients
         self.max_restarts = max_restarts
         self.restarts: list[list[float]] = [[] for _ in range(config.data_parallel_size)]  # per replica
@@ -270,7 +271,10 @@ class AsyncLLM:
         """Sends a prepared request to the engine and yields its outputs; leaving early aborts it. A beam search
         yields its one final output."""
         if request.params.use_beam_search:
-            yield await self._beam_search(request)
+            output = await self._beam_search(request)
+            if self.log_outputs:
+                self._log_outputs(request.request_id, [(o.index, o.finish_reason, o.text) for o in output.outputs])
+            yield output
             return
         async for output in self._stream(request):
             yield output
@@ -325,6 +329,11 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if finished and self.log_outputs and request.params.detokenize:
+                    samples = self._assemblers[request_id].samples
+                    self._log_outputs(
+                        request_id, [(o.index, o.finish_reason, samples[o.index].text) for o in item.outputs]
+                    )
                 yield item
         finally:
             self._in_flight[replica] -= 1
@@ -334,6 +343,11 @@ class AsyncLLM:
             self._sent_pixels.pop(request_id, None)
             if not finished:
                 engine.send(AbortRequests([request_id]))  # harmless if the engine never had it
+
+    def _log_outputs(self, request_id: str, texts: list[tuple[int, str | None, str]]) -> None:
+        """--enable-log-outputs: each sample's (index, finish reason, whole text), up to log_outputs characters."""
+        for index, finish, text in texts:
+            logger.info("request %s output %d (%s): %r", request_id, index, finish, text[: self.log_outputs])
 
     def abort(self, request_id: str) -> None:
         for engine in self._engines:

@@ -60,6 +60,8 @@ class ServerOptions:
     allowed_origins: list[str] = field(default_factory=list)  # web pages that may call: same-origin only by default
     cors: dict = field(default_factory=dict)  # allow_methods, allow_headers, allow_credentials for those pages
     allowed_hosts: list[str] | None = None  # Host names served (None: any), loopback names on a loopback address
+    default_chat_template_kwargs: dict = field(default_factory=dict)  # under every request's chat_template_kwargs
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template is not shown the tools
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:

@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs, lora_module_arg
+from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs, json_arg, lora_module_arg
 
 
 def with_config_file(serve: argparse.ArgumentParser, path: str) -> None:
@@ -86,7 +86,24 @@ def add_serve_parser(sub) -> None:
     )
     net.add_argument("--disable-log-requests", action="store_true", help="no access log")
     net.add_argument("--enable-log-requests", action="store_true", help="log each request's id, length, parameters")
+    net.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="with --enable-log-requests, also log each request's output text (up to --max-log-len characters)",
+    )
     net.add_argument("--response-role", default="assistant", help="role of the chat completion's message")
+    net.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_arg,
+        default=None,
+        help="chat template variables for every request, under its own chat_template_kwargs, e.g. "
+        "'{\"enable_thinking\": false}'",
+    )
+    net.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='requests with tool_choice "none" render the chat template without their tools',
+    )
     net.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
@@ -210,6 +227,7 @@ def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from fovea.frontend.async_llm import AsyncLLM
+    from fovea.multimodal.prompt import RESERVED_TEMPLATE_KWARGS
     from fovea.server.app import ServerOptions, build_app
     from fovea.server.errors import APIError
     from fovea.server.media import MediaPolicy
@@ -219,6 +237,11 @@ def run_serve(args: argparse.Namespace) -> None:
         if args.model is not None and args.model != args.model_flag:
             sys.exit(f"fovea serve: two models given ({args.model} and --model {args.model_flag})")
         args.model = args.model_flag
+    if args.enable_log_outputs and not args.enable_log_requests:
+        sys.exit("fovea serve: --enable-log-outputs requires --enable-log-requests")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(args.default_chat_template_kwargs or {}))
+    if reserved:
+        sys.exit(f"fovea serve: --default-chat-template-kwargs may not set {reserved}: they are request fields")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         sys.exit("fovea serve: --enable-auto-tool-choice requires --tool-call-parser")
     if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
@@ -269,7 +292,10 @@ def run_serve(args: argparse.Namespace) -> None:
             allowed_hosts=args.allowed_hosts
             if args.allowed_hosts is not None or args.host not in LOOPBACK_HOSTS
             else sorted(LOOPBACK_NAMES),
+            default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         )
+        engine.log_outputs = args.enable_log_outputs and args.max_log_len
         try:
             app = build_app(engine, options)
         except (ValueError, APIError) as error:  # a --lora-modules adapter that does not fit, or a name twice

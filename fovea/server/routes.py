@@ -101,7 +101,13 @@ class Served:
         tool_use = ToolUse.from_request(
             tools, choice, body.parallel_tool_calls, self.options.tool_call_parser, self.tag_tokens
         )
+        if choice == "none" and self.options.exclude_tools_when_tool_choice_none:
+            tools = None  # the template does not see them (vLLM's --exclude-tools-when-tool-choice-none)
         return tools, tool_use, self.checked_params(body, tool_use)
+
+    def template_kwargs(self, given: dict | None) -> dict | None:
+        """A request's chat_template_kwargs over the server's (--default-chat-template-kwargs)."""
+        return {**self.options.default_chat_template_kwargs, **(given or {})} or None
 
     def render_in_sandbox(self, messages: list[dict], chat: ChatOptions):
         prompts = self.engine.inputs.prompts
@@ -237,7 +243,7 @@ async def start_chat(
             body.chat_template or options.chat_template,
             body.add_generation_prompt,
             tools,
-            body.chat_template_kwargs,
+            served.template_kwargs(body.chat_template_kwargs),
             options.chat_template_content_format,
             body.continue_final_message,
             body.documents,
@@ -372,7 +378,7 @@ async def tokenize(request: Request):
                 options.chat_template,
                 body.add_generation_prompt,
                 tool_list(body.tools),
-                body.chat_template_kwargs,
+                served.template_kwargs(body.chat_template_kwargs),
                 options.chat_template_content_format,
                 body.continue_final_message,
             )
