@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_inputs, hf_model, hf_tokenizer, random_image
@@ -140,3 +141,28 @@ def test_settings_beam_search_cannot_apply_are_refused(llm):
     with pytest.raises(ValueError, match="beam search runs in the front end"):
         llm.engine.add_request(request)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_served_search_lends_its_steps_the_same_shared_pixels(llm, tiny_dirs):
+    """Steps sent to an engine process name one shared-memory segment (not a copy of the pixels each), which the
+    engine maps and leaves; closing the search frees it. The in-process search hands the arrays themselves."""
+    from fovea.frontend.beam_search import BeamSearch
+    from fovea.multimodal.image_workers import SharedPixels
+
+    image = random_image(64, 48, seed=5)
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "Hi"}]}]
+    params = SamplingParams(n=2, use_beam_search=True, max_tokens=3, temperature=0)
+    root = llm.inputs.make_request("root", llm.inputs.process_chat(chat), params)
+    pixels = root.mm_items[0].pixels.copy()
+    search = BeamSearch(root, 1024, lend_pixels=True)
+    first, second = search.step_requests()[0], search.step_requests()[0]
+    handle = first.mm_items[0].pixels
+    assert isinstance(handle, SharedPixels) and handle.borrowed and second.mm_items[0].pixels == handle
+    for step in (first, second):  # what the engine does on arrival: maps the pixels, frees nothing
+        step.take_shared_pixels()
+        np.testing.assert_array_equal(step.mm_items[0].pixels, pixels)
+    search.close()
+    with pytest.raises(ValueError, match="withdrawn by their owner"):
+        search.step_requests()[0].take_shared_pixels()
+    in_process = BeamSearch(llm.inputs.make_request("root2", llm.inputs.process_chat(chat), params), 1024)
+    assert in_process.step_requests()[0].mm_items[0].pixels is in_process.root.mm_items[0].pixels

@@ -282,24 +282,28 @@ class AsyncLLM:
     async def _beam_search(self, request: RequestInput) -> RequestOutput:
         """Its steps' one-token requests go to the engine together; the first to fail fails the search (the
         others are aborted)."""
-        search = BeamSearch(request, self.config.max_model_len)
+        search = BeamSearch(request, self.config.max_model_len, lend_pixels=True)
 
         async def final(step: RequestInput) -> RequestOutput:
             async for output in self._stream(step):
                 pass
             return output
 
-        while not search.done:
-            tasks = [asyncio.ensure_future(final(step)) for step in search.step_requests()]
-            try:
-                outputs = await asyncio.gather(*tasks)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                raise
-            for output in outputs:
-                search.take(output)
-        return search.output(self.tokenizer)
+        try:
+            while not search.done:
+                tasks = [asyncio.ensure_future(final(step)) for step in search.step_requests()]
+                try:
+                    outputs = await asyncio.gather(*tasks)
+                except BaseException:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)  # their aborts are sent before close()
+                    raise
+                for output in outputs:
+                    search.take(output)
+            return search.output(self.tokenizer)
+        finally:
+            search.close()
 
     async def _stream(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id

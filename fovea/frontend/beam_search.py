@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fovea.core.request import Logprob, RequestDelta, RequestInput, RequestMetrics, RequestOutput
+from fovea.core.request import Logprob, MMItem, RequestDelta, RequestInput, RequestMetrics, RequestOutput
 from fovea.core.sampling_params import RequestOutputKind, SamplingParams
 from fovea.frontend.outputs import OutputAssembler
+from fovea.multimodal.image_workers import SharedPixels, new_segment_name, release_shared
 
 
 @dataclass
@@ -64,16 +65,38 @@ class BeamSearch:
     waiting: dict[str, RequestOutput | None] = field(default_factory=dict)  # this step's requests, by id
     first: RequestOutput | None = None  # the first step's output: cached tokens, when the prompt was scheduled
 
+    lend_pixels: bool = False  # steps go to another process: they carry the pixels as shared-memory handles
+
     def __post_init__(self):
         params = self.root.params
-        self.root.take_shared_pixels()  # every step sends the pixels again: out of shared memory once
-        if self.root.release_unsent is not None:
-            self.root.release_unsent.detach()
-            self.root.release_unsent = None
+        self.lent: dict[int, SharedPixels] = {}  # segments the search holds until close(), by the pixels' id
+        if self.lend_pixels:  # every step names the same segments: its pixels are not copied again each step
+            self.items = [self._lend(item) for item in self.root.mm_items]
+        else:  # every step holds the same arrays
+            self.root.take_shared_pixels()
+            self.close()
+            self.items = self.root.mm_items
         self.width = params.n
         self.eos = set() if params.ignore_eos else set(self.root.eos_token_ids)
         room = self.max_model_len - len(self.root.prompt_token_ids)
         self.max_steps = min(room, params.max_tokens or room)
+
+    def _lend(self, item: MMItem) -> MMItem:
+        pixels = item.pixels
+        if item.embeds:  # the tower's output given as input: an array of floats, sent as it is
+            return item
+        if id(pixels) not in self.lent:  # (a long video's parts share their pixels)
+            shared = pixels if isinstance(pixels, SharedPixels) else SharedPixels.create(pixels, new_segment_name())
+            self.lent[id(pixels)] = shared
+        return dataclasses.replace(item, pixels=dataclasses.replace(self.lent[id(pixels)], borrowed=True))
+
+    def close(self) -> None:
+        """Frees the shared memory the search held (idempotent); the caller's, once the search has ended."""
+        release_shared(list(self.lent.values()))
+        self.lent = {}
+        if self.root.release_unsent is not None:  # (what it would free is in `lent`, or taken)
+            self.root.release_unsent.detach()
+            self.root.release_unsent = None
 
     @property
     def done(self) -> bool:
@@ -105,7 +128,9 @@ class BeamSearch:
                     prompt_token_ids=self.root.prompt_token_ids + beam.tokens,
                     params=step,
                     positions=positions,
+                    mm_items=[dataclasses.replace(item) for item in self.items],  # taking pixels changes an item
                     grammar_after=None,
+                    release_unsent=None,
                 )
             )
         self.waiting = dict.fromkeys(r.request_id for r in requests)

@@ -37,6 +37,7 @@ class SharedPixels:
 
     name: str
     shape: tuple[int, ...]
+    borrowed: bool = False  # the segment stays with its owner (a beam search's steps): `take` maps it, frees nothing
 
     @property
     def nbytes(self) -> int:
@@ -59,13 +60,16 @@ class SharedPixels:
         would be made on the engine's loop, between steps, in the heap its long-lived objects share."""
         file = os.path.join(SHM_FILES, self.name)
         if not os.path.isdir(SHM_FILES):
-            return self.peek(free=True)
+            return self.peek(free=not self.borrowed)
         if not os.path.exists(file):
+            if self.borrowed:  # its owner has ended (a beam search its client left): the request goes with it
+                raise ValueError(f"the shared pixels {self.name} were withdrawn by their owner")
             raise FileNotFoundError(f"the shared pixels {self.name} are gone (taken already, or freed)")
         import torch  # loaded where pixels are taken (the engine, or a front end beside a remote one)
 
         mapped = torch.from_file(file, shared=False, size=max(self.nbytes, 1), dtype=torch.uint8)
-        self.release()
+        if not self.borrowed:
+            self.release()
         return mapped[: self.nbytes].numpy().reshape(self.shape)
 
     def peek(self, free: bool = False, copy: Callable[[np.ndarray], np.ndarray] = np.copy) -> np.ndarray:
