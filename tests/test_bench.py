@@ -286,6 +286,13 @@ def test_bench_throughput_compares_with_hf_and_latency_runs(tiny_dirs, tmp_path,
     latency = args.func(args)
     assert len(latency["latencies"]) == 3 and set(latency["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert "Avg latency:" in capsys.readouterr().out
+    # vLLM's --n and --use-beam-search: every beam of every prompt runs to the output length (EOS ignored)
+    beams = parser.parse_args(["bench", "throughput", *common, "--num-prompts", "2", "--random-input-len", "16"]
+                              + ["--random-output-len", "3", "--n", "3", "--use-beam-search"])  # fmt: skip
+    assert beams.func(beams)["fovea"]["output_tokens"] == 2 * 3 * 3
+    refused = parser.parse_args(["bench", "throughput", *common, "--backend", "hf", "--n", "2"])
+    with pytest.raises(ValueError, match="run on the fovea backend only"):
+        refused.func(refused)
 
 
 def test_bench_mm_processor_checks_equal_patches(capsys):

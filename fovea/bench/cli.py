@@ -88,6 +88,7 @@ def add_bench_parser(sub) -> None:
     add_workload_args(throughput, default_prompts=64, datasets=["random", "random-mm"])
     add_engine_flags(throughput)
     add_vllm_only_flags(throughput)
+    add_sampling_args(throughput)
     throughput.add_argument("--output-json", default=None)
     throughput.set_defaults(func=run_bench_throughput)
 
@@ -100,6 +101,7 @@ def add_bench_parser(sub) -> None:
     latency.add_argument("--num-iters-warmup", type=int, default=10)
     add_engine_flags(latency)
     add_vllm_only_flags(latency)
+    add_sampling_args(latency)
     latency.add_argument("--output-json", default=None)
     latency.set_defaults(func=run_bench_latency)
 
@@ -154,6 +156,12 @@ def run_bench_kernels(args: argparse.Namespace) -> dict:
     return bench_kernels(args.out, args.quick)
 
 
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's offline benchmarks' sampling flags."""
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (at temperature 1 when above 1)")
+    parser.add_argument("--use-beam-search", action="store_true", help="a beam search of --n beams per prompt")
+
+
 def run_bench_throughput(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
@@ -163,7 +171,8 @@ def run_bench_throughput(args: argparse.Namespace) -> dict:
     model = str(resolve_model_dir(args.model))
     requests = build_requests(args, AutoTokenizer.from_pretrained(model))
     backends = [args.backend] + ([args.compare] if args.compare and args.compare != args.backend else [])
-    runs = {name: throughput(model, requests, name, engine_kwargs(args)) for name in backends}
+    engine = engine_kwargs(args)
+    runs = {name: throughput(model, requests, name, engine, args.n, args.use_beam_search) for name in backends}
     for name, run in runs.items():
         print(
             f"{name:<6} Throughput: {run['requests_per_second']:.2f} requests/s, {run['tokens_per_second']:.2f} "
@@ -199,6 +208,8 @@ def run_bench_latency(args: argparse.Namespace) -> dict:
         args.num_iters,
         args.num_iters_warmup,
         engine_kwargs(args),
+        args.n,
+        args.use_beam_search,
     )
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
     for p, value in result["percentiles"].items():

@@ -26,18 +26,27 @@ def conversation(request: BenchRequest) -> list[dict]:
     return [{"role": "user", "content": content + [{"type": "text", "text": request.prompt}]}]
 
 
-def fovea_runner(model: str, engine_args: dict):
-    """A function that runs a workload once and returns each request's generated token ids. Benchmarks that
-    repeat give each run fresh prompts: the same ones again would find their KV blocks and image embeddings
-    cached, which transformers cannot do."""
-    from fovea import LLM, SamplingParams
+def bench_params(output_len: int, n: int = 1, beam_search: bool = False):
+    """vLLM's offline benchmarks' sampling: greedy; n > 1 samples at temperature 1; or a beam search of n beams."""
+    from fovea import SamplingParams
+
+    if beam_search:
+        return SamplingParams(n=n, use_beam_search=True, temperature=0, max_tokens=output_len, ignore_eos=True)
+    return SamplingParams(n=n, temperature=0 if n == 1 else 1.0, max_tokens=output_len, ignore_eos=True)
+
+
+def fovea_runner(model: str, engine_args: dict, n: int = 1, beam_search: bool = False):
+    """A function that runs a workload once and returns every sample's generated token ids, request by request.
+    Benchmarks that repeat give each run fresh prompts: the same ones again would find their KV blocks and image
+    embeddings cached, which transformers cannot do."""
+    from fovea import LLM
 
     llm = LLM(model, **engine_args)
 
     def run(requests: list[BenchRequest]) -> list[list[int]]:
-        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        params = [bench_params(r.output_len, n, beam_search) for r in requests]
         outputs = llm.chat([conversation(r) for r in requests], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
+        return [list(sample.token_ids) for o in outputs for sample in o.outputs]
 
     run([BenchRequest("warm up", 0, 2)])
     return run
@@ -99,8 +108,15 @@ def hf_runner(model: str, dtype: str):
     return run
 
 
-def throughput(model: str, requests: list[BenchRequest], backend: str, engine_args: dict) -> dict:
-    run = fovea_runner(model, engine_args) if backend == "fovea" else hf_runner(model, engine_args.get("dtype", "auto"))
+def throughput(
+    model: str, requests: list[BenchRequest], backend: str, engine_args: dict, n: int = 1, beam_search: bool = False
+) -> dict:
+    if backend == "fovea":
+        run = fovea_runner(model, engine_args, n, beam_search)
+    elif n > 1 or beam_search:
+        raise ValueError("--n above 1 and --use-beam-search run on the fovea backend only")
+    else:
+        run = hf_runner(model, engine_args.get("dtype", "auto"))
     start = time.perf_counter()
     outputs = run(requests)
     elapsed = time.perf_counter() - start
@@ -127,13 +143,15 @@ def latency(
     num_iters: int,
     num_iters_warmup: int,
     engine_args: dict,
+    n: int = 1,
+    beam_search: bool = False,
 ) -> dict:
-    from fovea import LLM, SamplingParams
+    from fovea import LLM
 
     llm = LLM(model, **engine_args)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 10000, size=input_len).tolist()} for _ in range(batch_size)]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = bench_params(output_len, n, beam_search)
     for _ in range(num_iters_warmup):
         llm.generate(prompts, params, use_tqdm=False)
     latencies = []
