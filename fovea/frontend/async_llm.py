@@ -47,7 +47,7 @@ from fovea.core.messages import (
 from fovea.core.request import LoRARequest, RequestDelta, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
-from fovea.frontend.beam_search import BeamSearch
+from fovea.frontend.beam_search import BeamSearch, served_beam_search
 from fovea.frontend.engine_process import EngineProcess
 from fovea.frontend.grammar_checks import GrammarChecks
 from fovea.frontend.input_processor import InputProcessor
@@ -271,39 +271,15 @@ class AsyncLLM:
         """Sends a prepared request to the engine and yields its outputs; leaving early aborts it. A beam search
         yields its one final output."""
         if request.params.use_beam_search:
-            output = await self._beam_search(request)
+            output = await served_beam_search(
+                BeamSearch(request, self.config.max_model_len, lend_pixels=True), self._stream, self.tokenizer
+            )
             if self.log_outputs:
                 self._log_outputs(request.request_id, [(o.index, o.finish_reason, o.text) for o in output.outputs])
             yield output
             return
         async for output in self._stream(request):
             yield output
-
-    async def _beam_search(self, request: RequestInput) -> RequestOutput:
-        """Its steps' one-token requests go to the engine together; the first to fail fails the search (the
-        others are aborted)."""
-        search = BeamSearch(request, self.config.max_model_len, lend_pixels=True)
-
-        async def final(step: RequestInput) -> RequestOutput:
-            async for output in self._stream(step):
-                pass
-            return output
-
-        try:
-            while not search.done:
-                tasks = [asyncio.ensure_future(final(step)) for step in search.step_requests()]
-                try:
-                    outputs = await asyncio.gather(*tasks)
-                except BaseException:
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)  # their aborts are sent before close()
-                    raise
-                for output in outputs:
-                    search.take(output)
-            return search.output(self.tokenizer)
-        finally:
-            search.close()
 
     async def _stream(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id

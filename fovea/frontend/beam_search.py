@@ -15,8 +15,10 @@ engine never sees such a request, only its steps.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,13 +61,12 @@ class BeamSearch:
 
     root: RequestInput  # the prepared prompt; its params ask for the search
     max_model_len: int
-    beams: list[Beam] = field(default_factory=lambda: [Beam([], [])])
-    ended: list[Beam] = field(default_factory=list)
-    steps_done: int = 0
-    waiting: dict[str, RequestOutput | None] = field(default_factory=dict)  # this step's requests, by id
-    first: RequestOutput | None = None  # the first step's output: cached tokens, when the prompt was scheduled
-
     lend_pixels: bool = False  # steps go to another process: they carry the pixels as shared-memory handles
+    beams: list[Beam] = field(init=False, default_factory=lambda: [Beam([], [])])
+    ended: list[Beam] = field(init=False, default_factory=list)
+    steps_done: int = field(init=False, default=0)
+    waiting: dict[str, RequestOutput | None] = field(init=False, default_factory=dict)  # this step's, by id
+    first: RequestOutput | None = field(init=False, default=None)  # the first step's: cached tokens, times
 
     def __post_init__(self):
         params = self.root.params
@@ -186,6 +187,32 @@ class BeamSearch:
         cached = first.num_cached_tokens if first is not None else 0
         delta = RequestDelta(self.root.request_id, samples, True, cached, None, metrics)
         return OutputAssembler(tokenizer, self.root)(delta)
+
+
+async def served_beam_search(search: BeamSearch, stream: Callable, tokenizer) -> RequestOutput:
+    """A search run on a served engine: each step's requests go out together (`stream`: AsyncLLM's, which yields
+    a request's outputs); the first step request to fail fails the search, and the others are aborted."""
+
+    async def final(step: RequestInput) -> RequestOutput:
+        async for output in stream(step):
+            pass
+        return output
+
+    try:
+        while not search.done:
+            tasks = [asyncio.ensure_future(final(step)) for step in search.step_requests()]
+            try:
+                outputs = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # their aborts are sent before close()
+                raise
+            for output in outputs:
+                search.take(output)
+        return search.output(tokenizer)
+    finally:
+        search.close()
 
 
 def finish_of(beam: Beam) -> tuple[str, int | None]:
