@@ -74,9 +74,7 @@ class LLM:
         """`prompts`: one or a list of strings, token-id lists or {"prompt", "multi_modal_data", ...} dicts.
         `lora_request`: the adapter of every prompt, or a list with one per prompt (None: the base model).
         `priority`: one per prompt, lower first (needs scheduling_policy="priority"), as in vLLM."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = as_prompt_list(prompts)
         params = self._params(sampling_params, len(prompts))
         processed = self._prepare(
             lambda prompt, p: self.inputs.process(prompt, mm_processor_kwargs, p.truncate_prompt_tokens),
@@ -130,9 +128,8 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's: the `beam_width` best beams of each prompt (any form `generate` takes), best first; each
         sequence's tokens and text include its prompt. `concurrency_limit`: prompts searched at a time."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts, loras = list(prompts), per_prompt(lora_request, len(prompts), "lora_request")
+        prompts = as_prompt_list(prompts)
+        loras = per_prompt(lora_request, len(prompts), "lora_request")
         step = concurrency_limit or max(len(prompts), 1)
         found = []
         for start in range(0, len(prompts), step):
@@ -201,15 +198,21 @@ class LLM:
                             )
                             bar.update(1)
         except BaseException:
-            self.engine.abort_request(
-                [*order, *searches]
-            )  # Ctrl-C or a failure: free everything, keep the engine usable
+            # Ctrl-C or a failure: free everything (beam searches' steps too), keep the engine usable
+            self.engine.abort_request([*order, *searches])
             self.engine.finished_outputs.clear()  # nobody waits for these aborts' outputs
             raise
         finally:
             if bar is not None:
                 bar.close()
         return results
+
+
+def as_prompt_list(prompts) -> list:
+    """One prompt (a string, a dict, a list of token ids) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def per_prompt(value, count: int, name: str) -> list:
