@@ -86,7 +86,12 @@ class SharedPixels:
         return pixels
 
     def release(self) -> None:
+        """Frees the segment by its name, unmapped: a worker killed between opening it and sizing it leaves an
+        empty one, which cannot be mapped."""
         try:
+            if os.path.isdir(SHM_FILES):
+                os.unlink(os.path.join(SHM_FILES, self.name))
+                return
             segment = shared_memory.SharedMemory(name=self.name)
         except FileNotFoundError:
             return  # taken already
