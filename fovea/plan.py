@@ -87,8 +87,9 @@ def plan_memory(
     tensor_parallel_size: int = default("tensor_parallel_size"),
     kv_cache_dtype: str = default("kv_cache_dtype"),
     max_pixels: int | None = None,
+    hf_overrides: dict | None = default("hf_overrides"),
 ) -> MemoryPlan:
-    config = ModelConfig.from_dir(model_dir)
+    config = ModelConfig.from_dir(model_dir, hf_overrides)
     text, vision = config.text, config.vision
     served = serving_dtype(config.torch_dtype, dtype, "cuda")
     size = served.itemsize
@@ -136,7 +137,7 @@ def plan_memory(
         videos.append((what, len(kept), tokens, vision_activations(step)))
     peak = max(lm, max(a for *_, a in images + videos))
     budget = max(0, gpu_memory_gib * GIB * gpu_memory_utilization - weights - peak)
-    max_model_len = max_model_len or text.max_position_embeddings
+    max_model_len = max_model_len or config.max_context
     quant = text.quant
     return MemoryPlan(
         weights,
@@ -155,7 +156,7 @@ def plan_memory(
 
 def smallest_fitting_size(model_dir, gpu_memory_gib: float, **options) -> int | None:
     """The smallest tensor_parallel_size (a power of two whose head counts divide) whose per-GPU plan fits."""
-    text = ModelConfig.from_dir(model_dir).text
+    text = ModelConfig.from_dir(model_dir, options.get("hf_overrides")).text
     for size in (1, 2, 4, 8, 16, 32):
         if text.num_heads % size or (text.num_kv_heads % size and size % text.num_kv_heads):
             continue

@@ -10,8 +10,8 @@ FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
 
 What is drawn, per family:
 - every decoder: 1-3 layers; 2 or 4 attention heads of 8, 16 or 32 dimensions; KV heads any divisor (GQA, MQA or
-  none); MLP width 48-160; tied or untied embeddings; rope theta 1e4 or 1e6; the M-RoPE sections any split of
-  half the head dimension into three (Qwen families);
+  none); MLP width 48-160; tied or untied embeddings; rope theta 1e4 or 1e6, scaled half the time (linear, YaRN
+  or Llama 3's, factors 2-8); the M-RoPE sections any split of half the head dimension into three (Qwen families);
 - Qwen2.5-VL's tower: 1-4 blocks of 1-4 heads of 8 or 16 dimensions, any set of full-attention blocks (none
   too), windows of 56 or 112 pixels;
 - Qwen2-VL's tower: 1-3 blocks, MLP ratio 2 or 4;
@@ -20,7 +20,7 @@ What is drawn, per family:
   24, 1 or 2 per token, a sparse step of 1 or 2, any dense (mlp_only) layers;
 - LLaVA's CLIP tower: 2-3 layers of 1-4 heads, features from the last or the second-to-last layer;
 - Gemma 3: 1-4 decoder layers, every one, every second or every third seeing all keys and the others a window of
-  4-64, the scores' scale its own (query_pre_attn_scalar), the global layers' positions scaled linearly or not;
+  4-64, the scores' scale its own (query_pre_attn_scalar), the global layers' RoPE scaled as any decoder's;
   its SigLIP tower 1-3 layers of 1-4 heads;
 - InternVL: a Qwen2 or Qwen3 decoder; its InternViT tower 1-3 layers of 1-4 heads, LayerNorm or RMSNorm, q/k/v
   biases or none, q/k norms or none, mean-pooled or with a last norm, features from the last or the second-to-last
@@ -101,14 +101,29 @@ def decoder(rng: random.Random, explicit_head_dim: bool = False) -> dict:
     return text, head_dim
 
 
+def rope_scaling(rng: random.Random) -> dict:
+    """None half the time; else linear, YaRN or Llama 3's scaling, its parameters drawn (YaRN's context, its
+    original length times its factor, holds the engine's 2048 positions)."""
+    kind = rng.choice([None, None, "linear", "yarn", "llama3"])
+    factor = rng.choice([2.0, 4.0, 8.0])
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": rng.choice([1024, 4096]),
+                "beta_fast": rng.choice([16, 32]), "beta_slow": rng.choice([1, 2])}  # fmt: skip
+    if kind == "llama3":
+        return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": rng.choice([2.0, 4.0]),
+                "original_max_position_embeddings": rng.choice([64, 512])}  # fmt: skip
+    return {}
+
+
 def draw(family: str, rng: random.Random) -> dict:
     """A config.json's content for `family` (transformers' config class takes it as keyword arguments)."""
     tied = rng.random() < 0.5
     if family == "llava":
         text, _ = decoder(rng)
-        text.update(
-            model_type="llama", vocab_size=LLAVA_VOCAB, max_position_embeddings=2048, rope_theta=rng.choice([1e4, 1e6])
-        )
+        text.update(model_type="llama", vocab_size=LLAVA_VOCAB, max_position_embeddings=2048,
+                    rope_parameters={"rope_type": "default", "rope_theta": rng.choice([1e4, 1e6]), **rope_scaling(rng)})  # fmt: skip
         heads, layers = rng.choice([1, 2, 4]), rng.randint(2, 3)
         vision = dict(model_type="clip_vision_model", hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads,
                       intermediate_size=rng.choice([32, 64]), num_hidden_layers=layers, image_size=336, patch_size=14,
@@ -121,7 +136,7 @@ def draw(family: str, rng: random.Random) -> dict:
         text.update(model_type="gemma3_text", vocab_size=GEMMA_VOCAB, num_hidden_layers=rng.randint(1, 4),
                     sliding_window=rng.choice([4, 8, 16, 64]), sliding_window_pattern=rng.choice([1, 2, 3]),
                     query_pre_attn_scalar=rng.choice([head_dim, 24, 64]), max_position_embeddings=2048,
-                    rope_scaling=rng.choice([None, {"rope_type": "linear", "factor": 8.0}]))  # fmt: skip
+                    rope_scaling=rope_scaling(rng) or None)  # fmt: skip
         heads = rng.choice([1, 2, 4])
         vision = dict(model_type="siglip_vision_model", hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads,
                       intermediate_size=rng.choice([32, 64]), num_hidden_layers=rng.randint(1, 3), image_size=56,
@@ -132,7 +147,8 @@ def draw(family: str, rng: random.Random) -> dict:
     if family == "internvl":
         kind = rng.choice(["qwen2", "qwen3"])
         text, _ = decoder(rng, explicit_head_dim=kind == "qwen3")
-        text.update(model_type=kind, vocab_size=INTERNVL_VOCAB, rope_theta=rng.choice([1e4, 1e6]))
+        rope = {"rope_type": "default", "rope_theta": rng.choice([1e4, 1e6]), **rope_scaling(rng)}
+        text.update(model_type=kind, vocab_size=INTERNVL_VOCAB, rope_parameters=rope)
         heads, layers = rng.choice([1, 2, 4]), rng.randint(1, 3)
         vision = dict(hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads, num_hidden_layers=layers,
                       intermediate_size=rng.choice([32, 64]), image_size=56, patch_size=14,
@@ -145,6 +161,7 @@ def draw(family: str, rng: random.Random) -> dict:
     qwen3 = family.startswith("qwen3")
     text, head_dim = decoder(rng, explicit_head_dim=qwen3)
     rope = dict(rope_type="default", rope_theta=rng.choice([1e4, 1e6]), mrope_section=sections(rng, head_dim // 2))
+    rope.update(rope_scaling(rng))
     if qwen3:
         rope["mrope_interleaved"] = True
     text["rope_parameters"] = rope

@@ -156,8 +156,9 @@ def test_config_read_as_transformers_reads_it():
         reference.head_dim,
     )
     full, local = reference.rope_parameters["full_attention"], reference.rope_parameters["sliding_attention"]
-    assert (text.rope_theta, text.rope_factor, text.local_rope_theta) == (
+    assert (text.rope_theta, text.rope_scaling.kind, text.rope_scaling.factor, text.local_rope_theta) == (
         full["rope_theta"],
+        full["rope_type"],
         full["factor"],
         local["rope_theta"],
     )

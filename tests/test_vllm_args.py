@@ -87,7 +87,6 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         (dict(speculative_config={"method": "ngram"}), "speculative decoding is not implemented"),
         (dict(enable_sleep_mode=True), "sleep mode is not implemented"),
         (dict(logprobs_mode="processed_logprobs"), "the other modes are not implemented"),
-        (dict(hf_overrides={"max_position_embeddings": 4096}), "overriding the checkpoint's config.json"),
         (dict(kv_transfer_config={"kv_connector": "x"}), "disaggregated prefill"),
     ]:
         with pytest.raises(ValueError, match=words):

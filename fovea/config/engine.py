@@ -33,6 +33,7 @@ class EngineConfig:
     encoder_cache_size: int = 0  # embedding rows; 0 = the largest image plus one step's budget
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: default("limit_mm_per_prompt"))
     mm_processor_kwargs: dict | None = default("mm_processor_kwargs")
+    hf_overrides: dict | None = default("hf_overrides")  # as given; `model` has them laid over config.json
     media_io_kwargs: dict | None = default("media_io_kwargs")
     enable_mm_embeds: bool = default("enable_mm_embeds")
     mm_processor_workers: int | None = default("mm_processor_workers")
@@ -139,16 +140,19 @@ class EngineConfig:
         max_model_len: int | None = default("max_model_len"),
         **options,
     ) -> EngineConfig:
-        model = ModelConfig.from_dir(model_dir)
+        hf_overrides = options.get("hf_overrides")
+        if hf_overrides is not None and not isinstance(hf_overrides, dict):
+            raise TypeError(f"hf_overrides must be a dict of config.json keys, got {type(hf_overrides).__name__}")
+        model = ModelConfig.from_dir(model_dir, hf_overrides)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = serving_dtype(model.torch_dtype, dtype, torch.device(device).type)
-        limit = model.text.max_position_embeddings
+        limit = model.max_context
         max_model_len_from_model = max_model_len is None
         if max_model_len_from_model:
             max_model_len = limit
         elif max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context ({limit} positions)")
         options["mm_buckets"] = parse_buckets(options.get("mm_buckets"), model.image.encoder_unit)
         config = cls(
             model_dir=Path(model_dir),

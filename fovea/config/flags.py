@@ -112,6 +112,14 @@ FLAGS = (
         type=json_arg,
     ),
     Flag(
+        "hf_overrides",
+        None,
+        "config.json keys laid over the checkpoint's; a sub-config's (text_config, vision_config) key by key, e.g. "
+        '{"text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+        '"original_max_position_embeddings": 32768}}}',
+        type=json_arg,
+    ),
+    Flag(
         "quantization",
         None,
         "the checkpoint's quantized weights: fp8, compressed-tensors or awq, read from its config.json "
@@ -253,6 +261,7 @@ PLAN_FLAGS = (
     "gpu_memory_utilization",
     "tensor_parallel_size",
     "kv_cache_dtype",
+    "hf_overrides",
 )
 EVAL_FLAGS = ("dtype", "max_model_len", "max_num_seqs")  # laid over a registry entry's engine settings
 
@@ -307,7 +316,6 @@ VLLM_ARG_KINDS = {
     "ec_transfer_config": json_arg,
     "kv_transfer_config": json_arg,
     "speculative_config": json_arg,
-    "hf_overrides": json_arg,
     "logprobs_mode": str,
     "logits_processors": [str],
     "cuda_graph_sizes": [int],

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from fovea.config.hf_keys import checkpoint_dtype, eos_ids, fixed_size_tower, parse_text
+from fovea.config.hf_keys import checkpoint_dtype, eos_ids, fixed_size_tower, parse_rope_scaling, parse_text
 from fovea.config.image import ImageProcessorConfig
-from fovea.config.model import ModelConfig
+from fovea.config.model import ModelConfig, RopeScaling
 
 GEMMA3_TEXT = dict(  # Gemma3TextConfig's defaults: published config.json files leave most keys to them
     vocab_size=262_208,
@@ -36,18 +36,14 @@ SIGLIP_DEFAULTS = dict(
 )
 
 
-def gemma3_rope(text: dict) -> tuple[float, float, float]:
-    """(global theta, its linear factor, local theta) from `rope_parameters` per layer type (transformers 5) or
-    the older `rope_scaling` + `rope_theta` + `rope_local_base_freq`."""
+def gemma3_rope(text: dict) -> tuple[float, RopeScaling, float]:
+    """(global theta, its scaling, local theta) from `rope_parameters` per layer type (transformers 5) or the
+    older `rope_scaling` + `rope_theta` + `rope_local_base_freq`."""
     per_type = text.get("rope_parameters") or {}
     scaling = per_type.get("full_attention") or text.get("rope_scaling") or {}
     local = per_type.get("sliding_attention") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "linear"):
-        raise ValueError(f"Gemma 3 rope scaling {scaling} is not supported; fovea runs default and linear")
-    factor = float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0
     theta = scaling.get("rope_theta", text.get("rope_theta", 1_000_000.0))
-    return theta, factor, local.get("rope_theta", text.get("rope_local_base_freq", 10_000.0))
+    return theta, parse_rope_scaling(scaling, text), local.get("rope_theta", text.get("rope_local_base_freq", 10_000.0))
 
 
 def parse_gemma3(raw: dict, preprocessor: dict) -> ModelConfig:
@@ -63,13 +59,13 @@ def parse_gemma3(raw: dict, preprocessor: dict) -> ModelConfig:
     types = text_raw.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     ]
-    theta, factor, local_theta = gemma3_rope(text_raw)
+    theta, scaling, local_theta = gemma3_rope(text_raw)
     text = dataclasses.replace(
         parse_text({**text_raw, "rope_parameters": None, "rope_scaling": None}, mrope=False, attention_bias=False),
         attention_bias=bool(text_raw["attention_bias"]),
         qk_norm=True,
         rope_theta=theta,
-        rope_factor=factor,
+        rope_scaling=scaling,
         local_rope_theta=local_theta,
         sliding_window=text_raw["sliding_window"],
         sliding_layers=tuple(i for i, kind in enumerate(types) if kind == "sliding_attention"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.config.model import TextConfig, VisionConfig, read_json, resolve_dtype
+from fovea.config.model import RopeScaling, TextConfig, VisionConfig, read_json, resolve_dtype
 
 
 def text_keys(raw: dict) -> dict:
@@ -23,6 +23,7 @@ def parse_text(
     """A decoder's settings from its (text_keys) dict; `defaults` for keys the checkpoint leaves out."""
     raw = {**(defaults or {}), **{k: v for k, v in raw.items() if v is not None}}
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    scaling = parse_rope_scaling(rope, raw)
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     if mrope:
@@ -32,8 +33,6 @@ def parse_text(
         if 2 * sum(section) != head_dim:
             raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
     else:
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"rope scaling {rope} is not supported; fovea runs the default RoPE")
         section = (head_dim // 2, 0, 0)  # every frequency reads the first position axis: 1-D RoPE
     return TextConfig(
         vocab_size=raw["vocab_size"],
@@ -50,6 +49,49 @@ def parse_text(
         attention_bias=attention_bias,
         qk_norm=qk_norm,
         mrope_interleaved=bool(mrope and rope.get("mrope_interleaved", False)),
+        rope_scaling=scaling,
+    )
+
+
+ROPE_KINDS = ("default", "linear", "yarn", "llama3")
+
+
+def parse_rope_scaling(rope: dict, raw: dict) -> RopeScaling:
+    """`rope`: a decoder's rope_scaling or rope_parameters; `raw`: its keys. The defaults are transformers'."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = "default" if kind == "mrope" else kind  # (the older Qwen2-VL configs' name for plain M-RoPE)
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"rope scaling {kind!r} is not supported; fovea runs {', '.join(ROPE_KINDS)}")
+    if kind == "default":
+        return RopeScaling()
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("RoPE over part of each head (partial_rotary_factor) is not supported")
+    original = (
+        raw.get("original_max_position_embeddings")  # (a top-level value wins, as in transformers)
+        or rope.get("original_max_position_embeddings")
+        or raw.get("max_position_embeddings", 128000)
+    )
+    factor = rope.get("factor")
+    if factor is None and kind == "yarn":
+        factor = raw.get("max_position_embeddings", 128000) / original
+    needed = ("factor",) + (("low_freq_factor", "high_freq_factor") if kind == "llama3" else ())
+    missing = [key for key in needed if {**rope, "factor": factor}.get(key) is None]
+    if missing:
+        raise ValueError(f"{kind} rope scaling needs {', '.join(missing)}: {rope}")
+    if factor <= 0:
+        raise ValueError(f"rope scaling factor must be positive, got {factor}")
+    return RopeScaling(
+        kind,
+        float(factor),
+        int(original),
+        rope.get("attention_factor"),
+        float(rope.get("beta_fast") or 32),
+        float(rope.get("beta_slow") or 1),
+        rope.get("mscale"),
+        rope.get("mscale_all_dim"),
+        bool(rope.get("truncate", True)),
+        float(rope.get("low_freq_factor", 1.0)),
+        float(rope.get("high_freq_factor", 4.0)),
     )
 
 

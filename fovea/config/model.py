@@ -47,6 +47,34 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """How a decoder's RoPE frequencies are scaled for longer contexts (config.json's rope_scaling or
+    rope_parameters), as transformers computes them: `linear` divides every frequency by `factor`; `yarn` divides
+    the low ones and keeps the high ones, ramping between (beta_fast/beta_slow rotations over
+    original_max_position_embeddings), and scales cos and sin by `attention_factor`; `llama3` does the same
+    by wavelength (low_freq_factor/high_freq_factor)."""
+
+    kind: str = "default"  # default, linear, yarn or llama3
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    attention_factor: float | None = None  # yarn; None: from factor (and mscale / mscale_all_dim)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+    def longest(self, max_position_embeddings: int) -> int:
+        """The longest context the scaled model takes, as vLLM derives it: yarn the original length times
+        the factor, linear the model's length times it; llama3 leaves the model's length."""
+        if self.kind == "yarn":
+            return int(self.original_max_position_embeddings * self.factor)
+        return int(max_position_embeddings * (self.factor if self.kind == "linear" else 1))
+
+
+@dataclass(frozen=True)
 class TextConfig:
     vocab_size: int
     hidden_size: int
@@ -64,12 +92,12 @@ class TextConfig:
     mrope_interleaved: bool = False  # Qwen3-VL: the frequencies cycle t, h, w instead of running in three chunks
     moe: MoEConfig | None = None  # experts in place of some layers' MLP
     quant: QuantConfig | None = None  # the checkpoint's quantized linear layers (config/quant.py)
-    # Gemma 3: layers that see only their last `sliding_window` keys, rotating with `local_rope_theta`; the other
-    # (global) layers' positions divided by `rope_factor` (linear scaling); scores scaled by `attention_scale`
+    rope_scaling: RopeScaling = RopeScaling()  # (Gemma 3: its global layers')
+    # Gemma 3: layers that see only their last `sliding_window` keys, rotating with `local_rope_theta` unscaled;
+    # scores scaled by `attention_scale`
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     local_rope_theta: float = 10000.0
-    rope_factor: float = 1.0
     attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
     hidden_act: str = "silu"
 
@@ -152,8 +180,18 @@ class ModelConfig:
     # takes it); each of a prompt's first ones, one per image, becomes the image token before tokenizing
     image_text: str | None = None
 
+    @property
+    def max_context(self) -> int:
+        """The most positions a sequence may take, as vLLM derives it: the model's, extended by its RoPE
+        scaling (Gemma 3's max_position_embeddings counts its scaling already)."""
+        text = self.text
+        if self.architecture.startswith("Gemma3"):
+            return text.max_position_embeddings
+        return text.rope_scaling.longest(text.max_position_embeddings)
+
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path, hf_overrides: dict | None = None) -> ModelConfig:
+        """`hf_overrides`: keys laid over config.json's (vLLM's --hf-overrides)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
@@ -161,7 +199,8 @@ class ModelConfig:
         video = read_json(Path(model_dir) / "video_preprocessor_config.json")
         if video:  # newer checkpoints keep the video processor's settings apart (Qwen3-VL)
             preprocessor["video_preprocessor"] = video
-        return cls.from_dict(json.loads(path.read_text()), preprocessor, Path(model_dir))
+        raw = with_overrides(json.loads(path.read_text()), hf_overrides or {})
+        return cls.from_dict(raw, preprocessor, Path(model_dir))
 
     @classmethod
     def from_dict(cls, raw: dict, preprocessor: dict | None = None, model_dir: Path | None = None) -> ModelConfig:
@@ -169,6 +208,19 @@ class ModelConfig:
         from fovea.config.families import parse_model_config  # its parsers build these dataclasses
 
         return parse_model_config(raw, preprocessor or {}, model_dir)
+
+
+def with_overrides(raw: dict, overrides: dict) -> dict:
+    """config.json's keys with `overrides` laid over them as vLLM lays them over transformers' config: a
+    sub-config (a key ending in _config, such as text_config) takes a dict's keys one by one, and a flat
+    checkpoint's decoder keys are its text_config; any other key is replaced whole."""
+    merged = dict(raw)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and key.endswith("_config") and isinstance(raw.get(key) or {}, dict):
+            merged[key] = with_overrides(raw.get(key) or {}, value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def read_json(path: Path) -> dict:

@@ -59,7 +59,6 @@ ONLY_AT = {
     "logprobs_mode": ((None, "raw_logprobs"), "logprobs are the model's raw ones; the other modes are not implemented"),
     "kv_transfer_config": ((None, {}), "disaggregated prefill (KV transfer between instances) is not implemented"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
-    "hf_overrides": ((None, {}), "overriding the checkpoint's config.json is not implemented"),
     "otlp_traces_endpoint": ((None,), "OpenTelemetry tracing is not implemented"),
     "collect_detailed_traces": ((None,), "OpenTelemetry tracing is not implemented"),
     "video_pruning_rate": ((None, 0, 0.0), "pruning video tokens is not implemented"),

@@ -123,7 +123,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: TextConfig, options: ModelOptions):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, options) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.fused_kernels)
 

@@ -10,7 +10,7 @@ Read top to bottom (its config.json is read by fovea/config/gemma3.py):
   head, then rotated), norms the attention's output before adding it to the residual stream, and does the same
   around its GELU-gated MLP (four norms a layer); Gemma's RMSNorm multiplies by (1 + weight), in fp32;
 - attention: `sliding_layers` see only their last `sliding_window` keys and rotate with `local_rope_theta`; the
-  others see every key and rotate with `rope_theta`, positions divided by `rope_factor`; scores are scaled by
+  others see every key and rotate with `rope_theta`, scaled as `rope_scaling` says; scores are scaled by
   query_pre_attn_scalar^-1/2; an image's tokens see each other both ways (the step's `bidirectional_spans`),
   within a sliding layer's window.
 Positions are 1-D. Checkpoints: the published layout (`language_model.model.*`, `vision_tower.vision_model.*`,
@@ -178,15 +178,13 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
         section = (cfg.head_dim // 2, 0, 0)  # 1-D: every frequency reads the first position axis
-        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, section)
+        self.rotary = mrope(cfg.head_dim, cfg.rope_theta, section, scaling=cfg.rope_scaling)
         self.local_rotary = mrope(cfg.head_dim, cfg.local_rope_theta, section)
-        self.rope_factor = cfg.rope_factor
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, options) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        # linear scaling: the global layers' angles are position / factor
-        global_cos_sin = self.rotary.cos_sin(positions.float() / self.rope_factor)
+        global_cos_sin = self.rotary.cos_sin(positions)
         local_cos_sin = self.local_rotary.cos_sin(positions)
         x = inputs_embeds
         for layer in self.layers:

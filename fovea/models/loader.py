@@ -119,11 +119,12 @@ def load_model(
     lm_tp: TPGroup = SINGLE,
     vision_tp: TPGroup = SINGLE,
     options: ModelOptions = ModelOptions(),
+    config: ModelConfig | None = None,
 ) -> tuple[VisionLanguageModel, Path]:
-    """Builds the model its config.json names, split over the tensor-parallel groups (this rank's slices), and
-    loads the weights; returns (model, model_dir)."""
+    """Builds the model its config.json names (or `config`, the engine's, read once with its overrides), split
+    over the tensor-parallel groups (this rank's slices), and loads the weights; returns (model, model_dir)."""
     model_dir = resolve_model_dir(model)
-    config = ModelConfig.from_dir(model_dir)
+    config = config or ModelConfig.from_dir(model_dir)
     cls = family(config.architecture).Model
     torch_dtype = config.torch_dtype if dtype == "auto" else resolve_dtype(dtype)
     previous = torch.get_default_dtype()
@@ -142,13 +143,14 @@ def load_tower(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     options: ModelOptions = ModelOptions(),
+    config: ModelConfig | None = None,
 ) -> tuple[torch.nn.Module, ModelConfig]:
     """The vision tower alone (its projector included), whole, its weights loaded: what an encoder worker runs.
     The rest of the model is not built: mapping the checkpoint's names takes the family's class and its config
     alone (a model built on the meta device instead computes its rotary tables there, through torch's
     decompositions: 2.5 s of imports in every worker)."""
     model_dir = resolve_model_dir(model)
-    config = ModelConfig.from_dir(model_dir)
+    config = config or ModelConfig.from_dir(model_dir)
     cls = family(config.architecture).Model
     names = cls.__new__(cls)
     VisionLanguageModel.__init__(names, config, options)

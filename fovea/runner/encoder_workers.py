@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fovea.config.engine import EngineConfig
+from fovea.config.model import ModelConfig
 from fovea.core.request import MMItem
 from fovea.multimodal.image_workers import SharedPixels
 from fovea.multimodal.patchify import batch_patches
@@ -37,11 +38,11 @@ DIED = "the vision encoder worker died or overran its time limit on these images
 class Tower:
     """What a worker runs: uint8 pixels of several items and their grids -> their merged embeddings, float32."""
 
-    def __init__(self, model_dir, dtype: torch.dtype, device: str):
+    def __init__(self, model_dir, dtype: torch.dtype, device: str, config: ModelConfig):
         from fovea.models.loader import load_tower
 
         torch.set_num_threads(1)
-        self.tower, self.config = load_tower(model_dir, dtype=dtype, device=device)
+        self.tower, self.config = load_tower(model_dir, dtype=dtype, device=device, config=config)
         self.device, self.dtype = device, dtype
 
     @torch.inference_mode()
@@ -54,9 +55,9 @@ def _segment() -> str:
     return f"fovea{os.getpid()}_enc_{secrets.token_hex(8)}"
 
 
-def _encoder_worker(conn, model_dir, dtype: torch.dtype, device: str) -> None:
+def _encoder_worker(conn, model_dir, dtype: torch.dtype, device: str, config: ModelConfig) -> None:
     ignore_group_signals()
-    tower = Tower(model_dir, dtype, device)
+    tower = Tower(model_dir, dtype, device, config)
     conn.send("ready")
 
     def encode(job) -> SharedPixels:
@@ -73,7 +74,7 @@ class ProcessEncoders:
     """Worker processes on this host, jobs through shared memory."""
 
     def __init__(self, config: EngineConfig):
-        args = (config.model_dir, config.dtype, str(config.device))
+        args = (config.model_dir, config.dtype, str(config.device), config.model)
         self.pool = WorkerPool(_encoder_worker, args, config.mm_encoder_workers, "vision encoder")
 
     def __call__(self, pixels: list[np.ndarray], grids: list[tuple]) -> np.ndarray:
@@ -127,7 +128,7 @@ class RayEncoders:
         # there: encoding is idempotent; a job that kills the tower twice fails its requests
         options = dict(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=-1, max_task_retries=1)
         actor = ray.remote(**options)(EncoderActor)
-        args = (config.model_dir, config.dtype, "cuda" if gpu else "cpu")  # a GPU of the actor's own
+        args = (config.model_dir, config.dtype, "cuda" if gpu else "cpu", config.model)  # a GPU of the actor's own
         names = [f"fovea-encoder-{secrets.token_hex(6)}" if named else None for _ in range(config.mm_encoder_workers)]
         actors = [actor.options(scheduling_strategy="SPREAD", name=name).remote(*args) for name in names]
         encoders = cls(actors, owned=True, names=tuple(names) if named else ())

@@ -104,6 +104,7 @@ class ModelRunner:
             lm_tp=parallel.lm if parallel else SINGLE,
             vision_tp=parallel.vision if parallel else SINGLE,
             options=options,
+            config=config.model,
         )
         self.image_config = config.model.image  # mean, std, patch and merge sizes
         self.adapters = None
