@@ -10,15 +10,19 @@ FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
 
 What is drawn, per family:
 - every decoder: 1-3 layers; 2 or 4 attention heads of 8, 16 or 32 dimensions; KV heads any divisor (GQA, MQA or
-  none); MLP width 48-160; tied or untied embeddings; rope theta 1e4 or 1e6, scaled half the time (linear, YaRN
-  or Llama 3's, factors 2-8); the M-RoPE sections any split of half the head dimension into three (Qwen families);
+  none); MLP width 48-160, its gate SiLU or a GELU; tied or untied embeddings; rope theta 1e4 or 1e6, scaled half
+  the time (linear, YaRN or Llama 3's, factors 2-8); the M-RoPE sections any split of half the head dimension into
+  three (Qwen families); biases where the family's config can ask for them (Llama's attention and MLP biases,
+  Qwen3's attention ones); Qwen2 decoders' sliding windows (4-64 keys from a drawn layer on) half the time;
+- every bias drawn as the weights are (transformers starts them at zero, where a bias left out would not show);
 - Qwen2.5-VL's tower: 1-4 blocks of 1-4 heads of 8 or 16 dimensions, any set of full-attention blocks (none
-  too), windows of 56 or 112 pixels;
+  too), windows of 56 or 112 pixels, its MLP's gate SiLU or a GELU;
 - Qwen2-VL's tower: 1-3 blocks, MLP ratio 2 or 4;
 - Qwen3-VL's tower: 2-4 blocks, DeepStack from any 1-3 of them, a learned position grid of 4x4, 6x6 or 8x8;
   its MoE variant: 2 or 4 experts of width 16, 20 (not a multiple of 8, so the loop runs, not the grouped products) or
   24, 1 or 2 per token, a sparse step of 1 or 2, any dense (mlp_only) layers;
-- LLaVA's CLIP tower: 2-3 layers of 1-4 heads, features from the last or the second-to-last layer;
+- LLaVA's CLIP tower: 2-3 layers of 1-4 heads, features from the last or the second-to-last layer; its
+  projector's activation and biases;
 - Gemma 3: 1-4 decoder layers, every one, every second or every third seeing all keys and the others a window of
   4-64, the scores' scale its own (query_pre_attn_scalar), the global layers' RoPE scaled as any decoder's;
   its SigLIP tower 1-3 layers of 1-4 heads;
@@ -95,6 +99,7 @@ def decoder(rng: random.Random, explicit_head_dim: bool = False) -> dict:
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         initializer_range=INIT,
+        hidden_act=rng.choice(["silu", "silu", "gelu", "gelu_pytorch_tanh"]),
     )
     if explicit_head_dim:
         text["head_dim"] = head_dim
@@ -117,20 +122,29 @@ def rope_scaling(rng: random.Random) -> dict:
     return {}
 
 
+def sliding_windows(rng: random.Random, layers: int) -> dict:
+    """Qwen2's sliding-window keys, on half the time: the layers from max_window_layers on see a window of 4-64."""
+    return dict(use_sliding_window=rng.random() < 0.5, sliding_window=rng.choice([4, 16, 64]),
+                max_window_layers=rng.randint(0, layers))  # fmt: skip
+
+
 def draw(family: str, rng: random.Random) -> dict:
     """A config.json's content for `family` (transformers' config class takes it as keyword arguments)."""
     tied = rng.random() < 0.5
     if family == "llava":
         text, _ = decoder(rng)
         text.update(model_type="llama", vocab_size=LLAVA_VOCAB, max_position_embeddings=2048,
-                    rope_parameters={"rope_type": "default", "rope_theta": rng.choice([1e4, 1e6]), **rope_scaling(rng)})  # fmt: skip
+                    rope_parameters={"rope_type": "default", "rope_theta": rng.choice([1e4, 1e6]), **rope_scaling(rng)},
+                    attention_bias=rng.random() < 0.3, mlp_bias=rng.random() < 0.3)  # fmt: skip
         heads, layers = rng.choice([1, 2, 4]), rng.randint(2, 3)
         vision = dict(model_type="clip_vision_model", hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads,
                       intermediate_size=rng.choice([32, 64]), num_hidden_layers=layers, image_size=336, patch_size=14,
                       projection_dim=32, initializer_range=INIT, initializer_factor=INIT / 0.02)  # fmt: skip
         return dict(text_config=text, vision_config=vision, vision_feature_layer=rng.choice([-1, -2]),
                     vision_feature_select_strategy="default", image_token_index=LLAVA_IMAGE_TOKEN,
-                    projector_hidden_act="gelu", tie_word_embeddings=tied, initializer_range=INIT)  # fmt: skip
+                    projector_hidden_act=rng.choice(["gelu", "gelu_pytorch_tanh", "silu"]),
+                    multimodal_projector_bias=rng.random() < 0.7, tie_word_embeddings=tied,
+                    initializer_range=INIT)  # fmt: skip
     if family == "gemma3":
         text, head_dim = decoder(rng, explicit_head_dim=True)
         text.update(model_type="gemma3_text", vocab_size=GEMMA_VOCAB, num_hidden_layers=rng.randint(1, 4),
@@ -148,7 +162,10 @@ def draw(family: str, rng: random.Random) -> dict:
         kind = rng.choice(["qwen2", "qwen3"])
         text, _ = decoder(rng, explicit_head_dim=kind == "qwen3")
         rope = {"rope_type": "default", "rope_theta": rng.choice([1e4, 1e6]), **rope_scaling(rng)}
-        text.update(model_type=kind, vocab_size=INTERNVL_VOCAB, rope_parameters=rope)
+        text.update(model_type=kind, vocab_size=INTERNVL_VOCAB, rope_parameters=rope,
+                    **sliding_windows(rng, text["num_hidden_layers"]))  # fmt: skip
+        if kind == "qwen3":
+            text["attention_bias"] = rng.random() < 0.3
         heads, layers = rng.choice([1, 2, 4]), rng.randint(1, 3)
         vision = dict(hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads, num_hidden_layers=layers,
                       intermediate_size=rng.choice([32, 64]), image_size=56, patch_size=14,
@@ -164,6 +181,9 @@ def draw(family: str, rng: random.Random) -> dict:
     rope.update(rope_scaling(rng))
     if qwen3:
         rope["mrope_interleaved"] = True
+        text["attention_bias"] = rng.random() < 0.3
+    else:
+        text.update(sliding_windows(rng, text["num_hidden_layers"]))
     text["rope_parameters"] = rope
     heads = rng.choice([1, 2, 4])
     width = heads * rng.choice([8, 16])
@@ -171,6 +191,7 @@ def draw(family: str, rng: random.Random) -> dict:
         depth = rng.randint(1, 4)
         vision = dict(depth=depth, hidden_size=width, num_heads=heads, intermediate_size=rng.choice([32, 64, 96]),
                       out_hidden_size=text["hidden_size"], window_size=rng.choice([56, 112]),
+                      hidden_act=rng.choice(["silu", "gelu_pytorch_tanh"]),
                       fullatt_block_indexes=sorted(rng.sample(range(depth), rng.randint(0, depth))))  # fmt: skip
     elif family == "qwen2-vl":
         vision = dict(depth=rng.randint(1, 3), embed_dim=width, num_heads=heads, mlp_ratio=rng.choice([2, 4]),
@@ -227,6 +248,10 @@ def materialize(family: str, config: dict, base, out, seed: int):
     torch.manual_seed(seed)
     settings = getattr(transformers, f"{names[family]}Config")(**config)
     model = getattr(transformers, f"{names[family]}ForConditionalGeneration")(settings)
+    with torch.no_grad():  # transformers starts biases at zero, where a bias left out would not show
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, INIT)
     model.save_pretrained(str(out))
     return out
 
@@ -356,12 +381,15 @@ def test_more_drawn_configurations_match_transformers(family, bases, tmp_path):
         ("qwen3-vl", "mrope_sections_swapped"),
         ("qwen2.5-vl", "window_blocks_changed"),
         ("qwen2.5-vl", "mrope_sections_swapped"),
+        ("qwen2.5-vl", "sliding_windows_dropped"),
+        ("qwen3-vl", "rope_scaling_dropped"),
     ],
 )
 def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
     """Our side read from a copy whose config.json breaks one rule transformers keeps (DeepStack features dropped,
-    the M-RoPE sections in another order, other blocks attending over whole images): the logits part by ten times
-    the fuzzer's tolerance or more on an image, with the weights these draws have."""
+    the M-RoPE sections in another order, other blocks attending over whole images, the decoder's sliding windows
+    or its YaRN scaling left out): the logits part by ten times the fuzzer's tolerance or more on an image, with
+    the weights these draws have."""
     config = draw(family, random.Random(SEED))
     text, vision = config["text_config"], config["vision_config"]
     if family == "qwen3-vl":
@@ -379,6 +407,10 @@ def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
         vision["window_size"] = 56
     else:
         vision["deepstack_visual_indexes"] = [0]
+    if broken == "sliding_windows_dropped":
+        text.update(use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    elif broken == "rope_scaling_dropped":
+        text["rope_parameters"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024)
     reference = materialize(family, config, bases[family], tmp_path / "reference", SEED)
     ours = tmp_path / "ours"
     shutil.copytree(reference, ours)
@@ -389,6 +421,10 @@ def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
         rope["mrope_section"] = rope["mrope_section"][::-1]
     elif broken == "window_blocks_changed":
         raw["vision_config"]["fullatt_block_indexes"] = list(range(raw["vision_config"]["depth"]))
+    elif broken == "sliding_windows_dropped":
+        raw["text_config"]["use_sliding_window"] = False
+    elif broken == "rope_scaling_dropped":
+        rope["rope_type"] = "default"
     else:
         mutate = drop_deepstack
     (ours / "config.json").write_text(json.dumps(raw))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fovea.attention.layer import AttentionMetadata
-from fovea.layers.basic import RMSNorm, SiluAndMul
+from fovea.layers.basic import GatedActivation, RMSNorm
 from fovea.layers.rotary import mrope, rotate_qkv
 from fovea.models.base import ModelOptions
 from fovea.models.loader import load_model
@@ -52,7 +52,7 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     x = randn(5, 2 * 1100, dtype=dtype, seed=4)  # wider than one program's block: two column blocks
-    close(SiluAndMul(fused=True)(x), SiluAndMul()(x), dtype)
+    close(GatedActivation(fused=True)(x), GatedActivation()(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

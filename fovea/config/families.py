@@ -88,8 +88,11 @@ FAMILY_EOS = {  # the released checkpoints' <|im_end|> and </s>
 # -------------------------------------------------------------------------------------- Qwen2.5-VL, Qwen2-VL
 
 
+QWEN2_VL_WINDOW_LAYERS = 80  # Qwen2-VL's and Qwen2.5-VL's text configs' default max_window_layers
+
+
 def parse_qwen2_5_vl(raw: dict, preprocessor: dict) -> ModelConfig:
-    text = parse_text(text_keys(raw), mrope=True, attention_bias=True)
+    text = parse_text(text_keys(raw), mrope=True, attention_bias=True, window_layers=QWEN2_VL_WINDOW_LAYERS)
     vision = raw.get("vision_config") or {}
     rope = vision.get("rope_parameters") or {}
     return qwen_model_config(
@@ -110,6 +113,7 @@ def parse_qwen2_5_vl(raw: dict, preprocessor: dict) -> ModelConfig:
             out_hidden_size=vision.get("out_hidden_size", text.hidden_size),
             tokens_per_second=vision.get("tokens_per_second", 2),
             rope_theta=rope.get("rope_theta", 10000.0),
+            hidden_act=vision.get("hidden_act", "silu"),
         ),
     )
 
@@ -133,7 +137,7 @@ def qwen_model_config(raw: dict, preprocessor: dict, text: TextConfig, vision: V
 
 
 def parse_qwen2_vl(raw: dict, preprocessor: dict) -> ModelConfig:
-    text = parse_text(text_keys(raw), mrope=True, attention_bias=True)
+    text = parse_text(text_keys(raw), mrope=True, attention_bias=True, window_layers=QWEN2_VL_WINDOW_LAYERS)
     vision = raw.get("vision_config") or {}
     width, depth = vision.get("embed_dim", 1280), vision.get("depth", 32)
     patch, merge = vision.get("patch_size", 14), vision.get("spatial_merge_size", 2)
@@ -164,7 +168,7 @@ def parse_qwen3_vl(raw: dict, preprocessor: dict) -> ModelConfig:
     """Qwen3-VL (dense): a Qwen3 decoder (q/k norms, interleaved M-RoPE) and a ViT with learned positions, no
     windows, and DeepStack features from a few of its blocks; videos with their frames' times as text."""
     keys = text_keys(raw)
-    text = parse_text(keys, mrope=True, attention_bias=bool(keys.get("attention_bias", False)), qk_norm=True)
+    text = parse_text(keys, mrope=True, attention_bias=None, qk_norm=True)
     vision = raw.get("vision_config") or {}
     depth, patch, merge = vision.get("depth", 27), vision.get("patch_size", 16), vision.get("spatial_merge_size", 2)
     config = qwen_model_config(
@@ -249,9 +253,8 @@ LLAVA_VISION = dict(
 
 def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
     text_raw = text_keys(raw)
-    text = parse_text(
-        text_raw, mrope=False, attention_bias=bool(text_raw.get("attention_bias", False)), defaults=LLAMA_DEFAULTS
-    )
+    mlp_bias = bool(text_raw.get("mlp_bias", False))
+    text = parse_text(text_raw, mrope=False, attention_bias=None, defaults=LLAMA_DEFAULTS, mlp_bias=mlp_bias)
     given = raw.get("vision_config")
     vision = {**CLIP_DEFAULTS, **(LLAVA_VISION if given is None else {}), **(given or {})}
     layer, strategy = raw.get("vision_feature_layer", -2), raw.get("vision_feature_select_strategy", "default")
@@ -271,7 +274,11 @@ def parse_llava(raw: dict, preprocessor: dict) -> ModelConfig:
     return ModelConfig(
         architecture="LlavaForConditionalGeneration",
         text=text,
-        vision=fixed_size_tower(vision, used, text.hidden_size),
+        vision=dataclasses.replace(
+            fixed_size_tower(vision, used, text.hidden_size),
+            projector_act=raw.get("projector_hidden_act", "gelu"),
+            projector_bias=bool(raw.get("multimodal_projector_bias", True)),
+        ),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         torch_dtype=checkpoint_dtype(raw),
         image_token_id=image_token,

@@ -18,10 +18,29 @@ def text_keys(raw: dict) -> dict:
 
 
 def parse_text(
-    raw: dict, mrope: bool, attention_bias: bool, defaults: dict | None = None, qk_norm: bool = False
+    raw: dict,
+    mrope: bool,
+    attention_bias: bool | None,
+    defaults: dict | None = None,
+    qk_norm: bool = False,
+    window_layers: int | None = None,
+    mlp_bias: bool = False,
 ) -> TextConfig:
-    """A decoder's settings from its (text_keys) dict; `defaults` for keys the checkpoint leaves out."""
+    """A decoder's settings from its (text_keys) dict; `defaults` for keys the checkpoint leaves out.
+    `attention_bias`: the family's rule for q/k/v biases, none on o_proj (Qwen2: always); None: the config's
+    attention_bias, on all four (Llama, Qwen3). `window_layers`: where the decoder reads Qwen2's sliding-window
+    keys (transformers ignores them elsewhere), the family's default max_window_layers: with use_sliding_window,
+    the layers from there on (or those layer_types names) see only their last sliding_window keys."""
     raw = {**(defaults or {}), **{k: v for k, v in raw.items() if v is not None}}
+    output_bias = attention_bias is None and bool(raw.get("attention_bias", False))
+    attention_bias = output_bias if attention_bias is None else attention_bias
+    window, sliding = None, ()
+    if window_layers is not None and raw.get("use_sliding_window") and raw.get("sliding_window"):
+        first = raw.get("max_window_layers", window_layers)
+        kinds = raw.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(raw["num_hidden_layers"])
+        ]
+        window, sliding = raw["sliding_window"], tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     scaling = parse_rope_scaling(rope, raw)
     heads = raw["num_attention_heads"]
@@ -47,9 +66,14 @@ def parse_text(
         mrope_section=tuple(section),
         max_position_embeddings=raw.get("max_position_embeddings", 128000),
         attention_bias=attention_bias,
+        output_bias=output_bias,
+        mlp_bias=mlp_bias,
         qk_norm=qk_norm,
         mrope_interleaved=bool(mrope and rope.get("mrope_interleaved", False)),
         rope_scaling=scaling,
+        sliding_window=window,
+        sliding_layers=sliding,
+        hidden_act=raw.get("hidden_act", "silu"),
     )
 
 

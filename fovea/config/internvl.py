@@ -24,8 +24,9 @@ INTERNVIT_DEFAULTS = dict(  # InternVLVisionConfig's defaults (InternViT-300M)
     norm_type="layer_norm",
     use_mean_pooling=True,
 )
-# the language models InternVL checkpoints end in: (q/k/v biases, q/k norms) by text_config's model_type
-INTERNVL_DECODERS = {"qwen2": (True, False), "qwen3": (None, True), "llama": (None, False)}
+# the language models InternVL checkpoints end in, by text_config's model_type: (q/k/v biases as parse_text
+# takes them, q/k norms, the default max_window_layers where the decoder has Qwen2's sliding windows)
+INTERNVL_DECODERS = {"qwen2": (True, False, 28), "qwen3": (None, True, 28), "llama": (None, False, None)}
 
 
 def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
@@ -36,11 +37,9 @@ def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
     kind = text_raw.get("model_type", "qwen2")
     if kind not in INTERNVL_DECODERS:
         raise ValueError(f"InternVL with a {kind!r} language model is not supported; fovea runs qwen2, qwen3, llama")
-    if text_raw.get("use_sliding_window"):
-        raise ValueError("InternVL's language model with sliding-window attention is not supported")
-    bias, qk_norm = INTERNVL_DECODERS[kind]
-    bias = bool(text_raw.get("attention_bias", False)) if bias is None else bias
-    text = parse_text(text_keys(raw), mrope=False, attention_bias=bias, qk_norm=qk_norm)
+    bias, qk_norm, window_layers = INTERNVL_DECODERS[kind]
+    mlp_bias = kind == "llama" and bool(text_raw.get("mlp_bias", False))
+    text = parse_text(text_keys(raw), False, bias, qk_norm=qk_norm, window_layers=window_layers, mlp_bias=mlp_bias)
     vision = {**INTERNVIT_DEFAULTS, **(raw.get("vision_config") or {})}
     ratio, layer = raw.get("downsample_ratio", 0.5), raw.get("vision_feature_layer", -1)
     merge, side, patch = round(1 / ratio), vision["image_size"], vision["patch_size"]

@@ -87,14 +87,16 @@ class TextConfig:
     rope_theta: float
     mrope_section: tuple[int, int, int]  # 1-D RoPE: (head_dim / 2, 0, 0)
     max_position_embeddings: int
-    attention_bias: bool = True  # biases on q/k/v (Qwen2); Llama and Qwen3 have none
+    attention_bias: bool = True  # biases on q/k/v (Qwen2); Llama and Qwen3 have none unless configured
+    output_bias: bool = False  # and on o_proj (Llama's and Qwen3's attention_bias, Gemma 3's)
+    mlp_bias: bool = False  # on the MLP's three projections (Llama's mlp_bias)
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before rotary
     mrope_interleaved: bool = False  # Qwen3-VL: the frequencies cycle t, h, w instead of running in three chunks
     moe: MoEConfig | None = None  # experts in place of some layers' MLP
     quant: QuantConfig | None = None  # the checkpoint's quantized linear layers (config/quant.py)
     rope_scaling: RopeScaling = RopeScaling()  # (Gemma 3: its global layers')
-    # Gemma 3: layers that see only their last `sliding_window` keys, rotating with `local_rope_theta` unscaled;
-    # scores scaled by `attention_scale`
+    # layers that see only their last `sliding_window` keys (Gemma 3's mostly, Qwen2's where configured); Gemma 3's
+    # rotate with `local_rope_theta` unscaled, and its scores are scaled by `attention_scale`
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     local_rope_theta: float = 10000.0
@@ -129,6 +131,8 @@ class VisionConfig:
     qk_norm: bool = False
     rms_norm: bool = False
     post_norm: bool = False
+    projector_act: str = "gelu"  # LLaVA's projector_hidden_act and multimodal_projector_bias
+    projector_bias: bool = True
 
     @property
     def output_width(self) -> int:

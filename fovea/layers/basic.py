@@ -41,18 +41,20 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class SiluAndMul(nn.Module):
-    """SwiGLU gate on a fused gate|up projection (`fused`: one Triton kernel, CUDA)."""
+class GatedActivation(nn.Module):
+    """act(gate) * up on a fused gate|up projection: SwiGLU with SiLU (`fused`: one Triton kernel, CUDA), GeGLU
+    with a GELU."""
 
-    def __init__(self, fused: bool = False):
+    def __init__(self, act: str = "silu", fused: bool = False):
         super().__init__()
-        self.fused = fused
+        self.fused = fused and act == "silu"
+        self.act = F.silu if act == "silu" else activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return _kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.act(gate) * up
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP (Qwen3-VL-MoE): a router picks each token's top-k experts, each expert is a SwiGLU MLP,
-and the token's output is their outputs weighted by the router's probabilities.
+"""A mixture-of-experts MLP (Qwen3-VL-MoE): a router picks each token's top-k experts, each expert a gated MLP
+(SwiGLU, unless the config names another activation), and the token's output is their outputs weighted by the
+router's probabilities.
 
 The experts run as two grouped matrix products (torch's grouped_mm: one kernel each for all experts, the group
 sizes read on the device), so a layer neither waits for the device nor launches kernels per expert: with 128
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fovea.config.model import MoEConfig
+from fovea.layers.basic import GatedActivation
 from fovea.layers.linear import LinearBase
 
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
@@ -27,9 +29,9 @@ GROUPED_MM = getattr(torch, "_grouped_mm", None) if TORCH_VERSION >= (2, 9) else
 class Experts(nn.Module):
     """All experts' weights as two stacked tensors: gate|up (E, 2 x inter, hidden) and down (E, hidden, inter)."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig):
+    def __init__(self, hidden: int, cfg: MoEConfig, act: str = "silu"):
         super().__init__()
-        self.hub_layout = cfg.hub_layout
+        self.hub_layout, self.act = cfg.hub_layout, GatedActivation(act)
         self.grouped = GROUPED_MM is not None and hidden % 8 == 0 and cfg.intermediate_size % 8 == 0
         shapes = {"gate_up_proj": (cfg.num_experts, 2 * cfg.intermediate_size, hidden),
                   "down_proj": (cfg.num_experts, hidden, cfg.intermediate_size)}  # fmt: skip
@@ -53,8 +55,8 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # the (token, slot) pairs, grouped by expert
         experts = torch.arange(self.gate_up_proj.shape[0], device=flat.device)
         ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # where each group ends
-        gate, up = GROUPED_MM(x[order // top_k], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        grouped = GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        gate_up = GROUPED_MM(x[order // top_k], self.gate_up_proj.transpose(1, 2), offs=ends)
+        grouped = GROUPED_MM(self.act(gate_up), self.down_proj.transpose(1, 2), offs=ends)
         by_slot = torch.empty_like(grouped).index_copy_(0, order, grouped).view(num_tokens, top_k, -1)
         return (by_slot * weights[..., None]).sum(dim=1).to(x.dtype)  # a sum per token, not atomic adds
 
@@ -62,18 +64,18 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[rows, slot, None]
+            gated = self.act(F.linear(x[rows], self.gate_up_proj[expert]))
+            y = F.linear(gated, self.down_proj[expert]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, cfg: MoEConfig):
+    def __init__(self, hidden: int, cfg: MoEConfig, act: str = "silu"):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
         self.gate = LinearBase(hidden, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(hidden, cfg)
+        self.experts = Experts(hidden, cfg, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)

@@ -17,7 +17,7 @@ from fovea.attention.backend import PagedAttentionMetadata
 from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import TextConfig
 from fovea.config.quant import layer_quant
-from fovea.layers.basic import RMSNorm, SiluAndMul, VocabParallelEmbedding, activation
+from fovea.layers.basic import GatedActivation, RMSNorm, VocabParallelEmbedding, activation
 from fovea.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fovea.layers.moe import SparseMoE
 from fovea.layers.rotary import mrope, rotate_qkv
@@ -25,13 +25,16 @@ from fovea.models.base import ModelOptions
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP (Qwen2.5-VL's vision blocks use it with biases, the language models without). `quant`: what
-    the gate|up and the down projections are built with (a decoder layer's, as the checkpoint quantized them)."""
+    """SwiGLU MLP, or another activation's gate (Gemma's GeGLU; Qwen2.5-VL's vision blocks use it with biases, the
+    language models mostly without). `quant`: what the gate|up and the down projections are built with (a decoder
+    layer's, as the checkpoint quantized them)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, fused: bool = False, quant=(None, None)):
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, fused: bool = False, quant=(None, None), act: str = "silu"
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias, quant=quant[0])
-        self.act = SiluAndMul(fused)
+        self.act = GatedActivation(act, fused)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, quant=quant[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,10 +71,11 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_heads * cfg.head_dim,
             cfg.hidden_size,
-            bias=False,
+            bias=cfg.output_bias,
             quant=layer_quant(cfg.quant, layer_index, ("self_attn.o_proj",)),
         )
-        self.attn = Attention(cfg.head_dim, causal=True, layer_index=layer_index, fp32=options.fp32_softmax)
+        window = cfg.sliding_window if layer_index in cfg.sliding_layers else None
+        self.attn = Attention(cfg.head_dim, True, layer_index, options.fp32_softmax, sliding_window=window)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -101,13 +105,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(cfg, layer_index, options)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         if cfg.moe is not None and layer_index in cfg.moe.sparse_layers:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
         else:
             quant = (
                 layer_quant(cfg.quant, layer_index, ("mlp.gate_proj", "mlp.up_proj")),
                 layer_quant(cfg.quant, layer_index, ("mlp.down_proj",)),
             )
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, fused=fused, quant=quant)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, fused, quant, cfg.hidden_act)
 
     def forward(self, x, residual, cos, sin, meta):
         """residual None: x is the embeddings (the first layer)."""

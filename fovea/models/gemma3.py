@@ -26,10 +26,11 @@ from torch import nn
 from fovea.attention.layer import Attention
 from fovea.config.model import ModelConfig, TextConfig, VisionConfig
 from fovea.distributed import TPGroup
-from fovea.layers.basic import VocabParallelEmbedding, activation
-from fovea.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fovea.layers.basic import VocabParallelEmbedding
+from fovea.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.layers.rotary import apply_rotary, mrope
 from fovea.models.base import ModelOptions, VisionLanguageModel
+from fovea.models.decoder import GatedMLP
 from fovea.models.llava import ClipLayer, FixedSizeTower, tower_and_decoder_name
 
 
@@ -120,18 +121,6 @@ class ScaledEmbedding(VocabParallelEmbedding):
         return super().forward(input_ids) * self.scale
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: TextConfig):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
-        self.act = activation(cfg.hidden_act)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
 class GemmaAttention(nn.Module):
     def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
         super().__init__()
@@ -165,7 +154,7 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = GemmaAttention(cfg, layer_index, options)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GemmaMLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:

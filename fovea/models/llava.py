@@ -14,6 +14,7 @@ from torch import nn
 from fovea.attention.layer import Attention, AttentionMetadata
 from fovea.config.model import ModelConfig, VisionConfig
 from fovea.distributed import TPGroup
+from fovea.layers.basic import activation
 from fovea.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 from fovea.models.base import ModelOptions, VisionLanguageModel
 from fovea.models.decoder import DecoderModel, FeedForward
@@ -72,11 +73,12 @@ class ClipLayer(nn.Module):
 
 
 class Projector(nn.Module):
-    def __init__(self, vision_hidden: int, text_hidden: int):
+    def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.linear_1 = ColumnParallelLinear(vision_hidden, text_hidden, bias=True)
-        self.act = nn.GELU()
-        self.linear_2 = RowParallelLinear(text_hidden, text_hidden, bias=True)
+        text_hidden = cfg.out_hidden_size
+        self.linear_1 = ColumnParallelLinear(cfg.hidden_size, text_hidden, bias=cfg.projector_bias)
+        self.act = activation(cfg.projector_act)
+        self.linear_2 = RowParallelLinear(text_hidden, text_hidden, bias=cfg.projector_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
@@ -133,7 +135,7 @@ class ClipVisionTower(FixedSizeTower):
         self.embeddings = ClipEmbeddings(cfg)
         self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)  # (sic: CLIP's name)
         self.layers = nn.ModuleList(ClipLayer(cfg, options.fp32_softmax_vision) for _ in range(cfg.depth))
-        self.projector = Projector(cfg.hidden_size, cfg.out_hidden_size)
+        self.projector = Projector(cfg)
 
     def run(self, pixel_values: torch.Tensor, layout: dict) -> torch.Tensor:
         x = self.through_layers(self.pre_layrnorm(self.embeddings(pixel_values)), layout)

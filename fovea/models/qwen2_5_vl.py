@@ -65,7 +65,7 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg, fp32_softmax)
         self.norm2 = RMSNorm(cfg.hidden_size, eps=1e-6)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=True, act=cfg.hidden_act)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         x = x + self.attn(self.norm1(x), cos, sin, meta)
