@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 
 import numpy as np
 import pytest
+from PIL import Image
 from serving import GPU_SHARE_FLAGS, running_server
 
 from fovea.bench.datasets import parse_bucket_config, random_mm_requests, random_requests
@@ -536,3 +538,97 @@ def test_the_tests_the_gpu_check_leaves_out_exist():
     for node in named:
         path, name = node.split("::")
         assert f"def {name}(" in (root / path).read_text(), f"{node}: no such test (renamed?)"
+
+
+def write_parquet(path, rows: list[dict]) -> None:
+    import pyarrow
+    import pyarrow.parquet
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+
+
+def png(width: int, height: int, seed: int) -> dict:
+    """An image as datasets keeps it in parquet."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(
+        buffer, format="PNG"
+    )
+    return {"bytes": buffer.getvalue(), "path": None}
+
+
+def test_hf_workloads_read_the_splits_parquet_shards(tiny_dirs, tmp_path, served, monkeypatch):
+    """--dataset-name hf on a local copy of a hub dataset (its parquet shards as the hub lays them out): VisionArena
+    rows become the first turn's text with the first image (a JPEG data URL of its pixels) and 128 tokens out;
+    ShareGPT-form rows their first message, image and reply length, vLLM's filters applied; only the split's
+    shards are read, in a seeded order; served through the chat endpoint."""
+    from transformers import AutoTokenizer
+
+    from fovea.bench.hf_datasets import hf_requests
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["tiny-3b"]))
+    arena = tmp_path / "arena"
+    prompts = [f"What is drawn in picture number {i}, and why?" for i in range(6)]
+    for shard in range(2):
+        rows = [
+            {
+                "conversation": [[{"role": "user", "content": prompts[i]}, {"role": "assistant", "content": "A cat."}]],
+                "images": [png(40 + i, 30 + i, i)],
+            }
+            for i in range(3 * shard, 3 * shard + 3)
+        ]
+        write_parquet(arena / "data" / f"train-0000{shard}-of-00002.parquet", rows)
+    other = [{"conversation": [[{"role": "user", "content": "not in train"}]], "images": [png(8, 8, 9)]}]
+    write_parquet(arena / "data" / "test-00000-of-00001.parquet", other)
+    name = "lmarena-ai/VisionArena-Chat"
+    requests = hf_requests(str(arena), tokenizer, 6, name=name)
+    assert sorted(r.prompt for r in requests) == sorted(prompts)
+    for request in requests:
+        i = prompts.index(request.prompt)
+        assert (request.output_len, request.prompt_len) == (128, len(tokenizer.encode(request.prompt)))
+        image = Image.open(io.BytesIO(base64.b64decode(request.images[0].split(",", 1)[1])))
+        assert (image.format, image.size) == ("JPEG", (40 + i, 30 + i))
+    orders = {tuple(r.prompt for r in hf_requests(str(arena), tokenizer, 6, name=name, seed=seed)) for seed in range(4)}
+    assert len(orders) > 1 and [r.prompt for r in requests] == [
+        r.prompt for r in hf_requests(str(arena), tokenizer, 6, name=name)
+    ]
+    assert [r.prompt for r in hf_requests(str(arena), tokenizer, 1, name=name, split="test")] == ["not in train"]
+    # a hub id: the dataset's file list, then each shard downloaded as it is reached (two rows: one shard)
+    import huggingface_hub
+
+    listed = ["README.md", *(str(p.relative_to(arena)) for p in sorted(arena.rglob("*.parquet")))]
+    fetched = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, repo_type: listed)
+    monkeypatch.setattr(
+        huggingface_hub, "hf_hub_download", lambda repo, file, repo_type: fetched.append(file) or str(arena / file)
+    )
+    assert len(hf_requests(name, tokenizer, 2)) == 2 and len(fetched) == 1 and fetched[0].startswith("data/train-")
+    with pytest.raises(ValueError, match="does not know 'somebody/other'"):
+        hf_requests(str(arena), tokenizer, 1, name="somebody/other")
+    with pytest.raises(ValueError, match="no parquet files of split 'validation'"):
+        hf_requests(str(arena), tokenizer, 1, name=name, split="validation")
+
+    onevision = tmp_path / "onevision.parquet"
+    turns = lambda question, reply: [{"from": "human", "value": question}, {"from": "gpt", "value": reply}]  # noqa: E731
+    write_parquet(onevision, [
+        {"conversations": turns("Hi", "Hello there, friend."), "image": None},  # a prompt under 4 tokens: skipped
+        {"conversations": turns("<image>\nWhat colour is the sky here?", "Blue, with clouds."), "image": png(20, 10, 1)},
+        {"conversations": turns("Name three rivers of Europe.", "The Rhine, the Danube and the Loire."), "image": None},
+    ])  # fmt: skip
+    found = hf_requests(str(onevision), tokenizer, 5, name="lmms-lab/LLaVA-OneVision-Data")
+    by_prompt = {r.prompt: r for r in found}
+    assert set(by_prompt) == {"<image>\nWhat colour is the sky here?", "Name three rivers of Europe."}
+    sky = by_prompt["<image>\nWhat colour is the sky here?"]
+    assert sky.output_len == len(tokenizer.encode("Blue, with clouds.")) and len(sky.images) == 1
+    assert not by_prompt["Name three rivers of Europe."].images
+    fixed = hf_requests(str(onevision), tokenizer, 5, name="lmms-lab/LLaVA-OneVision-Data", output_len=9)
+    assert {r.output_len for r in fixed} == {9}
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    flags = ["--base-url", served, "--tokenizer", str(tiny_dirs["tiny-3b"]), "--dataset-name", "hf",
+             "--dataset-path", str(arena), "--hf-name", name, "--num-prompts", "3", "--hf-output-len", "4",
+             "--ignore-eos"]  # fmt: skip
+    result = bench(*flags, "--backend", "openai-chat")
+    assert result["completed"] == 3 and result["failed"] == 0 and result["total_output_tokens"] == 12
+    with pytest.raises(ValueError, match="images need --backend openai-chat"):
+        bench(*flags)

@@ -117,10 +117,14 @@ def add_bench_parser(sub) -> None:
     kernels.set_defaults(func=run_bench_kernels)
 
 
-def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "random-mm", "sharegpt", "jsonl")):
+def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "random-mm", "sharegpt", "jsonl", "hf")):
     data = parser.add_argument_group("workload")
     data.add_argument("--dataset-name", default="random", choices=list(datasets))
-    data.add_argument("--dataset-path", default=None, help="the sharegpt JSON or jsonl file")
+    data.add_argument(
+        "--dataset-path",
+        default=None,
+        help="the sharegpt JSON or jsonl file; hf: a hub dataset id or its parquet files",
+    )
     data.add_argument("--num-prompts", type=int, default=default_prompts)
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
@@ -140,6 +144,11 @@ def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "
         help="{(height, width, frames): weight}; frames > 1 is a video (MP4 at 30 fps)",
     )
     data.add_argument("--sharegpt-output-len", type=int, default=None)
+    if "hf" in datasets:
+        data.add_argument("--hf-name", default=None, help="hf: the hub dataset a local --dataset-path copies")
+        data.add_argument("--hf-split", default="train")
+        data.add_argument("--hf-subset", default=None)
+        data.add_argument("--hf-output-len", type=int, default=None)
     data.add_argument("--seed", type=int, default=0, help="seeds the workload and, offline, the engine (default: 0)")
 
 
@@ -221,8 +230,24 @@ def run_bench_latency(args: argparse.Namespace) -> dict:
 def build_requests(args, tokenizer):
     from fovea.bench import datasets
 
-    if args.dataset_name in ("sharegpt", "jsonl") and not args.dataset_path:
+    if args.dataset_name in ("sharegpt", "jsonl", "hf") and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    if args.dataset_name == "hf":
+        from fovea.bench.hf_datasets import hf_requests
+
+        requests = hf_requests(
+            args.dataset_path,
+            tokenizer,
+            args.num_prompts,
+            args.hf_name,
+            args.hf_split,
+            args.hf_subset,
+            args.hf_output_len,
+            args.seed,
+        )
+        if args.endpoint != "/v1/chat/completions" and any(request.images for request in requests):
+            raise ValueError("images need --backend openai-chat (--endpoint /v1/chat/completions)")
+        return requests
     if args.dataset_name == "sharegpt":
         return datasets.sharegpt_requests(
             args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed

@@ -1,4 +1,5 @@
-"""Benchmark workloads, built before the clock starts: random, random-mm, sharegpt and jsonl, as vLLM builds them.
+"""Benchmark workloads, built before the clock starts: random, random-mm, sharegpt and jsonl, as vLLM builds them
+(hf: bench/hf_datasets.py).
 
 Random prompts are token ids drawn from the vocabulary without special tokens, decoded to text and adjusted until
 the text re-tokenizes to the asked length, so the server sees that many prompt tokens. random-mm adds
@@ -183,17 +184,26 @@ def sharegpt_requests(
     requests = []
     for i in order:
         turns = conversations[i]["conversations"]
-        prompt, reply = turns[0]["value"], turns[1]["value"]
-        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
-        wanted = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
-        if prompt_len < 4 or wanted < 4 or prompt_len > 1024 or prompt_len + wanted > 2048:
-            continue
-        requests.append(BenchRequest(prompt, prompt_len, wanted))
+        request = conversation_request(turns[0]["value"], turns[1]["value"], tokenizer, output_len)
+        if request is not None:
+            requests.append(request)
         if len(requests) == num_prompts:
             break
     if len(requests) < num_prompts:
         raise ValueError(f"{path} has only {len(requests)} usable conversations for {num_prompts} prompts")
     return requests
+
+
+def conversation_request(
+    prompt: str, reply: str, tokenizer, output_len: int | None, images: list[str] | None = None
+) -> BenchRequest | None:
+    """A conversation's first message as the prompt and its reply's length as the output length (unless
+    `output_len`); None where vLLM skips it (prompt or reply under 4 tokens, prompt over 1024, both over 2048)."""
+    prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+    wanted = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+    if prompt_len < 4 or wanted < 4 or prompt_len > 1024 or prompt_len + wanted > 2048:
+        return None
+    return BenchRequest(prompt, prompt_len, wanted, images or [])
 
 
 def jsonl_requests(path: str, tokenizer, num_prompts: int, output_len: int) -> list[BenchRequest]:

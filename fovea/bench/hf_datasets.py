@@ -1,0 +1,133 @@
+"""vLLM's `--dataset-name hf` workloads: a dataset on the Hugging Face hub, or a local copy of its parquet files,
+read a shard at a time until enough rows make requests (vLLM streams it through `datasets`; here pyarrow reads
+the shards huggingface_hub fetches). Rows come as a seeded streaming shuffle gives them: the split's shards in a
+seeded order, and the rows of each shuffled 1,000 at a time.
+
+Which dataset it is (`--hf-name`, else the path) says how a row becomes a request, as in vLLM:
+- VisionArena (lmarena-ai/VisionArena-Chat, lmarena-ai/vision-arena-bench-v0.1): the first turn's text and the
+  row's first image; `--hf-output-len` tokens out, 128 unless given;
+- conversations in ShareGPT's form (lmms-lab/LLaVA-OneVision-Data, Aeala/ShareGPT_Vicuna_unfiltered): the first
+  message, with the row's image where it has one, and the reply's length out unless `--hf-output-len` says;
+  ShareGPT's filters apply (bench/datasets.py).
+Images are sent as JPEG data URLs of their RGB pixels; input lengths count the text only (vLLM's).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from fovea.bench.datasets import BenchRequest, conversation_request
+
+VISION_ARENA = {
+    "lmarena-ai/VisionArena-Chat": lambda row: row["conversation"][0][0]["content"],
+    "lmarena-ai/vision-arena-bench-v0.1": lambda row: row["turns"][0][0]["content"],
+}
+CONVERSATIONS = ("lmms-lab/LLaVA-OneVision-Data", "Aeala/ShareGPT_Vicuna_unfiltered")
+VISION_ARENA_OUTPUT_LEN = 128
+SHUFFLE_ROWS = 1000
+
+
+def hf_requests(
+    path: str,
+    tokenizer,
+    num_prompts: int,
+    name: str | None = None,
+    split: str = "train",
+    subset: str | None = None,
+    output_len: int | None = None,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    name = name or path
+    if name in VISION_ARENA:
+        make = vision_arena(VISION_ARENA[name], tokenizer, output_len or VISION_ARENA_OUTPUT_LEN)
+    elif name in CONVERSATIONS:
+        make = conversation(tokenizer, output_len)
+    else:
+        known = ", ".join([*VISION_ARENA, *CONVERSATIONS])
+        raise ValueError(
+            f"--dataset-name hf does not know {name!r}; it reads {known} (--hf-name: which of them a local copy is)"
+        )
+    requests = []
+    for row in rows(path, split, subset, seed):
+        request = make(row)
+        if request is not None:
+            requests.append(request)
+            if len(requests) == num_prompts:
+                return requests
+    if not requests:
+        raise ValueError(f"{path} (split {split!r}) gave no requests")
+    return requests
+
+
+def vision_arena(prompt_of: Callable, tokenizer, output_len: int) -> Callable[[dict], BenchRequest]:
+    def make(row: dict) -> BenchRequest:
+        prompt = prompt_of(row)
+        length = len(tokenizer.encode(prompt, add_special_tokens=False))
+        return BenchRequest(prompt, length, output_len, [jpeg_data_url(row["images"][0])])
+
+    return make
+
+
+def conversation(tokenizer, output_len: int | None) -> Callable[[dict], BenchRequest | None]:
+    def make(row: dict) -> BenchRequest | None:
+        turns = row.get("conversations") or []
+        if len(turns) < 2:
+            return None
+        images = [jpeg_data_url(row["image"])] if row.get("image") is not None else []
+        return conversation_request(turns[0]["value"], turns[1]["value"], tokenizer, output_len, images)
+
+    return make
+
+
+def jpeg_data_url(image) -> str:
+    """An image as datasets stores it in parquet ({"bytes", "path"}), raw bytes, or PIL's."""
+    if isinstance(image, dict):
+        image = image.get("bytes") or Path(image["path"]).read_bytes()
+    if isinstance(image, bytes):
+        image = Image.open(io.BytesIO(image))
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def rows(path: str, split: str, subset: str | None, seed: int) -> Iterator[dict]:
+    import pyarrow.parquet
+
+    rng = np.random.default_rng(seed)
+    shards, fetch = split_shards(path, split, subset)
+    for index in rng.permutation(len(shards)):
+        for batch in pyarrow.parquet.ParquetFile(fetch(shards[index])).iter_batches(batch_size=SHUFFLE_ROWS):
+            found = batch.to_pylist()
+            yield from (found[i] for i in rng.permutation(len(found)))
+
+
+def split_shards(path: str, split: str, subset: str | None) -> tuple[list[str], Callable[[str], str]]:
+    """The split's parquet files (under the subset's folder where one is named) and how to get each: a local file
+    or folder as it is, else a hub dataset's files, each downloaded when it is read."""
+    local = Path(path)
+    if local.is_file():
+        return [str(local)], str
+    if local.is_dir():
+        files = sorted(str(p.relative_to(local)) for p in local.rglob("*.parquet"))
+        fetch = lambda name: str(local / name)  # noqa: E731
+    else:
+        from huggingface_hub import HfApi, hf_hub_download
+
+        files = sorted(HfApi().list_repo_files(path, repo_type="dataset"))
+        fetch = lambda name: hf_hub_download(path, name, repo_type="dataset")  # noqa: E731
+    chosen = [name for name in files if name.endswith(".parquet") and in_split(name, split, subset)]
+    if not chosen:
+        raise ValueError(f"{path} has no parquet files of split {split!r}" + (f" in {subset!r}" if subset else ""))
+    return chosen, fetch
+
+
+def in_split(name: str, split: str, subset: str | None) -> bool:
+    """The hub's parquet layouts: data/train-00000-of-00002.parquet, train/0000.parquet, SUBSET/train-*.parquet."""
+    *folders, file = name.split("/")
+    return (split in folders or file.startswith((f"{split}-", f"{split}."))) and (subset is None or subset in folders)
