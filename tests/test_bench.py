@@ -632,3 +632,6 @@ def test_hf_workloads_read_the_splits_parquet_shards(tiny_dirs, tmp_path, served
     assert result["completed"] == 3 and result["failed"] == 0 and result["total_output_tokens"] == 12
     with pytest.raises(ValueError, match="images need --backend openai-chat"):
         bench(*flags)
+    model = ["--model", str(tiny_dirs["tiny-3b"]), "--dtype", "float32", "--max-model-len", "1024", *GPU_SHARE_FLAGS]
+    offline = build_parser().parse_args(["bench", "throughput", *model, *flags[4:-1]])  # the workload flags
+    assert offline.func(offline)["fovea"]["num_requests"] == 3

@@ -85,7 +85,7 @@ def add_bench_parser(sub) -> None:
     throughput.add_argument("--backend", default="fovea", choices=["fovea", "hf"])
     throughput.add_argument("--compare", default=None, choices=["hf"], help="also run this backend; print both")
     throughput.add_argument("--endpoint", default="/v1/chat/completions", help=argparse.SUPPRESS)
-    add_workload_args(throughput, default_prompts=64, datasets=["random", "random-mm"])
+    add_workload_args(throughput, default_prompts=64)
     add_engine_flags(throughput)
     add_vllm_only_flags(throughput)
     add_sampling_args(throughput)

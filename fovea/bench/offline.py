@@ -1,6 +1,6 @@
 """`fovea bench throughput` and `fovea bench latency`: offline, in-process, as vLLM's offline benchmarks.
 
-throughput: one workload (random or random-mm prompts as single-turn chats, fixed output lengths, EOS ignored)
+throughput: one workload (any of bench serve's datasets, each prompt a single-turn chat, EOS ignored)
 run by fovea's `LLM.chat` or by transformers' `generate` on one padded batch; --compare runs both on the same
 prompts in one process and prints the ratio. Image preprocessing is inside the timed run on both sides.
 latency: end-to-end time of generating one batch of identical-length prompts, over --num-iters runs.
