@@ -635,3 +635,42 @@ def test_hf_workloads_read_the_splits_parquet_shards(tiny_dirs, tmp_path, served
     model = ["--model", str(tiny_dirs["tiny-3b"]), "--dtype", "float32", "--max-model-len", "1024", *GPU_SHARE_FLAGS]
     offline = build_parser().parse_args(["bench", "throughput", *model, *flags[4:-1]])  # the workload flags
     assert offline.func(offline)["fovea"]["num_requests"] == 3
+
+
+def test_prefix_repetition_and_custom_workloads(tiny_dirs, tmp_path):
+    """vLLM's prefix_repetition (each of N random prefixes under num_prompts // N random suffixes, shuffled) and
+    custom (its name for jsonl: --custom-output-len, and the chat template on a completions endpoint unless
+    --skip-chat-template)."""
+    from transformers import AutoTokenizer
+
+    from fovea.bench.cli import build_requests
+
+    model = str(tiny_dirs["tiny-3b"])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    parse = lambda *flags: build_parser().parse_args(["bench", "serve", "--tokenizer", model, *flags])  # noqa: E731
+    flags = ["--dataset-name", "prefix_repetition", "--num-prompts", "10", "--prefix-repetition-num-prefixes", "3"]
+    flags += ["--prefix-repetition-prefix-len", "30", "--prefix-repetition-suffix-len", "12"]
+    requests = build_requests(parse(*flags), tokenizer)
+    assert len(requests) == 9 and {r.output_len for r in requests} == {128}
+    by_prefix = {}
+    for request in requests:
+        ids = tokenizer.encode(request.prompt, add_special_tokens=False)
+        assert abs(len(ids) - 42) <= 2 and request.prompt_len == len(ids)
+        by_prefix.setdefault(tokenizer.decode(ids[:25]), []).append(request)
+    assert sorted(len(group) for group in by_prefix.values()) == [3, 3, 3]
+    assert [r.prompt for r in requests] != [r.prompt for group in by_prefix.values() for r in group]  # shuffled
+    with pytest.raises(ValueError, match="must be at least --prefix-repetition-num-prefixes"):
+        build_requests(parse("--dataset-name", "prefix_repetition", "--num-prompts", "2"), tokenizer)
+
+    rows = tmp_path / "custom.jsonl"
+    rows.write_text('{"prompt": "Name a colour."}\n{"prompt": "Count to three.", "output_len": 9}\n')
+    custom = ["--dataset-name", "custom", "--dataset-path", str(rows), "--custom-output-len", "20"]
+    chat = build_requests(parse(*custom, "--endpoint", "/v1/chat/completions"), tokenizer)
+    assert [(r.prompt, r.output_len) for r in chat] == [("Name a colour.", 20), ("Count to three.", 9)]
+    custom += ["--endpoint", "/v1/completions"]
+    templated = build_requests(parse(*custom), tokenizer)[0]
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=False
+    )
+    assert templated.prompt == expected and templated.prompt_len == len(tokenizer.encode(expected))
+    assert build_requests(parse(*custom, "--skip-chat-template"), tokenizer)[0].prompt == "Name a colour."

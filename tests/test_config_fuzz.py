@@ -3,7 +3,7 @@ below, scaled down from the released checkpoints'), written by the installed tra
 against transformers: logits (fp32, within 1e-4 of transformers' float64 ones: `parity`) and greedy tokens through
 the engine, for text, one image and two images of odd sizes, and (the Qwen families) an image then a video of an
 odd frame count. The engine's own settings are drawn too (`engine_options`: block size, a step budget that cuts
-prompts and images into chunks, sequences at a time, prefix caching, a cache small enough to preempt), and every KV
+prompts and images into chunks, sequences at a time, prefix caching, the step order, a cache small enough to preempt), and every KV
 block the engine takes afresh holds noise (`poison_fresh_blocks`). The seed is
 fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw per family runs by default,
 FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
@@ -295,8 +295,8 @@ def video_case(family: str, model_dir):
 def engine_options(rng: random.Random, prompt_lens: list[int]) -> dict:
     """The engine's own settings, drawn: the tokens must not depend on them. Block sizes, step budgets small
     enough to cut prompts (and images' spans) into chunks, one sequence at a time or several, prefix caching on or
-    off, and at times a KV cache that holds only the longest sequence and a block, so that sequences preempt one
-    another and come back."""
+    off, the step order (in order, overlapped, scheduled ahead), and at times a KV cache that holds only the
+    longest sequence and a block, so that sequences preempt one another and come back."""
     block_size = rng.choice([16, 32, 64])
     options = dict(
         block_size=block_size,
@@ -304,6 +304,9 @@ def engine_options(rng: random.Random, prompt_lens: list[int]) -> dict:
         max_num_seqs=rng.choice([1, 2, 8]),
         enable_prefix_caching=rng.random() < 0.5,
     )
+    # the steps in order, each step's outputs built while the next runs, or the next step scheduled ahead
+    orders = [dict(overlap_outputs=False, async_scheduling=False), dict(overlap_outputs=True, async_scheduling=False)]
+    options.update(rng.choice([*orders, dict(async_scheduling=True)]))
     if rng.random() < 0.5:  # the cache must hold max_model_len: the model length shrinks with it
         blocks = -(-(max(prompt_lens) + MAX_TOKENS) // block_size) + 1
         options.update(num_gpu_blocks_override=blocks, max_model_len=blocks * block_size)

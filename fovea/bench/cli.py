@@ -117,7 +117,11 @@ def add_bench_parser(sub) -> None:
     kernels.set_defaults(func=run_bench_kernels)
 
 
-def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "random-mm", "sharegpt", "jsonl", "hf")):
+def add_workload_args(
+    parser,
+    default_prompts: int = 1000,
+    datasets=("random", "random-mm", "sharegpt", "jsonl", "custom", "hf", "prefix_repetition"),
+):
     data = parser.add_argument_group("workload")
     data.add_argument("--dataset-name", default="random", choices=list(datasets))
     data.add_argument(
@@ -144,6 +148,11 @@ def add_workload_args(parser, default_prompts: int = 1000, datasets=("random", "
         help="{(height, width, frames): weight}; frames > 1 is a video (MP4 at 30 fps)",
     )
     data.add_argument("--sharegpt-output-len", type=int, default=None)
+    data.add_argument("--custom-output-len", type=int, default=256, help="custom (jsonl): rows without output_len")
+    data.add_argument("--skip-chat-template", action="store_true", help="custom: prompts sent as they are")
+    repetition = {"prefix-len": 256, "suffix-len": 256, "num-prefixes": 10, "output-len": 128}  # vLLM's defaults
+    for name, value in repetition.items():
+        data.add_argument(f"--prefix-repetition-{name}", type=int, default=value)
     if "hf" in datasets:
         data.add_argument("--hf-name", default=None, help="hf: the hub dataset a local --dataset-path copies")
         data.add_argument("--hf-split", default="train")
@@ -230,7 +239,7 @@ def run_bench_latency(args: argparse.Namespace) -> dict:
 def build_requests(args, tokenizer):
     from fovea.bench import datasets
 
-    if args.dataset_name in ("sharegpt", "jsonl", "hf") and not args.dataset_path:
+    if args.dataset_name in ("sharegpt", "jsonl", "custom", "hf") and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
     if args.dataset_name == "hf":
         from fovea.bench.hf_datasets import hf_requests
@@ -254,6 +263,24 @@ def build_requests(args, tokenizer):
         )
     if args.dataset_name == "jsonl":
         return datasets.jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.random_output_len)
+    if args.dataset_name == "custom":  # vLLM's name for jsonl; completions get the chat template unless skipped
+        requests = datasets.jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.custom_output_len)
+        if args.endpoint != "/v1/chat/completions" and not args.skip_chat_template:
+            for request in requests:
+                chat = [{"role": "user", "content": request.prompt}]
+                request.prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+                request.prompt_len = len(tokenizer.encode(request.prompt, add_special_tokens=False))
+        return requests
+    if args.dataset_name == "prefix_repetition":
+        return datasets.prefix_repetition_requests(
+            tokenizer,
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            args.seed,
+        )
     common = dict(range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len, seed=args.seed)
     if args.dataset_name == "random":
         return datasets.random_requests(

@@ -1,5 +1,5 @@
-"""Benchmark workloads, built before the clock starts: random, random-mm, sharegpt and jsonl, as vLLM builds them
-(hf: bench/hf_datasets.py).
+"""Benchmark workloads, built before the clock starts: random, random-mm, prefix_repetition, sharegpt and jsonl
+(vLLM's custom), as vLLM builds them (hf: bench/hf_datasets.py).
 
 Random prompts are token ids drawn from the vocabulary without special tokens, decoded to text and adjusted until
 the text re-tokenizes to the asked length, so the server sees that many prompt tokens. random-mm adds
@@ -82,6 +82,25 @@ def random_requests(
         text, length = maker.text(prefix + maker.random_ids(int(n_in)), prefix_len + int(n_in))
         requests.append(BenchRequest(text, length, int(n_out)))
     return requests
+
+
+def prefix_repetition_requests(
+    tokenizer, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int = 0
+) -> list[BenchRequest]:
+    """vLLM's prefix_repetition: `num_prefixes` random prefixes, each followed by num_prompts // num_prefixes
+    random suffixes (lengths as random's: the text re-tokenizes to them), the requests shuffled."""
+    per_prefix = num_prompts // num_prefixes if num_prefixes > 0 else 0
+    if per_prefix == 0:
+        raise ValueError(f"--num-prompts ({num_prompts}) must be at least --prefix-repetition-num-prefixes")
+    rng = np.random.default_rng(seed)
+    maker, requests = PromptMaker(tokenizer, rng), []
+    for _ in range(num_prefixes):
+        prefix, _ = maker.text(maker.random_ids(prefix_len), prefix_len)
+        for _ in range(per_prefix):
+            suffix, _ = maker.text(maker.random_ids(suffix_len), suffix_len)
+            length = len(tokenizer.encode(prefix + suffix, add_special_tokens=False))
+            requests.append(BenchRequest(prefix + suffix, length, output_len))
+    return [requests[i] for i in rng.permutation(len(requests))]
 
 
 def parse_bucket_config(text: str) -> dict[tuple[int, int, int], float]:
