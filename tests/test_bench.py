@@ -623,6 +623,11 @@ def test_hf_workloads_read_the_splits_parquet_shards(tiny_dirs, tmp_path, served
     assert not by_prompt["Name three rivers of Europe."].images
     fixed = hf_requests(str(onevision), tokenizer, 5, name="lmms-lab/LLaVA-OneVision-Data", output_len=9)
     assert {r.output_len for r in fixed} == {9}
+    mmstar = tmp_path / "mmstar" / "val" / "0000.parquet"  # (a split's folder)
+    question = "Which animal is shown?\nOptions: A: a cat, B: a dog"
+    write_parquet(mmstar, [{"index": 0, "question": question, "image": png(24, 16, 2), "answer": "A"}])
+    [star] = hf_requests(str(tmp_path / "mmstar"), tokenizer, 3, name="Lin-Chen/MMStar", split="val")
+    assert (star.prompt, star.output_len, len(star.images)) == ("Which animal is shown?", 128, 1)
 
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     flags = ["--base-url", served, "--tokenizer", str(tiny_dirs["tiny-3b"]), "--dataset-name", "hf",

@@ -17,7 +17,7 @@ What is drawn, per family:
 - every bias drawn as the weights are (transformers starts them at zero, where a bias left out would not show);
 - Qwen2.5-VL's tower: 1-4 blocks of 1-4 heads of 8 or 16 dimensions, any set of full-attention blocks (none
   too), windows of 56 or 112 pixels, its MLP's gate SiLU or a GELU;
-- Qwen2-VL's tower: 1-3 blocks, MLP ratio 2 or 4;
+- Qwen2-VL's tower: 1-3 blocks, MLP ratio 2 or 4; its and Qwen3-VL's MLP activation drawn;
 - Qwen3-VL's tower: 2-4 blocks, DeepStack from any 1-3 of them, a learned position grid of 4x4, 6x6 or 8x8;
   its MoE variant: 2 or 4 experts of width 16, 20 (not a multiple of 8, so the loop runs, not the grouped products) or
   24, 1 or 2 per token, a sparse step of 1 or 2, any dense (mlp_only) layers;
@@ -195,13 +195,13 @@ def draw(family: str, rng: random.Random) -> dict:
                       fullatt_block_indexes=sorted(rng.sample(range(depth), rng.randint(0, depth))))  # fmt: skip
     elif family == "qwen2-vl":
         vision = dict(depth=rng.randint(1, 3), embed_dim=width, num_heads=heads, mlp_ratio=rng.choice([2, 4]),
-                      hidden_size=text["hidden_size"])  # fmt: skip
+                      hidden_size=text["hidden_size"], hidden_act=rng.choice(["quick_gelu", "gelu", "silu"]))  # fmt: skip
     else:
         depth = rng.randint(2, 4)
         vision = dict(depth=depth, hidden_size=width, num_heads=heads, intermediate_size=rng.choice([32, 64]),
                       out_hidden_size=text["hidden_size"], patch_size=16, num_position_embeddings=rng.choice([16, 36, 64]),
                       deepstack_visual_indexes=sorted(rng.sample(range(depth), rng.randint(1, min(3, depth)))),
-                      hidden_act="gelu_pytorch_tanh")  # fmt: skip
+                      hidden_act=rng.choice(["gelu_pytorch_tanh", "gelu", "silu"]))  # fmt: skip
         if family == "qwen3-vl-moe":
             layers = text["num_hidden_layers"]
             text.update(num_experts=rng.choice([2, 4]), num_experts_per_tok=rng.choice([1, 2]),

@@ -5,7 +5,8 @@ seeded order, and the rows of each shuffled 1,000 at a time.
 
 Which dataset it is (`--hf-name`, else the path) says how a row becomes a request, as in vLLM:
 - VisionArena (lmarena-ai/VisionArena-Chat, lmarena-ai/vision-arena-bench-v0.1): the first turn's text and the
-  row's first image; `--hf-output-len` tokens out, 128 unless given;
+  row's first image; MMStar (Lin-Chen/MMStar): the question without its options, and its image; `--hf-output-len`
+  tokens out, 128 unless given;
 - conversations in ShareGPT's form (lmms-lab/LLaVA-OneVision-Data, Aeala/ShareGPT_Vicuna_unfiltered): the first
   message, with the row's image where it has one, and the reply's length out unless `--hf-output-len` says;
   ShareGPT's filters apply (bench/datasets.py).
@@ -24,12 +25,13 @@ from PIL import Image
 
 from fovea.bench.datasets import BenchRequest, conversation_request
 
-VISION_ARENA = {
-    "lmarena-ai/VisionArena-Chat": lambda row: row["conversation"][0][0]["content"],
-    "lmarena-ai/vision-arena-bench-v0.1": lambda row: row["turns"][0][0]["content"],
+IMAGE_QUESTIONS = {  # (the prompt, the image) of a row
+    "lmarena-ai/VisionArena-Chat": lambda row: (row["conversation"][0][0]["content"], row["images"][0]),
+    "lmarena-ai/vision-arena-bench-v0.1": lambda row: (row["turns"][0][0]["content"], row["images"][0]),
+    "Lin-Chen/MMStar": lambda row: (row.get("question", "").split("Options:", 1)[0].strip(), row["image"]),
 }
 CONVERSATIONS = ("lmms-lab/LLaVA-OneVision-Data", "Aeala/ShareGPT_Vicuna_unfiltered")
-VISION_ARENA_OUTPUT_LEN = 128
+IMAGE_QUESTION_OUTPUT_LEN = 128
 SHUFFLE_ROWS = 1000
 
 
@@ -44,12 +46,12 @@ def hf_requests(
     seed: int = 0,
 ) -> list[BenchRequest]:
     name = name or path
-    if name in VISION_ARENA:
-        make = vision_arena(VISION_ARENA[name], tokenizer, output_len or VISION_ARENA_OUTPUT_LEN)
+    if name in IMAGE_QUESTIONS:
+        make = image_question(IMAGE_QUESTIONS[name], tokenizer, output_len or IMAGE_QUESTION_OUTPUT_LEN)
     elif name in CONVERSATIONS:
         make = conversation(tokenizer, output_len)
     else:
-        known = ", ".join([*VISION_ARENA, *CONVERSATIONS])
+        known = ", ".join([*IMAGE_QUESTIONS, *CONVERSATIONS])
         raise ValueError(
             f"--dataset-name hf does not know {name!r}; it reads {known} (--hf-name: which of them a local copy is)"
         )
@@ -65,11 +67,11 @@ def hf_requests(
     return requests
 
 
-def vision_arena(prompt_of: Callable, tokenizer, output_len: int) -> Callable[[dict], BenchRequest]:
+def image_question(read: Callable, tokenizer, output_len: int) -> Callable[[dict], BenchRequest]:
     def make(row: dict) -> BenchRequest:
-        prompt = prompt_of(row)
+        prompt, image = read(row)
         length = len(tokenizer.encode(prompt, add_special_tokens=False))
-        return BenchRequest(prompt, length, output_len, [jpeg_data_url(row["images"][0])])
+        return BenchRequest(prompt, length, output_len, [jpeg_data_url(image)])
 
     return make
 
