@@ -5,11 +5,12 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import numpy as np
 import pytest
 from PIL import Image
-from serving import GPU_SHARE_FLAGS, running_server
+from serving import GPU_SHARE_FLAGS, free_port, running_server
 
 from fovea.bench.datasets import parse_bucket_config, random_mm_requests, random_requests
 from fovea.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
@@ -336,8 +337,14 @@ def test_sharegpt_and_jsonl_workloads(tiny_dirs, tmp_path):
     [request] = sharegpt_requests(str(path), tokenizer, 1)
     assert request.prompt == "Tell me about the harbour at dawn."  # "Hi" has under 4 tokens
     assert request.output_len == len(tokenizer.encode(conversations[0]["conversations"][1]["value"]))
-    with pytest.raises(ValueError, match="only 1 usable"):
-        sharegpt_requests(str(path), tokenizer, 2)
+    assert len(sharegpt_requests(str(path), tokenizer, 2)) == 1  # what there is; vLLM's command line fills up:
+    from fovea.bench.cli import build_requests
+
+    flags = ["--tokenizer", "x", "--endpoint", "/v1/completions", "--dataset-name", "sharegpt", "--dataset-path"]
+    args = build_parser().parse_args(["bench", "serve", *flags, str(path), "--num-prompts", "3"])
+    assert [r.prompt for r in build_requests(args, tokenizer)] == ["Tell me about the harbour at dawn."] * 3
+    args.no_oversample = True
+    assert len(build_requests(args, tokenizer)) == 1
     lines = tmp_path / "prompts.jsonl"
     lines.write_text(
         '{"prompt": "a b c", "output_len": 7}\n\n{"prompt": "d", "images": ["data:image/png;base64,x"], '
@@ -386,13 +393,15 @@ class FakeServer:
         import http.server
         import threading
 
-        bodies = self.bodies = []
+        bodies, headers, times = self.bodies, self.headers, self.times = [], [], []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
             def do_POST(self):
+                times.append(time.perf_counter())
+                headers.append(dict(self.headers))
                 bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 usage = {"completion_tokens": 2, **({"prompt_tokens": prompt_tokens} if prompt_tokens else {})}
                 events = [
@@ -444,6 +453,50 @@ def test_request_bodies_and_input_tokens_as_vllms_client(prompt_tokens):
     assert results[0].prompt_len == (prompt_tokens or 3) and results[0].output_tokens == 2
 
 
+def test_vllm_bench_serve_flags_headers_logprobs_ramp_up_and_readiness(tmp_path):
+    """--header, --request-id-prefix (x-request-id PREFIX0, ...), --logprobs in both bodies, a linear ramp-up from
+    5 to 40 requests/s (the gaps shrink as the rate grows), the ramp's rules, --served-model-name sent with a
+    --model path as the tokenizer, and --ready-check-timeout-sec waiting for an unreachable server."""
+    import asyncio
+
+    from fovea.bench import serve
+    from fovea.bench.datasets import BenchRequest
+
+    fake = FakeServer(None)
+    requests = [BenchRequest(f"p{i}", 1, 2) for i in range(12)]
+    try:
+        asyncio.run(serve.run(requests, fake.url, "/v1/completions", "tiny", request_rate=float("inf"),
+                              progress=False, headers={"X-Team": "vision"}, request_id_prefix="run7-", logprobs=3,
+                              ramp_up=("linear", 5, 40), burstiness=1000))  # fmt: skip
+        asyncio.run(serve.run(requests[:1], fake.url, "/v1/chat/completions", "tiny", request_rate=float("inf"),
+                              progress=False, logprobs=2))  # fmt: skip
+    finally:
+        fake.server.shutdown()
+    assert sorted(h["x-request-id"] for h in fake.headers[:12]) == sorted(f"run7-{i}" for i in range(12))
+    assert all(h["X-Team"] == "vision" for h in fake.headers[:12])
+    assert {b["logprobs"] for b in fake.bodies[:12]} == {3}
+    assert (fake.bodies[12]["logprobs"], fake.bodies[12]["top_logprobs"]) == (True, 2)
+    gaps = np.diff(fake.times[:12])  # at near-fixed gaps (burstiness 1000): 1/rate of the next request
+    rates = [serve.ramp_rate(i + 1, 12, "linear", 5, 40) for i in range(11)]
+    assert np.allclose(gaps, [1 / r for r in rates], atol=0.03), (gaps, rates)
+    assert serve.ramp_rate(11, 12, "exponential", 2, 32) == 32 and serve.ramp_rate(0, 12, "exponential", 2, 32) == 2
+
+    common = ["--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1"]
+    for flags, words in [
+        (["--ramp-up-strategy", "linear"], "needs --ramp-up-start-rps and --ramp-up-end-rps"),
+        (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "9", "--ramp-up-end-rps", "3"], "must be at most"),
+        (["--ramp-up-strategy", "exponential", "--ramp-up-start-rps", "0", "--ramp-up-end-rps", "3"], "above 0"),
+        (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "3", "--request-rate", "4"],
+         "leave out --request-rate"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            bench(*common, *flags)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"could not reach the server at .* in 2 s"):
+        bench(*common, "--ready-check-timeout-sec", "2", "--trust-remote-code", "--tokenizer-mode", "auto")
+    assert time.monotonic() - start >= 2
+
+
 def test_vllm_backend_names_and_sampling_flags():
     parse = build_parser().parse_args
     for backend in ("openai", "vllm", "openai-chat"):
@@ -458,8 +511,6 @@ def test_vllm_backend_names_and_sampling_flags():
 def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, served, tmp_path, monkeypatch):
     """No server, a refused key, or every request failing: a non-zero exit naming why, and no result file. The
     client reads OPENAI_API_KEY (vLLM's bench does), the server VLLM_API_KEY."""
-    from serving import free_port
-
     from fovea.cli import main
 
     model = str(tiny_dirs["tiny-3b"])
@@ -483,7 +534,7 @@ def test_bench_serve_fails_loudly_when_nothing_completes(tiny_dirs, served, tmp_
     ]
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with pytest.raises(SystemExit, match="could not reach the server at http://127.0.0.1:"):
-        main([*common, "--base-url", f"http://127.0.0.1:{free_port()}"])
+        main([*common, "--base-url", f"http://127.0.0.1:{free_port()}", "--ready-check-timeout-sec", "0"])
     base = served
     with pytest.raises(SystemExit, match="answered 401 .give the key with --api-key or OPENAI_API_KEY"):
         main([*common, "--base-url", base])
@@ -635,7 +686,10 @@ def test_hf_workloads_read_the_splits_parquet_shards(tiny_dirs, tmp_path, served
              "--ignore-eos"]  # fmt: skip
     result = bench(*flags, "--backend", "openai-chat")
     assert result["completed"] == 3 and result["failed"] == 0 and result["total_output_tokens"] == 12
-    with pytest.raises(ValueError, match="images need --backend openai-chat"):
+    # vLLM's way to name the served model when --model is the checkpoint's path (its tokenizer)
+    named = ["--model", str(tiny_dirs["tiny-3b"]), "--served-model-name", "tiny", *flags[4:], "--num-prompts", "1"]
+    assert bench("--base-url", served, *named, "--backend", "openai-chat")["model_id"] == "tiny"
+    with pytest.raises(ValueError, match="images and videos need --backend openai-chat"):
         bench(*flags)
     model = ["--model", str(tiny_dirs["tiny-3b"]), "--dtype", "float32", "--max-model-len", "1024", *GPU_SHARE_FLAGS]
     offline = build_parser().parse_args(["bench", "throughput", *model, *flags[4:-1]])  # the workload flags
@@ -670,9 +724,20 @@ def test_prefix_repetition_and_custom_workloads(tiny_dirs, tmp_path):
     rows = tmp_path / "custom.jsonl"
     rows.write_text('{"prompt": "Name a colour."}\n{"prompt": "Count to three.", "output_len": 9}\n')
     custom = ["--dataset-name", "custom", "--dataset-path", str(rows), "--custom-output-len", "20"]
-    chat = build_requests(parse(*custom, "--endpoint", "/v1/chat/completions"), tokenizer)
+    custom += ["--endpoint", "/v1/chat/completions", "--disable-shuffle"]
+    chat = build_requests(parse(*custom, "--num-prompts", "2"), tokenizer)
     assert [(r.prompt, r.output_len) for r in chat] == [("Name a colour.", 20), ("Count to three.", 9)]
-    custom += ["--endpoint", "/v1/completions"]
+    # without --disable-shuffle: shuffled with --seed; fewer rows than prompts: drawn again unless --no-oversample
+    orders = {
+        tuple(
+            r.prompt for r in build_requests(parse(*custom[:-1], "--num-prompts", "2", "--seed", str(seed)), tokenizer)
+        )
+        for seed in range(6)
+    }
+    assert orders == {("Name a colour.", "Count to three."), ("Count to three.", "Name a colour.")}
+    assert len(build_requests(parse(*custom, "--num-prompts", "5"), tokenizer)) == 5
+    assert len(build_requests(parse(*custom, "--num-prompts", "5", "--no-oversample"), tokenizer)) == 2
+    custom += ["--endpoint", "/v1/completions", "--num-prompts", "2"]  # (the last --endpoint wins)
     templated = build_requests(parse(*custom), tokenizer)[0]
     expected = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=False

@@ -45,13 +45,26 @@ def add_bench_parser(sub) -> None:
         "--endpoint", default=None, choices=sorted(set(BACKEND_ENDPOINTS.values())), help="default: the backend's"
     )
     target.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    target.add_argument("--served-model-name", default=None, help="the name to send, when --model is a path")
     target.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    target.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf", "slow"], help="(no effect)")
+    target.add_argument("--trust-remote-code", action="store_true", help="(no effect: tokenizers only count tokens)")
     target.add_argument("--api-key", default=None)
+    target.add_argument("--header", nargs="+", default=[], metavar="KEY=VALUE", help="headers on every request")
+    target.add_argument("--request-id-prefix", default=None, help="requests carry x-request-id PREFIX0, PREFIX1, ...")
+    target.add_argument(
+        "--ready-check-timeout-sec", type=int, default=600, help="how long to wait for the server to answer (0: not)"
+    )
     add_workload_args(serve)
     load = serve.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson")
     load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument(
+        "--ramp-up-strategy", default=None, choices=["linear", "exponential"], help="the rate from start to end"
+    )
+    load.add_argument("--ramp-up-start-rps", type=int, default=None)
+    load.add_argument("--ramp-up-end-rps", type=int, default=None)
     load.add_argument("--ignore-eos", action="store_true")
     sampling = serve.add_argument_group("sampling (sent only when given: else the server's defaults apply)")
     for flag, kind in (
@@ -65,6 +78,7 @@ def add_bench_parser(sub) -> None:
     ):
         sampling.add_argument(flag, type=kind, default=None)
     sampling.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
+    sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities asked for per token")
     load.add_argument("--num-warmups", type=int, default=0)
     out = serve.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms: ttft:500 tpot:50 e2el:5000")
@@ -159,6 +173,10 @@ def add_workload_args(
         data.add_argument("--hf-subset", default=None)
         data.add_argument("--hf-output-len", type=int, default=None)
     data.add_argument("--seed", type=int, default=0, help="seeds the workload and, offline, the engine (default: 0)")
+    data.add_argument("--disable-shuffle", action="store_true", help="sharegpt, custom, hf: rows in their order")
+    data.add_argument(
+        "--no-oversample", action="store_true", help="fewer usable rows than --num-prompts: run those (else repeat)"
+    )
 
 
 def write_json(path: str | None, result: dict) -> None:
@@ -237,14 +255,30 @@ def run_bench_latency(args: argparse.Namespace) -> dict:
 
 
 def build_requests(args, tokenizer):
+    """The workload; where a dataset (sharegpt, custom, hf) has fewer usable rows than --num-prompts, rows drawn
+    again at random make up the count, as vLLM does, unless --no-oversample."""
+    from fovea.bench import datasets
+
+    requests = workload(args, tokenizer)
+    if args.endpoint != "/v1/chat/completions" and any(r.images or r.videos for r in requests):
+        raise ValueError("images and videos need --backend openai-chat (--endpoint /v1/chat/completions)")
+    if len(requests) < args.num_prompts and args.dataset_name in ("sharegpt", "custom", "hf"):
+        print(f"{args.dataset_name} gave {len(requests)} of {args.num_prompts} requests", file=sys.stderr)
+        if not args.no_oversample:
+            requests = datasets.oversampled(requests, args.num_prompts, args.seed)
+    return requests
+
+
+def workload(args, tokenizer):
     from fovea.bench import datasets
 
     if args.dataset_name in ("sharegpt", "jsonl", "custom", "hf") and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    order = None if args.disable_shuffle else args.seed  # (None: the rows in their order)
     if args.dataset_name == "hf":
         from fovea.bench.hf_datasets import hf_requests
 
-        requests = hf_requests(
+        return hf_requests(
             args.dataset_path,
             tokenizer,
             args.num_prompts,
@@ -252,19 +286,18 @@ def build_requests(args, tokenizer):
             args.hf_split,
             args.hf_subset,
             args.hf_output_len,
-            args.seed,
+            order,
         )
-        if args.endpoint != "/v1/chat/completions" and any(request.images for request in requests):
-            raise ValueError("images need --backend openai-chat (--endpoint /v1/chat/completions)")
-        return requests
     if args.dataset_name == "sharegpt":
         return datasets.sharegpt_requests(
-            args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed
+            args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, order
         )
     if args.dataset_name == "jsonl":
         return datasets.jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.random_output_len)
-    if args.dataset_name == "custom":  # vLLM's name for jsonl; completions get the chat template unless skipped
-        requests = datasets.jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.custom_output_len)
+    if args.dataset_name == "custom":  # vLLM's name for jsonl: shuffled; completions get the chat template
+        requests = datasets.jsonl_requests(
+            args.dataset_path, tokenizer, args.num_prompts, args.custom_output_len, order
+        )
         if args.endpoint != "/v1/chat/completions" and not args.skip_chat_template:
             for request in requests:
                 chat = [{"role": "user", "content": request.prompt}]
@@ -280,6 +313,7 @@ def build_requests(args, tokenizer):
             args.prefix_repetition_num_prefixes,
             args.prefix_repetition_output_len,
             args.seed,
+            shuffle=not args.disable_shuffle,
         )
     common = dict(range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len, seed=args.seed)
     if args.dataset_name == "random":
@@ -301,6 +335,22 @@ def build_requests(args, tokenizer):
     )
 
 
+def wait_until_ready(httpx, base_url: str, headers: dict, timeout_s: int) -> None:
+    """Until the server answers (anything but 503: a server still starting), up to `timeout_s`, as vLLM's
+    --ready-check-timeout-sec waits for a server started beside the benchmark."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(base_url + "/v1/models", headers=headers, timeout=30).status_code != 503:
+                return
+            why = "it answers 503"
+        except httpx.HTTPError as error:
+            why = f"{type(error).__name__}: {error}"
+        if time.monotonic() >= deadline:
+            raise ValueError(f"could not reach the server at {base_url} in {timeout_s} s ({why})")
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))
+
+
 def served_models(httpx, base_url: str, headers: dict) -> list[dict]:
     """The server's model cards; a clear error when the server cannot be reached or refuses the key."""
     try:
@@ -311,6 +361,19 @@ def served_models(httpx, base_url: str, headers: dict) -> list[dict]:
         hint = " (give the key with --api-key or OPENAI_API_KEY)" if reply.status_code == 401 else ""
         raise ValueError(f"{base_url}/v1/models answered {reply.status_code}{hint}: {reply.text[:200]}")
     return reply.json()["data"]
+
+
+def check_ramp_up(args) -> None:
+    """vLLM's rules: both ends given, start at most end (above 0 for exponential), no --request-rate beside."""
+    start, end = args.ramp_up_start_rps, args.ramp_up_end_rps
+    if start is None or end is None:
+        raise ValueError("--ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps")
+    if start < 0 or start > end or (args.ramp_up_strategy == "exponential" and start == 0):
+        raise ValueError(
+            f"--ramp-up-start-rps {start} must be at most --ramp-up-end-rps {end} (and above 0 to ramp up exponentially)"
+        )
+    if args.request_rate != float("inf"):
+        raise ValueError("--ramp-up-strategy sets the request rate: leave out --request-rate")
 
 
 def served_tokenizer(cards: list[dict], model: str) -> str | None:
@@ -352,9 +415,16 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")  # as vLLM's bench client reads it
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    cards = [] if args.model and args.tokenizer else served_models(httpx, base_url, headers)
-    model = args.model or cards[0]["id"]
-    tokenizer_id = args.tokenizer or served_tokenizer(cards, model) or model  # the server's own, before the hub
+    headers.update(item.partition("=")[::2] for item in args.header)
+    if args.ramp_up_strategy is not None:
+        check_ramp_up(args)
+    if args.ready_check_timeout_sec > 0:
+        wait_until_ready(httpx, base_url, headers, args.ready_check_timeout_sec)
+    given_tokenizer = args.tokenizer or (args.model if args.served_model_name else None)
+    named = args.served_model_name or args.model
+    cards = [] if named and given_tokenizer else served_models(httpx, base_url, headers)
+    model = named or cards[0]["id"]
+    tokenizer_id = given_tokenizer or served_tokenizer(cards, model) or model  # the server's own, before the hub
     selected = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
     unknown = set(selected) - {"ttft", "tpot", "itl", "e2el"}
     if unknown:
@@ -376,9 +446,12 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
             extra_body=extra_body,
             ignore_eos=args.ignore_eos,
             num_warmups=args.num_warmups,
-            api_key=args.api_key,
+            headers=headers,
             seed=args.seed,
             progress=not args.disable_tqdm,
+            logprobs=args.logprobs,
+            request_id_prefix=args.request_id_prefix,
+            ramp_up=(args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps),
         )
     )
     client_cpu_s = time.process_time() - cpu_start
@@ -408,6 +481,15 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
         "request_rate": rate,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
+        **(
+            {}
+            if args.ramp_up_strategy is None
+            else {
+                "ramp_up_strategy": args.ramp_up_strategy,
+                "ramp_up_start_rps": args.ramp_up_start_rps,
+                "ramp_up_end_rps": args.ramp_up_end_rps,
+            }
+        ),
         "client_cpu_s": client_cpu_s,
         **metadata,
         **metrics,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import dataclasses
 import io
 import json
 import math
@@ -85,10 +86,17 @@ def random_requests(
 
 
 def prefix_repetition_requests(
-    tokenizer, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int = 0
+    tokenizer,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    seed: int = 0,
+    shuffle: bool = True,
 ) -> list[BenchRequest]:
     """vLLM's prefix_repetition: `num_prefixes` random prefixes, each followed by num_prompts // num_prefixes
-    random suffixes (lengths as random's: the text re-tokenizes to them), the requests shuffled."""
+    random suffixes (lengths as random's: the text re-tokenizes to them), the requests shuffled unless not."""
     per_prefix = num_prompts // num_prefixes if num_prefixes > 0 else 0
     if per_prefix == 0:
         raise ValueError(f"--num-prompts ({num_prompts}) must be at least --prefix-repetition-num-prefixes")
@@ -100,7 +108,7 @@ def prefix_repetition_requests(
             suffix, _ = maker.text(maker.random_ids(suffix_len), suffix_len)
             length = len(tokenizer.encode(prefix + suffix, add_special_tokens=False))
             requests.append(BenchRequest(prefix + suffix, length, output_len))
-    return [requests[i] for i in rng.permutation(len(requests))]
+    return [requests[i] for i in rng.permutation(len(requests))] if shuffle else requests
 
 
 def parse_bucket_config(text: str) -> dict[tuple[int, int, int], float]:
@@ -194,23 +202,33 @@ def random_mm_requests(
 
 
 def sharegpt_requests(
-    path: str, tokenizer, num_prompts: int, output_len: int | None = None, seed: int = 0
+    path: str, tokenizer, num_prompts: int, output_len: int | None = None, seed: int | None = 0
 ) -> list[BenchRequest]:
     """First human turn as the prompt, the reply's length as the output length; vLLM's filters (prompt and
-    reply of at least 4 tokens, prompt at most 1024, both at most 2048)."""
+    reply of at least 4 tokens, prompt at most 1024, both at most 2048). `seed` None: in the file's order."""
     conversations = [c for c in json.loads(Path(path).read_text()) if len(c.get("conversations", [])) >= 2]
-    order = np.random.default_rng(seed).permutation(len(conversations))
     requests = []
-    for i in order:
+    for i in in_order(len(conversations), seed):
         turns = conversations[i]["conversations"]
         request = conversation_request(turns[0]["value"], turns[1]["value"], tokenizer, output_len)
         if request is not None:
             requests.append(request)
         if len(requests) == num_prompts:
             break
-    if len(requests) < num_prompts:
-        raise ValueError(f"{path} has only {len(requests)} usable conversations for {num_prompts} prompts")
+    if not requests:
+        raise ValueError(f"{path} has no usable conversations")
     return requests
+
+
+def in_order(count: int, seed: int | list[int] | None) -> list[int]:
+    """Indices shuffled with `seed`; None (--disable-shuffle): as they are."""
+    return list(range(count)) if seed is None else np.random.default_rng(seed).permutation(count).tolist()
+
+
+def oversampled(requests: list[BenchRequest], num_prompts: int, seed: int) -> list[BenchRequest]:
+    """As vLLM fills a workload that has fewer requests than asked for: copies of requests drawn at random."""
+    drawn = np.random.default_rng(seed).integers(0, len(requests), max(num_prompts - len(requests), 0))
+    return requests + [dataclasses.replace(requests[i]) for i in drawn.tolist()]
 
 
 def conversation_request(
@@ -225,30 +243,32 @@ def conversation_request(
     return BenchRequest(prompt, prompt_len, wanted, images or [])
 
 
-def jsonl_requests(path: str, tokenizer, num_prompts: int, output_len: int) -> list[BenchRequest]:
+def jsonl_requests(
+    path: str, tokenizer, num_prompts: int, output_len: int, seed: int | None = None
+) -> list[BenchRequest]:
     """One JSON object per line: {"prompt": ..., "output_len"?: N, "images"?: [url, ...], "videos"?: [url, ...]}
-    (URLs: data:, http(s):, file:, or a path, which is sent as a file:// URL)."""
-    requests = []
+    (URLs: data:, http(s):, file:, or a path, which is sent as a file:// URL); the first `num_prompts` of the
+    file, or of its rows shuffled with `seed` (vLLM's custom)."""
+    rows = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         row = json.loads(line)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{number}: each line must be an object with a string 'prompt'")
-        requests.append(
-            BenchRequest(
-                row["prompt"],
-                len(tokenizer.encode(row["prompt"], add_special_tokens=False)),
-                int(row.get("output_len", output_len)),
-                media_urls(row.get("images", [])),
-                media_urls(row.get("videos", [])),
-            )
-        )
-        if len(requests) == num_prompts:
-            break
-    if not requests:
+        rows.append(row)
+    if not rows:
         raise ValueError(f"{path} holds no prompts")
-    return requests
+    return [
+        BenchRequest(
+            rows[i]["prompt"],
+            len(tokenizer.encode(rows[i]["prompt"], add_special_tokens=False)),
+            int(rows[i].get("output_len", output_len)),
+            media_urls(rows[i].get("images", [])),
+            media_urls(rows[i].get("videos", [])),
+        )
+        for i in in_order(len(rows), seed)[:num_prompts]
+    ]
 
 
 def media_urls(values: list) -> list[str]:

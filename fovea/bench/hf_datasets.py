@@ -20,10 +20,9 @@ import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
-from fovea.bench.datasets import BenchRequest, conversation_request
+from fovea.bench.datasets import BenchRequest, conversation_request, in_order
 
 IMAGE_QUESTIONS = {  # (the prompt, the image) of a row
     "lmarena-ai/VisionArena-Chat": lambda row: (row["conversation"][0][0]["content"], row["images"][0]),
@@ -43,8 +42,9 @@ def hf_requests(
     split: str = "train",
     subset: str | None = None,
     output_len: int | None = None,
-    seed: int = 0,
+    seed: int | None = 0,
 ) -> list[BenchRequest]:
+    """`seed` None (--disable-shuffle): the shards and their rows in order."""
     name = name or path
     if name in IMAGE_QUESTIONS:
         make = image_question(IMAGE_QUESTIONS[name], tokenizer, output_len or IMAGE_QUESTION_OUTPUT_LEN)
@@ -98,15 +98,15 @@ def jpeg_data_url(image) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def rows(path: str, split: str, subset: str | None, seed: int) -> Iterator[dict]:
+def rows(path: str, split: str, subset: str | None, seed: int | None) -> Iterator[dict]:
     import pyarrow.parquet
 
-    rng = np.random.default_rng(seed)
     shards, fetch = split_shards(path, split, subset)
-    for index in rng.permutation(len(shards)):
-        for batch in pyarrow.parquet.ParquetFile(fetch(shards[index])).iter_batches(batch_size=SHUFFLE_ROWS):
+    for index in in_order(len(shards), seed):
+        batches = pyarrow.parquet.ParquetFile(fetch(shards[index])).iter_batches(batch_size=SHUFFLE_ROWS)
+        for number, batch in enumerate(batches):
             found = batch.to_pylist()
-            yield from (found[i] for i in rng.permutation(len(found)))
+            yield from (found[i] for i in in_order(len(found), None if seed is None else [seed, index, number]))
 
 
 def split_shards(path: str, split: str, subset: str | None) -> tuple[list[str], Callable[[str], str]]:

@@ -18,7 +18,9 @@ from fovea.bench.datasets import BenchRequest
 from fovea.bench.metrics import RequestResult
 
 
-def request_body(request: BenchRequest, endpoint: str, model: str, extra_body: dict, ignore_eos: bool) -> dict:
+def request_body(
+    request: BenchRequest, endpoint: str, model: str, extra_body: dict, ignore_eos: bool, logprobs: int | None = None
+) -> dict:
     """The body vLLM's bench client sends: no sampling fields but those given (`extra_body`: --temperature,
     --top-p, ..., --extra-body), so the server's generation_config defaults apply as they do for vLLM's client."""
     stream = {"stream": True, "stream_options": {"include_usage": True}}
@@ -32,6 +34,8 @@ def request_body(request: BenchRequest, endpoint: str, model: str, extra_body: d
             "max_completion_tokens": request.output_len,
             **stream,
         }
+        if logprobs is not None:
+            body.update(logprobs=True, top_logprobs=logprobs)
     elif request.images or request.videos:
         raise ValueError("images and videos need --backend openai-chat (--endpoint /v1/chat/completions)")
     else:
@@ -40,7 +44,7 @@ def request_body(request: BenchRequest, endpoint: str, model: str, extra_body: d
             "prompt": request.prompt,
             "repetition_penalty": 1.0,
             "max_tokens": request.output_len,
-            "logprobs": None,
+            "logprobs": logprobs,
             **stream,
         }
     if ignore_eos:
@@ -87,12 +91,25 @@ async def send(session, url: str, body: dict, headers: dict, result: RequestResu
     return result
 
 
+def ramp_rate(index: int, total: int, strategy: str, start: float, end: float) -> float:
+    """vLLM's ramp-up: the rate of the `index`-th request of `total`, from `start` to `end` linearly or
+    exponentially in its place among them."""
+    progress = index / max(total - 1, 1)
+    if strategy == "linear":
+        return start + (end - start) * progress
+    return start * (end / start) ** progress
+
+
 async def arrivals(
-    requests: list[BenchRequest], rate: float, burstiness: float, rng: np.random.Generator
+    requests: list[BenchRequest], rate: float, burstiness: float, rng: np.random.Generator, ramp_up=(None,) * 3
 ) -> AsyncIterator[BenchRequest]:
-    for request in requests:
+    """Each request, then the gap before the next: gamma-distributed at `rate` (or, ramping up, at the next
+    request's rate; none at a rate of 0 or infinity)."""
+    for index, request in enumerate(requests):
         yield request
-        if rate != float("inf"):
+        if ramp_up[0] is not None:
+            rate = ramp_rate(index + 1, len(requests), *ramp_up)
+        if 0 < rate != float("inf"):
             await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
 
 
@@ -108,20 +125,27 @@ async def run(
     extra_body: dict | None = None,
     ignore_eos: bool = False,
     num_warmups: int = 0,
-    api_key: str | None = None,
+    headers: dict | None = None,
     seed: int = 0,
     progress: bool = True,
+    logprobs: int | None = None,
+    request_id_prefix: str | None = None,
+    ramp_up: tuple = (None, None, None),
 ) -> tuple[list[RequestResult], float]:
-    """Sends `requests`; returns their results (in order) and the benchmark's duration in seconds."""
+    """Sends `requests`; returns their results (in order) and the benchmark's duration in seconds. `ramp_up`:
+    (linear or exponential, start and end rates) in place of `request_rate`."""
     try:
         import aiohttp
     except ImportError:
         raise ValueError("fovea bench serve needs aiohttp: pip install 'fovea[bench]'") from None
-    if burstiness <= 0 or request_rate <= 0:
+    if burstiness <= 0 or (request_rate <= 0 and ramp_up[0] is None):
         raise ValueError("--request-rate and --burstiness must be positive")
     url = base_url.rstrip("/") + endpoint
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    bodies = [request_body(r, endpoint, model, extra_body or {}, ignore_eos) for r in requests]
+    headers = headers or {}
+    bodies = [request_body(r, endpoint, model, extra_body or {}, ignore_eos, logprobs) for r in requests]
+    each = [
+        {} if request_id_prefix is None else {"x-request-id": f"{request_id_prefix}{i}"} for i in range(len(requests))
+    ]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
@@ -134,11 +158,12 @@ async def run(
 
         async def one(index: int) -> RequestResult:
             result = RequestResult(requests[index].prompt_len, requests[index].output_len)
+            own = {**headers, **each[index]}
             if limit is None:
-                await send(session, url, bodies[index], headers, result)
+                await send(session, url, bodies[index], own, result)
             else:
                 async with limit:
-                    await send(session, url, bodies[index], headers, result)
+                    await send(session, url, bodies[index], own, result)
             if bar is not None:
                 bar.update(1)
             return result
@@ -146,7 +171,9 @@ async def run(
         tasks = []
         start = time.perf_counter()
         index = 0
-        async for _ in arrivals(requests, request_rate, burstiness, np.random.default_rng(seed)):
+        if ramp_up[0] is not None:
+            request_rate = ramp_rate(0, len(requests), *ramp_up)
+        async for _ in arrivals(requests, request_rate, burstiness, np.random.default_rng(seed), ramp_up):
             tasks.append(asyncio.create_task(one(index)))
             index += 1
         results = await asyncio.gather(*tasks)
