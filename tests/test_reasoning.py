@@ -1,4 +1,4 @@
-"""`--reasoning-parser qwen3`: the <think> part of an answer in the message's `reasoning` / `reasoning_content`, the
+"""`--reasoning-parser qwen3` (and deepseek_r1's rule): the <think> part of an answer in the message's `reasoning` / `reasoning_content`, the
 rest in `content`, whole and streamed; structured outputs begin after the reasoning; tool calls are found after it;
 `enable_thinking: false` reaches the template and leaves everything content. The random model (tiny Qwen3-VL, whose
 vocabulary has <think> and </think>) never thinks on its own, so grammars and logit_bias write the answers."""
@@ -46,9 +46,43 @@ ANSWER = {"type": "object", "required": ["answer"], "additionalProperties": Fals
     ],
 )
 def test_split_whole_and_in_any_pieces(prompt, text, expected):
-    assert Reasoning("qwen3", prompt).split(text) == expected
+    split_in_pieces("qwen3", prompt, text, expected)
+
+
+@pytest.mark.parametrize(
+    "prompt, text, expected",
+    [
+        ("assistant\n", "Two and two.</think>\n\nFour.", ("Two and two.", "\n\nFour.")),  # no tag: open anyway
+        ("assistant\n", "<think>own tag</think>Four.", ("own tag", "Four.")),
+        ("assistant\n<think>\n", "Thinking.</think>Four.", ("Thinking.", "Four.")),
+        ("assistant\n", "never closed", ("never closed", None)),
+    ],
+)
+def test_deepseek_r1_reasons_from_the_first_token(prompt, text, expected):
+    split_in_pieces("deepseek_r1", prompt, text, expected)
+
+
+def test_reasoning_tokens_as_each_parser_opens_the_reasoning(family_dirs):
+    """The Responses API's reasoning_tokens: deepseek_r1 counts from the first token (after a tag the output
+    writes), qwen3 only where the prompt or the output opens the reasoning."""
+    from conftest import hf_tokenizer
+
+    from fovea.server.reasoning import reasoning_tokens
+
+    tokenizer = hf_tokenizer(family_dirs["qwen3-vl"])
+    plain, tagged = tokenizer.encode("ab</think>cd"), tokenizer.encode("<think>ab</think>cd")
+    assert (
+        reasoning_tokens("deepseek_r1", "assistant\n", tokenizer, plain),
+        reasoning_tokens("qwen3", "assistant\n", tokenizer, plain),
+    ) == (1, 0)
+    assert reasoning_tokens("deepseek_r1", "assistant\n", tokenizer, tagged) == 1
+    assert reasoning_tokens("qwen3", "assistant\n<think>\n", tokenizer, plain) == 1
+
+
+def split_in_pieces(name: str, prompt: str, text: str, expected) -> None:
+    assert Reasoning(name, prompt).split(text) == expected
     for size in range(1, len(text) + 1):  # however the text arrives, the pieces add up to the same split
-        parser, thought, content = Reasoning("qwen3", prompt), "", ""
+        parser, thought, content = Reasoning(name, prompt), "", ""
         for i in range(0, len(text), size):
             a, b = parser.feed(text[i : i + size], i + size >= len(text))
             thought, content = thought + a, content + b

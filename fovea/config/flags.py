@@ -48,7 +48,16 @@ def lora_module_arg(text: str) -> LoRAModule:
     return LoRAModule(name, path)
 
 
-REASONING_TAGS = {"qwen3": ("<think>", "</think>")}  # --reasoning-parser: (start, end) of the reasoning part
+# --reasoning-parser: (start, end) of the reasoning part. qwen3: reasoning where the prompt (a thinking template)
+# or the output opens it; deepseek_r1 (vLLM's for DeepSeek-R1 and QwQ): from the output's first token,
+# whether or not the tag is written, up to the end tag
+REASONING_TAGS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
+REASONING_FROM_START = {"deepseek_r1"}
+
+
+def reasoning_opened(parser: str, prompt: str | None) -> bool:
+    """Whether an output is reasoning from its first token (before any tag of its own)."""
+    return parser in REASONING_FROM_START or (prompt or "").rstrip().endswith(REASONING_TAGS[parser][0])
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,7 @@ FLAGS = (
         "reasoning_parser",
         None,
         "a thinking model's <think>...</think> part: the chat message's reasoning, and structured outputs and "
-        "forced tool calls start after it (qwen3)",
+        "forced tool calls start after it (qwen3; deepseek_r1: reasoning from the first token up to </think>)",
         type=str,
         choices=tuple(REASONING_TAGS),
     ),

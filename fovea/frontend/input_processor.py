@@ -14,7 +14,7 @@ import time
 import weakref
 
 from fovea.config.engine import EngineConfig
-from fovea.config.flags import REASONING_TAGS
+from fovea.config.flags import REASONING_TAGS, reasoning_opened
 from fovea.config.video import media_io_processor_kwargs
 from fovea.core.request import LoRARequest, MMItem, MMSpan, RequestInput
 from fovea.core.sampling_params import INT64_MAX, SamplingParams
@@ -296,8 +296,8 @@ class InputProcessor:
         model think freely: its grammar starts once the reasoning's end tag is in the output (as vLLM)."""
         if self.config.reasoning_parser is None or params.structured_outputs is None or not params.detokenize:
             return None
-        start, end = REASONING_TAGS[self.config.reasoning_parser]
-        return end if (prompt or "").rstrip().endswith(start) else None
+        parser = self.config.reasoning_parser
+        return REASONING_TAGS[parser][1] if reasoning_opened(parser, prompt) else None
 
     def _video_parts(self, video: ProcessedImage, start: int, ids: list[int]) -> list[MMItem]:
         """A video as runs of whole temporal patches of at most one step's encoder budget each (at least one

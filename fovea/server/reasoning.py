@@ -1,18 +1,20 @@
-"""`--reasoning-parser qwen3`: a thinking model's `<think>...</think>` part goes to the message's reasoning field, the
-rest to `content` (tool calls are looked for in the rest only; structured outputs start after it, see
-InputProcessor.make_request).
+"""`--reasoning-parser qwen3|deepseek_r1`: a thinking model's `<think>...</think>` part goes to the message's
+reasoning field, the rest to `content` (tool calls are looked for in the rest only; structured outputs start after
+it, see InputProcessor.make_request).
 
-The reasoning is open from the first generated token when the rendered prompt ends with `<think>` (a thinking
-template opens it for the model); otherwise only when the output itself starts with `<think>` (older templates
-leave the tag to the model). So an Instruct model's answer, or one asked with `chat_template_kwargs:
-{"enable_thinking": false}` (the template then closes an empty think block in the prompt), is all content. A
-reasoning part that never closes (max_tokens reached) is all reasoning. The text is sent as both `reasoning` (vLLM's
-current name) and `reasoning_content` (its name before, which clients still read).
+qwen3: the reasoning is open from the first generated token when the rendered prompt ends with `<think>` (a
+thinking template opens it for the model); otherwise only when the output itself starts with `<think>` (older
+templates leave the tag to the model). So an Instruct model's answer, or one asked with `chat_template_kwargs:
+{"enable_thinking": false}` (the template then closes an empty think block in the prompt), is all content.
+deepseek_r1 (vLLM's, for DeepSeek-R1 and QwQ-style models): open from the first token whatever the prompt, a tag
+the output writes first dropped. A reasoning part that never closes (max_tokens reached) is all reasoning. The text
+is sent as both `reasoning` (vLLM's current name) and `reasoning_content` (its name before, which clients still
+read).
 """
 
 from __future__ import annotations
 
-from fovea.config.flags import REASONING_TAGS
+from fovea.config.flags import REASONING_TAGS, reasoning_opened
 
 MAX_LEAD = 256  # whitespace before the first tag past which the output is taken not to open with one
 
@@ -27,7 +29,7 @@ class Reasoning:
 
     def __init__(self, parser: str, prompt: str | None):
         self.start, self.end = REASONING_TAGS[parser]
-        self.opened = (prompt or "").rstrip().endswith(self.start)  # by the template: reasoning comes first
+        self.opened = reasoning_opened(parser, prompt)  # by the template (or the parser): reasoning comes first
         self.state = "undecided"  # until the output's first characters show whether it starts with the tag
         self.lead = ""  # while undecided: the output's leading whitespace, held back
         self.pending = ""  # text not yet sent: a tag may be forming in it (after `lead`, while undecided)
@@ -78,7 +80,8 @@ def reasoning_tokens(parser: str, prompt: str | None, tokenizer, token_ids) -> i
     if start_id is None or end_id is None or start_id == tokenizer.unk_token_id or end_id == tokenizer.unk_token_id:
         reasoning = Reasoning(parser, prompt).split(tokenizer.decode(ids))[0]
         return len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-    begin = 0 if (prompt or "").rstrip().endswith(start) else 1 if ids[:1] == [start_id] else None
+    prompted = (prompt or "").rstrip().endswith(start)
+    begin = 1 if ids[:1] == [start_id] and not prompted else 0 if reasoning_opened(parser, prompt) else None
     if begin is None:
         return 0
     return ids.index(end_id, begin) - begin if end_id in ids[begin:] else len(ids) - begin
