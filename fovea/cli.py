@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fovea.config.flags import PLAN_FLAGS, add_engine_flags, engine_kwargs
+from fovea.config.flags import PLAN_FLAGS, add_engine_flags, dotted_flags, engine_kwargs
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; for serve with `--config FILE` (vLLM's YAML of flags), the file's values as the flags'
     defaults, then the command line again over them."""
+    argv = dotted_flags(sys.argv[1:] if argv is None else list(argv))  # vLLM's --flag.key value
     args, unknown = parser.parse_known_args(argv)
     if getattr(args, "config", None) and args.command == "serve":
         from fovea.server.cli import with_config_file

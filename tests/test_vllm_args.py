@@ -188,6 +188,17 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
         "3",
         "--skip-mm-profiling",
         "--enable-log-outputs",
+        "--limit-mm-per-prompt.image",  # vLLM's keys of a JSON flag one at a time
+        "1",
+        "--limit-mm-per-prompt.video=0",
+        "--structured-outputs-config.backend",
+        "xgrammar",
+        "--task",
+        "generate",
+        "--safetensors-load-strategy",
+        "lazy",
+        "--h11-max-incomplete-event-size",
+        "65536",
     ]
     with running_server(None, *flags) as (base, proc):
         assert httpx.get(base + "/load").json() == {"server_load": 0}
@@ -229,6 +240,10 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
             timeout=60,
         )
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "bot"
+        pixel = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+        two = [{"type": "image_url", "image_url": {"url": pixel}}] * 2
+        refused = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": two}]})
+        assert refused.status_code == 400 and "limit_mm_per_prompt allows 1" in refused.text
         ranked = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": 3})
         assert ranked.status_code == 400 and "needs --scheduling-policy priority" in ranked.text  # fcfs here
         too_many = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 3})
@@ -253,6 +268,8 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
     assert "accepted and ignored enable_chunked_prefill=False" in proc.output
     assert "accepted and ignored prefix_caching_hash_algo='sha256'" in proc.output
     assert "accepted and ignored disable_cascade_attn=True" in proc.output
+    assert "accepted and ignored safetensors_load_strategy='lazy'" in proc.output
+    assert 'accepted and ignored structured_outputs_config=\'{"backend": "xgrammar"}\'' in proc.output
     assert "accepted and ignored cuda_graph_sizes" not in proc.output  # not given
     # --enable-log-outputs: a finished request's whole text (the 3 tokens streamed above), in its log line
     assert re.search(r"request cmpl-[\w-]+ output 0 \(length\): '", proc.output), proc.output[-3000:]
@@ -303,6 +320,8 @@ def test_refusals_come_before_the_model_loads(tiny_dirs):
     assert done.returncode != 0 and "['temprature'] are not sampling defaults" in done.stderr
     done, _ = fovea_serve(model, "--enable-sleep-mode")
     assert done.returncode != 0 and "sleep mode is not implemented" in done.stderr
+    done, _ = fovea_serve(model, "--task", "embed")
+    assert done.returncode != 0 and "task='embed': fovea serves text generation only" in done.stderr
     done, _ = fovea_serve(model, "--enable-log-outputs")
     assert done.returncode != 0 and "--enable-log-outputs requires --enable-log-requests" in done.stderr
     done, _ = fovea_serve(model, "--default-chat-template-kwargs", '{"tools": []}')
@@ -364,6 +383,10 @@ def test_serve_help_shows_every_default():
         "--interleave-mm",
         "--exclude-tools",
         "--allow-credentials",
+        "--calculate-kv-scales",
+        "--enable-dbo",
+        "--headless",
+        "--mm-encoder-only",
     )
     for entry in entries:
         if entry.strip() and not entry.strip().startswith(switches):

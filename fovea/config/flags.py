@@ -13,6 +13,42 @@ from typing import Any
 from fovea.config.vllm_args import NO_EFFECT, ONLY_AT, SWITCHES, VLLM_ONLY_ARGS, max_model_len_arg
 
 
+def dotted_flags(argv: list[str]) -> list[str]:
+    """vLLM's `--flag.key value` (and `--flag.key=value`, deeper keys too): the keys of a JSON flag given one at a
+    time, made into one `--flag '{...}'`, over the keys of a `--flag VALUE` given as well. Values are read as JSON
+    where they parse (2, true), else as strings."""
+    out, nested = [], {}
+    tokens = iter(argv)
+    for token in tokens:
+        name, equals, value = token.partition("=")
+        if not (token.startswith("--") and "." in name):
+            out.append(token)
+            continue
+        flag, *path = name.split(".")
+        value = value if equals else next(tokens, "")
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+        node = nested.setdefault(flag, {})
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    for flag, keys in nested.items():
+        kept, given, rest = [], {}, iter(out)
+        for token in rest:
+            if token != flag and not token.startswith(flag + "="):
+                kept.append(token)
+                continue
+            text = token.partition("=")[2] if "=" in token else next(rest, "")
+            try:
+                given.update(json_arg(text))
+            except argparse.ArgumentTypeError:  # not a JSON object: left for the parser to refuse
+                kept += [flag, text]
+        out = kept + [flag, json.dumps({**given, **keys})]
+    return out
+
+
 def json_arg(text: str) -> dict:
     """A JSON object, or vLLM's older key=value[,key=value] form with integer values (image=4)."""
     try:
@@ -345,6 +381,21 @@ VLLM_ARG_KINDS = {
     "video_pruning_rate": float,
     "tool_parser_plugin": str,
     "hf_token": str,
+    "safetensors_load_strategy": str,
+    "show_hidden_metrics_for_version": str,
+    "cudagraph_capture_sizes": [int],
+    "task": str,
+    "runner": str,
+    "convert": str,
+    "override_pooler_config": json_arg,
+    "config_format": str,
+    "hf_config_path": str,
+    "model_loader_extra_config": json_arg,
+    "kv_offloading_size": float,
+    "data_parallel_address": str,
+    "io_processor_plugin": str,
+    "tool_server": str,
+    "middleware": [str],
 }
 SHORT = {"pipeline_parallel_size": "-pp", "compilation_config": "-O", "api_server_count": "-asc"}
 

@@ -43,6 +43,9 @@ NO_EFFECT = {
     "enable_expert_parallel": "MoE experts are split over the ranks by tensor parallelism",
     "api_server_count": "one front-end process serves; its preparation work runs in pools of threads and processes",
     "stream_interval": "streams send each token's text as it comes",
+    "safetensors_load_strategy": "each rank reads the checkpoint once, file by file",
+    "show_hidden_metrics_for_version": "no metric of fovea's is hidden",
+    "cudagraph_capture_sizes": "decode CUDA graphs are captured by batch size, up to max_num_seqs",
 }
 
 # value(s) at which the argument changes nothing; any other value asks for something fovea does not do
@@ -64,6 +67,28 @@ ONLY_AT = {
     "video_pruning_rate": ((None, 0, 0.0), "pruning video tokens is not implemented"),
     "interleave_mm_strings": ((None, False), "media placeholders inside string content are not implemented"),
     "tool_parser_plugin": ((None, ""), "tool parser plugins are not supported; --tool-call-parser hermes is built in"),
+    "task": ((None, "auto", "generate"), "fovea serves text generation only (no pooling or embedding models)"),
+    "runner": ((None, "auto", "generate"), "fovea serves text generation only (no pooling or embedding models)"),
+    "convert": ((None, "auto", "none"), "fovea serves text generation only (no pooling or embedding models)"),
+    "override_pooler_config": ((None, {}), "fovea serves text generation only (no pooling or embedding models)"),
+    "config_format": ((None, "auto", "hf"), "only Hugging Face config.json files are read"),
+    "hf_config_path": ((None,), "config.json is read from the model's directory (--hf-overrides changes it)"),
+    "model_loader_extra_config": ((None, {}), "the checkpoint's safetensors load one way"),
+    "calculate_kv_scales": (
+        (None, False),
+        "fp8 KV scales come from the checkpoint (else 1.0); computing them is not implemented",
+    ),
+    "kv_offloading_size": ((None,), "offloading the KV cache to CPU memory is not implemented"),
+    "enable_dbo": ((None, False), "dual-batch overlap is not implemented"),
+    "headless": ((None, False), "data parallelism over hosts runs on Ray (--distributed-executor-backend ray)"),
+    "data_parallel_address": ((None,), "data parallelism over hosts runs on Ray (--distributed-executor-backend ray)"),
+    "io_processor_plugin": ((None,), "IO processor plugins are not supported"),
+    "tool_server": ((None,), "built-in tool servers (the Responses API's browsing and code tools) are not implemented"),
+    "middleware": ((None, []), "custom ASGI middleware is not supported"),
+    "mm_encoder_only": (
+        (None, False),
+        "an encoder-only instance is not how fovea splits the encoder (--mm-encoder-workers)",
+    ),
     "ec_transfer_config": (
         (None,),
         "encoder instances behind a proxy are not how fovea splits the encoder: one server with "

@@ -154,6 +154,11 @@ def add_serve_parser(sub) -> None:
     )
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
     net.add_argument("--ssl-certfile", default=None, help="the certificate for --ssl-keyfile")
+    net.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client certificates (uvicorn's)")
+    net.add_argument("--ssl-cert-reqs", type=int, default=0, help="whether client certificates are required (ssl)")
+    net.add_argument(
+        "--h11-max-incomplete-event-size", type=int, default=None, help="largest request head in bytes (uvicorn's)"
+    )
     net.add_argument("--disable-playground", action="store_true", help="no chat page at / and /playground (fovea only)")
     net.add_argument("--max-request-body-mb", type=int, default=64, help="larger bodies get 413 (fovea only)")
     net.add_argument(
@@ -307,6 +312,13 @@ def run_serve(args: argparse.Namespace) -> None:
                 root_path=args.root_path,
                 ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile,
+                ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs,
+                **(
+                    {"h11_max_incomplete_event_size": args.h11_max_incomplete_event_size}
+                    if args.h11_max_incomplete_event_size
+                    else {}
+                ),  # fmt: skip
                 access_log=not (args.disable_log_requests or args.disable_uvicorn_access_log),
                 timeout_graceful_shutdown=30,
             )
