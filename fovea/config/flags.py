@@ -404,6 +404,7 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     """Accepted so that vLLM launch lines run: they change nothing here, or fail naming what is not implemented
     (fovea/config/vllm_args.py)."""
     group = parser.add_argument_group("vLLM flags kept for launch lines (see fovea/config/vllm_args.py)")
+    parser.set_defaults(vllm_only_args=sorted(VLLM_ONLY_ARGS))
     for name in sorted(VLLM_ONLY_ARGS):
         kind = VLLM_ARG_KINDS.get(name, SWITCH)
         if name in NO_EFFECT:
@@ -432,7 +433,7 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace, names=None) -> dict:
     """The engine keywords an `add_engine_flags` parser read (only those the user gave, for a given_only one)."""
     chosen = [flag.name for flag in FLAGS] if names is None else list(names)
-    chosen += [name for name in VLLM_ONLY_ARGS if hasattr(args, name)]  # the ones add_vllm_only_flags declared
+    chosen += getattr(args, "vllm_only_args", [])  # those add_vllm_only_flags declared (eval's --task is its own)
     values = {name: getattr(args, name) for name in chosen if hasattr(args, name)}
     if "dtype" in values and values["dtype"] is not None:
         values["dtype"] = {"half": "float16", "float": "float32"}.get(values["dtype"], values["dtype"])
