@@ -481,19 +481,13 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
         "request_rate": rate,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
-        **(
-            {}
-            if args.ramp_up_strategy is None
-            else {
-                "ramp_up_strategy": args.ramp_up_strategy,
-                "ramp_up_start_rps": args.ramp_up_start_rps,
-                "ramp_up_end_rps": args.ramp_up_end_rps,
-            }
-        ),
         "client_cpu_s": client_cpu_s,
         **metadata,
         **metrics,
     }
+    if args.ramp_up_strategy is not None:
+        ramp = ("ramp_up_strategy", "ramp_up_start_rps", "ramp_up_end_rps")
+        result.update({name: getattr(args, name) for name in ramp})
     if args.save_detailed:
         result.update(
             input_lens=[r.prompt_len for r in results],

@@ -143,9 +143,6 @@ async def run(
     url = base_url.rstrip("/") + endpoint
     headers = headers or {}
     bodies = [request_body(r, endpoint, model, extra_body or {}, ignore_eos, logprobs) for r in requests]
-    each = [
-        {} if request_id_prefix is None else {"x-request-id": f"{request_id_prefix}{i}"} for i in range(len(requests))
-    ]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
@@ -158,7 +155,7 @@ async def run(
 
         async def one(index: int) -> RequestResult:
             result = RequestResult(requests[index].prompt_len, requests[index].output_len)
-            own = {**headers, **each[index]}
+            own = headers if request_id_prefix is None else {**headers, "x-request-id": f"{request_id_prefix}{index}"}
             if limit is None:
                 await send(session, url, bodies[index], own, result)
             else:
@@ -171,8 +168,6 @@ async def run(
         tasks = []
         start = time.perf_counter()
         index = 0
-        if ramp_up[0] is not None:
-            request_rate = ramp_rate(0, len(requests), *ramp_up)
         async for _ in arrivals(requests, request_rate, burstiness, np.random.default_rng(seed), ramp_up):
             tasks.append(asyncio.create_task(one(index)))
             index += 1

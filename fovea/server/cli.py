@@ -314,11 +314,7 @@ def run_serve(args: argparse.Namespace) -> None:
                 ssl_certfile=args.ssl_certfile,
                 ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=args.ssl_cert_reqs,
-                **(
-                    {"h11_max_incomplete_event_size": args.h11_max_incomplete_event_size}
-                    if args.h11_max_incomplete_event_size
-                    else {}
-                ),  # fmt: skip
+                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                 access_log=not (args.disable_log_requests or args.disable_uvicorn_access_log),
                 timeout_graceful_shutdown=30,
             )
