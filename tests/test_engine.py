@@ -155,6 +155,17 @@ def test_n_samples_share_the_prompt_and_match_seeded_singles(llm):
     assert_engine_idle(llm.engine)
 
 
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+def test_every_64_bit_seed_is_taken_with_any_n(llm, seed):
+    """OpenAI's and vLLM's seeds are any 64-bit integer; sample i draws from seed + i (torch's generators take
+    up to 2**64 - 1). The largest seed was refused with n = 1 before (the check left room for an n-th sample)."""
+    params = SamplingParams(n=3, temperature=1.0, seed=seed, max_tokens=6)
+    first, again = (llm.generate("Next", params, use_tqdm=False)[0].outputs for _ in range(2))
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert len({tuple(c.token_ids) for c in first}) > 1
+    assert llm.generate("Next", params.clone(n=1), use_tqdm=False)[0].outputs[0].token_ids == first[0].token_ids
+
+
 def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
     model, processor = our_model(tiny_dirs["tiny-3b"])
     messages = image_chat(random_image(200, 150, 23))

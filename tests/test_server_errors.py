@@ -499,3 +499,38 @@ def test_logit_bias_is_clamped_to_openais_range():
 
     body = ChatCompletionRequest(messages=HELLO, logit_bias={"5": 1000, "6": -250.5, "7": 3})
     assert body.to_sampling_params({}).logit_bias == {5: 100.0, 6: -100.0, 7: 3.0}
+
+
+def test_merged_prompts_end_with_the_failing_prompts_error_and_close_the_others():
+    """A completions request's prompts run as streams merged into one; when one fails, the request ends with that
+    error and every other stream is closed (its request aborted). Before, closing a stream whose pump was still
+    waiting inside it raised "asynchronous generator is already running" (a 500 that hid the real error)."""
+    import asyncio
+
+    from fovea.server.openai_serving import merge
+
+    closed = []
+
+    async def failing():
+        yield "first"
+        await asyncio.sleep(0.01)
+        raise ValueError("the grammar broke")
+
+    async def waiting(name):
+        try:
+            yield name
+            await asyncio.sleep(60)  # still waiting here when the other fails
+            yield "never"
+        finally:
+            closed.append(name)
+
+    async def main():
+        seen = []
+        with pytest.raises(ValueError, match="the grammar broke"):
+            async for index, item in merge([waiting("a"), failing(), waiting("b")]):
+                seen.append((index, item))
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 10))
+    assert sorted(seen) == [(0, "a"), (1, "first"), (2, "b")]
+    assert sorted(closed) == ["a", "b"]

@@ -258,6 +258,67 @@ def test_protocol_fields_fovea_lacks_are_refused_by_name(client, extra, refused)
     assert f"{refused} is not supported by fovea yet" in str(error.value)
 
 
+GBNF = """root ::= greeting " " name "!"
+greeting ::= "hello" | "hi"
+name ::= [A-C] ("ann" | "ob")
+"""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gbnf_grammars_as_vllm_users_write_them(client, stream):
+    """vLLM's docs and its xgrammar backend take grammars in GBNF (`root ::= ...`): converted to Lark (in the
+    grammar-check child, whose time is bounded), they constrain as Lark does. Before, a 400 (Lark only)."""
+    for body in ({"guided_grammar": GBNF}, {"structured_outputs": {"grammar": GBNF}}):
+        for text, finish in chat(client, stream, extra_body={**body, "temperature": 1.0, "seed": 3}, n=3):
+            assert finish == "stop" and re.fullmatch(r"(hello|hi) [A-C](ann|ob)!", text), text
+
+
+@pytest.mark.parametrize(
+    "grammar, words",
+    [
+        (
+            "root ::= r0\n" + "".join(f'r{i} ::= "x" r{i + 1} | "y"\n' for i in range(1000)) + 'r1000 ::= "z"\n',
+            "1002 GBNF rules; at most 1000",
+        ),
+        ("root ::= " + "(" * 3000 + '"a"' + ")" * 3000, "nests too deep to convert from GBNF"),
+        ("root ::= (", "neither Lark (no start: rule) nor GBNF"),
+    ],
+)
+def test_gbnf_grammars_past_the_converters_bounds_get_400(client, grammar, words):
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, extra_body={"guided_grammar": grammar}, max_tokens=4)
+    assert words in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "body, rival",
+    [
+        # ids 0-29 are punctuation and digits in the tiny vocabulary: none starts "yes" or "no"
+        ({"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": list(range(30))}, "allowed_token_ids"),
+        ({"structured_outputs": {"regex": "[a-c]{1,3}"}, "min_tokens": 6, "temperature": 0}, "min_tokens"),
+    ],
+)
+def test_settings_that_leave_the_grammar_no_token_are_a_400_naming_them(client, body, rival):
+    """A grammar and the request's own token bans (allowed_token_ids; min_tokens, which bans the end the grammar
+    demands) can leave no token to sample: the request is refused with a 400 that names them, streamed or not,
+    one prompt or several, and the server goes on. Before, a 500 "the engine failed" (and with several prompts
+    "aclose(): asynchronous generator is already running")."""
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, extra_body=body, max_tokens=12)
+    assert f"{rival} allow after" in str(error.value) and "contradict" in str(error.value)
+    with pytest.raises(openai.BadRequestError, match=rival):
+        client.completions.create(model="tiny", prompt=["Say", "Tell"], max_tokens=12, extra_body=body)
+    with pytest.raises(openai.APIError, match=rival):  # a 400, or an error event if the stream had begun
+        for _ in client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], stream=True, max_tokens=12, extra_body=body
+        ):
+            pass
+    assert chat(client, max_tokens=3, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})[0][0] in (
+        "yes",
+        "no",
+    )
+
+
 def test_grammars_that_crash_or_outnest_the_compiler_cost_only_their_request(client):
     """A chain of 5,000 Lark rules is a segmentation fault in llguidance: compiled in a child process, it is a
     400 and a new child, the server and engine go on. Bodies that nest 10,000 deep (a schema through properties,
@@ -323,6 +384,10 @@ def test_a_grammar_past_its_time_kills_its_child_and_is_refused_at_once_after(ti
         checks.check(StructuredOutputsParams(regex="[a-z]{3}"))  # a new child answers
         with pytest.raises(ValueError, match="does not compile"):
             checks.check(StructuredOutputsParams(regex="(a"))
+        # a GBNF grammar comes back as the child converted it (the engine compiles Lark), once
+        converted = checks.check(StructuredOutputsParams(grammar=GBNF))
+        assert converted.grammar.startswith("%llguidance") and "start:" in converted.grammar
+        assert checks.check(StructuredOutputsParams(grammar=GBNF)) == converted and len(asked) == 3
     finally:
         checks.close()
 

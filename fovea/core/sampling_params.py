@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-INT64_MAX = 2**63 - 1  # seeds (plus the sample index) become torch generator seeds
+INT64_MAX = 2**63 - 1  # OpenAI's and vLLM's range of seeds, also other integers here
 # Bounds that keep the sampler's float32 arithmetic finite for any finite logits, well inside what requests use:
 # a penalty of 1e-300 is 0 in float32 and turns every seen token's logit into infinity
 MAX_TEMPERATURE = 1e4
@@ -22,6 +22,8 @@ WHERE = "structured_outputs"
 # what a grammar library may be handed (it recurses natively: a $ref chain 2,500 long overflowed its stack)
 MAX_GRAMMAR_CHARS = 4 << 20  # 100,000 choices of 14 characters compile in about a second
 MAX_SCHEMA_DEPTH = 64  # nested objects and arrays, and $ref jumps, on any path from the root
+# GBNF becomes Lark in llguidance's Python converter, whose time grows as the square of the rules (benchmarks/README)
+MAX_GBNF_RULES = 1000
 
 
 FORMS = ("json", "regex", "choice", "grammar", "structural_tag")  # structured outputs' forms, but json_object
@@ -47,6 +49,26 @@ def checked_schema(given, where: str) -> dict | bool:
     if isinstance(schema, dict) and schema_depth(schema) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels (objects, arrays, $ref jumps)")
     return schema
+
+
+def lark_grammar(text: str) -> str:
+    """A grammar as Lark (llguidance's dialect): GBNF, llama.cpp's `root ::= ...` that vLLM's docs and xgrammar
+    take, is converted as llguidance converts it."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if is_lark_syntax(text):
+        return text
+    rules = text.count("::=")
+    if rules > MAX_GBNF_RULES:
+        raise ValueError(f"{WHERE}.grammar has {rules} GBNF rules; at most {MAX_GBNF_RULES} (or write it in Lark)")
+    try:
+        return gbnf_to_lark(text)
+    except RecursionError:
+        raise ValueError(f"{WHERE}.grammar nests too deep to convert from GBNF") from None
+    except Exception as error:  # noqa: BLE001 - the converter's own errors name the place
+        raise ValueError(
+            f"{WHERE}.grammar does not compile: neither Lark (no start: rule) nor GBNF ({str(error)[:500]})"
+        ) from None
 
 
 def compact(schema: dict | bool) -> dict | bool:
@@ -94,7 +116,7 @@ def _schema_children(root, node) -> list:
 @dataclass(frozen=True, eq=False)
 class StructuredOutputsParams:
     """vLLM's names: exactly one of json (a schema, as a dict or a JSON string), regex, choice, grammar (Lark,
-    llguidance's dialect), json_object (any JSON object) or structural_tag (free text in which each trigger starts
+    llguidance's dialect, or GBNF), json_object (any JSON object) or structural_tag (free text in which each trigger starts
     a tagged part held to its schema: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, as a
     dict or a JSON string)."""
 
@@ -171,7 +193,7 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
         if self.grammar is not None:
-            return LLMatcher.grammar_from_lark(self.grammar)
+            return LLMatcher.grammar_from_lark(lark_grammar(self.grammar))
         if self.structural_tag is not None:
             from llguidance import StructTag
 
@@ -326,7 +348,8 @@ class SamplingParams:
             changed = [name for name, default in BEAM_SEARCH_IGNORES.items() if getattr(self, name) != default]
             check(not changed, f"{', '.join(changed)} cannot be used with beam search (use_beam_search)")
         check(
-            self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX - self.n,
+            # (seed + sample index seeds a torch generator, which takes up to 2**64 - 1)
+            self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX,
             f"seed must be within the 64-bit integer range, got {self.seed}",
         )
 

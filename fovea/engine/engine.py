@@ -46,14 +46,29 @@ logger = logging.getLogger("fovea")
 IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them
 MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even if it never failed alone
 NONFINITE = "the model's logits for this request were NaN or infinite"
+CONTRADICTION = f"{WHERE}: no token is left that both the grammar and"
+# a request's settings that can leave its grammar no token: the tokens they ban may be all the grammar allows
+GRAMMAR_RIVALS = ("allowed_token_ids", "bad_words", "min_tokens")
+
+
+def grammar_broken(seq: Sequence, grammar) -> str:
+    """Why a sampled token broke the request's grammar: its own settings left no token the grammar allows (the
+    sampler then draws from nothing), or, with none of those settings, a fault of ours."""
+    params = seq.params
+    rivals = [name for name in GRAMMAR_RIVALS if getattr(params, name)]
+    if rivals:
+        after = seq.num_output_tokens - 1  # (the token that broke it is appended)
+        return f"{CONTRADICTION} {', '.join(rivals)} allow after {after} output token(s): they contradict each other"
+    return f"{WHERE}: the output cannot follow the grammar ({grammar.get_error()[:300]})"
 
 
 class StepFailed(RuntimeError):
-    """A step raised: the requests it ran were failed and freed (the cause is chained); the engine goes on."""
+    """A step raised: the requests it ran were failed and freed (the cause is chained); the engine goes on.
+    `refused`: the requests' own settings contradict each other (the client's fault, a 4xx), not a failure."""
 
-    def __init__(self, request_ids: list[str], message: str):
+    def __init__(self, request_ids: list[str], message: str, refused: bool = False):
         super().__init__(message)
-        self.request_ids = request_ids
+        self.request_ids, self.refused = request_ids, refused
 
 
 class LLMEngine:
@@ -386,9 +401,12 @@ class LLMEngine:
                 self._retire(request)
         return outputs
 
-    def _fail(self, requests: set[Request], error: Exception) -> StepFailed:
+    def _fail(self, requests: set[Request], error: Exception, refused: bool = False) -> StepFailed:
         """Frees `requests` (finish reason "error") and forgets half-made encoder outputs."""
-        logger.error("a step failed; failing its %d request(s)", len(requests), exc_info=error)
+        if refused:
+            logger.info("refusing %d request(s): %s", len(requests), error)
+        else:
+            logger.error("a step failed; failing its %d request(s)", len(requests), exc_info=error)
         for request in requests:
             self.requests.pop(request.request_id, None)
             self.assemblers.pop(request.request_id, None)
@@ -399,7 +417,8 @@ class LLMEngine:
             request.metrics.finished_time = time.time()
             self._retire(request)
         self.encoder_cache.drop_unfilled(keep=self.image_encoder.in_flight)
-        return StepFailed(sorted(r.request_id for r in requests), f"{type(error).__name__}: {error}"[:500])
+        message = str(error) if refused else f"{type(error).__name__}: {error}"[:500]
+        return StepFailed(sorted(r.request_id for r in requests), message, refused)
 
     def _collect_images(self, wait_s: float = 0.0) -> StepFailed | None:
         """Puts what the encoder finished into the encoder cache; an encoding that failed fails the requests
@@ -486,13 +505,13 @@ class LLMEngine:
                 self.scheduler.relay(seq)  # its runner row is made again, with the grammar
             grammar = seq.request.grammars[seq.index] if seq.request.grammars and not seq.grammar_waiting else None
             if grammar is not None and grammar.is_error():  # never a silent violation
-                broken[seq.request] = f"{WHERE}: the output cannot follow the grammar ({grammar.get_error()[:300]})"
+                broken[seq.request] = grammar_broken(seq, grammar)
             elif finished:
                 self._finish(seq, *finished)
                 to_report.add(request)
         for why in dict.fromkeys(broken.values()):
             failed = {request for request, reason in broken.items() if reason == why}
-            self.failed_rows.append(self._fail(failed, ValueError(why)))
+            self.failed_rows.append(self._fail(failed, ValueError(why), refused=why.startswith(CONTRADICTION)))
         sampled_requests = {seq.request for seq in row_seqs if seq is not None} if self.scheduler.suspects else set()
         return sampled_requests - broken.keys(), to_report - broken.keys()
 

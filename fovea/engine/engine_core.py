@@ -119,7 +119,11 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
         except WorkerDied:
             raise
         except StepFailed as failure:  # its requests were failed and freed: nothing else is wrong
-            send(RequestsFailed(failure.request_ids, str(failure)))
+            if failure.refused:
+                for request_id in failure.request_ids:
+                    send(Rejected(request_id, str(failure)))
+            else:
+                send(RequestsFailed(failure.request_ids, str(failure)))
             outputs = []
         except Exception:  # noqa: BLE001 - a scheduler bug or a broken device
             failed_in_a_row += 1

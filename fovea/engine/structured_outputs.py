@@ -172,8 +172,11 @@ class Grammars:
                 self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
         return self._compiler
 
-    def check(self, params: StructuredOutputsParams) -> None:
+    def check(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """Raises ValueError unless the grammar compiles in time; `params` as they are (as the front end's checks
+        return them, converted where they convert)."""
         self.compiler.check(params)
+        return params
 
     def warm_up(self) -> None:
         from fovea.runner.grammar_masks import warm_up_masks

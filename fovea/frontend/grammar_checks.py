@@ -26,7 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from fovea.core.sampling_params import WHERE, StructuredOutputsParams
+from fovea.core.sampling_params import WHERE, StructuredOutputsParams, lark_grammar
 from fovea.engine import structured_outputs
 from fovea.engine.structured_outputs import compile_matcher, ll_tokenizer, tokenizer_json, too_slow_error
 
@@ -85,11 +85,13 @@ class GrammarChecks:
         self._too_slow: OrderedDict[tuple, None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def check(self, params: StructuredOutputsParams) -> None:
+    def check(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """`params` as the engine should compile them: a GBNF grammar as the child converted it to Lark."""
         key = params.key()
         with self._lock:
             if key in self._passed:
-                return self._passed.move_to_end(key)
+                self._passed.move_to_end(key)
+                return self._passed[key]
             if key in self._too_slow:
                 raise too_slow_error()
         child = self._idle.get()  # time queued behind other checks does not count against the limit
@@ -97,11 +99,11 @@ class GrammarChecks:
             if child is None or child.process.poll() is not None:
                 child = None  # (the slot stays empty if the next one cannot start)
                 child = _Child(self._child_setup())
-            error = self._ask(child, params)
+            error, grammar = self._ask(child, params)
         except TimeoutError:
             child.stop()
             child = None
-            self._remember(self._too_slow, key)
+            self._remember(self._too_slow, key, None)
             raise too_slow_error() from None
         except EOFError:
             status = child.stop()
@@ -111,7 +113,10 @@ class GrammarChecks:
             self._idle.put(child)
         if error:
             raise ValueError(error)
-        self._remember(self._passed, key)
+        if grammar != params.grammar:  # converted (in the child: it costs CPU time, bounded there)
+            params = dataclasses.replace(params, grammar=grammar)
+        self._remember(self._passed, key, params)
+        return params
 
     def _child_setup(self) -> str:
         with self._lock:
@@ -122,14 +127,16 @@ class GrammarChecks:
                 )
         return self._setup
 
-    def _ask(self, child: _Child, params: StructuredOutputsParams) -> str | None:
+    def _ask(self, child: _Child, params: StructuredOutputsParams) -> tuple[str | None, str | None]:
+        """(why the grammar fails or None, the grammar as Lark)."""
         child.send(json.dumps(dataclasses.asdict(params)))
         child.receive(None)  # it starts on the grammar (after reading the vocabulary, once: not the grammar's time)
-        return child.receive(time.monotonic() + structured_outputs.COMPILE_TIMEOUT_S)["error"]
+        answer = child.receive(time.monotonic() + structured_outputs.COMPILE_TIMEOUT_S)
+        return answer["error"], answer["grammar"]
 
-    def _remember(self, known: OrderedDict, key: tuple) -> None:
+    def _remember(self, known: OrderedDict, key: tuple, value) -> None:
         with self._lock:
-            known[key] = None
+            known[key] = value
             if len(known) > REMEMBERED:
                 known.popitem(last=False)
 
@@ -141,7 +148,8 @@ class GrammarChecks:
 
 
 def _serve() -> None:
-    """A child: answers {"ready": true} before each grammar it starts on, then {"error": null or the reason}."""
+    """A child: answers {"ready": true} before each grammar it starts on, then {"error": null or the reason,
+    "grammar": the grammar form as Lark}."""
     answers = os.fdopen(os.dup(1), "w")  # the library's own messages go to stderr, not into the answers
     os.dup2(2, 1)
     setup = json.loads(sys.stdin.readline())
@@ -149,12 +157,14 @@ def _serve() -> None:
     for line in sys.stdin:
         answers.write('{"ready": true}\n')
         answers.flush()
+        params, error = StructuredOutputsParams(**json.loads(line)), None
         try:
-            compile_matcher(tokenizer, StructuredOutputsParams(**json.loads(line)))
-            error = None
+            if params.grammar is not None:
+                params = dataclasses.replace(params, grammar=lark_grammar(params.grammar))
+            compile_matcher(tokenizer, params)
         except ValueError as failure:
             error = str(failure)
-        answers.write(json.dumps({"error": error}) + "\n")
+        answers.write(json.dumps({"error": error, "grammar": params.grammar}) + "\n")
         answers.flush()
 
 

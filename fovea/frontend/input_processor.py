@@ -162,7 +162,7 @@ class InputProcessor:
                 f"{self.config.max_logprobs} (a server flag: --max-logprobs)"
             )
         if grammar and params.structured_outputs is not None:
-            self.grammars.check(params.structured_outputs)
+            params.structured_outputs = self.grammars.check(params.structured_outputs)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words or ())
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),

@@ -359,6 +359,9 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
     finally:
         for task in tasks:
             task.cancel()
+        # a pump stops inside its stream's `anext` only once it runs again: closing a stream before then fails
+        # ("asynchronous generator is already running") and hid the error that ended the merge
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
 
