@@ -644,6 +644,13 @@ def test_hf_workloads_read_the_splits_parquet_shards(tiny_dirs, tmp_path, served
         r.prompt for r in hf_requests(str(arena), tokenizer, 6, name=name)
     ]
     assert [r.prompt for r in hf_requests(str(arena), tokenizer, 1, name=name, split="test")] == ["not in train"]
+    # streamed, the first three rows come from one shard; --no-stream shuffles the split's rows all together
+    shard_of = {p: i // 3 for i, p in enumerate(prompts)}
+    for whole in (False, True):
+        firsts = [hf_requests(str(arena), tokenizer, 6, name=name, seed=seed, whole=whole) for seed in range(8)]
+        assert all(sorted(r.prompt for r in found) == sorted(prompts) for found in firsts)
+        mixed = [len({shard_of[r.prompt] for r in found[:3]}) > 1 for found in firsts]
+        assert any(mixed) if whole else not any(mixed)
     # a hub id: the dataset's file list, then each shard downloaded as it is reached (two rows: one shard)
     import huggingface_hub
 
@@ -684,7 +691,7 @@ def test_hf_workloads_read_the_splits_parquet_shards(tiny_dirs, tmp_path, served
     flags = ["--base-url", served, "--tokenizer", str(tiny_dirs["tiny-3b"]), "--dataset-name", "hf",
              "--dataset-path", str(arena), "--hf-name", name, "--num-prompts", "3", "--hf-output-len", "4",
              "--ignore-eos"]  # fmt: skip
-    result = bench(*flags, "--backend", "openai-chat")
+    result = bench(*flags, "--backend", "openai-chat", "--no-stream")
     assert result["completed"] == 3 and result["failed"] == 0 and result["total_output_tokens"] == 12
     # vLLM's way to name the served model when --model is the checkpoint's path (its tokenizer)
     named = ["--model", str(tiny_dirs["tiny-3b"]), "--served-model-name", "tiny", *flags[4:], "--num-prompts", "1"]

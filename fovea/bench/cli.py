@@ -175,6 +175,11 @@ def add_workload_args(
     data.add_argument("--seed", type=int, default=0, help="seeds the workload and, offline, the engine (default: 0)")
     data.add_argument("--disable-shuffle", action="store_true", help="sharegpt, custom, hf: rows in their order")
     data.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="hf: fetch the whole split and shuffle all its rows (else a shard at a time)",
+    )
+    data.add_argument(
         "--no-oversample", action="store_true", help="fewer usable rows than --num-prompts: run those (else repeat)"
     )
 
@@ -287,6 +292,7 @@ def workload(args, tokenizer):
             args.hf_subset,
             args.hf_output_len,
             order,
+            args.no_stream,
         )
     if args.dataset_name == "sharegpt":
         return datasets.sharegpt_requests(

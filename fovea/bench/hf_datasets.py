@@ -1,7 +1,8 @@
 """vLLM's `--dataset-name hf` workloads: a dataset on the Hugging Face hub, or a local copy of its parquet files,
 read a shard at a time until enough rows make requests (vLLM streams it through `datasets`; here pyarrow reads
 the shards huggingface_hub fetches). Rows come as a seeded streaming shuffle gives them: the split's shards in a
-seeded order, and the rows of each shuffled 1,000 at a time.
+seeded order, and the rows of each shuffled 1,000 at a time; with `--no-stream` (vLLM's: the split loaded whole),
+every shard is fetched first and all the split's rows are shuffled together.
 
 Which dataset it is (`--hf-name`, else the path) says how a row becomes a request, as in vLLM:
 - VisionArena (lmarena-ai/VisionArena-Chat, lmarena-ai/vision-arena-bench-v0.1): the first turn's text and the
@@ -43,8 +44,10 @@ def hf_requests(
     subset: str | None = None,
     output_len: int | None = None,
     seed: int | None = 0,
+    whole: bool = False,
 ) -> list[BenchRequest]:
-    """`seed` None (--disable-shuffle): the shards and their rows in order."""
+    """`seed` None (--disable-shuffle): the shards and their rows in order; `whole` (--no-stream): one shuffle of
+    the whole split."""
     name = name or path
     if name in IMAGE_QUESTIONS:
         make = image_question(IMAGE_QUESTIONS[name], tokenizer, output_len or IMAGE_QUESTION_OUTPUT_LEN)
@@ -56,7 +59,7 @@ def hf_requests(
             f"--dataset-name hf does not know {name!r}; it reads {known} (--hf-name: which of them a local copy is)"
         )
     requests = []
-    for row in rows(path, split, subset, seed):
+    for row in (whole_split_rows if whole else rows)(path, split, subset, seed):
         request = make(row)
         if request is not None:
             requests.append(request)
@@ -107,6 +110,24 @@ def rows(path: str, split: str, subset: str | None, seed: int | None) -> Iterato
         for number, batch in enumerate(batches):
             found = batch.to_pylist()
             yield from (found[i] for i in in_order(len(found), None if seed is None else [seed, index, number]))
+
+
+def whole_split_rows(path: str, split: str, subset: str | None, seed: int | None) -> Iterator[dict]:
+    """Every row of the split in one seeded order (every shard fetched first; each read whole, memory-mapped, when
+    the order first reaches it)."""
+    import pyarrow.parquet
+
+    shards, fetch = split_shards(path, split, subset)
+    files = [fetch(shard) for shard in shards]
+    places = [
+        (f, r) for f, file in enumerate(files) for r in range(pyarrow.parquet.ParquetFile(file).metadata.num_rows)
+    ]
+    tables = {}
+    for index in in_order(len(places), seed):
+        f, r = places[index]
+        if f not in tables:
+            tables[f] = pyarrow.parquet.read_table(files[f], memory_map=True)
+        yield tables[f].slice(r, 1).to_pylist()[0]
 
 
 def split_shards(path: str, split: str, subset: str | None) -> tuple[list[str], Callable[[str], str]]:
