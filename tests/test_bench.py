@@ -160,12 +160,35 @@ KEY = "sk-env"
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dirs):
-    """One server for the file's runs against a live server, with a key (VLLM_API_KEY, as vLLM's server reads it)."""
+def profiles(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs, profiles):
+    """One server for the file's runs against a live server, with a key (VLLM_API_KEY, as vLLM's server reads it)
+    and a folder for profiles (VLLM_TORCH_PROFILER_DIR)."""
     flags = ["--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "300"]
-    env = {"VLLM_API_KEY": KEY}
+    env = {"VLLM_API_KEY": KEY, "VLLM_TORCH_PROFILER_DIR": str(profiles)}
     with running_server(tiny_dirs["tiny-3b"], *flags, "--served-model-name", "tiny", env=env) as (base, _):
         yield base
+
+
+def test_bench_profile_has_the_engine_write_a_trace_of_the_run(tiny_dirs, served, profiles, monkeypatch):
+    """--profile, as vLLM's: /start_profile before the run and /stop_profile after; the engine process writes one
+    gzipped Chrome trace of its steps (the model's operators in it) into VLLM_TORCH_PROFILER_DIR."""
+    import gzip
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    flags = ["--base-url", served, "--tokenizer", str(tiny_dirs["tiny-3b"]), "--num-prompts", "2"]
+    result = bench(*flags, "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos", "--profile")
+    assert result["completed"] == 2
+    deadline = time.time() + 60
+    while not list(profiles.glob("engine-*.pt.trace.json.gz")) and time.time() < deadline:
+        time.sleep(0.2)
+    [trace] = profiles.glob("engine-*.pt.trace.json.gz")
+    names = {event.get("name", "") for event in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
+    assert any(name.startswith("aten::mm") or name.startswith("aten::linear") for name in names)
 
 
 def test_bench_serve_against_a_live_server(tiny_dirs, served, tmp_path, capsys, monkeypatch):

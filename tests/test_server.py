@@ -87,6 +87,8 @@ def data_url(path) -> str:
 def test_disable_playground_leaves_no_page(server):
     for path in ("/", "/playground", "/playground/app.js", "/playground/settings"):
         assert httpx.get(server + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404, path
+    for path in ("/start_profile", "/stop_profile"):  # without VLLM_TORCH_PROFILER_DIR, as vLLM
+        assert httpx.post(server + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404, path
 
 
 def test_models_and_health(client, server):

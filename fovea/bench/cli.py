@@ -80,6 +80,9 @@ def add_bench_parser(sub) -> None:
     sampling.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities asked for per token")
     load.add_argument("--num-warmups", type=int, default=0)
+    load.add_argument(
+        "--profile", action="store_true", help="the server profiles the run (it needs VLLM_TORCH_PROFILER_DIR set)"
+    )
     out = serve.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms: ttft:500 tpot:50 e2el:5000")
     out.add_argument("--percentile-metrics", default="ttft,tpot,itl")
@@ -357,6 +360,15 @@ def wait_until_ready(httpx, base_url: str, headers: dict, timeout_s: int) -> Non
         time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))
 
 
+def toggle_profiler(httpx, base_url: str, headers: dict, action: str) -> None:
+    """--profile: POST /start_profile before the run (its warm-ups included) and /stop_profile after, as vLLM's."""
+    reply = httpx.post(f"{base_url}/{action}_profile", headers=headers, timeout=60)
+    if reply.status_code == 404:
+        raise ValueError(f"--profile: {base_url} has no /{action}_profile (start it with VLLM_TORCH_PROFILER_DIR set)")
+    if reply.status_code != 200:
+        raise ValueError(f"--profile: /{action}_profile answered {reply.status_code}: {reply.text[:200]}")
+
+
 def served_models(httpx, base_url: str, headers: dict) -> list[dict]:
     """The server's model cards; a clear error when the server cannot be reached or refuses the key."""
     try:
@@ -439,6 +451,8 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     goodput = parse_goodput(args.goodput)
     metadata = dict(item.partition("=")[::2] for item in args.metadata)
     requests = build_requests(args, load_bench_tokenizer(tokenizer_id))  # images encoded once, here
+    if args.profile:
+        toggle_profiler(httpx, base_url, headers, "start")
     cpu_start = time.process_time()
     results, duration = asyncio.run(
         serve.run(
@@ -461,6 +475,8 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
         )
     )
     client_cpu_s = time.process_time() - cpu_start
+    if args.profile:
+        toggle_profiler(httpx, base_url, headers, "stop")
     metrics = compute_metrics(results, duration, goodput, selected, percentiles)
     print(format_table(metrics, selected, percentiles, args.max_concurrency))
     # a client near one full core may be what limits the figures above

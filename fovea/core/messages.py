@@ -1,7 +1,7 @@
 """What the front end and an engine process say to each other over their two pipes (engine/engine_core.py,
 frontend/engine_process.py), one dataclass per message.
 
-front end -> engine:  AddRequest, AbortRequests, RemoveLoRA, Shutdown
+front end -> engine:  AddRequest, AbortRequests, RemoveLoRA, Profile, Shutdown
 engine -> front end:  Ready (once, after start-up) or StartFailed; then StepOutputs after every step, Rejected for a
                       request the engine cannot take, RequestsFailed for the requests of a step that raised; last, Dead
                       (it gave up after several failed steps: the front end starts a new engine) or Fatal (a
@@ -33,6 +33,11 @@ class AbortRequests:
 @dataclass
 class RemoveLoRA:
     lora_int_id: int  # an adapter the server unloaded: no new request names it
+
+
+@dataclass
+class Profile:
+    start: bool  # /start_profile (True) or /stop_profile (False): engine/profiler.py
 
 
 @dataclass
@@ -78,5 +83,5 @@ class Fatal:
     message: str
 
 
-ToEngine = AddRequest | AbortRequests | RemoveLoRA | Shutdown
+ToEngine = AddRequest | AbortRequests | RemoveLoRA | Profile | Shutdown
 FromEngine = Ready | StartFailed | StepOutputs | Rejected | RequestsFailed | Dead | Fatal

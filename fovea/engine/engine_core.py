@@ -30,6 +30,7 @@ from fovea.core.messages import (
     AddRequest,
     Dead,
     Fatal,
+    Profile,
     Ready,
     Rejected,
     RemoveLoRA,
@@ -38,6 +39,7 @@ from fovea.core.messages import (
     StartFailed,
     StepOutputs,
 )
+from fovea.engine.profiler import StepProfiler, profiler_dir
 from fovea.runner.tp_workers import WorkerDied
 from fovea.worker_pool import ignore_group_signals  # stops when the front end says so, after in-flight requests
 
@@ -94,6 +96,12 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
     from fovea.engine.engine import StepFailed  # loaded with the engine, in this process only
 
     failed_in_a_row, last_stats = 0, time.monotonic()
+    profiler = StepProfiler(profiler_dir()) if profiler_dir() is not None else None
+
+    def profile(start: bool) -> None:
+        if profiler is not None:
+            profiler.start() if start else profiler.stop()
+
     while True:
         wait = None if not engine.has_unfinished_requests() else 0  # idle: sleep until a command comes
         while commands.poll(wait):
@@ -112,6 +120,8 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
                     engine.abort_request(request_ids)
                 case RemoveLoRA(lora_int_id):
                     engine.remove_lora(lora_int_id)
+                case Profile(start):
+                    profile(start)
             wait = 0
         try:
             outputs = engine.step_deltas() if engine.has_unfinished_requests() else []

@@ -39,6 +39,7 @@ from fovea.core.messages import (
     AbortRequests,
     AddRequest,
     FromEngine,
+    Profile,
     Rejected,
     RemoveLoRA,
     RequestsFailed,
@@ -337,6 +338,11 @@ class AsyncLLM:
         """An unloaded adapter: every engine frees its weights once its requests are done."""
         for engine in self._engines:
             engine.send(RemoveLoRA(lora_int_id))
+
+    def profile(self, start: bool) -> None:
+        """/start_profile, /stop_profile: every engine starts or stops its profiler (engine/profiler.py)."""
+        for engine in self._engines:
+            engine.send(Profile(start))
 
     def _check_alive(self) -> None:
         if self.error is not None:

@@ -405,6 +405,28 @@ async def detokenize(request: Request):
     return {"prompt": await served.engine.run_in_pool(served.engine.tokenizer.decode, body.tokens)}
 
 
+async def start_profile(request: Request):
+    request.app.state.served.engine.profile(True)
+    return Response(status_code=200)
+
+
+async def stop_profile(request: Request):
+    """The engine writes the trace after its current step (engine/profiler.py): this does not wait for it."""
+    request.app.state.served.engine.profile(False)
+    return Response(status_code=200)
+
+
+def profile_routes() -> list:
+    """vLLM's profiler routes, only where VLLM_TORCH_PROFILER_DIR names a folder for the traces."""
+    from fovea.engine.profiler import profiler_dir
+
+    return (
+        []
+        if profiler_dir() is None
+        else [("/start_profile", "POST", start_profile), ("/stop_profile", "POST", stop_profile)]
+    )
+
+
 ROUTES = [
     ("/metrics", "GET", prometheus_metrics),
     ("/health", "GET", health),
