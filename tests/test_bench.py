@@ -750,6 +750,9 @@ def test_prefix_repetition_and_custom_workloads(tiny_dirs, tmp_path):
     assert [r.prompt for r in requests] != [r.prompt for group in by_prefix.values() for r in group]  # shuffled
     with pytest.raises(ValueError, match="must be at least --prefix-repetition-num-prefixes"):
         build_requests(parse("--dataset-name", "prefix_repetition", "--num-prompts", "2"), tokenizer)
+    assert len(build_requests(parse(*flags, "--random-batch-size", "1"), tokenizer)) == 9  # vLLM's default
+    with pytest.raises(ValueError, match="--random-batch-size batches prompts for embedding models"):
+        build_requests(parse(*flags, "--random-batch-size", "4"), tokenizer)
 
     rows = tmp_path / "custom.jsonl"
     rows.write_text('{"prompt": "Name a colour."}\n{"prompt": "Count to three.", "output_len": 9}\n')

@@ -151,6 +151,7 @@ def add_workload_args(
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument("--random-range-ratio", type=float, default=0.0)
     data.add_argument("--random-prefix-len", type=int, default=0)
+    data.add_argument("--random-batch-size", type=int, default=1, help="(vLLM's, for embedding models: only 1 here)")
     data.add_argument("--random-mm-base-items-per-request", type=int, default=1)
     data.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
     data.add_argument(
@@ -267,6 +268,8 @@ def build_requests(args, tokenizer):
     again at random make up the count, as vLLM does, unless --no-oversample."""
     from fovea.bench import datasets
 
+    if args.random_batch_size != 1:
+        raise ValueError("--random-batch-size batches prompts for embedding models, which fovea does not serve")
     requests = workload(args, tokenizer)
     if args.endpoint != "/v1/chat/completions" and any(r.images or r.videos for r in requests):
         raise ValueError("images and videos need --backend openai-chat (--endpoint /v1/chat/completions)")
