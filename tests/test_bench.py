@@ -7,6 +7,7 @@ import io
 import json
 import time
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -189,6 +190,8 @@ def test_bench_profile_has_the_engine_write_a_trace_of_the_run(tiny_dirs, served
     [trace] = profiles.glob("engine-*.pt.trace.json.gz")
     names = {event.get("name", "") for event in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
     assert any(name.startswith("aten::mm") or name.startswith("aten::linear") for name in names)
+    # the development route to reset the prefix cache needs VLLM_SERVER_DEV_MODE=1, as in vLLM (tests/test_server.py)
+    assert httpx.post(served + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
 
 
 def test_bench_serve_against_a_live_server(tiny_dirs, served, tmp_path, capsys, monkeypatch):

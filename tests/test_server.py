@@ -47,6 +47,7 @@ def server(tiny_dirs, media_dir):
         "--trust-remote-code",
         "--enable-mm-embeds",
         "--disable-playground",
+        env={"VLLM_SERVER_DEV_MODE": "1"},
     ) as (base, proc):
         yield base
     # SIGTERM is a clean shutdown, the engine process's too (its image-encoder thread ended before the interpreter)
@@ -89,6 +90,23 @@ def test_disable_playground_leaves_no_page(server):
         assert httpx.get(server + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404, path
     for path in ("/start_profile", "/stop_profile"):  # without VLLM_TORCH_PROFILER_DIR, as vLLM
         assert httpx.post(server + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404, path
+
+
+def test_dev_mode_reset_prefix_cache_makes_the_next_prompt_compute_again(client, server):
+    """vLLM's development route (VLLM_SERVER_DEV_MODE=1): after /reset_prefix_cache a prompt seen before finds no
+    cached tokens; without the reset it finds its full blocks."""
+    prompt = "Count the letters of every word in this sentence, one by one, carefully. " * 6
+
+    def cached() -> int:
+        usage = client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
+        return usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+
+    cached()
+    assert cached() >= 64  # the same prompt again: its full blocks come from the cache
+    reply = httpx.post(server + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 200
+    assert cached() == 0
+    assert cached() >= 64
 
 
 def test_models_and_health(client, server):

@@ -35,6 +35,7 @@ from fovea.core.messages import (
     Rejected,
     RemoveLoRA,
     RequestsFailed,
+    ResetPrefixCache,
     Shutdown,
     StartFailed,
     StepOutputs,
@@ -122,6 +123,9 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
                     engine.remove_lora(lora_int_id)
                 case Profile(start):
                     profile(start)
+                case ResetPrefixCache():
+                    if not engine.blocks.reset_prefix_cache():
+                        logger.warning("the prefix cache was not reset: requests hold KV blocks")
             wait = 0
         try:
             outputs = engine.step_deltas() if engine.has_unfinished_requests() else []

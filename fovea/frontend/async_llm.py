@@ -43,6 +43,7 @@ from fovea.core.messages import (
     Rejected,
     RemoveLoRA,
     RequestsFailed,
+    ResetPrefixCache,
     StepOutputs,
 )
 from fovea.core.request import LoRARequest, RequestDelta, RequestInput, RequestOutput
@@ -343,6 +344,11 @@ class AsyncLLM:
         """/start_profile, /stop_profile: every engine starts or stops its profiler (engine/profiler.py)."""
         for engine in self._engines:
             engine.send(Profile(start))
+
+    def reset_prefix_cache(self) -> None:
+        """Every engine forgets its cached KV blocks after its current step (not while requests hold blocks)."""
+        for engine in self._engines:
+            engine.send(ResetPrefixCache())
 
     def _check_alive(self) -> None:
         if self.error is not None:

@@ -26,7 +26,7 @@ from fovea.server.playground import SETTINGS_PATH
 from fovea.server.protocol import RequestLimits
 from fovea.server.responses import ROUTES as RESPONSES_ROUTES
 from fovea.server.responses import ResponseStore
-from fovea.server.routes import ROUTES, Served, profile_routes
+from fovea.server.routes import ROUTES, Served, tool_routes
 from fovea.server.tool_calls import START
 
 logger = logging.getLogger("fovea")
@@ -118,7 +118,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     )
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, max_objects=options.max_body_objects)
-    routes = ROUTES + RESPONSES_ROUTES + lora_routes() + profile_routes()
+    routes = ROUTES + RESPONSES_ROUTES + lora_routes() + tool_routes()
     routes += PLAYGROUND_ROUTES if options.playground else []
     public = PUBLIC_PATHS | {path for path, _, _ in PLAYGROUND_ROUTES if path != SETTINGS_PATH}
     app.add_middleware(APIKeyCheck, api_key=options.api_key, public=frozenset(public))

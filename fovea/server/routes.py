@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -416,15 +417,25 @@ async def stop_profile(request: Request):
     return Response(status_code=200)
 
 
-def profile_routes() -> list:
-    """vLLM's profiler routes, only where VLLM_TORCH_PROFILER_DIR names a folder for the traces."""
+async def reset_prefix_cache(request: Request):
+    """The engines forget their cached KV after their current step, unless requests hold blocks (then it is logged)."""
+    request.app.state.served.engine.reset_prefix_cache()
+    return Response(status_code=200)
+
+
+def tool_routes() -> list:
+    """vLLM's profiler routes where VLLM_TORCH_PROFILER_DIR names a folder for the traces, and its development
+    route to reset the prefix cache where VLLM_SERVER_DEV_MODE=1 (for benchmarks run without cache hits)."""
     from fovea.engine.profiler import profiler_dir
 
-    return (
+    routes = (
         []
         if profiler_dir() is None
         else [("/start_profile", "POST", start_profile), ("/stop_profile", "POST", stop_profile)]
     )
+    if os.environ.get("VLLM_SERVER_DEV_MODE", "").lower() in ("1", "true"):
+        routes.append(("/reset_prefix_cache", "POST", reset_prefix_cache))
+    return routes
 
 
 ROUTES = [
