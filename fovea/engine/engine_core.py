@@ -98,11 +98,6 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
 
     failed_in_a_row, last_stats = 0, time.monotonic()
     profiler = StepProfiler(profiler_dir()) if profiler_dir() is not None else None
-
-    def profile(start: bool) -> None:
-        if profiler is not None:
-            profiler.start() if start else profiler.stop()
-
     while True:
         wait = None if not engine.has_unfinished_requests() else 0  # idle: sleep until a command comes
         while commands.poll(wait):
@@ -121,8 +116,11 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
                     engine.abort_request(request_ids)
                 case RemoveLoRA(lora_int_id):
                     engine.remove_lora(lora_int_id)
-                case Profile(start):
-                    profile(start)
+                case Profile(start) if profiler is not None:
+                    if start:
+                        profiler.start()
+                    else:
+                        profiler.stop()
                 case ResetPrefixCache():
                     if not engine.blocks.reset_prefix_cache():
                         logger.warning("the prefix cache was not reset: requests hold KV blocks")
