@@ -27,7 +27,7 @@ GREEDY = {"temperature": 0, "max_output_tokens": 12}
 def client(tiny_dirs):
     flags = ["--dtype", "float32", "--max-model-len", "1024", "--mm-processor-workers", "0"]
     flags += ["--served-model-name", "tiny", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    with running_server(tiny_dirs["tiny-3b"], *flags) as (base, _):
+    with running_server(tiny_dirs["tiny-3b"], *flags, env={"FOVEA_BACKGROUND_RESPONSES": "2"}) as (base, _):
         yield openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
 
 
@@ -152,6 +152,58 @@ def test_a_function_call_round_trip_and_previous_response_id(client):
         client.responses.retrieve(unstored.id)
 
 
+def settled(client, response_id: str, timeout_s: float = 60):
+    import time
+
+    deadline = time.time() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.time() < deadline, response
+        time.sleep(0.1)
+    return response
+
+
+def test_background_responses_run_on_and_are_read_cancelled_or_failed_later(client):
+    """background=true answers at once with a queued response; GET later gives what the same request gives in the
+    foreground; cancel aborts one still running (its request leaves the engine); one whose request fails is stored
+    as failed with the reason."""
+    import time
+
+    import httpx
+
+    queued = client.responses.create(model="tiny", input="Say something about boats.", background=True, **GREEDY)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    foreground = client.responses.create(model="tiny", input="Say something about boats.", **GREEDY)
+    done = settled(client, queued.id)
+    assert (done.status, done.output_text, done.background) == ("incomplete", foreground.output_text, True)
+    with pytest.raises(openai.BadRequestError, match="this one is incomplete"):
+        client.responses.cancel(queued.id)
+
+    endless = dict(
+        model="tiny", input="Go on.", background=True, max_output_tokens=900, extra_body={"ignore_eos": True}
+    )
+    long, other = client.responses.create(**endless), client.responses.create(**endless)
+    with pytest.raises(openai.RateLimitError, match="2 background responses are running"):
+        client.responses.create(**endless)  # (FOVEA_BACKGROUND_RESPONSES=2 on this server)
+    client.responses.cancel(other.id)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    base = str(client.base_url).removesuffix("/v1/")
+    for _ in range(100):  # (the gauge comes with the engine's next stats)
+        running = [v for v in httpx.get(base + "/metrics").text.splitlines() if v.startswith("fovea:num_requests_run")]
+        if float(running[0].rsplit(" ", 1)[1]) == 0:
+            break
+        time.sleep(0.1)
+    assert float(running[0].rsplit(" ", 1)[1]) == 0, running
+
+    unreachable = [{"role": "user", "content": [{"type": "input_image", "image_url": "file:///etc/passwd"}]}]
+    failed = settled(client, client.responses.create(model="tiny", input=unreachable, background=True).id)
+    assert failed.status == "failed" and failed.error.code == "invalid_prompt" and "file" in failed.error.message
+    deleted = client.responses.create(model="tiny", input="Go on.", background=True, max_output_tokens=900)
+    client.responses.delete(deleted.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
+
+
 @pytest.mark.parametrize(
     "fields, error, words",
     [
@@ -167,7 +219,8 @@ def test_a_function_call_round_trip_and_previous_response_id(client):
         ),
         ({"input": "x", "tools": [{"type": "web_search"}]}, openai.BadRequestError, "web_search"),
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, openai.BadRequestError, "yaml"),
-        ({"input": "x", "background": True}, openai.BadRequestError, "background"),
+        ({"input": "x", "background": True, "store": False}, openai.BadRequestError, "background responses need"),
+        ({"input": "x", "background": True, "stream": True}, openai.BadRequestError, "are not streamed"),
         ({"input": "x", "max_output_tokens": 0}, openai.BadRequestError, "max_tokens"),
     ],
 )

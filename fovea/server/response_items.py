@@ -43,6 +43,7 @@ def response_object(body: ResponsesRequest, response_id: str, model: str, output
         "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning,
         "store": body.store,
+        "background": body.background,
         "metadata": body.metadata or {},
         "truncation": body.truncation or "disabled",
         "user": body.user,

@@ -8,11 +8,15 @@ the SDK's typed stream events.
 `store` (default true) keeps a response, and the conversation that led to it, in memory for `GET` and for a later
 request's `previous_response_id` (whose instructions are not carried over, as OpenAI does). Bounded: the newest
 FOVEA_STORED_RESPONSES responses (default 1000) and FOVEA_STORED_RESPONSES_MB of their text (default 256, images
-as data URLs included); older ones are forgotten first.
+as data URLs included); older ones are forgotten first. `background` (with `store`, not streamed) answers at once
+with a `queued` response and runs on without the client: `GET` shows it `completed`, `incomplete`, `failed` (with
+the error) or `cancelled` (`POST .../cancel`, or `DELETE`, aborts it); at most FOVEA_BACKGROUND_RESPONSES (256) run
+at once, a 429 past that.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -32,6 +36,8 @@ from fovea.server.routes import Served, start_chat
 
 MAX_STORED = int(os.environ.get("FOVEA_STORED_RESPONSES", "1000"))
 MAX_STORED_BYTES = int(float(os.environ.get("FOVEA_STORED_RESPONSES_MB", "256")) * 2**20)
+# background responses hold no connection: what else would bound how many a client leaves running
+MAX_BACKGROUND = int(os.environ.get("FOVEA_BACKGROUND_RESPONSES", "256"))
 
 
 class ResponseStore:
@@ -42,6 +48,7 @@ class ResponseStore:
         self.max_count, self.max_bytes = max_count, max_bytes
         self.entries: OrderedDict[str, bytes] = OrderedDict()
         self.size = 0
+        self.running: dict[str, asyncio.Task] = {}  # background responses by id (touched on the event loop only)
         self._lock = threading.Lock()
 
     def put(self, response: dict, conversation: list[dict]) -> None:
@@ -132,8 +139,8 @@ def content_parts(content) -> str | list[dict]:
 def chat_request(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
     """The chat request, and the conversation without the instructions (what a later previous_response_id
     continues)."""
-    if body.background:
-        raise ValueError("background responses are not supported")
+    if body.background and (body.stream or not body.store):
+        raise ValueError("background responses need store=true and are not streamed (poll GET /v1/responses/{id})")
     if (body.model_extra or {}).get("conversation") is not None:  # never accepted and ignored
         raise ValueError("conversation is not supported; continue a response with previous_response_id")
     tools = []
@@ -194,8 +201,55 @@ async def create_response(request: Request):
         (await served.engine.run_in_pool(store.get, body.previous_response_id))[1] if body.previous_response_id else []
     )
     chat, conversation = await served.engine.run_in_pool(chat_request, body, history)
-    run = await start_chat(request, served, lambda: chat, "resp")
-    response_id, created = "resp_" + run.request_id.removeprefix("resp-"), int(time.time())
+    if body.background:
+        return start_in_background(served, body, chat, conversation)
+    return await respond(request, served, body, chat, conversation)
+
+
+class Detached:
+    """A background response's stand-in for its client, who does not wait for the answer: never gone."""
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def start_in_background(served: Served, body: ResponsesRequest, chat, conversation: list[dict]) -> dict:
+    """The `queued` response, stored; a task runs the request and stores how it ended."""
+    store: ResponseStore = served.responses
+    if len(store.running) >= MAX_BACKGROUND:
+        raise APIError(
+            429,
+            f"{MAX_BACKGROUND} background responses are running (FOVEA_BACKGROUND_RESPONSES); retry when one ends",
+            "RateLimitError",
+        )
+    response_id = "resp_" + serving.new_id("bg").removeprefix("bg-")
+    queued = response_object(body, response_id, served.model_name(body.model), [], {}, None, int(time.time()), "queued")
+    store.put(queued, conversation)
+
+    async def run() -> None:
+        try:
+            await respond(Detached(), served, body, chat, conversation, response_id, queued["created_at"])
+        except asyncio.CancelledError:
+            store.put(queued | {"status": "cancelled"}, conversation)
+        except Exception as error:  # noqa: BLE001 - the client reads it from the stored response
+            client_side = isinstance(error, ValueError) or (isinstance(error, APIError) and error.status < 500)
+            failure = {"code": "invalid_prompt" if client_side else "server_error", "message": str(error)[:1000]}
+            store.put(queued | {"status": "failed", "error": failure}, conversation)
+        finally:
+            store.running.pop(response_id, None)
+
+    store.running[response_id] = asyncio.create_task(run())
+    return queued
+
+
+async def respond(
+    client, served: Served, body: ResponsesRequest, chat, conversation: list[dict], response_id=None, created=None
+):
+    """The response to `chat`, whole or streamed; `client`: the HTTP request (its leaving aborts the run)."""
+    store: ResponseStore = served.responses
+    run = await start_chat(client, served, lambda: chat, "resp")
+    response_id = response_id or "resp_" + run.request_id.removeprefix("resp-")
+    created = created or int(time.time())
 
     def finish(output: list[dict], usage: dict, finish_reason: str | None) -> dict:
         response = response_object(body, response_id, run.model, output, usage, finish_reason, created)
@@ -239,14 +293,29 @@ async def get_response(request: Request, response_id: str):
     return (await served.engine.run_in_pool(served.responses.get, response_id))[0]
 
 
+async def stop_running(store: ResponseStore, response_id: str) -> bool:
+    """Cancels a background response's run (its request is aborted; it is stored as cancelled)."""
+    task = store.running.get(response_id)
+    if task is None:
+        return False
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return True
+
+
 async def delete_response(request: Request, response_id: str):
-    request.app.state.served.responses.delete(response_id)
+    store = request.app.state.served.responses
+    await stop_running(store, response_id)
+    store.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
 async def cancel_response(request: Request, response_id: str):
-    request.app.state.served.responses.get(response_id)
-    raise APIError(400, "Only responses created with background=true can be cancelled; fovea has none.")
+    store = request.app.state.served.responses
+    if not await stop_running(store, response_id):
+        status = store.get(response_id)[0]["status"]
+        raise APIError(400, f"Only background responses still running can be cancelled; this one is {status}.")
+    return store.get(response_id)[0]
 
 
 ROUTES = [
