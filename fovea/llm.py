@@ -76,6 +76,10 @@ class LLM:
         `priority`: one per prompt, lower first (needs scheduling_policy="priority"), as in vLLM."""
         prompts = as_prompt_list(prompts)
         params = self._params(sampling_params, len(prompts))
+        params = [  # vLLM's prompt key: the prefix cache's salt
+            p.clone(cache_salt=prompt["cache_salt"]) if isinstance(prompt, dict) and "cache_salt" in prompt else p
+            for prompt, p in zip(prompts, params)
+        ]
         processed = self._prepare(
             lambda prompt, p: self.inputs.process(prompt, mm_processor_kwargs, p.truncate_prompt_tokens),
             prompts,

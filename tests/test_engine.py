@@ -166,6 +166,27 @@ def test_every_64_bit_seed_is_taken_with_any_n(llm, seed):
     assert llm.generate("Next", params.clone(n=1), use_tqdm=False)[0].outputs[0].token_ids == first[0].token_ids
 
 
+def test_a_cache_salt_keeps_a_requests_blocks_from_requests_without_it(llm):
+    """vLLM's cache_salt (SamplingParams here, a prompt dict's key as in vLLM): prefix-cache hits only among
+    requests with the same salt; the tokens are the same either way."""
+    prompt = LOREM * 3
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+
+    def run(salt=None, as_key=False):
+        given = {"prompt": prompt, "cache_salt": salt} if as_key else prompt
+        params = greedy if salt is None or as_key else greedy.clone(cache_salt=salt)
+        return llm.generate(given, params, use_tqdm=False)[0]
+
+    plain = run()
+    assert run().num_cached_tokens >= 48
+    first = run("a")
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert run("b", as_key=True).num_cached_tokens == 0
+    assert run("a", as_key=True).num_cached_tokens >= 48
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        greedy.clone(cache_salt="")
+
+
 def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
     model, processor = our_model(tiny_dirs["tiny-3b"])
     messages = image_chat(random_image(200, 150, 23))

@@ -26,6 +26,7 @@ MAX_SCHEMA_DEPTH = 64  # nested objects and arrays, and $ref jumps, on any path 
 MAX_GBNF_RULES = 1000
 
 
+MAX_SALT_CHARS = 1024
 FORMS = ("json", "regex", "choice", "grammar", "structural_tag")  # structured outputs' forms, but json_object
 
 
@@ -266,6 +267,9 @@ class SamplingParams:
     # vLLM's beam search: n beams, run by the front end one token at a time (frontend/beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0  # a finished beam's score: cumulative logprob / length ** length_penalty
+    # vLLM's request field (a prompt dict's key offline): cached KV blocks are found only by requests with the same
+    # salt, so one tenant cannot time another's prompts through the prefix cache
+    cache_salt: str | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     stop_holdback: int = field(init=False, repr=False, default=0)  # characters a stream holds back
     # bad_words as token ids (the front end's tokenizer sets them: InputProcessor.check_params)
@@ -343,6 +347,10 @@ class SamplingParams:
         )
         check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (leave it out to allow every token)")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        check(
+            self.cache_salt is None or isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_SALT_CHARS,
+            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters",
+        )
         check(math.isfinite(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty}")
         if self.use_beam_search:
             changed = [name for name, default in BEAM_SEARCH_IGNORES.items() if getattr(self, name) != default]

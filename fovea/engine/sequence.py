@@ -50,7 +50,10 @@ class Request:
         self.positions = np.broadcast_to(np.arange(length), (3, length)) if input.positions is None else input.positions
         self.mm_spans = [item.span for item in self.mm_items]
         self.lora = input.lora
-        self.hash_salt = b"" if input.lora is None else b"lora:%d" % input.lora.lora_int_id  # block_manager.py
+        # what starts the chain of block hashes (block_manager.py): an adapter's KV, a tenant's salt
+        self.hash_salt = b"" if input.lora is None else b"lora:%d" % input.lora.lora_int_id
+        if input.params.cache_salt is not None:
+            self.hash_salt += b"salt:" + input.params.cache_salt.encode()
         params = self.params
         self.eos_token_ids = () if params.ignore_eos else tuple(input.eos_token_ids)
         self.stop_ids = self.eos_token_ids + tuple(params.stop_token_ids)  # what min_tokens holds back

@@ -61,7 +61,9 @@ class InputProcessor:
         images: list = []
         videos: list = []
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+            # (cache_salt: read into the prompt's SamplingParams by LLM.generate)
+            known = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "cache_salt"}
+            unknown = set(prompt) - known
             if unknown:
                 raise ValueError(f"unknown prompt fields {sorted(unknown)}")
             data = prompt.get("multi_modal_data") or {}

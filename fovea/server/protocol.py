@@ -99,7 +99,6 @@ IGNORED = {
     "metadata",
     "service_tier",
     "request_id",
-    "cache_salt",
     "reasoning_effort",
     "include_reasoning",
     "web_search_options",
@@ -148,6 +147,7 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None  # vLLM's: words never generated
     use_beam_search: bool = False  # vLLM's: the n best beams (frontend/beam_search.py)
     length_penalty: float = 1.0  # vLLM's: beams ranked by cumulative logprob / length ** length_penalty
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -260,6 +260,7 @@ class SamplingFields(BaseModel):
                 "structured_outputs": self.structured(),
                 "use_beam_search": self.use_beam_search,
                 "length_penalty": self.length_penalty,
+                "cache_salt": self.cache_salt,
                 "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             },
         )
