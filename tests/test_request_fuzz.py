@@ -1,9 +1,11 @@
 """Random requests against one server, side by side: malformed bodies (fields of the wrong type or out of range,
 broken messages and content parts) and valid combinations of what a request can ask (n, beam search, grammars,
-logprobs, stop rules, token bans, penalties, tools, images, several prompts, streaming), on a server whose small
-step budget and KV cache make prompts chunk and sequences wait. Every answer is a 200 or a 4xx with an OpenAI error
-body, every stream ends with [DONE], and a plain chat is served at the end. The seed is fixed for a run and printed
-with every failure (FOVEA_FUZZ_SEED repeats one; FOVEA_FUZZ_REQUESTS sets how many of each kind, 120 by default).
+logprobs, stop rules, token bans, penalties, tools, images, several prompts, streaming; the Responses API's fields,
+background runs too), on a server whose small step budget and KV cache make prompts chunk and sequences wait.
+Every answer is a 200 or a 4xx with an OpenAI error body, every stream ends (with [DONE] or response.completed, or
+an error event that is not a server error), and a plain chat is served at the end. The seed is fixed for a run and
+printed with every failure (FOVEA_FUZZ_SEED repeats one; FOVEA_FUZZ_REQUESTS sets how many of each kind, 120 by
+default).
 
 Found when it was written: a completions request whose prompts run merged failed with "aclose(): asynchronous
 generator is already running" (a 500 hiding the real error) when one prompt failed; a grammar that the request's
@@ -71,6 +73,19 @@ CHAT = {
     "echo": [True],
 }
 COMPLETION = {"logprobs": [0, 3], "echo": [True]}
+RESPONSES = {
+    "instructions": ["Be brief."],
+    "max_output_tokens": [1, 8],
+    "temperature": [0, 1.0],
+    "tools": [[{"type": "function", "name": "get", "parameters": {"type": "object", "properties": {}}}]],
+    "tool_choice": ["auto", "required"],
+    "text": [{"format": {"type": "json_object"}}],
+    "store": [False],
+    "background": [True],
+    "stream": [True],
+    "top_k": [5],
+    "seed": [3],
+}
 
 # what malformed fields get
 BAD = [None, True, -1, 0, 2**64, 1e308, -1e308, "", "x" * 3000, "<|im_start|>", [], [None], list(range(3000)),
@@ -80,7 +95,15 @@ BAD_FIELDS = [*VALID, *CHAT, "messages", "prompt", "model", "suffix", "chat_temp
 
 
 def valid_request(rng: random.Random) -> tuple[str, dict]:
-    if rng.random() < 0.6:
+    if rng.random() < 0.2:
+        content = rng.choice(
+            ["Hi", [{"type": "input_image", "image_url": PICTURE}, {"type": "input_text", "text": "?"}]]
+        )
+        body = {"model": "tiny", "input": [{"role": "user", "content": content}], "max_output_tokens": 8}
+        for name in rng.sample(sorted(RESPONSES), rng.randint(1, 4)):
+            body[name] = rng.choice(RESPONSES[name])
+        return "/v1/responses", body
+    if rng.random() < 0.6 / 0.8:
         content = [{"type": "text", "text": rng.choice(["Hi", "Describe it. " * 12])}]
         if rng.random() < 0.5:
             content.insert(0, {"type": "image_url", "image_url": {"url": PICTURE}})
@@ -102,7 +125,9 @@ def valid_request(rng: random.Random) -> tuple[str, dict]:
 def malformed_request(rng: random.Random) -> tuple[str, dict]:
     path, body = valid_request(rng)
     for _ in range(rng.randint(1, 3)):
-        if rng.random() < 0.25 and "messages" in body:
+        if rng.random() < 0.25 and "input" in body:
+            body["input"] = rng.choice([[{"type": "item_reference"}], [5], [{"role": "user", "content": [{}]}], {}])
+        elif rng.random() < 0.25 and "messages" in body:
             part = rng.choice([{}, {"type": "image_url", "image_url": rng.choice(BAD)}, {"type": "text"}, 5, None])
             body["messages"] = [{"role": rng.choice(["user", "tool", "bogus", None]), "content": [part]}]
         else:
@@ -121,15 +146,25 @@ def send(client: httpx.Client, base: str, path: str, body: dict) -> str | None:
         reply = client.post(base + path, content=text, headers=headers)
         status, answer = reply.status_code, reply.text
     if status == 200:
-        if body.get("stream") is True and not answer.rstrip().endswith("data: [DONE]"):
-            return f"a stream that does not end with [DONE]: ...{answer[-300:]}"
-        if body.get("stream") is True and '"code":500' in answer.replace(" ", ""):
+        if body.get("stream") is not True:
+            return None
+        errors = [e["error"] for e in events(answer) if isinstance(e, dict) and isinstance(e.get("error"), dict)]
+        if any(error.get("code", 500) >= 500 for error in errors):
             return f"a stream that ended in a server error: ...{answer[-300:]}"
+        ended = "data: [DONE]" if path != "/v1/responses" else "response.completed"
+        if not errors and ended not in answer[-3000:]:
+            return f"a stream that does not end with {ended}: ...{answer[-300:]}"
         return None
     if 400 <= status < 500:
         error = json.loads(answer).get("error")
         return None if isinstance(error, dict) and error.get("message") else f"{status} without an error body"
     return f"{status}: {answer[:400]}"
+
+
+def events(stream: str) -> list:
+    """The JSON payloads of a stream's `data:` lines."""
+    lines = [line.removeprefix("data: ") for line in stream.splitlines() if line.startswith("data: {")]
+    return [json.loads(line) for line in lines]
 
 
 @pytest.fixture(scope="module")
