@@ -24,9 +24,9 @@ MAX_GRAMMAR_CHARS = 4 << 20  # 100,000 choices of 14 characters compile in about
 MAX_SCHEMA_DEPTH = 64  # nested objects and arrays, and $ref jumps, on any path from the root
 # GBNF becomes Lark in llguidance's Python converter, whose time grows as the square of the rules (benchmarks/README)
 MAX_GBNF_RULES = 1000
+MAX_SALT_CHARS = 1024  # a request's cache_salt
 
 
-MAX_SALT_CHARS = 1024
 FORMS = ("json", "regex", "choice", "grammar", "structural_tag")  # structured outputs' forms, but json_object
 
 
@@ -117,9 +117,9 @@ def _schema_children(root, node) -> list:
 @dataclass(frozen=True, eq=False)
 class StructuredOutputsParams:
     """vLLM's names: exactly one of json (a schema, as a dict or a JSON string), regex, choice, grammar (Lark,
-    llguidance's dialect, or GBNF), json_object (any JSON object) or structural_tag (free text in which each trigger starts
-    a tagged part held to its schema: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, as a
-    dict or a JSON string)."""
+    llguidance's dialect, or GBNF), json_object (any JSON object) or structural_tag (free text in which each
+    trigger starts a tagged part held to its schema: {"structures": [{"begin", "schema", "end"}, ...],
+    "triggers": [...]}, as a dict or a JSON string)."""
 
     json: dict | str | None = None
     regex: str | None = None

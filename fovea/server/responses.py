@@ -202,7 +202,7 @@ async def create_response(request: Request):
     )
     chat, conversation = await served.engine.run_in_pool(chat_request, body, history)
     if body.background:
-        return start_in_background(served, body, chat, conversation)
+        return await start_in_background(served, body, chat, conversation)
     return await respond(request, served, body, chat, conversation)
 
 
@@ -213,8 +213,9 @@ class Detached:
         return False
 
 
-def start_in_background(served: Served, body: ResponsesRequest, chat, conversation: list[dict]) -> dict:
-    """The `queued` response, stored; a task runs the request and stores how it ended."""
+async def start_in_background(served: Served, body: ResponsesRequest, chat, conversation: list[dict]) -> dict:
+    """The `queued` response, stored; a task runs the request and stores how it ended (off the event loop: a
+    conversation's images are stored as data URLs)."""
     store: ResponseStore = served.responses
     if len(store.running) >= MAX_BACKGROUND:
         raise APIError(
@@ -224,17 +225,21 @@ def start_in_background(served: Served, body: ResponsesRequest, chat, conversati
         )
     response_id = "resp_" + serving.new_id("bg").removeprefix("bg-")
     queued = response_object(body, response_id, served.model_name(body.model), [], {}, None, int(time.time()), "queued")
-    store.put(queued, conversation)
+    await served.engine.run_in_pool(store.put, queued, conversation)
 
     async def run() -> None:
+        ended = None
         try:
             await respond(Detached(), served, body, chat, conversation, response_id, queued["created_at"])
         except asyncio.CancelledError:
-            store.put(queued | {"status": "cancelled"}, conversation)
+            ended = {"status": "cancelled"}
         except Exception as error:  # noqa: BLE001 - the client reads it from the stored response
             client_side = isinstance(error, ValueError) or (isinstance(error, APIError) and error.status < 500)
             failure = {"code": "invalid_prompt" if client_side else "server_error", "message": str(error)[:1000]}
-            store.put(queued | {"status": "failed", "error": failure}, conversation)
+            ended = {"status": "failed", "error": failure}
+        try:
+            if ended is not None:
+                await served.engine.run_in_pool(store.put, queued | ended, conversation)
         finally:
             store.running.pop(response_id, None)
 
