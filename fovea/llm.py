@@ -59,6 +59,12 @@ class LLM:
         while a request is running."""
         return self.engine.blocks.reset_prefix_cache()
 
+    def reset_mm_cache(self) -> None:
+        """Forgets decoded images and encoder outputs kept for later requests (vLLM's), for runs without hits."""
+        if self.inputs.processor_cache is not None:
+            self.inputs.processor_cache.clear()
+        self.engine.encoder_cache.reset()
+
     def get_default_sampling_params(self) -> SamplingParams:
         return self.default_params.clone()
 

@@ -20,6 +20,20 @@ def test_referenced_entries_stay_and_released_ones_are_evicted_lru():
     assert not cache.contains("a") and cache.contains("b") and cache.num_references() == 1
 
 
+def test_reset_forgets_only_what_no_sequence_needs():
+    """vLLM's reset_mm_cache: entries no running sequence holds are forgotten; the held one stays usable."""
+    cache = EncoderCache(capacity_tokens=12)
+    for key, seq in (("held", 1), ("done", 2), ("orphan", None)):
+        cache.reserve(key, 4)
+        if seq is not None:
+            cache.acquire(key, seq)
+        cache.put(key, torch.zeros(4, 2))
+    cache.release("done", 2)
+    cache.reset()
+    assert (cache.contains("held"), cache.contains("done"), cache.contains("orphan")) == (True, False, False)
+    assert cache.ready("held") and cache.used == 4 and cache.can_reserve(8)
+
+
 def test_an_entry_encoded_for_a_sequence_that_was_not_scheduled_is_evictable():
     # the scheduler reserves an image, then finds no KV blocks for its sequence: the image is still encoded in
     # that step, with no sequence holding it; it must not pin cache space forever

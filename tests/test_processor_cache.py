@@ -57,6 +57,9 @@ def test_repeats_are_decoded_once_and_give_the_same_pixels(tiny_dirs):
     inputs.process_chat(chat(image_part(other)))  # other bytes
     inputs.process_chat(chat(image_part(boat)), mm_processor_kwargs={"max_pixels": 160 * 120})  # another size
     assert decoder.decoded == 4 and inputs.processor_cache.hits == 2
+    inputs.processor_cache.clear()  # /reset_mm_cache: the next repeat is decoded again
+    inputs.process_chat(chat(image_part(other)))
+    assert decoder.decoded == 5 and inputs.processor_cache.size > 0
 
 
 def test_least_recently_used_goes_first_and_zero_turns_it_off(tiny_dirs):

@@ -104,15 +104,35 @@ def test_dev_mode_reset_prefix_cache_makes_the_next_prompt_compute_again(client,
     cached()
     assert cached() >= 64  # the same prompt again: its full blocks come from the cache
     # vLLM's cache_salt: blocks are found only by requests with the same salt (once ignored, silently)
-    salted = lambda salt: client.completions.create(  # noqa: E731
-        model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}
-    ).usage.prompt_tokens_details
+    salted = lambda salt: (
+        client.completions.create(  # noqa: E731
+            model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}
+        ).usage.prompt_tokens_details
+    )
     assert salted("tenant-a") is None and salted("tenant-b") is None  # no cached tokens, no details
     assert salted("tenant-a").cached_tokens >= 64
     reply = httpx.post(server + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
     assert reply.status_code == 200
     assert cached() == 0
     assert cached() >= 64
+
+
+def test_dev_mode_reset_mm_cache_makes_the_next_image_encode_again(client, server, media_dir):
+    """vLLM's /reset_mm_cache (VLLM_SERVER_DEV_MODE=1): an image seen before is encoded again after it (an
+    encoder-cache miss), and found again after that."""
+    from serving import metric
+
+    url, auth = data_url(media_dir / "boat.jpg"), {"Authorization": f"Bearer {KEY}"}
+
+    def hits_after_one_chat() -> float:
+        client.chat.completions.create(model="tiny", messages=image_message(url), max_tokens=1)
+        return metric(server, "fovea:encoder_cache_hits_total")
+
+    before = hits_after_one_chat()
+    assert hits_after_one_chat() == before + 1
+    assert httpx.post(server + "/reset_mm_cache", headers=auth).status_code == 200
+    assert hits_after_one_chat() == before + 1  # encoded again
+    assert hits_after_one_chat() == before + 2
 
 
 def test_models_and_health(client, server):

@@ -1,7 +1,7 @@
 """What the front end and an engine process say to each other over their two pipes (engine/engine_core.py,
 frontend/engine_process.py), one dataclass per message.
 
-front end -> engine:  AddRequest, AbortRequests, RemoveLoRA, Profile, ResetPrefixCache, Shutdown
+front end -> engine:  AddRequest, AbortRequests, RemoveLoRA, Profile, ResetCache, Shutdown
 engine -> front end:  Ready (once, after start-up) or StartFailed; then StepOutputs after every step, Rejected for a
                       request the engine cannot take, RequestsFailed for the requests of a step that raised; last, Dead
                       (it gave up after several failed steps: the front end starts a new engine) or Fatal (a
@@ -41,8 +41,11 @@ class Profile:
 
 
 @dataclass
-class ResetPrefixCache:
-    """Forget the cached KV blocks (vLLM's dev-mode /reset_prefix_cache); refused, and logged, while any is held."""
+class ResetCache:
+    """vLLM's development routes: forget the cached KV blocks ("prefix"; refused, and logged, while any is held)
+    or the encoder outputs no running request needs ("mm")."""
+
+    kind: str
 
 
 @dataclass
@@ -88,5 +91,5 @@ class Fatal:
     message: str
 
 
-ToEngine = AddRequest | AbortRequests | RemoveLoRA | Profile | ResetPrefixCache | Shutdown
+ToEngine = AddRequest | AbortRequests | RemoveLoRA | Profile | ResetCache | Shutdown
 FromEngine = Ready | StartFailed | StepOutputs | Rejected | RequestsFailed | Dead | Fatal

@@ -85,5 +85,13 @@ class EncoderCache:
             if key in self.sizes:
                 self.unreferenced[key] = None
 
+    def reset(self) -> None:
+        """Forgets the encoder outputs no sequence needs (vLLM's reset_mm_cache): the next request showing those
+        images runs the encoder again."""
+        for key in self.unreferenced:
+            del self.sizes[key]
+            self.embeddings.pop(key, None)
+        self.unreferenced.clear()
+
     def num_references(self) -> int:
         return sum(len(h) for h in self.refs.values())

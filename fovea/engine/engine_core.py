@@ -35,7 +35,7 @@ from fovea.core.messages import (
     Rejected,
     RemoveLoRA,
     RequestsFailed,
-    ResetPrefixCache,
+    ResetCache,
     Shutdown,
     StartFailed,
     StepOutputs,
@@ -121,9 +121,11 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
                         profiler.start()
                     else:
                         profiler.stop()
-                case ResetPrefixCache():
+                case ResetCache("prefix"):
                     if not engine.blocks.reset_prefix_cache():
                         logger.warning("the prefix cache was not reset: requests hold KV blocks")
+                case ResetCache("mm"):
+                    engine.encoder_cache.reset()
             wait = 0
         try:
             outputs = engine.step_deltas() if engine.has_unfinished_requests() else []

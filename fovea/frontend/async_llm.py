@@ -43,7 +43,7 @@ from fovea.core.messages import (
     Rejected,
     RemoveLoRA,
     RequestsFailed,
-    ResetPrefixCache,
+    ResetCache,
     StepOutputs,
 )
 from fovea.core.request import LoRARequest, RequestDelta, RequestInput, RequestOutput
@@ -345,10 +345,13 @@ class AsyncLLM:
         for engine in self._engines:
             engine.send(Profile(start))
 
-    def reset_prefix_cache(self) -> None:
-        """Every engine forgets its cached KV blocks after its current step (not while requests hold blocks)."""
+    def reset_cache(self, kind: str) -> None:
+        """ "prefix": every engine forgets its cached KV blocks after its current step (not while requests hold
+        blocks); "mm": the decoded images kept here and the encoder outputs no running request needs."""
+        if kind == "mm" and self.inputs.processor_cache is not None:
+            self.inputs.processor_cache.clear()
         for engine in self._engines:
-            engine.send(ResetPrefixCache())
+            engine.send(ResetCache(kind))
 
     def _check_alive(self) -> None:
         if self.error is not None:

@@ -30,6 +30,11 @@ class ProcessorCache:
         self.size = self.queries = self.hits = 0
         self._lock = threading.Lock()  # the preparation pool's threads share it
 
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+            self.size = 0
+
     def probe(self, data: bytes):
         return self.decoder.probe(data)
 

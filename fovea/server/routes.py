@@ -419,13 +419,19 @@ async def stop_profile(request: Request):
 
 async def reset_prefix_cache(request: Request):
     """The engines forget their cached KV after their current step, unless requests hold blocks (then it is logged)."""
-    request.app.state.served.engine.reset_prefix_cache()
+    request.app.state.served.engine.reset_cache("prefix")
+    return Response(status_code=200)
+
+
+async def reset_mm_cache(request: Request):
+    """The decoded images the front end keeps, and the encoder outputs no running request needs, are forgotten."""
+    request.app.state.served.engine.reset_cache("mm")
     return Response(status_code=200)
 
 
 def tool_routes() -> list:
     """vLLM's profiler routes where VLLM_TORCH_PROFILER_DIR names a folder for the traces, and its development
-    route to reset the prefix cache where VLLM_SERVER_DEV_MODE=1 (for benchmarks run without cache hits)."""
+    routes to reset the prefix and multimodal caches where VLLM_SERVER_DEV_MODE=1 (benchmarks without hits)."""
     from fovea.engine.profiler import profiler_dir
 
     routes = (
@@ -434,7 +440,7 @@ def tool_routes() -> list:
         else [("/start_profile", "POST", start_profile), ("/stop_profile", "POST", stop_profile)]
     )
     if os.environ.get("VLLM_SERVER_DEV_MODE", "").lower() in ("1", "true"):
-        routes.append(("/reset_prefix_cache", "POST", reset_prefix_cache))
+        routes += [("/reset_prefix_cache", "POST", reset_prefix_cache), ("/reset_mm_cache", "POST", reset_mm_cache)]
     return routes
 
 
