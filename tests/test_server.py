@@ -103,12 +103,14 @@ def test_dev_mode_reset_prefix_cache_makes_the_next_prompt_compute_again(client,
 
     cached()
     assert cached() >= 64  # the same prompt again: its full blocks come from the cache
+
     # vLLM's cache_salt: blocks are found only by requests with the same salt (once ignored, silently)
-    salted = lambda salt: (
-        client.completions.create(  # noqa: E731
-            model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}
+    def salted(salt: str):
+        extra = {"cache_salt": salt}
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, extra_body=extra
         ).usage.prompt_tokens_details
-    )
+
     assert salted("tenant-a") is None and salted("tenant-b") is None  # no cached tokens, no details
     assert salted("tenant-a").cached_tokens >= 64
     reply = httpx.post(server + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
