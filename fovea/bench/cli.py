@@ -457,29 +457,31 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     if args.profile:
         toggle_profiler(httpx, base_url, headers, "start")
     cpu_start = time.process_time()
-    results, duration = asyncio.run(
-        serve.run(
-            requests,
-            base_url,
-            endpoint,
-            model,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            extra_body=extra_body,
-            ignore_eos=args.ignore_eos,
-            num_warmups=args.num_warmups,
-            headers=headers,
-            seed=args.seed,
-            progress=not args.disable_tqdm,
-            logprobs=args.logprobs,
-            request_id_prefix=args.request_id_prefix,
-            ramp_up=(args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps),
+    try:
+        results, duration = asyncio.run(
+            serve.run(
+                requests,
+                base_url,
+                endpoint,
+                model,
+                request_rate=args.request_rate,
+                burstiness=args.burstiness,
+                max_concurrency=args.max_concurrency,
+                extra_body=extra_body,
+                ignore_eos=args.ignore_eos,
+                num_warmups=args.num_warmups,
+                headers=headers,
+                seed=args.seed,
+                progress=not args.disable_tqdm,
+                logprobs=args.logprobs,
+                request_id_prefix=args.request_id_prefix,
+                ramp_up=(args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps),
+            )
         )
-    )
+    finally:  # a profile left running would grow in the server's memory
+        if args.profile:
+            toggle_profiler(httpx, base_url, headers, "stop")
     client_cpu_s = time.process_time() - cpu_start
-    if args.profile:
-        toggle_profiler(httpx, base_url, headers, "stop")
     metrics = compute_metrics(results, duration, goodput, selected, percentiles)
     print(format_table(metrics, selected, percentiles, args.max_concurrency))
     # a client near one full core may be what limits the figures above
