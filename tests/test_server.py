@@ -137,6 +137,36 @@ def test_dev_mode_reset_mm_cache_makes_the_next_image_encode_again(client, serve
     assert hits_after_one_chat() == before + 2
 
 
+def test_a_clients_request_id_names_the_response_as_vllm_does(client, server):
+    """vLLM's rule: the response's id is the prefix and the client's X-Request-Id header, else the body's
+    request_id; two requests may carry the same one (the engine's own id adds a random part)."""
+    import concurrent.futures
+
+    hello = [{"role": "user", "content": "Hi"}]
+
+    def chat_id(**extra) -> str:
+        return client.chat.completions.create(model="tiny", messages=hello, max_tokens=2, **extra).id
+
+    assert chat_id(extra_body={"request_id": "trace-7"}) == "chatcmpl-trace-7"
+    headed = {"extra_headers": {"X-Request-Id": "from-header"}, "extra_body": {"request_id": "from-body"}}
+    assert chat_id(**headed) == "chatcmpl-from-header"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        same = list(pool.map(lambda _: chat_id(extra_body={"request_id": "same"}), range(3)))
+    assert same == ["chatcmpl-same"] * 3
+    completion = client.completions.create(
+        model="tiny", prompt=["a", "b"], max_tokens=2, extra_body={"request_id": "c1"}
+    )
+    assert completion.id == "cmpl-c1" and len(completion.choices) == 2
+    assert (
+        client.responses.create(model="tiny", input="Hi", max_output_tokens=2, extra_body={"request_id": "r1"}).id
+        == "resp_r1"
+    )
+    assert chat_id().startswith("chatcmpl-") and len(chat_id()) > len("chatcmpl-") + 16  # made up when none is given
+    for bad in ("x" * 257, "line\nbreak"):
+        with pytest.raises(openai.BadRequestError, match="printable characters"):
+            chat_id(extra_body={"request_id": bad})
+
+
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
     assert httpx.get(server + "/version").json()["version"]

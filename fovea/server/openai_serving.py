@@ -20,9 +20,26 @@ from fovea.server.protocol import error_body
 from fovea.server.reasoning import Reasoning
 from fovea.server.tool_calls import ToolCallStream, ToolUse
 
+MAX_REQUEST_ID_CHARS = 256
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def request_ids(client, given: str | None, prefix: str) -> tuple[str, str]:
+    """(the response's id, the engine's request id). vLLM's rule for the first: the prefix and the client's
+    X-Request-Id header, else the body's request_id, else a random one. A client's id may repeat another's, so
+    the engine's id then adds a random part of its own."""
+    base = client.headers.get("x-request-id") or given
+    if not base:
+        made = new_id(prefix)
+        return made, made
+    if len(base) > MAX_REQUEST_ID_CHARS or not base.isprintable():  # (it is logged: no line breaks)
+        raise ValueError(
+            f"a request id (X-Request-Id or request_id) is at most {MAX_REQUEST_ID_CHARS} printable characters"
+        )
+    return f"{prefix}-{base}", f"{prefix}-{base}-{uuid.uuid4().hex[:8]}"
 
 
 def sse(payload: dict | str) -> str:

@@ -98,7 +98,6 @@ IGNORED = {
     "store",
     "metadata",
     "service_tier",
-    "request_id",
     "reasoning_effort",
     "include_reasoning",
     "web_search_options",
@@ -148,6 +147,7 @@ class SamplingFields(BaseModel):
     use_beam_search: bool = False  # vLLM's: the n best beams (frontend/beam_search.py)
     length_penalty: float = 1.0  # vLLM's: beams ranked by cumulative logprob / length ** length_penalty
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
+    request_id: str | None = None  # vLLM's: the response's id after its prefix (an X-Request-Id header wins)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -209,6 +209,8 @@ async def create_response(request: Request):
 class Detached:
     """A background response's stand-in for its client, who does not wait for the answer: never gone."""
 
+    headers: dict = {}  # (its id is the response's own)
+
     async def is_disconnected(self) -> bool:
         return False
 

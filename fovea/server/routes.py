@@ -226,13 +226,13 @@ async def start_chat(
     download or brings its own chat template, makes the engine's request (template, tokens, images): a chat of
     inline images goes from the event loop to the pool and back once before it is sent."""
     engine, options = served.engine, served.options
-    request_id = serving.new_id(id_prefix)
     arrival = time.time()  # latencies count the preparation
     limits = engine.config.limit_mm_per_prompt
 
     def prepare():
         body = read_chat()
         model = served.model_name(body.model)
+        response_id, request_id = serving.request_ids(request, body.request_id, id_prefix)
         tools, tool_use, params = served.chat_params(body)
         if body.chat_template is not None and served.sandbox is None:
             raise APIError(
@@ -263,9 +263,11 @@ async def start_chat(
                 served.lora(model),
                 body.priority,
             )
-        return body, model, tool_use, params, chat, prepared
+        return body, model, tool_use, params, chat, prepared, response_id, request_id
 
-    body, model, tool_use, params, chat, prepared = await unless_disconnected(request, engine.run_in_pool(prepare))
+    body, model, tool_use, params, chat, prepared, response_id, request_id = await unless_disconnected(
+        request, engine.run_in_pool(prepare)
+    )
 
     async def start():
         if prepared is not None:
@@ -296,7 +298,7 @@ async def start_chat(
 
     stream, first = await unless_disconnected(request, start())
     served.log_request(request_id, len(first.prompt_token_ids), params)
-    return ChatRun(body, first, stream, model, request_id, tool_use)
+    return ChatRun(body, first, stream, model, response_id, tool_use)
 
 
 async def chat_completions(request: Request):
@@ -326,7 +328,7 @@ async def completions(request: Request):
     model = served.model_name(body.model)
     prompts = body.prompts(served.options.limits.max_prompts)
     params = await engine.run_in_pool(served.checked_params, body)
-    request_id = serving.new_id("cmpl")
+    response_id, request_id = serving.request_ids(request, body.request_id, "cmpl")
 
     async def start():
         requests = await engine.prepare_many(
@@ -340,7 +342,7 @@ async def completions(request: Request):
     shown = served.shown(body, body.logprobs)
     if body.stream:
         return StreamingResponse(
-            serving.completion_stream(first, merged, model, request_id, body.n, shown), media_type="text/event-stream"
+            serving.completion_stream(first, merged, model, response_id, body.n, shown), media_type="text/event-stream"
         )
     try:
         finals = await unless_disconnected(request, serving.final_outputs(first, merged, len(prompts)))
@@ -350,7 +352,7 @@ async def completions(request: Request):
         serving.completion_response,
         finals,
         model,
-        request_id,
+        response_id,
         body.n,
         body.echo,
         shown,
