@@ -45,21 +45,22 @@ from fovea.runner.tp_workers import WorkerDied, start_workers
 logger = logging.getLogger("fovea")
 IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them
 MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even if it never failed alone
-NONFINITE = "the model's logits for this request were NaN or infinite"
-CONTRADICTION = f"{WHERE}: no token is left that both the grammar and"
+NONFINITE = ("the model's logits for this request were NaN or infinite", False)  # (why, the client's fault)
 # a request's settings that can leave its grammar no token: the tokens they ban may be all the grammar allows
 GRAMMAR_RIVALS = ("allowed_token_ids", "bad_words", "min_tokens")
 
 
-def grammar_broken(seq: Sequence, grammar) -> str:
-    """Why a sampled token broke the request's grammar: its own settings left no token the grammar allows (the
-    sampler then draws from nothing), or, with none of those settings, a fault of ours."""
+def grammar_broken(seq: Sequence, grammar) -> tuple[str, bool]:
+    """Why a sampled token broke the request's grammar, and whether the request is to blame: its own settings
+    left no token the grammar allows (the sampler then draws from nothing), or, with none of those, a fault of
+    ours."""
     params = seq.params
     rivals = [name for name in GRAMMAR_RIVALS if getattr(params, name)]
     if rivals:
         after = seq.num_output_tokens - 1  # (the token that broke it is appended)
-        return f"{CONTRADICTION} {', '.join(rivals)} allow after {after} output token(s): they contradict each other"
-    return f"{WHERE}: the output cannot follow the grammar ({grammar.get_error()[:300]})"
+        rivals_allow = f"{', '.join(rivals)} allow after {after} output token(s)"
+        return f"{WHERE}: no token is left that both the grammar and {rivals_allow}: they contradict each other", True
+    return f"{WHERE}: the output cannot follow the grammar ({grammar.get_error()[:300]})", False
 
 
 class StepFailed(RuntimeError):
@@ -509,9 +510,9 @@ class LLMEngine:
             elif finished:
                 self._finish(seq, *finished)
                 to_report.add(request)
-        for why in dict.fromkeys(broken.values()):
-            failed = {request for request, reason in broken.items() if reason == why}
-            self.failed_rows.append(self._fail(failed, ValueError(why), refused=why.startswith(CONTRADICTION)))
+        for why, refused in dict.fromkeys(broken.values()):
+            failed = {request for request, reason in broken.items() if reason == (why, refused)}
+            self.failed_rows.append(self._fail(failed, ValueError(why), refused))
         sampled_requests = {seq.request for seq in row_seqs if seq is not None} if self.scheduler.suspects else set()
         return sampled_requests - broken.keys(), to_report - broken.keys()
 

@@ -97,7 +97,8 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
     from fovea.engine.engine import StepFailed  # loaded with the engine, in this process only
 
     failed_in_a_row, last_stats = 0, time.monotonic()
-    profiler = StepProfiler(profiler_dir()) if profiler_dir() is not None else None
+    folder = profiler_dir()
+    profiler = StepProfiler(folder) if folder is not None else None
     while True:
         wait = None if not engine.has_unfinished_requests() else 0  # idle: sleep until a command comes
         while commands.poll(wait):

@@ -39,12 +39,12 @@ from fovea.core.messages import (
     AbortRequests,
     AddRequest,
     FromEngine,
-    Profile,
     Rejected,
     RemoveLoRA,
     RequestsFailed,
     ResetCache,
     StepOutputs,
+    ToEngine,
 )
 from fovea.core.request import LoRARequest, RequestDelta, RequestInput, RequestOutput
 from fovea.core.sampling_params import SamplingParams, default_sampling_params
@@ -331,27 +331,24 @@ class AsyncLLM:
         for index, finish, text in texts:
             logger.info("request %s output %d (%s): %r", request_id, index, finish, text[: self.log_outputs])
 
-    def abort(self, request_id: str) -> None:
+    def tell_engines(self, message: ToEngine) -> None:
+        """A command for every engine, taken between its steps (core/messages.py)."""
         for engine in self._engines:
-            engine.send(AbortRequests([request_id]))
+            engine.send(message)
+
+    def abort(self, request_id: str) -> None:
+        self.tell_engines(AbortRequests([request_id]))
 
     def remove_lora(self, lora_int_id: int) -> None:
         """An unloaded adapter: every engine frees its weights once its requests are done."""
-        for engine in self._engines:
-            engine.send(RemoveLoRA(lora_int_id))
-
-    def profile(self, start: bool) -> None:
-        """/start_profile, /stop_profile: every engine starts or stops its profiler (engine/profiler.py)."""
-        for engine in self._engines:
-            engine.send(Profile(start))
+        self.tell_engines(RemoveLoRA(lora_int_id))
 
     def reset_cache(self, kind: str) -> None:
         """ "prefix": every engine forgets its cached KV blocks after its current step (not while requests hold
         blocks); "mm": the decoded images kept here and the encoder outputs no running request needs."""
         if kind == "mm" and self.inputs.processor_cache is not None:
             self.inputs.processor_cache.clear()
-        for engine in self._engines:
-            engine.send(ResetCache(kind))
+        self.tell_engines(ResetCache(kind))
 
     def _check_alive(self) -> None:
         if self.error is not None:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fovea import __version__
+from fovea.core.messages import Profile
 from fovea.core.sampling_params import SamplingParams
 from fovea.frontend.async_llm import AsyncLLM
 from fovea.multimodal.prompt import ChatOptions
@@ -408,41 +409,33 @@ async def detokenize(request: Request):
     return {"prompt": await served.engine.run_in_pool(served.engine.tokenizer.decode, body.tokens)}
 
 
-async def start_profile(request: Request):
-    request.app.state.served.engine.profile(True)
-    return Response(status_code=200)
+def engine_command(act: Callable) -> Callable:
+    """A route that has the engine do `act(engine)` after its current step, answering 200 without waiting."""
 
+    async def route(request: Request):
+        act(request.app.state.served.engine)
+        return Response(status_code=200)
 
-async def stop_profile(request: Request):
-    """The engine writes the trace after its current step (engine/profiler.py): this does not wait for it."""
-    request.app.state.served.engine.profile(False)
-    return Response(status_code=200)
-
-
-async def reset_prefix_cache(request: Request):
-    """The engines forget their cached KV after their current step, unless requests hold blocks (then it is logged)."""
-    request.app.state.served.engine.reset_cache("prefix")
-    return Response(status_code=200)
-
-
-async def reset_mm_cache(request: Request):
-    """The decoded images the front end keeps, and the encoder outputs no running request needs, are forgotten."""
-    request.app.state.served.engine.reset_cache("mm")
-    return Response(status_code=200)
+    return route
 
 
 def tool_routes() -> list:
-    """vLLM's profiler routes where VLLM_TORCH_PROFILER_DIR names a folder for the traces, and its development
-    routes to reset the prefix and multimodal caches where VLLM_SERVER_DEV_MODE=1 (benchmarks without hits)."""
+    """vLLM's profiler routes where VLLM_TORCH_PROFILER_DIR names a folder for the traces (engine/profiler.py),
+    and its development routes to reset the prefix and multimodal caches where VLLM_SERVER_DEV_MODE=1 (for
+    benchmarks without cache hits; a prefix cache whose blocks requests hold is not reset, which is logged)."""
     from fovea.engine.profiler import profiler_dir
 
-    routes = (
-        []
-        if profiler_dir() is None
-        else [("/start_profile", "POST", start_profile), ("/stop_profile", "POST", stop_profile)]
-    )
+    routes = []
+    if profiler_dir() is not None:
+        routes += [
+            ("/start_profile", "POST", engine_command(lambda engine: engine.tell_engines(Profile(True)))),
+            ("/stop_profile", "POST", engine_command(lambda engine: engine.tell_engines(Profile(False)))),
+        ]
     if os.environ.get("VLLM_SERVER_DEV_MODE", "").lower() in ("1", "true"):
-        routes += [("/reset_prefix_cache", "POST", reset_prefix_cache), ("/reset_mm_cache", "POST", reset_mm_cache)]
+        routes += [
+            ("/reset_prefix_cache", "POST", engine_command(lambda engine: engine.reset_cache("prefix"))),
+            ("/reset_mm_cache", "POST", engine_command(lambda engine: engine.reset_cache("mm"))),
+        ]
     return routes
 
 
