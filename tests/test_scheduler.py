@@ -166,3 +166,35 @@ def test_a_chunk_never_ends_inside_an_image_seen_both_ways():
         sched.add(sequence(0, prompt, images=[image(4, 8, "a")]))
         cuts[whole] = [step(sched)[0] for _ in range(3)]
     assert cuts == {False: [10, 8, 1], True: [4, 10, 4]}
+
+
+def test_a_sequence_waiting_for_room_in_the_encoder_cache_holds_none_of_its_later_images():
+    """Found by a cross-talk fuzz (tight caches, LLaVA's 576-token images): a prompt whose first image the full
+    encoder cache could not take still took a reference to its second image, cached already for another request.
+    Once that request was done, the cache was full of an image only this prompt held, and it waited for room for
+    its first image forever: "the request cannot be scheduled even with the engine idle"."""
+    sched = scheduler(budget=64, encoder_tokens=12)  # room for one 8-token image
+    other = sequence(0, [1, 2] + [9] * 8 + [3, 3], max_tokens=1, images=[image(2, 8, "y")])
+    sched.add(other)
+    mine = sequence(
+        1, [1, 2] + [9] * 8 + [3, 3] + [9] * 8 + [4], max_tokens=1, images=[image(2, 8, "x"), image(12, 8, "y")]
+    )
+    ran, added = {0: 0, 1: 0}, False
+    for _ in range(12):
+        batch = sched.schedule()
+        sched.launched(batch)
+        for seq in batch.seqs:
+            if seq.num_pending:  # its last token ran: one is sampled, and with max_tokens=1 it is done
+                seq.num_pending -= 1
+                seq.token_ids.append(7)
+        sched.step_done(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            ran[seq.seq_id] += n
+            if seq.num_output_tokens:
+                sched.finish(seq)
+        for item in batch.step.encode:  # the encoder is done by the next step
+            sched.encoder_cache.put(item.content_hash, torch.zeros(item.span.length, 4))
+        if not added and ran[0] >= 2:  # arrives once the other's image is cached and held
+            sched.add(mine)
+            added = True
+    assert ran == {0: 12, 1: 21}

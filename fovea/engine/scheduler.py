@@ -252,8 +252,9 @@ class Scheduler:
     def _fit_encoder(self, seq: Sequence, start: int, n: int, batch: ScheduledBatch) -> int:
         """How many of the `n` tokens from `start` can run: the chunk stops before the first image whose
         embeddings are not ready, and (a model whose images are seen both ways) before one it would cut. Every
-        image the `n` tokens reach and the cache lacks is handed to the encoder (ScheduledStep.encode) while this
-        step's encoder budget and the cache have room; the sequence holds the entries until it is past them."""
+        image the `n` tokens reach and the cache lacks is handed to the encoder (ScheduledStep.encode), in order, up
+        to the first that this step's encoder budget or the cache has no room for; the sequence holds the entries
+        until it is past them."""
         cache, cut = self.encoder_cache, n
         for item in seq.request.mm_items:
             if item.end <= start or item.span.start >= start + n:
@@ -264,13 +265,15 @@ class Scheduler:
                 cache.hits += cache.contains(key)
             if not cache.contains(key):
                 planned = sum(i.span.length for i in batch.step.encode)
-                if (not planned or planned + item.span.length <= self.config.encoder_budget) and cache.can_reserve(
+                if (planned and planned + item.span.length > self.config.encoder_budget) or not cache.can_reserve(
                     item.span.length
                 ):
-                    cache.reserve(key, item.span.length)
-                    batch.step.encode.append(item)
-            if cache.contains(key):
-                cache.acquire(key, seq.seq_id)
+                    # no room now: nor are the images after it held, or a cache full of later images that only
+                    # waiting sequences hold would never have room for the images they wait for
+                    return min(cut, max(item.span.start - start, 0))
+                cache.reserve(key, item.span.length)
+                batch.step.encode.append(item)
+            cache.acquire(key, seq.seq_id)
             if not cache.ready(key) or (self.whole_images and start + n < item.end):
                 cut = min(cut, max(item.span.start - start, 0))  # (an image seen both ways is run whole)
         return cut

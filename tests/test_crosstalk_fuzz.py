@@ -1,0 +1,193 @@
+"""Cross-talk: a request's tokens do not depend on what else the engine runs. Random requests (text, shared
+prefixes, token ids, one or two of a few images; greedy or seeded sampling with penalties, logit bias, allowed and
+banned tokens, min_tokens, stop rules, logprobs, prompt logprobs, n > 1, grammars, and now and then a grammar its
+own allowed tokens contradict, which fails) each run alone, then all of them arriving at random steps into one
+engine, with aborts between, under drawn engine settings (block size, a step budget that cuts prompts and images,
+sequences at a time, prefix caching, the step order, a KV cache tight enough to preempt). Every request that was
+not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4 where they agree), or
+the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
+draw per model runs by default, FOVEA_FUZZ_DRAWS more.
+
+One difference is allowed, and only for sampled requests: on the CPU the batch's shape changes the rounding of the
+matmuls (a step of one to four rows takes another kernel), so logits differ in the last bits, and a draw from the
+tiny models' nearly flat distributions over the vocabulary can land on the next token: the draw walks the
+cumulative probabilities in vocabulary order. So where a sampled request first differs, the two tokens must be
+neighbours in the vocabulary (within NEIGHBOURS ids); a request that read another's state would differ by far more.
+
+Found when it was written: with LLaVA's 576-token images and a tight encoder cache, requests failed with "the
+request cannot be scheduled even with the engine idle" when run together (test_scheduler.py has the case)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+from conftest import random_image
+
+from fovea import LLM, SamplingParams
+from fovea.core.sampling_params import RequestOutputKind
+from fovea.engine.engine import StepFailed
+from fovea.multimodal.prompt import ChatOptions
+
+SEED = int(os.environ.get("FOVEA_FUZZ_SEED") or random.SystemRandom().randrange(1 << 30))
+DRAWS = int(os.environ.get("FOVEA_FUZZ_DRAWS", "1"))
+REQUESTS = 32
+NEIGHBOURS = 64
+WORDS = "the cat sat on a mat and then it ran far away from home into the deep dark wood".split()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs, tmp_path_factory):
+    from fovea.testing.tiny_llava import write_llava_checkpoint
+
+    # LLaVA's images are 576 tokens: a few fill the encoder cache and the KV cache
+    llava = write_llava_checkpoint(tmp_path_factory.mktemp("crosstalk") / "llava", seed=3)
+    return {"qwen2.5-vl": (tiny_dirs["tiny-3b"], 512), "llava": (llava, 2048)}
+
+
+def draw_params(rng: random.Random) -> SamplingParams:
+    def maybe(chance: float) -> bool:
+        return rng.random() < chance
+
+    p = dict(max_tokens=rng.choice([1, 4, 12]), seed=rng.randrange(1 << 30))
+    p["temperature"] = 0.0 if maybe(0.3) else rng.choice([0.5, 1.0, 1.5])
+    drawn = {
+        "top_p": [0.3, 0.9],
+        "top_k": [1, 5, 50],
+        "min_p": [0.05, 0.3],
+        "presence_penalty": [-1.0, 1.5],
+        "frequency_penalty": [-1.0, 1.0],
+        "repetition_penalty": [0.8, 1.5],
+        "stop": ["e", ["a", "t"]],
+        "bad_words": [["the"], ["cat", "a mat"]],
+        "logprobs": [0, 2, 5],
+        "prompt_logprobs": [0, 2],
+        "n": [2, 3],
+        "ignore_eos": [True],
+    }
+    for name, values in drawn.items():
+        if maybe(0.25):
+            p[name] = rng.choice(values)
+    if maybe(0.25):
+        p["logit_bias"] = {rng.randrange(300): rng.choice([-100, 5, 100]) for _ in range(rng.randint(1, 4))}
+    if maybe(0.2):
+        p["stop_token_ids"] = rng.sample(range(300), 5)
+    if maybe(0.2):
+        p["min_tokens"] = rng.randint(1, p["max_tokens"])
+    if maybe(0.05):  # a grammar its own allowed tokens contradict: it fails, alone and together
+        p["allowed_token_ids"], p["structured_outputs"] = [0], {"regex": "[a-e]{2,6}"}
+    elif maybe(0.15):
+        p["allowed_token_ids"] = rng.sample(range(300), rng.randint(2, 30))
+    elif maybe(0.15) and "bad_words" not in p and "min_tokens" not in p:
+        p["structured_outputs"] = rng.choice([{"regex": "[a-e]{1,6}"}, {"choice": ["yes", "no", "maybe"]}])
+    return SamplingParams(**p)
+
+
+def draw_prompt(rng: random.Random, prefix: str, images: list) -> tuple[str, object]:
+    kind = rng.choice(["text", "shared", "ids", "image", "two images"])
+    if kind == "ids":
+        return "ids", [rng.randrange(1, 300) for _ in range(rng.randint(1, 60))]
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
+    if kind == "text":
+        return "text", text
+    if kind == "shared":
+        return "text", prefix + " " + text
+    shown = rng.sample(images, 1 if kind == "image" else 2)
+    content = [{"type": "image_pil", "image_pil": image} for image in shown] + [{"type": "text", "text": text}]
+    return "chat", [{"role": "user", "content": content}]
+
+
+def engine_options(rng: random.Random, max_model_len: int) -> dict:
+    block_size = rng.choice([16, 32])
+    options = dict(
+        max_model_len=max_model_len,
+        block_size=block_size,
+        max_num_batched_tokens=rng.choice([64, 128, 512]),
+        max_num_seqs=rng.choice([3, 8, 16]),
+        enable_prefix_caching=rng.random() < 0.7,
+    )
+    if rng.random() < 0.5:  # the longest sequence and a few blocks: sequences preempt one another
+        options["num_gpu_blocks_override"] = max_model_len // block_size + rng.choice([2, 8, 24])
+    orders = [dict(async_scheduling=False, overlap_outputs=False), dict(async_scheduling=True)]
+    return options | rng.choice(orders)
+
+
+def run(llm: LLM, requests: list, arrivals: list[int], aborts: dict[str, int]) -> dict[str, object]:
+    """Adds each request at its step, aborts some at theirs; each request's final output, or why it failed."""
+    engine, ended = llm.engine, {}
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    step = 0
+    while order or engine.has_unfinished_requests():
+        while order and arrivals[order[0]] <= step:
+            request_id, (kind, prompt), params = requests[order.pop(0)]
+            processed = (
+                llm.inputs.process_chat(prompt, None, ChatOptions()) if kind == "chat" else llm.inputs.process(prompt)
+            )
+            final = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            engine.add_request(llm.inputs.make_request(request_id, processed, final))
+        for request_id, at in aborts.items():
+            if at == step:
+                engine.abort_request(request_id)
+        try:
+            outputs = engine.step()
+        except StepFailed as error:
+            ended.update((request_id, f"failed: {error}") for request_id in error.request_ids)
+            outputs = []
+        ended.update((output.request_id, output) for output in outputs if output.finished)
+        step += 1
+    return ended
+
+
+def differences(alone, together, params: SamplingParams) -> str | None:
+    """Why `together` is not `alone`'s outcome (None: it is)."""
+    if isinstance(alone, str) or isinstance(together, str):
+        same = isinstance(alone, str) and isinstance(together, str)
+        return None if same else f"alone: {str(alone)[:300]}; together: {str(together)[:300]}"
+    for a, b in zip(alone.outputs, together.outputs, strict=True):
+        first = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), None)
+        if first is None and (list(a.token_ids), a.finish_reason) != (list(b.token_ids), b.finish_reason):
+            first = min(len(a.token_ids), len(b.token_ids))
+        shared = len(a.token_ids) if first is None else first
+        for i, (x, y) in enumerate(zip((a.logprobs or [])[:shared], (b.logprobs or [])[:shared])):
+            gaps = [abs(x[t].logprob - y[t].logprob) for t in x.keys() & y.keys()]
+            if max(gaps, default=0) > 1e-4:
+                return f"sample {a.index}: logprobs at token {i} differ by {max(gaps)}"
+        if first is None:
+            continue
+        flip = first < min(len(a.token_ids), len(b.token_ids)) and params.temperature > 0
+        if not flip or abs(a.token_ids[first] - b.token_ids[first]) > NEIGHBOURS:
+            return f"sample {a.index}: alone {a.token_ids} {a.finish_reason}, together {b.token_ids} {b.finish_reason}"
+    return None
+
+
+def check_draw(model: str, models, draw_index: int) -> None:
+    model_dir, max_model_len = models[model]
+    seed = SEED + 1000 * draw_index + list(models).index(model)
+    rng = random.Random(seed)
+    options = engine_options(rng, max_model_len)
+    where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}"
+    prefix = " ".join(rng.choice(WORDS) for _ in range(40))
+    images = [random_image(rng.choice([28, 56, 84]), rng.choice([28, 56]), seed=i) for i in range(3)]
+    requests = [(f"r{i}", draw_prompt(rng, prefix, images), draw_params(rng)) for i in range(REQUESTS)]
+    arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
+    aborts = {request_id: rng.randrange(4 * REQUESTS) for request_id, _, _ in rng.sample(requests, REQUESTS // 8)}
+    with LLM(str(model_dir), **options) as llm:
+        alone = {}
+        for request in requests:
+            alone |= run(llm, [request], [0], {})
+        together = run(llm, requests, arrivals, aborts)
+    assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= REQUESTS // 2, (where, alone)
+    wrong = []
+    for request_id, (kind, _), params in requests:
+        if request_id not in aborts:
+            why = differences(alone[request_id], together.get(request_id, "never ended"), params)
+            wrong += [f"{request_id} ({kind}, {params}): {why}"] if why else []
+    assert not wrong, f"{where}: {len(wrong)} of {REQUESTS} differ; the first: {wrong[0]}"
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-vl", "llava"])
+def test_requests_run_together_end_as_they_do_alone(model, models):
+    for draw_index in range(DRAWS):
+        check_draw(model, models, draw_index)
