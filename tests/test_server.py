@@ -270,6 +270,24 @@ def test_completions_equal_offline_greedy(client, llm):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_completions_echo_the_prompt_streamed_as_whole(server):
+    """vLLM's echo on completions: each choice's text starts with its prompt, and with logprobs its entries start
+    with the prompt's tokens; streamed, the same text and entries (the prompt with each choice's first chunk; it
+    was left out)."""
+    prompts = ["The harbour at dawn", "Count: one two"]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 4, "echo": True, "logprobs": 1, "n": 2}
+    body |= {"temperature": 1.0, "seed": 5, "ignore_eos": True}
+    whole = httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["choices"]
+    events = stream_events(server, "/v1/completions", {**body, "stream": True})
+    assert len(whole) == 4
+    for choice in whole:
+        streamed = [c for event in events for c in event["choices"] if c["index"] == choice["index"]]
+        assert choice["text"].startswith(prompts[choice["index"] // 2])
+        assert "".join(c["text"] for c in streamed) == choice["text"]
+        tokens = [t for c in streamed for t in c["logprobs"]["tokens"]]
+        assert tokens == choice["logprobs"]["tokens"] and len(tokens) > 4  # the prompt's and the 4 sampled
+
+
 def test_return_token_ids_gives_the_offline_ids_whole_and_streamed(server, llm, media_dir):
     """vLLM's return_token_ids: a chat's prompt ids (the image's placeholder tokens in them) beside the choices
     and each choice's ids, as offline generation gives them; streamed, the prompt's in the first chunk and each

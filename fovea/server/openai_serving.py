@@ -428,9 +428,11 @@ async def completion_stream(
     request_id: str,
     n: int,
     shown: Shown,
+    echo: bool = False,
 ) -> AsyncIterator[str]:
-    """A completion's chunks: each choice's new text (the prompt's ids with its first, `shown.token_ids`), the
-    usage last or in every chunk too (`shown.usage`: each prompt's own tokens and its choice's)."""
+    """A completion's chunks: each choice's new text (its prompt before its first with `echo`, as vLLM's; the
+    prompt's ids with its first, `shown.token_ids`), the usage last or in every chunk too (`shown.usage`: each
+    prompt's own tokens and its choice's)."""
     usage = Usage()
     created = int(time.time())
     so_far: dict[int, RunningUsage] = {}  # by prompt, with usage in every chunk
@@ -462,7 +464,8 @@ async def completion_stream(
                 if c.text or c.token_ids or c.finish_reason:  # tokens whose text is held back: their logprobs, ids
                     first_of_choice = choice not in started
                     started.add(choice)
-                    yield chunk([completion_choice(output, c, choice, None, shown, first_of_choice)], **extra)
+                    echo_text = output.prompt if echo and first_of_choice else None
+                    yield chunk([completion_choice(output, c, choice, echo_text, shown, first_of_choice)], **extra)
             if output.finished:
                 usage.add_prompt(output)
             item = await anext(merged, None)

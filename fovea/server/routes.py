@@ -343,7 +343,8 @@ async def completions(request: Request):
     shown = served.shown(body, body.logprobs)
     if body.stream:
         return StreamingResponse(
-            serving.completion_stream(first, merged, model, response_id, body.n, shown), media_type="text/event-stream"
+            serving.completion_stream(first, merged, model, response_id, body.n, shown, body.echo),
+            media_type="text/event-stream",
         )
     try:
         finals = await unless_disconnected(request, serving.final_outputs(first, merged, len(prompts)))
