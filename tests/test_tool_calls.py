@@ -101,6 +101,11 @@ def test_calls_found_in_text_whole_and_streamed():
     cut = ANSWER[: ANSWER.rindex("</tool_call>") - 20]  # the last block cut by max_tokens: left out
     assert auto.parse(cut) == ("Let me look.", ANSWER_CALLS[:1])
     assert ToolUse(TOOLS, "none").parse(ANSWER) == (ANSWER, [])
+    # blocks no call came of: streamed, all of the text is content in the end, as whole (it was lost)
+    for text in ('Hm <tool_call>\n{"name": "get_weather",', "<tool_call>\nnot a call\n</tool_call>"):
+        stream = ToolCallStream(auto)
+        deltas = [d for i, char in enumerate(text) for d in stream.feed(char, i == len(text) - 1)]
+        assert collect(deltas)[:2] == auto.parse(text) == (text, []) and not stream.called
 
 
 def test_tool_choice_is_checked():

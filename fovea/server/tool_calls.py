@@ -160,7 +160,7 @@ class ToolCallStream:
 
     @property
     def called(self) -> bool:
-        return bool(self.calls)
+        return any(name is not None for name, _ in self.calls)
 
     def feed(self, piece: str, final: bool) -> list[dict]:
         """The deltas that `piece` (the text's next characters) completes; `final` flushes what was held back."""
@@ -181,6 +181,10 @@ class ToolCallStream:
             deltas += [{"tool_calls": [delta]} for delta in self._call_deltas(index, match.group(1), closed)]
             if closed:
                 self.closed = index + 1, match.end()
+        if final and not self.called and len(self.text) > self.content_sent:
+            # no call came of it (a block cut before its name, or not JSON): all of it is content, as unstreamed
+            deltas.append({"content": self.text[self.content_sent :]})
+            self.content_sent = len(self.text)
         return deltas
 
     def _partial_tag(self) -> int:
