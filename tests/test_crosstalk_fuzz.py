@@ -154,12 +154,14 @@ def differences(alone, together, params: SamplingParams) -> str | None:
             gaps = [abs(x[t].logprob - y[t].logprob) for t in x.keys() & y.keys()]
             if max(gaps, default=0) > 1e-4:
                 return f"sample {a.index}: logprobs at token {i} differ by {max(gaps)}"
-        if first is None:
-            continue
-        flip = first < min(len(a.token_ids), len(b.token_ids)) and params.temperature > 0
-        if not flip or abs(a.token_ids[first] - b.token_ids[first]) > NEIGHBOURS:
+        if first is not None and not (params.temperature > 0 and neighbours_at(a.token_ids, b.token_ids, first)):
             return f"sample {a.index}: alone {a.token_ids} {a.finish_reason}, together {b.token_ids} {b.finish_reason}"
     return None
+
+
+def neighbours_at(alone: list[int], together: list[int], first: int) -> bool:
+    """Whether a sampled sequence's first difference, at `first`, is a draw moved to a neighbouring token."""
+    return first < min(len(alone), len(together)) and abs(alone[first] - together[first]) <= NEIGHBOURS
 
 
 def check_draw(model: str, models, draw_index: int) -> None:
