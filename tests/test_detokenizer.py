@@ -28,6 +28,13 @@ def test_streamed_pieces_are_whole_characters_and_add_up(tokenizer, skip):
         whole = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello", add_special_tokens=False), skip)
         parts = [whole.decode_all(ids[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
         assert "".join(parts) == "".join(pieces), cuts
+    # an output that ends inside a character (max_tokens cut it): its text up to that character, in one call too
+    # (the whole text was lost when the call's last ids were a partial character)
+    cut = ids + tokenizer.encode("𓀀", add_special_tokens=False)[:-1]  # three tokens: two partial ones
+    whole = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello", add_special_tokens=False), skip)
+    assert whole.decode_all(cut) == "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip)
+    stepped = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello", add_special_tokens=False), skip)
+    assert "".join(stepped.decode_all(cut[i : i + 5]) for i in range(0, len(cut), 5)) == "".join(pieces)
 
 
 def test_special_tokens_without_spaces_between_them(tokenizer):

@@ -17,6 +17,7 @@ from fovea.core.request import Logprob
 from fovea.engine.sequence import Request, ScheduledBatch, Sequence
 
 PRIME_TOKENS = 4  # prompt tokens fed first, so the first generated token decodes in context (leading spaces)
+MAX_PARTIAL = 4  # a UTF-8 character's bytes: at most this many tokens end inside one
 
 
 class IncrementalDetokenizer:
@@ -38,14 +39,26 @@ class IncrementalDetokenizer:
             else {token_id: token.content for token_id, token in tokenizer.added_tokens_decoder.items()}
         )
         self.last_was_added = False
+        self.skip_special_tokens = skip_special_tokens
+        self.shown: list[int] = []  # the last ids whose text was given (the context a fresh stream starts from)
+        self.held: list[int] = []  # ids stepped since, whose text is held back (a character still partial)
         for token_id in prompt_ids[-PRIME_TOKENS:]:
             self._step(token_id)
+        self.shown, self.held = (self.shown + self.held)[-PRIME_TOKENS:], []  # (the prompt's text is never shown)
 
     def _step(self, token_id: int) -> str:
         try:
-            return self.stream.step(self.backend, token_id) or ""
+            piece = self.stream.step(self.backend, token_id) or ""
         except Exception:  # an id outside the vocabulary (random weights can produce one): no text
-            return ""
+            piece = ""
+        self._note([token_id], piece)
+        return piece
+
+    def _note(self, token_ids: list[int], piece: str) -> None:
+        if piece:
+            self.shown, self.held = (self.shown + self.held + token_ids)[-PRIME_TOKENS:], []
+        else:
+            self.held += token_ids
 
     def decode_all(self, token_ids: list[int]) -> str:
         """The text these tokens complete, as `decode` one at a time gives it: one call into the tokenizers
@@ -55,10 +68,34 @@ class IncrementalDetokenizer:
         # it drops only its own
         if self.added is None and len(token_ids) > 1 and max(token_ids) < self.vocab_size:
             try:
-                return self.stream.step(self.backend, token_ids) or ""
+                text = self.stream.step(self.backend, token_ids)
             except TypeError:  # older tokenizers releases step one id at a time (the call fails before any step)
                 pass
+            else:
+                if text is None and len(self.held) < MAX_PARTIAL:
+                    return self._before_partial(token_ids)
+                self._note(token_ids, text or "")
+                return text or ""
         return "".join(map(self.decode, token_ids))
+
+    def _before_partial(self, token_ids: list[int]) -> str:
+        """The ids end inside a character, and the library held back all of their text, where one at a time gives
+        the text before that character: found by stepping a fresh stream, from the same context, to fewer of the
+        ids (a character's bytes span at most MAX_PARTIAL tokens: a longer run is invalid bytes, and the call's
+        text waits, with them, for valid text after them, which the library then shows with them)."""
+        for whole in range(len(token_ids) - 1, max(len(token_ids) - MAX_PARTIAL, 1) - 1, -1):
+            stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            if self.shown:
+                stream.step(self.backend, self.shown)
+            text = stream.step(self.backend, self.held + token_ids[:whole])
+            if text:
+                stream.step(self.backend, token_ids[whole:])  # held back, as in the stream before
+                self.stream = stream
+                self._note(token_ids[:whole], text)
+                self._note(token_ids[whole:], "")
+                return text
+        self._note(token_ids, "")
+        return ""
 
     def decode(self, token_id: int) -> str:
         """The text this token completes ("" while a character is still partial)."""
