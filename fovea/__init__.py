@@ -7,13 +7,20 @@ import sys
 __version__ = "0.1.0"
 
 # Like vLLM, fovea says what it sized and chose (KV cache, ...) at INFO on stderr unless the application set up
-# the "fovea" logger itself; FOVEA_LOGGING_LEVEL changes the level.
+# the "fovea" logger itself; FOVEA_LOGGING_LEVEL (or vLLM's VLLM_LOGGING_LEVEL) changes the level, and vLLM's
+# VLLM_CONFIGURE_LOGGING=0 leaves the logger to the application.
 _logger = logging.getLogger("fovea")
-if not _logger.handlers:
+if not _logger.handlers and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
+    _variable = next((v for v in ("FOVEA_LOGGING_LEVEL", "VLLM_LOGGING_LEVEL") if os.environ.get(v)), None)
+    _level = os.environ[_variable].upper() if _variable else "INFO"
+    if not isinstance(logging.getLevelName(_level), int):
+        raise ValueError(
+            f"{_variable}={os.environ[_variable]!r} is not a level: DEBUG, INFO, WARNING, ERROR or CRITICAL"
+        )
     _handler = logging.StreamHandler(sys.stderr)
     _handler.setFormatter(logging.Formatter("%(levelname)s fovea: %(message)s"))
     _logger.addHandler(_handler)
-    _logger.setLevel(os.environ.get("FOVEA_LOGGING_LEVEL", "INFO").upper())
+    _logger.setLevel(_level)
     _logger.propagate = False
 __all__ = [
     "LLM",

@@ -443,3 +443,27 @@ def test_vllm_skip_warmup_variable_means_skip_warmup(tiny_dirs, monkeypatch):
     assert not EngineConfig.from_args(model, **served).skip_warmup
     monkeypatch.setenv("VLLM_SKIP_WARMUP", "true")
     assert EngineConfig.from_args(model, **served).skip_warmup and EngineConfig.from_args(model).skip_warmup
+
+
+@pytest.mark.parametrize(
+    "env, level, handlers",
+    [
+        ({}, "INFO", 1),
+        ({"VLLM_LOGGING_LEVEL": "debug"}, "DEBUG", 1),  # vLLM's variable
+        ({"FOVEA_LOGGING_LEVEL": "error", "VLLM_LOGGING_LEVEL": "debug"}, "ERROR", 1),  # fovea's first
+        ({"VLLM_CONFIGURE_LOGGING": "0"}, "NOTSET", 0),  # left to the application (the root logger's)
+        ({"VLLM_LOGGING_LEVEL": "loud"}, "VLLM_LOGGING_LEVEL='loud' is not a level", None),
+    ],
+)
+def test_vllm_logging_variables(env, level, handlers):
+    import os
+
+    probe = (
+        "import fovea, logging; l = logging.getLogger('fovea'); print(logging.getLevelName(l.level), len(l.handlers))"
+    )
+    clean = {k: v for k, v in os.environ.items() if "LOGGING" not in k}
+    run = subprocess.run([sys.executable, "-c", probe], env=clean | env, capture_output=True, text=True, timeout=60)
+    if handlers is None:
+        assert run.returncode != 0 and level in run.stderr
+    else:
+        assert run.stdout.split() == [level, str(handlers)], run.stderr
