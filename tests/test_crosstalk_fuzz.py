@@ -146,21 +146,26 @@ def differences(alone, together, params: SamplingParams) -> str | None:
         same = isinstance(alone, str) and isinstance(together, str)
         return None if same else f"alone: {str(alone)[:300]}; together: {str(together)[:300]}"
     for a, b in zip(alone.outputs, together.outputs, strict=True):
-        first = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), None)
-        if first is None and (list(a.token_ids), a.finish_reason) != (list(b.token_ids), b.finish_reason):
-            first = min(len(a.token_ids), len(b.token_ids))
+        same = (list(a.token_ids), a.finish_reason) == (list(b.token_ids), b.finish_reason)
+        first = None if same else first_difference(a.token_ids, b.token_ids)
         shared = len(a.token_ids) if first is None else first
         for i, (x, y) in enumerate(zip((a.logprobs or [])[:shared], (b.logprobs or [])[:shared])):
             gaps = [abs(x[t].logprob - y[t].logprob) for t in x.keys() & y.keys()]
             if max(gaps, default=0) > 1e-4:
                 return f"sample {a.index}: logprobs at token {i} differ by {max(gaps)}"
-        if first is not None and not (params.temperature > 0 and neighbours_at(a.token_ids, b.token_ids, first)):
+        if first is not None and not (params.temperature > 0 and moved_to_a_neighbour(a.token_ids, b.token_ids)):
             return f"sample {a.index}: alone {a.token_ids} {a.finish_reason}, together {b.token_ids} {b.finish_reason}"
     return None
 
 
-def neighbours_at(alone: list[int], together: list[int], first: int) -> bool:
-    """Whether a sampled sequence's first difference, at `first`, is a draw moved to a neighbouring token."""
+def first_difference(alone: list[int], together: list[int]) -> int:
+    """The first position where the tokens differ (the shorter's length where one starts the other)."""
+    return next((i for i, (s, t) in enumerate(zip(alone, together)) if s != t), min(len(alone), len(together)))
+
+
+def moved_to_a_neighbour(alone: list[int], together: list[int]) -> bool:
+    """Whether a sampled sequence's first difference is a draw moved to a neighbouring token."""
+    first = first_difference(alone, together)
     return first < min(len(alone), len(together)) and abs(alone[first] - together[first]) <= NEIGHBOURS
 
 
