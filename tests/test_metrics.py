@@ -4,11 +4,12 @@ with vLLM's names, types and labels, and the values the requests sent here imply
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from serving import running_server
+from serving import metric, running_server
 
 QUERIES = Path(__file__).parent / "data" / "vllm_grafana_queries.txt"
 # what vLLM 0.33 also exports and dashboards built on it read, beyond the published dashboard: name -> type
@@ -55,6 +56,11 @@ def test_every_dashboard_series_is_exported_with_the_values_of_the_requests(tiny
                 json={"model": "tiny", "prompt": "The harbour at dawn", "max_tokens": max_tokens, "ignore_eos": True},
             )
             assert reply.status_code == 200
+        # a finished request's latency events reach the metrics with the engine's next stats message, which may
+        # come after its answer (every STATS_EVERY_S): wait for both
+        deadline = time.monotonic() + 10
+        while metric(base, "vllm:request_prompt_tokens_count") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         text = httpx.get(base + "/metrics").text
     samples = {}
     for family in families(text).values():
