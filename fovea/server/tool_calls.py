@@ -57,6 +57,21 @@ def parse_block(block: str) -> tuple[str, str] | None:
     return call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)
 
 
+def written_arguments(body: str, name: re.Match) -> str | None:
+    """A name-first block's arguments as far as written (never past their end), if they are an object or array."""
+    arguments = body[name.end() :]
+    if arguments[:1] not in ("{", "["):
+        return None
+    return arguments[: json_value_end(arguments) or len(arguments)]
+
+
+def cut_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments as far as written) of a block cut before its end whose name was written first: what a
+    stream has sent of it by then."""
+    name = NAME_FIRST.match(body)
+    return (json.loads(name.group(1)), written_arguments(body, name) or "") if name else None
+
+
 def tool_call(name: str, arguments: str) -> dict:
     return {
         "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
@@ -123,14 +138,17 @@ class ToolUse:
 
     def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
         """The text before the first call, and the calls. Text with a closed block that does not parse is all
-        content; an open last block that does not parse (cut by max_tokens) is left out."""
+        content; an open last block that does not parse (cut by max_tokens) is a call as far as its name and
+        arguments were written (as streamed), or left out if its name was not."""
         first = text.find(START)
         if self.choice == "none" or first < 0:
             return text, []
         blocks = list(BLOCK.finditer(text, first))
         calls = [parse_block(block.group(1)) for block in blocks]
         if calls[-1] is None and not blocks[-1].group(0).endswith(END):
-            calls.pop()
+            calls[-1] = cut_call(blocks[-1].group(1))
+            if calls[-1] is None:
+                calls.pop()
         if not calls or None in calls:
             return text, []
         return text[:first] or None, calls[: None if self.parallel else 1]
@@ -202,10 +220,8 @@ class ToolCallStream:
                 return []
             sent[0] = json.loads(match.group(1)) if match else call[0]
             deltas.append({"index": index, **tool_call(sent[0], "")})
-        if match and body[match.end() : match.end() + 1] in ("{", "["):  # as far as written, never past their end
-            arguments = body[match.end() :]
-            arguments = arguments[: json_value_end(arguments) or len(arguments)]
-        else:  # not streamable as written: all at once when the block closes
+        arguments = written_arguments(body, match) if match else None
+        if arguments is None:  # not streamable as written: all at once when the block closes
             arguments = call[1] if call else ""
         if len(arguments) > len(sent[1]):
             deltas.append({"index": index, "function": {"arguments": arguments[len(sent[1]) :]}})
