@@ -17,7 +17,9 @@ from fovea.core.request import Logprob
 from fovea.engine.sequence import Request, ScheduledBatch, Sequence
 
 PRIME_TOKENS = 4  # prompt tokens fed first, so the first generated token decodes in context (leading spaces)
-MAX_PARTIAL = 4  # a UTF-8 character's bytes: at most this many tokens end inside one
+# a UTF-8 character's bytes end within this many tokens: at most 4 bytes, a token each, and room for tokens of no
+# bytes (special ones skipped) between them
+CHARACTER_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -72,30 +74,38 @@ class IncrementalDetokenizer:
             except TypeError:  # older tokenizers releases step one id at a time (the call fails before any step)
                 pass
             else:
-                if text is None and len(self.held) < MAX_PARTIAL:
+                if text is None:
                     return self._before_partial(token_ids)
-                self._note(token_ids, text or "")
-                return text or ""
+                self._note(token_ids, text)
+                return text
         return "".join(map(self.decode, token_ids))
 
     def _before_partial(self, token_ids: list[int]) -> str:
-        """The ids end inside a character, and the library held back all of their text, where one at a time gives
-        the text before that character: found by stepping a fresh stream, from the same context, to fewer of the
-        ids (a character's bytes span at most MAX_PARTIAL tokens: a longer run is invalid bytes, and the call's
-        text waits, with them, for valid text after them, which the library then shows with them)."""
-        for whole in range(len(token_ids) - 1, max(len(token_ids) - MAX_PARTIAL, 1) - 1, -1):
-            stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-            if self.shown:
-                stream.step(self.backend, self.shown)
-            text = stream.step(self.backend, self.held + token_ids[:whole])
-            if text:
-                stream.step(self.backend, token_ids[whole:])  # held back, as in the stream before
-                self.stream = stream
-                self._note(token_ids[:whole], text)
-                self._note(token_ids[whole:], "")
-                return text
-        self._note(token_ids, "")
-        return ""
+        """The ids end inside a character or in invalid bytes, and the library held back all of their text, where
+        one at a time gives the text up to the last id that ended a character: found from the end, then stepped
+        to in one call from a fresh stream in the same context (the held ids stepped again)."""
+        shown, held = ([token_id for token_id in ids if token_id < self.vocab_size] for ids in (self.shown, self.held))
+        context = shown + held + token_ids
+        whole = next(
+            (n for n in range(len(token_ids) - 1, 0, -1) if self._ends_a_character(context[: -len(token_ids) + n])), 0
+        )
+        if whole == 0:  # no text yet: the stream holds them, as one at a time
+            self._note(token_ids, "")
+            return ""
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        if shown:
+            self.stream.step(self.backend, shown)
+        text = self.stream.step(self.backend, held + token_ids[:whole]) or ""
+        self.stream.step(self.backend, token_ids[whole:])
+        self._note(token_ids[:whole], text)
+        self._note(token_ids[whole:], "")
+        return text
+
+    def _ends_a_character(self, ids: list[int]) -> bool:
+        """Whether these ids' text ends with a whole character: read from their last CHARACTER_TOKENS only."""
+        return not self.backend.decode(ids[-CHARACTER_TOKENS:], skip_special_tokens=self.skip_special_tokens).endswith(
+            "\ufffd"
+        )
 
     def decode(self, token_id: int) -> str:
         """The text this token completes ("" while a character is still partial)."""
