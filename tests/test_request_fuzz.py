@@ -51,6 +51,8 @@ VALID = {
     "use_beam_search": [True],
     "length_penalty": [0.5, 2.0],
     "skip_special_tokens": [False],
+    "spaces_between_special_tokens": [False],
+    "cache_salt": ["one", "two"],
     "include_stop_str_in_output": [True],
     "return_token_ids": [True],
     "prompt_logprobs": [0, 3],
@@ -72,6 +74,8 @@ CHAT = {
     "tool_choice": ["auto", "required", "none", {"type": "function", "function": {"name": "get"}}],
     "add_generation_prompt": [False],
     "echo": [True],
+    "max_completion_tokens": [5],
+    "parallel_tool_calls": [False],
 }
 COMPLETION = {"logprobs": [0, 3], "echo": [True]}
 RESPONSES = {

@@ -204,6 +204,16 @@ def test_background_responses_run_on_and_are_read_cancelled_or_failed_later(clie
         client.responses.retrieve(deleted.id)
 
 
+def test_tool_choice_auto_without_tools_is_the_default(client):
+    """ "auto" is the Responses API's default tool_choice, so it stands without tools (it was a 400); "required"
+    without tools is still one."""
+    plain = client.responses.create(model="tiny", input="Hi", **GREEDY)
+    auto = client.responses.create(model="tiny", input="Hi", tool_choice="auto", **GREEDY)
+    assert auto.output_text == plain.output_text and auto.tool_choice == "auto" and auto.output_text
+    with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
+        client.responses.create(model="tiny", input="Hi", tool_choice="required", **GREEDY)
+
+
 @pytest.mark.parametrize(
     "fields, error, words",
     [

@@ -151,6 +151,8 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompl
             {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
         )
     choice = body.tool_choice
+    if choice == "auto" and not tools:  # the Responses API's default, which stands with no tools (chat's is a 400)
+        choice = None
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     text_format = (body.text or {}).get("format") or {"type": "text"}
