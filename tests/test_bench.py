@@ -66,7 +66,7 @@ def test_metrics_equal_hand_computed_values():
         "total_token_throughput": 21.0,
         "request_goodput": 0.5,  # only the first request meets TTFT <= 250 ms and TPOT <= 90 ms
         "max_output_tokens_per_s": 6,
-        "max_concurrent_requests": 2,  # second 0: 6 chunks, 2 requests
+        "max_concurrent_requests": 1,  # at one instant, as vLLM's sweep counts: the three never overlap
         "mean_ttft_ms": 233.3333,
         "median_ttft_ms": 200,
         "std_ttft_ms": 124.7219,
@@ -457,7 +457,7 @@ def test_request_bodies_and_input_tokens_as_vllms_client(prompt_tokens):
     fake = FakeServer(prompt_tokens)
     text, image = BenchRequest("a b c", 3, 3), BenchRequest("a b c", 3, 3, ["data:image/png;base64,x"])
     try:
-        results, _ = asyncio.run(
+        results, _, _ = asyncio.run(
             serve.run([text], fake.url, "/v1/completions", "tiny", request_rate=float("inf"), progress=False)
         )
         asyncio.run(
@@ -521,6 +521,71 @@ def test_vllm_bench_serve_flags_headers_logprobs_ramp_up_and_readiness(tmp_path)
     with pytest.raises(ValueError, match=r"could not reach the server at .* in 2 s"):
         bench(*common, "--ready-check-timeout-sec", "2", "--trust-remote-code", "--tokenizer-mode", "auto")
     assert time.monotonic() - start >= 2
+
+
+def test_vllms_newer_bench_serve_flags(tiny_dirs, tmp_path):
+    """vLLM's send schedule (gaps summed and stretched so the last request goes at N/rate; constant gaps at an
+    infinite burstiness), --lora-modules in turn or at random, --probe-request-rate's probes and figures, the
+    client queue's metrics, random prompts ignoring EOS, --input-len/--output-len, --use-beam-search,
+    --append-result, and vLLM flags for what is not here refused by name."""
+    import asyncio
+
+    from fovea.bench import serve
+    from fovea.bench.datasets import BenchRequest
+
+    rng = np.random.default_rng(0)
+    times = serve.send_times(50, 10.0, 1.0, rng)
+    assert times[-1] == pytest.approx(5.0) and np.all(np.diff(times) >= 0) and np.std(np.diff(times)) > 0.02
+    assert serve.send_times(4, 2.0, float("inf"), rng) == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    assert serve.send_times(3, float("inf"), 1.0, rng) == [0.0, 0.0, 0.0]
+    assert serve.lora_names(5, ["a", "b"], "round-robin", rng) == ["a", "b", "a", "b", "a"]
+    assert set(serve.lora_names(40, ["a", "b"], "random", rng)) == {"a", "b"}
+
+    fake = FakeServer(None)
+    requests = [BenchRequest(f"p{i}", 1, 2) for i in range(6)]
+    try:
+        results, _, probes = asyncio.run(
+            serve.run(requests, fake.url, "/v1/completions", "base", request_rate=float("inf"), progress=False,
+                      max_concurrency=1, lora_modules=["x", "y"], lora_assignment="round-robin", probe_rate=50.0)
+        )  # fmt: skip
+        flags = ["--base-url", fake.url, "--model", "tiny", "--served-model-name", "tiny", "--num-prompts", "2",
+                 "--tokenizer", str(tiny_dirs["tiny-3b"]), "--ready-check-timeout-sec", "0", "--input-len", "9",
+                 "--output-len", "3", "--use-beam-search", "--append-result", "--result-dir", str(tmp_path),
+                 "--result-filename", "runs.jsonl", "--percentile-metrics", "ttft,client_queue_time",
+                 "--max-concurrency", "1", "--request-rate", "100"]  # fmt: skip
+        first = bench(*flags)
+        bench(*flags)  # appended to the same file
+    finally:
+        fake.server.shutdown()
+    main = [b for b in fake.bodies if b["prompt"] != "Hi"]
+    assert [b["model"] for b in main[:6]] == ["x", "y"] * 3
+    assert probes and all(p.success for p in probes)  # at least the first probe, sent as the run starts
+    assert all(b["model"] == "base" and b["max_tokens"] == 1 for b in fake.bodies if b["prompt"] == "Hi")
+    # all six arrive at once and wait for the one slot in turn
+    assert results[0].queue_time < 0.01 and results[-1].queue_time > results[0].queue_time
+    # random prompts ignore EOS and run to --output-len, of --input-len tokens; beam search asked for
+    assert all(b["ignore_eos"] and b["max_tokens"] == 3 and b["use_beam_search"] for b in main[6:])
+    assert first["total_input_tokens"] == 2 * 9 and "p99_client_queue_time_ms" in first
+    assert "p99_e2el_including_client_queue_ms" not in first  # (not asked for in --percentile-metrics)
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and [json.loads(line)["completed"] for line in lines] == [2, 2]
+    from fovea.bench.metrics import probe_metrics
+
+    figures = probe_metrics([RequestResult(1, 1, success=True, latency=0.01 * i) for i in range(1, 11)])
+    assert figures["probe_completed"] == 10 and figures["probe_max_e2el_ms"] == pytest.approx(100)
+    assert "Median probe E2EL (ms):" in format_table(compute_metrics([], 1.0) | figures, (), ())
+    base = ["--base-url", "http://127.0.0.1:9", "--ready-check-timeout-sec", "0", "--num-prompts", "1"]
+    for extra, words in [
+        (["--self-timed"], "timed_trace"),
+        (["--no-self-timed"], "timed_trace"),
+        (["--skip-tokenizer-init"], "built and counted with the tokenizer"),
+        (["--plot-timeline"], "--plot FILE.png"),
+        (["--plot-dataset-stats"], "--plot FILE.png"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            bench(*base, *extra)
+    with pytest.raises(ValueError, match="takes no --dataset-path"):
+        bench(*base, "--model", "t", "--tokenizer", str(tiny_dirs["tiny-3b"]), "--dataset-path", "x.json")
 
 
 def test_vllm_backend_names_and_sampling_flags():

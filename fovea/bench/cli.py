@@ -11,6 +11,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from fovea.bench.metrics import METRIC_TITLES
 from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs
 
 # vLLM's --backend values for OpenAI-compatible servers, and the endpoint each speaks to
@@ -55,6 +56,9 @@ def add_bench_parser(sub) -> None:
     target.add_argument(
         "--ready-check-timeout-sec", type=int, default=600, help="how long to wait for the server to answer (0: not)"
     )
+    target.add_argument("--insecure", action="store_true", help="https without checking the server's certificate")
+    target.add_argument("--lora-modules", nargs="+", default=None, help="served adapters, one named per request")
+    target.add_argument("--lora-assignment", default="random", choices=["random", "round-robin"])
     add_workload_args(serve)
     load = serve.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
@@ -65,7 +69,13 @@ def add_bench_parser(sub) -> None:
     )
     load.add_argument("--ramp-up-start-rps", type=int, default=None)
     load.add_argument("--ramp-up-end-rps", type=int, default=None)
-    load.add_argument("--ignore-eos", action="store_true")
+    load.add_argument("--ignore-eos", action="store_true", help="(random and random-mm always ignore EOS, as vLLM)")
+    load.add_argument(
+        "--probe-request-rate",
+        type=float,
+        default=0.0,
+        help="one-token text requests at this rate beside the workload (outside --max-concurrency), timed apart",
+    )
     sampling = serve.add_argument_group("sampling (sent only when given: else the server's defaults apply)")
     for flag, kind in (
         ("--temperature", float),
@@ -79,6 +89,7 @@ def add_bench_parser(sub) -> None:
         sampling.add_argument(flag, type=kind, default=None)
     sampling.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities asked for per token")
+    sampling.add_argument("--use-beam-search", action="store_true", help="requests ask for beam search")
     load.add_argument("--num-warmups", type=int, default=0)
     load.add_argument(
         "--profile", action="store_true", help="the server profiles the run (it needs VLLM_TORCH_PROFILER_DIR set)"
@@ -88,6 +99,7 @@ def add_bench_parser(sub) -> None:
     out.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     out.add_argument("--metric-percentiles", default="99")
     out.add_argument("--save-result", action="store_true")
+    out.add_argument("--append-result", action="store_true", help="add the result as a line of the result file")
     out.add_argument("--save-detailed", action="store_true", help="also per-request lengths, times and texts")
     out.add_argument("--result-dir", default=".")
     out.add_argument("--result-filename", default=None)
@@ -95,6 +107,11 @@ def add_bench_parser(sub) -> None:
     out.add_argument("--metadata", nargs="*", default=[], help="KEY=VALUE pairs stored in the result")
     out.add_argument("--disable-tqdm", action="store_true")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT / ITL distributions, chunks/s over time")
+    # vLLM's flags for what fovea bench does not have: refused by name (run_bench_serve says why)
+    for flag in ("--plot-timeline", "--plot-dataset-stats", "--skip-tokenizer-init"):
+        out.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    out.add_argument("--timeline-itl-thresholds", default=None, help=argparse.SUPPRESS)
+    out.add_argument("--self-timed", action=argparse.BooleanOptionalAction, default=None, help=argparse.SUPPRESS)
     serve.set_defaults(func=run_bench_serve)
 
     throughput = kinds.add_parser("throughput", help="offline throughput, in process (fovea or transformers)")
@@ -147,6 +164,8 @@ def add_workload_args(
         help="the sharegpt JSON or jsonl file; hf: a hub dataset id or its parquet files",
     )
     data.add_argument("--num-prompts", type=int, default=default_prompts)
+    data.add_argument("--input-len", type=int, default=None, help="sets --random-input-len")
+    data.add_argument("--output-len", type=int, default=None, help="sets every dataset's output length")
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -168,6 +187,12 @@ def add_workload_args(
     data.add_argument("--sharegpt-output-len", type=int, default=None)
     data.add_argument("--custom-output-len", type=int, default=256, help="custom (jsonl): rows without output_len")
     data.add_argument("--skip-chat-template", action="store_true", help="custom: prompts sent as they are")
+    data.add_argument(
+        "--chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        help="custom: JSON for the chat template, e.g. thinking",
+    )
     repetition = {"prefix-len": 256, "suffix-len": 256, "num-prefixes": 10, "output-len": 128}  # vLLM's defaults
     for name, value in repetition.items():
         data.add_argument(f"--prefix-repetition-{name}", type=int, default=value)
@@ -270,6 +295,13 @@ def build_requests(args, tokenizer):
 
     if args.random_batch_size != 1:
         raise ValueError("--random-batch-size batches prompts for embedding models, which fovea does not serve")
+    if args.dataset_name in ("random", "random-mm", "prefix_repetition") and args.dataset_path:
+        raise ValueError(f"--dataset-name {args.dataset_name} makes its prompts: it takes no --dataset-path")
+    if args.input_len is not None:  # vLLM's general lengths, over each dataset's own
+        args.random_input_len = args.input_len
+    if args.output_len is not None:
+        for name in ("random", "sharegpt", "custom", "hf", "prefix_repetition"):
+            setattr(args, f"{name}_output_len", args.output_len)
     requests = workload(args, tokenizer)
     if args.endpoint != "/v1/chat/completions" and any(r.images or r.videos for r in requests):
         raise ValueError("images and videos need --backend openai-chat (--endpoint /v1/chat/completions)")
@@ -313,7 +345,9 @@ def workload(args, tokenizer):
         if args.endpoint != "/v1/chat/completions" and not args.skip_chat_template:
             for request in requests:
                 chat = [{"role": "user", "content": request.prompt}]
-                request.prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+                request.prompt = tokenizer.apply_chat_template(
+                    chat, add_generation_prompt=True, tokenize=False, **(args.chat_template_kwargs or {})
+                )
                 request.prompt_len = len(tokenizer.encode(request.prompt, add_special_tokens=False))
         return requests
     if args.dataset_name == "prefix_repetition":
@@ -347,13 +381,15 @@ def workload(args, tokenizer):
     )
 
 
-def wait_until_ready(httpx, base_url: str, headers: dict, timeout_s: int) -> None:
+def wait_until_ready(client, base_url: str, headers: dict, timeout_s: int) -> None:
     """Until the server answers (anything but 503: a server still starting), up to `timeout_s`, as vLLM's
     --ready-check-timeout-sec waits for a server started beside the benchmark."""
+    import httpx
+
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(base_url + "/v1/models", headers=headers, timeout=30).status_code != 503:
+            if client.get(base_url + "/v1/models", headers=headers, timeout=30).status_code != 503:
                 return
             why = "it answers 503"
         except httpx.HTTPError as error:
@@ -363,19 +399,21 @@ def wait_until_ready(httpx, base_url: str, headers: dict, timeout_s: int) -> Non
         time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))
 
 
-def toggle_profiler(httpx, base_url: str, headers: dict, action: str) -> None:
+def toggle_profiler(client, base_url: str, headers: dict, action: str) -> None:
     """--profile: POST /start_profile before the run (its warm-ups included) and /stop_profile after, as vLLM's."""
-    reply = httpx.post(f"{base_url}/{action}_profile", headers=headers, timeout=60)
+    reply = client.post(f"{base_url}/{action}_profile", headers=headers, timeout=60)
     if reply.status_code == 404:
         raise ValueError(f"--profile: {base_url} has no /{action}_profile (start it with VLLM_TORCH_PROFILER_DIR set)")
     if reply.status_code != 200:
         raise ValueError(f"--profile: /{action}_profile answered {reply.status_code}: {reply.text[:200]}")
 
 
-def served_models(httpx, base_url: str, headers: dict) -> list[dict]:
+def served_models(client, base_url: str, headers: dict) -> list[dict]:
     """The server's model cards; a clear error when the server cannot be reached or refuses the key."""
+    import httpx
+
     try:
-        reply = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
+        reply = client.get(base_url + "/v1/models", headers=headers, timeout=30)
     except httpx.HTTPError as error:
         raise ValueError(f"could not reach the server at {base_url} ({type(error).__name__}: {error})") from None
     if reply.status_code != 200:
@@ -420,18 +458,32 @@ def load_bench_tokenizer(name: str):
         ) from None
 
 
+def refuse_missing_flags(args: argparse.Namespace) -> None:
+    """vLLM bench flags for what fovea bench has not got, refused naming why (not ignored)."""
+    if args.self_timed is not None:  # (vLLM's rule for every other dataset too)
+        raise ValueError("--self-timed/--no-self-timed need a dataset of timed requests (vLLM's timed_trace)")
+    if args.skip_tokenizer_init:
+        raise ValueError("--skip-tokenizer-init: every workload here is built and counted with the tokenizer")
+    if args.plot_timeline or args.plot_dataset_stats:
+        raise ValueError("--plot-timeline and --plot-dataset-stats are not drawn here; --plot FILE.png draws the run")
+
+
 def run_bench_serve(args: argparse.Namespace) -> dict:
     import httpx
 
     from fovea.bench import serve
-    from fovea.bench.metrics import compute_metrics, format_table, parse_goodput
+    from fovea.bench.metrics import compute_metrics, format_table, parse_goodput, probe_metrics
 
+    refuse_missing_flags(args)
     args.backend = args.backend or ("openai-chat" if args.endpoint == "/v1/chat/completions" else "openai")
     endpoint = args.endpoint or BACKEND_ENDPOINTS[args.backend]
     if endpoint != BACKEND_ENDPOINTS[args.backend]:
         raise ValueError(f"--backend {args.backend} speaks to {BACKEND_ENDPOINTS[args.backend]}, not {endpoint}")
     args.endpoint = endpoint  # the workload builders check it (images need the chat endpoint)
+    # vLLM's client: random prompts run to the lengths asked, whatever the model would end with
+    args.ignore_eos = args.ignore_eos or args.dataset_name in ("random", "random-mm")
     extra_body = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    extra_body.update({"use_beam_search": True} if args.use_beam_search else {})
     extra_body.update(args.extra_body or {})
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")  # as vLLM's bench client reads it
@@ -439,26 +491,27 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     headers.update(item.partition("=")[::2] for item in args.header)
     if args.ramp_up_strategy is not None:
         check_ramp_up(args)
+    client = httpx.Client(verify=not args.insecure)
     if args.ready_check_timeout_sec > 0:
-        wait_until_ready(httpx, base_url, headers, args.ready_check_timeout_sec)
+        wait_until_ready(client, base_url, headers, args.ready_check_timeout_sec)
     given_tokenizer = args.tokenizer or (args.model if args.served_model_name else None)
     named = args.served_model_name or args.model
-    cards = [] if named and given_tokenizer else served_models(httpx, base_url, headers)
+    cards = [] if named and given_tokenizer else served_models(client, base_url, headers)
     model = named or cards[0]["id"]
     tokenizer_id = given_tokenizer or served_tokenizer(cards, model) or model  # the server's own, before the hub
     selected = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
-    unknown = set(selected) - {"ttft", "tpot", "itl", "e2el"}
+    unknown = set(selected) - set(METRIC_TITLES)
     if unknown:
-        raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}; choose from ttft, tpot, itl, e2el")
+        raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}; choose from {', '.join(METRIC_TITLES)}")
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
     goodput = parse_goodput(args.goodput)
     metadata = dict(item.partition("=")[::2] for item in args.metadata)
     requests = build_requests(args, load_bench_tokenizer(tokenizer_id))  # images encoded once, here
     if args.profile:
-        toggle_profiler(httpx, base_url, headers, "start")
+        toggle_profiler(client, base_url, headers, "start")
     cpu_start = time.process_time()
     try:
-        results, duration = asyncio.run(
+        results, duration, probes = asyncio.run(
             serve.run(
                 requests,
                 base_url,
@@ -476,13 +529,18 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
                 logprobs=args.logprobs,
                 request_id_prefix=args.request_id_prefix,
                 ramp_up=(args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps),
+                lora_modules=args.lora_modules,
+                lora_assignment=args.lora_assignment,
+                probe_rate=args.probe_request_rate,
+                verify_ssl=not args.insecure,
             )
         )
     finally:  # a profile left running would grow in the server's memory
         if args.profile:
-            toggle_profiler(httpx, base_url, headers, "stop")
+            toggle_profiler(client, base_url, headers, "stop")
     client_cpu_s = time.process_time() - cpu_start
-    metrics = compute_metrics(results, duration, goodput, selected, percentiles)
+    queued = (args.max_concurrency is not None, args.request_rate != float("inf"))
+    metrics = compute_metrics(results, duration, goodput, selected, percentiles, queued) | probe_metrics(probes)
     print(format_table(metrics, selected, percentiles, args.max_concurrency))
     # a client near one full core may be what limits the figures above
     print(f"client CPU: {client_cpu_s:.2f} s ({100 * client_cpu_s / duration:.0f}% of one core)")
@@ -525,13 +583,19 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
             generated_texts=[r.generated_text for r in results],
             errors=[r.error for r in results],
         )
-    if args.save_result or args.save_detailed:
+    if args.save_result or args.save_detailed or args.append_result:
         name = args.result_filename or (
             f"{args.label or 'fovea'}-{rate}qps"
             f"{f'-concurrency{args.max_concurrency}' if args.max_concurrency else ''}-"
             f"{Path(model).name}-{result['date']}.json"
         )
-        write_json(str(Path(args.result_dir) / name), result)
+        path = Path(args.result_dir) / name
+        if args.append_result:  # one JSON object a line, as vLLM appends them
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as out:
+                out.write(("\n" if out.tell() else "") + json.dumps(result))
+        else:
+            write_json(str(path), result)
     return result
 
 

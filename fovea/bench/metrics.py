@@ -4,13 +4,12 @@ Per request (client clock): TTFT = send -> first chunk carrying choices; ITL = g
 E2EL = send -> last chunk; TPOT = (E2EL - TTFT) / (output tokens - 1), for outputs of more than one token.
 Output tokens come from the stream's usage chunk, and so do input tokens where the server counts them (chat
 template and image tokens included; else the dataset's text length, as vLLM's client falls back). Throughputs
-divide totals by the benchmark's duration; peak output tokens/s and peak concurrency count chunks and running
-requests in 1-second buckets; goodput counts the requests meeting every SLO given.
+divide totals by the benchmark's duration; peak output tokens/s counts chunks in 1-second buckets and peak
+concurrency the most requests running at one instant; goodput counts the requests meeting every SLO given.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +19,9 @@ METRIC_TITLES = {
     "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
     "itl": ("Inter-token Latency", "ITL"),
     "e2el": ("End-to-end Latency", "E2EL"),
+    # with --max-concurrency: the wait for a free slot before sending, and E2EL with it (at a finite rate)
+    "client_queue_time": ("Client-side Queueing", "Client Queue Time"),
+    "e2el_including_client_queue": ("Queue-inclusive End-to-end Latency", "E2EL incl. Client Queue"),
 }
 
 
@@ -35,6 +37,7 @@ class RequestResult:
     output_tokens: int | None = None  # from the usage chunk
     generated_text: str = ""
     error: str = ""
+    queue_time: float = 0.0  # arrival -> send: the wait for a --max-concurrency slot
 
     @property
     def tpot(self) -> float | None:
@@ -68,16 +71,14 @@ def chunks_per_second(results: list[RequestResult]) -> np.ndarray:
     return np.bincount((np.asarray(times) - first).astype(int))
 
 
-def peaks(results: list[RequestResult]) -> tuple[float, float]:
-    """(most chunks in one 1-second bucket, most requests running in one bucket), buckets from the first send."""
+def peaks(results: list[RequestResult]) -> tuple[float, int]:
+    """(most chunks in one 1-second bucket from the first send, most requests running at one instant)."""
     done = [r for r in results if r.success]
     if not done:
-        return 0.0, 0.0
-    first = min(r.start_time for r in done)
-    running = np.zeros(int(math.ceil(max(r.start_time + r.latency for r in done) - first)) + 1)
-    for r in done:
-        running[int(r.start_time - first) : int(r.start_time + r.latency - first) + 1] += 1
-    return float(chunks_per_second(done).max()), float(running.max())
+        return 0.0, 0
+    # a request runs over [send, last chunk): at equal times an end comes before a start
+    events = sorted([(r.start_time, 1) for r in done] + [(r.start_time + r.latency, -1) for r in done])
+    return float(chunks_per_second(done).max()), int(max(np.cumsum([change for _, change in events])))
 
 
 def compute_metrics(
@@ -86,8 +87,10 @@ def compute_metrics(
     goodput: dict[str, float] | None = None,
     selected: tuple[str, ...] = ("ttft", "tpot", "itl"),
     percentiles: tuple[float, ...] = (99,),
+    queued: tuple[bool, bool] = (False, False),
 ) -> dict:
-    """The result dict with vLLM's field names; latencies in milliseconds."""
+    """The result dict with vLLM's field names; latencies in milliseconds. `queued`: whether the client queued
+    requests (--max-concurrency) and sent them at a finite rate: the queue's metrics are reported then."""
     done = [r for r in results if r.success]
     values = {
         "ttft": [r.ttft for r in done],
@@ -95,6 +98,10 @@ def compute_metrics(
         "itl": [gap for r in done for gap in r.itl],
         "e2el": [r.latency for r in done],
     }
+    if queued[0] and "client_queue_time" in selected:
+        values["client_queue_time"] = [r.queue_time for r in done]
+    if all(queued) and "e2el_including_client_queue" in selected:
+        values["e2el_including_client_queue"] = [r.latency + r.queue_time for r in done]
     total_input = sum(r.prompt_len for r in done)
     total_output = sum(r.output_tokens or 0 for r in done)
     good = 0
@@ -116,7 +123,7 @@ def compute_metrics(
         "max_output_tokens_per_s": peak_tokens,
         "max_concurrent_requests": peak_running,
     }
-    for name in ("ttft", "tpot", "itl", "e2el"):
+    for name in values:
         ms = np.asarray(values[name] or [0.0]) * 1000
         metrics[f"mean_{name}_ms"] = float(ms.mean())
         metrics[f"median_{name}_ms"] = float(np.median(ms))
@@ -149,12 +156,32 @@ def format_table(
     row("Peak output token throughput (tok/s):", metrics["max_output_tokens_per_s"])
     row("Peak concurrent requests:", metrics["max_concurrent_requests"])
     row("Total Token throughput (tok/s):", metrics["total_token_throughput"])
-    for name in selected:
+    for name in (name for name in selected if f"mean_{name}_ms" in metrics):
         title, short = METRIC_TITLES[name]
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         row(f"Mean {short} (ms):", metrics[f"mean_{name}_ms"])
         row(f"Median {short} (ms):", metrics[f"median_{name}_ms"])
         for p in percentiles:
             row(f"P{p:g} {short} (ms):", metrics[f"p{p:g}_{name}_ms"])
+    if "probe_completed" in metrics:
+        lines.append("{s:{c}^{n}}".format(s="Probe Requests", n=50, c="-"))
+        row("Probe requests completed:", metrics["probe_completed"])
+        row("Probe requests failed:", metrics["probe_failed"])
+        for name in ("median", "p99", "max"):
+            row(f"{name.capitalize() if name != 'p99' else 'P99'} probe E2EL (ms):", metrics[f"probe_{name}_e2el_ms"])
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def probe_metrics(probes: list[RequestResult]) -> dict:
+    """--probe-request-rate's figures (vLLM's names): how many probes completed and their E2EL, in ms."""
+    ms = np.asarray([r.latency for r in probes if r.success]) * 1000
+    if not len(ms):
+        return {}
+    return {
+        "probe_completed": len(ms),
+        "probe_failed": len(probes) - len(ms),
+        "probe_median_e2el_ms": float(np.median(ms)),
+        "probe_p99_e2el_ms": float(np.percentile(ms, 99)),
+        "probe_max_e2el_ms": float(ms.max()),
+    }

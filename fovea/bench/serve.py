@@ -8,9 +8,9 @@ time, each streamed with usage so its chunks can be timed. See metrics.py for wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -100,17 +100,45 @@ def ramp_rate(index: int, total: int, strategy: str, start: float, end: float) -
     return start * (end / start) ** progress
 
 
-async def arrivals(
-    requests: list[BenchRequest], rate: float, burstiness: float, rng: np.random.Generator, ramp_up=(None,) * 3
-) -> AsyncIterator[BenchRequest]:
-    """Each request, then the gap before the next: gamma-distributed at `rate` (or, ramping up, at the next
-    request's rate; none at a rate of 0 or infinity)."""
-    for index, request in enumerate(requests):
-        yield request
-        if ramp_up[0] is not None:
-            rate = ramp_rate(index + 1, len(requests), *ramp_up)
-        if 0 < rate != float("inf"):
-            await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
+def send_times(total: int, rate: float, burstiness: float, rng: np.random.Generator, ramp_up=(None,) * 3) -> list:
+    """When each request is sent, in seconds from the start, as vLLM's client schedules them: the gap before each
+    gamma-distributed at its rate (or, ramping up, at its own place's rate; constant at 1/rate for an infinite
+    burstiness; none at an infinite rate), summed, and at a fixed rate stretched so the last is sent at
+    total/rate (the draws' sum is 1-2 % off it, which moved throughput between seeds)."""
+    gaps = []
+    for index in range(total):
+        current = rate if ramp_up[0] is None else ramp_rate(index, total, *ramp_up)
+        if current == float("inf"):
+            gaps.append(0.0)
+        elif burstiness == float("inf"):
+            gaps.append(1.0 / current)
+        else:
+            gaps.append(rng.gamma(shape=burstiness, scale=1.0 / (current * burstiness)))
+    times = np.cumsum(gaps)
+    if ramp_up[0] is None and total and times[-1] > 0:
+        times *= total / rate / times[-1]
+    return times.tolist()
+
+
+def lora_names(total: int, modules: list[str] | None, assignment: str, rng: np.random.Generator) -> list:
+    """The model each request names: one of --lora-modules per request, at random or in turn (vLLM's
+    --lora-assignment); None where no modules are given (the served model)."""
+    if not modules:
+        return [None] * total
+    if assignment == "round-robin":
+        return [modules[i % len(modules)] for i in range(total)]
+    return [modules[i] for i in rng.integers(len(modules), size=total)]
+
+
+async def probe(session, url: str, body: dict, headers: dict, rate: float, stop: asyncio.Event) -> list:
+    """--probe-request-rate: one-token text requests, one after another at `rate` (never more than one in flight,
+    outside --max-concurrency) until `stop`: how long a small request waits behind the workload."""
+    results = []
+    while not stop.is_set():
+        results.append(await send(session, url, body, headers, RequestResult(1, 1)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0 / rate)
+    return results
 
 
 async def run(
@@ -131,21 +159,30 @@ async def run(
     logprobs: int | None = None,
     request_id_prefix: str | None = None,
     ramp_up: tuple = (None, None, None),
-) -> tuple[list[RequestResult], float]:
-    """Sends `requests`; returns their results (in order) and the benchmark's duration in seconds. `ramp_up`:
-    (linear or exponential, start and end rates) in place of `request_rate`."""
+    lora_modules: list[str] | None = None,
+    lora_assignment: str = "random",
+    probe_rate: float = 0.0,
+    verify_ssl: bool = True,
+) -> tuple[list[RequestResult], float, list[RequestResult]]:
+    """Sends `requests`; returns their results (in order), the benchmark's duration in seconds and the probes'
+    results. `ramp_up`: (linear or exponential, start and end rates) in place of `request_rate`."""
     try:
         import aiohttp
     except ImportError:
         raise ValueError("fovea bench serve needs aiohttp: pip install 'fovea[bench]'") from None
-    if burstiness <= 0 or (request_rate <= 0 and ramp_up[0] is None):
-        raise ValueError("--request-rate and --burstiness must be positive")
+    if burstiness <= 0 or (request_rate <= 0 and ramp_up[0] is None) or probe_rate < 0:
+        raise ValueError("--request-rate and --burstiness must be positive (--probe-request-rate not negative)")
     url = base_url.rstrip("/") + endpoint
     headers = headers or {}
-    bodies = [request_body(r, endpoint, model, extra_body or {}, ignore_eos, logprobs) for r in requests]
+    rng = np.random.default_rng(seed)
+    names = lora_names(len(requests), lora_modules, lora_assignment, rng)
+    bodies = [
+        request_body(r, endpoint, name or model, extra_body or {}, ignore_eos, logprobs)
+        for r, name in zip(requests, names)
+    ]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False, ssl=None if verify_ssl else False)
     bar = _progress(len(requests)) if progress else None
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=True) as session:
         warmups = [send(session, url, bodies[0], headers, RequestResult()) for _ in range(num_warmups)]
@@ -156,26 +193,38 @@ async def run(
         async def one(index: int) -> RequestResult:
             result = RequestResult(requests[index].prompt_len, requests[index].output_len)
             own = headers if request_id_prefix is None else {**headers, "x-request-id": f"{request_id_prefix}{index}"}
+            arrived = time.perf_counter()
             if limit is None:
                 await send(session, url, bodies[index], own, result)
             else:
                 async with limit:
                     await send(session, url, bodies[index], own, result)
+            result.queue_time = result.start_time - arrived
             if bar is not None:
                 bar.update(1)
             return result
 
+        stop = asyncio.Event()
+        small = BenchRequest("Hi", 1, 1)
+        probes = (
+            asyncio.create_task(
+                probe(session, url, request_body(small, endpoint, model, {}, False), headers, probe_rate, stop)
+            )
+            if probe_rate
+            else None
+        )
         tasks = []
         start = time.perf_counter()
-        index = 0
-        async for _ in arrivals(requests, request_rate, burstiness, np.random.default_rng(seed), ramp_up):
+        for index, at in enumerate(send_times(len(requests), request_rate, burstiness, rng, ramp_up)):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             tasks.append(asyncio.create_task(one(index)))
-            index += 1
         results = await asyncio.gather(*tasks)
+        stop.set()
+        probed = await probes if probes else []
         duration = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    return list(results), duration
+    return list(results), duration, probed
 
 
 def _progress(total: int):
