@@ -6,11 +6,13 @@ import concurrent.futures
 import itertools
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from fovea.config.engine import EngineConfig
 from fovea.core.request import LoRARequest, RequestOutput
 from fovea.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, default_sampling_params
 from fovea.engine.engine import LLMEngine
+from fovea.engine.profiler import StepProfiler, profiler_dir
 from fovea.frontend.beam_search import BeamSearch, BeamSearchOutput, beam_search_output
 from fovea.frontend.input_processor import InputProcessor
 from fovea.frontend.outputs import OutputAssembler
@@ -40,6 +42,7 @@ class LLM:
         # prompts are prepared in this many threads: decoding, resizing and hashing images release the GIL, so a
         # batch of image prompts is ready in a fraction of the time one thread takes (the server's pool does the same)
         self.prepare_threads = min(8, os.cpu_count() or 1)
+        self.profiler: StepProfiler | None = None  # start_profile's
 
     def close(self) -> None:
         """Stops the engine's threads and tensor-parallel workers (which also stop when this process exits)."""
@@ -64,6 +67,19 @@ class LLM:
         if self.inputs.processor_cache is not None:
             self.inputs.processor_cache.clear()
         self.engine.encoder_cache.reset()
+
+    def start_profile(self) -> None:
+        """vLLM's: the torch profiler records this process's engine steps until `stop_profile`, which writes the
+        trace where VLLM_TORCH_PROFILER_DIR says (engine/profiler.py)."""
+        folder = profiler_dir()
+        if folder is None:
+            raise ValueError("start_profile needs VLLM_TORCH_PROFILER_DIR set: where the trace is written")
+        self.profiler = self.profiler or StepProfiler(folder)
+        self.profiler.start()
+
+    def stop_profile(self) -> Path | None:
+        """Writes the trace and returns its path (None if no profile ran)."""
+        return self.profiler.stop() if self.profiler else None
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.default_params.clone()

@@ -320,8 +320,57 @@ def test_bench_throughput_compares_with_hf_and_latency_runs(tiny_dirs, tmp_path,
                               + ["--random-output-len", "3", "--n", "3", "--use-beam-search"])  # fmt: skip
     assert beams.func(beams)["fovea"]["output_tokens"] == 2 * 3 * 3
     refused = parser.parse_args(["bench", "throughput", *common, "--backend", "hf", "--n", "2"])
-    with pytest.raises(ValueError, match="run on the fovea backend only"):
+    with pytest.raises(ValueError, match="run on fovea's backends only"):
         refused.func(refused)
+
+
+def test_vllms_offline_bench_flags(tiny_dirs, tmp_path, monkeypatch):
+    """vLLM's `bench throughput` and `bench latency` lines run: --backend vllm (prompts as they are) and vllm-chat,
+    prompt tokens as the engine counts them, vLLM's top-level --output-json fields, --prefix-len and --dataset,
+    --hf-max-batch-size, --disable-detokenize, --profile (a trace where VLLM_TORCH_PROFILER_DIR says), --lora-path
+    (with --enable-lora), --async-engine accepted."""
+    model = str(tiny_dirs["tiny-3b"])
+    common = ["--model", model, "--dtype", "float32", "--max-model-len", "1024", *GPU_SHARE_FLAGS]
+    workload = ["--num-prompts", "4", "--input-len", "20", "--output-len", "3", "--prefix-len", "4"]
+    parser = build_parser()
+
+    def run(*flags):
+        args = parser.parse_args(["bench", "throughput", *common, *workload, *flags])
+        return args.func(args)
+
+    raw = run("--backend", "vllm", "--async-engine", "--output-json", str(tmp_path / "raw.json"))
+    chat = run("--backend", "vllm-chat", "--compare", "hf", "--hf-max-batch-size", "3", "--disable-detokenize")
+    assert raw["vllm"]["total_num_tokens"] == 4 * (4 + 20 + 3)  # the random prompts' own 24 tokens each
+    template = chat["vllm-chat"]["total_num_tokens"] - 4 * 27
+    assert template > 4 * 10 and chat["hf"]["total_num_tokens"] == chat["vllm-chat"]["total_num_tokens"]
+    assert chat["identical_outputs"] == 4  # (hf in batches of 3 and 1)
+    saved = json.loads((tmp_path / "raw.json").read_text())
+    assert saved["requests_per_second"] == raw["vllm"]["requests_per_second"] and saved["num_requests"] == 4
+    with pytest.raises(ValueError, match="--lora-path needs --enable-lora"):
+        run("--lora-path", str(tmp_path))
+    from test_lora import write_adapter
+
+    adapter = str(write_adapter(model, tmp_path / "adapter", ["q_proj", "v_proj"], seed=3))
+    from fovea.bench.datasets import BenchRequest
+    from fovea.bench.offline import OfflineRun, throughput
+
+    prompts, engine = [BenchRequest(f"word {i} " * 5, 10, 4) for i in range(4)], {"dtype": "float32"}
+    base = throughput(model, prompts, "fovea", {**engine, "enable_lora": True, "max_loras": 2})
+    adapted = throughput(
+        model, prompts, "fovea", {**engine, "enable_lora": True, "max_loras": 2}, how=OfflineRun(lora_path=adapter)
+    )
+    assert adapted["output_tokens"] == 16 and adapted["outputs"] != base["outputs"]  # the adapter's tokens
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(ValueError, match="VLLM_TORCH_PROFILER_DIR"):
+        run("--profile")
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    run("--profile")
+    with pytest.raises(ValueError, match="takes no --dataset-path"):  # (--dataset is vLLM's old name for it)
+        run("--dataset", str(tmp_path / "sharegpt.json"))
+    args = parser.parse_args(["bench", "latency", *common, "--input-len", "8", "--output-len", "2", "--batch-size",
+                              "1", "--num-iters", "1", "--num-iters-warmup", "0", "--profile", "--disable-detokenize"])  # fmt: skip
+    args.func(args)
+    assert len(list((tmp_path / "traces").glob("*.pt.trace.json.gz"))) == 2
 
 
 def test_bench_mm_processor_checks_equal_patches(capsys):

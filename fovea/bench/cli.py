@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fovea.bench.metrics import METRIC_TITLES
 from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs
+from fovea.engine.profiler import profiler_dir
 
 # vLLM's --backend values for OpenAI-compatible servers, and the endpoint each speaks to
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -116,10 +117,21 @@ def add_bench_parser(sub) -> None:
 
     throughput = kinds.add_parser("throughput", help="offline throughput, in process (fovea or transformers)")
     throughput.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
-    throughput.add_argument("--backend", default="fovea", choices=["fovea", "hf"])
+    throughput.add_argument(
+        "--backend",
+        default="fovea",
+        choices=["fovea", "vllm-chat", "vllm", "hf"],
+        help="fovea and vllm-chat: each prompt a chat; vllm: the prompt as it is; hf: transformers' generate",
+    )
     throughput.add_argument("--compare", default=None, choices=["hf"], help="also run this backend; print both")
     throughput.add_argument("--endpoint", default="/v1/chat/completions", help=argparse.SUPPRESS)
     add_workload_args(throughput, default_prompts=64)
+    # vLLM's names: --dataset for --dataset-path (its old one), --prefix-len for --random-prefix-len
+    throughput.add_argument("--dataset", dest="dataset_path", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    throughput.add_argument("--prefix-len", dest="random_prefix_len", type=int, default=argparse.SUPPRESS)
+    throughput.add_argument("--hf-max-batch-size", type=int, default=None, help="hf: batches of at most this many")
+    throughput.add_argument("--lora-path", default=None, help="an adapter each request runs with (--enable-lora)")
+    throughput.add_argument("--async-engine", action="store_true", help="(the in-process engine either way)")
     add_engine_flags(throughput)
     add_vllm_only_flags(throughput)
     add_sampling_args(throughput)
@@ -227,9 +239,22 @@ def run_bench_kernels(args: argparse.Namespace) -> dict:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's offline benchmarks' sampling flags."""
+    """vLLM's offline benchmarks' sampling and run flags."""
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (at temperature 1 when above 1)")
     parser.add_argument("--use-beam-search", action="store_true", help="a beam search of --n beams per prompt")
+    parser.add_argument("--disable-detokenize", action="store_true", help="outputs as token ids only")
+    parser.add_argument("--profile", action="store_true", help="the torch profiler (VLLM_TORCH_PROFILER_DIR)")
+
+
+def offline_run(args: argparse.Namespace):
+    from fovea.bench.offline import OfflineRun
+
+    if args.profile and not profiler_dir():
+        raise ValueError("--profile needs VLLM_TORCH_PROFILER_DIR set: where the trace is written")
+    lora_path = getattr(args, "lora_path", None)
+    if lora_path and not args.enable_lora:
+        raise ValueError("--lora-path needs --enable-lora")
+    return OfflineRun(detokenize=not args.disable_detokenize, lora_path=lora_path, profile=args.profile, seed=args.seed)
 
 
 def run_bench_throughput(args: argparse.Namespace) -> dict:
@@ -242,16 +267,23 @@ def run_bench_throughput(args: argparse.Namespace) -> dict:
     requests = build_requests(args, AutoTokenizer.from_pretrained(model))
     backends = [args.backend] + ([args.compare] if args.compare and args.compare != args.backend else [])
     engine = engine_kwargs(args)
-    runs = {name: throughput(model, requests, name, engine, args.n, args.use_beam_search) for name in backends}
+    how, most = offline_run(args), args.hf_max_batch_size
+    runs = {
+        name: throughput(model, requests, name, engine, args.n, args.use_beam_search, how, most) for name in backends
+    }
     for name, run in runs.items():
         print(
             f"{name:<6} Throughput: {run['requests_per_second']:.2f} requests/s, {run['tokens_per_second']:.2f} "
             f"total tokens/s, {run['output_tokens_per_second']:.2f} output tokens/s"
         )
+    first = runs[backends[0]]
     result = {
         "model": model,
         "num_prompts": args.num_prompts,
         "dataset_name": args.dataset_name,
+        # vLLM's file: the run's figures at the top (the first backend's); each backend's below
+        **{k: first[k] for k in ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second")},
+        "tokens_per_second": first["tokens_per_second"],
         **{name: {k: v for k, v in run.items() if k != "outputs"} for name, run in runs.items()},
     }
     if len(runs) == 2:
@@ -280,6 +312,7 @@ def run_bench_latency(args: argparse.Namespace) -> dict:
         engine_kwargs(args),
         args.n,
         args.use_beam_search,
+        offline_run(args),
     )
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
     for p, value in result["percentiles"].items():

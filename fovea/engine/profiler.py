@@ -41,7 +41,9 @@ class StepProfiler:
         running, self.running = self.running, None
         running.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"engine-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
+        # (nanoseconds too: two profiles of one process within a second would have had one name)
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
+        path = self.folder / f"engine-{os.getpid()}-{stamp}.pt.trace.json.gz"
         partial = path.with_name("." + path.name)  # (still .gz: torch gzips by the name) renamed once whole
         running.export_chrome_trace(str(partial))
         partial.replace(path)
