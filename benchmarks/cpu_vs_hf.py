@@ -116,7 +116,7 @@ def measure(model_dir: Path, make_requests, repeats: int) -> dict:
         outputs = {}
         for name, run in engines.items():
             start = time.perf_counter()
-            outputs[name] = run(requests)
+            outputs[name] = run(requests)[0]  # (the token ids; [1] counts the prompts)
             times[name].append(time.perf_counter() - start)
         same += sum(a == b for a, b in zip(outputs["fovea"], outputs["hf"]))
     fovea_s, hf_s = statistics.median(times["fovea"]), statistics.median(times["hf"])
