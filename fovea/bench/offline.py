@@ -29,7 +29,8 @@ def conversation(request: BenchRequest) -> list[dict]:
 
 
 def bench_params(output_len: int, n: int = 1, beam_search: bool = False, detokenize: bool = True):
-    """vLLM's offline benchmarks' sampling: greedy; n > 1 samples at temperature 1; or a beam search of n beams."""
+    """Greedy (vLLM's offline benchmarks sample at temperature 1; greedy lets --compare check every token against
+    transformers'); n > 1 samples at temperature 1; or a beam search of n beams."""
     from fovea import SamplingParams
 
     if beam_search:
