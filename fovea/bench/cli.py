@@ -17,6 +17,13 @@ from fovea.engine.profiler import profiler_dir
 
 # vLLM's --backend values for OpenAI-compatible servers, and the endpoint each speaks to
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+VLLM_THROUGHPUT_FIELDS = (
+    "elapsed_time",
+    "num_requests",
+    "total_num_tokens",
+    "requests_per_second",
+    "tokens_per_second",
+)
 SAMPLING_FLAGS = (
     "temperature",
     "top_p",
@@ -282,8 +289,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict:
         "num_prompts": args.num_prompts,
         "dataset_name": args.dataset_name,
         # vLLM's file: the run's figures at the top (the first backend's); each backend's below
-        **{k: first[k] for k in ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second")},
-        "tokens_per_second": first["tokens_per_second"],
+        **{k: first[k] for k in VLLM_THROUGHPUT_FIELDS},
         **{name: {k: v for k, v in run.items() if k != "outputs"} for name, run in runs.items()},
     }
     if len(runs) == 2:

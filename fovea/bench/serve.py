@@ -1,8 +1,8 @@
 """`fovea bench serve`: drives any OpenAI-compatible server with a workload and measures it as vLLM does.
 
-Requests are sent at the configured arrival process (all at once for an infinite rate; otherwise gaps drawn from
-gamma(shape=burstiness, scale=1/(rate*burstiness)), burstiness 1 being Poisson), at most --max-concurrency at a
-time, each streamed with usage so its chunks can be timed. See metrics.py for what is computed from them.
+Requests are sent at times drawn up front (send_times: all at once for an infinite rate; otherwise gaps drawn
+from gamma(shape=burstiness, scale=1/(rate*burstiness)), burstiness 1 being Poisson), at most --max-concurrency at
+a time, each streamed with usage so its chunks can be timed. See metrics.py for what is computed from them.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ async def run(
     url = base_url.rstrip("/") + endpoint
     headers = headers or {}
     rng = np.random.default_rng(seed)
-    names = lora_names(len(requests), lora_modules, lora_assignment, rng)
+    names = lora_names(len(requests), lora_modules, lora_assignment, np.random.default_rng([seed, 1]))
     bodies = [
         request_body(r, endpoint, name or model, extra_body or {}, ignore_eos, logprobs)
         for r, name in zip(requests, names)
