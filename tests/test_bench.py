@@ -251,8 +251,10 @@ def test_bench_serve_against_a_live_server(tiny_dirs, served, tmp_path, capsys, 
     assert result["total_input_tokens"] == 8 * 40 and result["request_goodput"] == result["request_throughput"]
     saved = json.loads(next(tmp_path.glob("t-10.0qps-tiny-*.json")).read_text())
     assert all(name in saved for name in FIELDS) and saved["hardware"] == "cpu" and saved["model_id"] == "tiny"
-    gaps = np.diff(sorted(saved["start_times"]))  # gamma(100) arrivals at 10/s: every gap close to 100 ms
-    assert len(gaps) == 7 and np.all((gaps > 0.06) & (gaps < 0.16)), gaps
+    # gamma(100) arrivals at 10/s, sent at times planned up front: gaps close to 100 ms (one sent late on a busy
+    # machine shortens the next gap, so the median), the last 0.7 s after the first (at 0.1 s and 0.8 s)
+    starts = sorted(saved["start_times"])
+    assert 0.08 < np.median(np.diff(starts)) < 0.12 and 0.6 < starts[-1] - starts[0] < 0.8, np.diff(starts)
     assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table
     assert mm["completed"] == 3 and mm["total_output_tokens"] == 18
     # the server's usage: each prompt's 12 text tokens plus its chat template, an image of 6 tokens and a video
