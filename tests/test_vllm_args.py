@@ -199,6 +199,19 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
         "lazy",
         "--h11-max-incomplete-event-size",
         "65536",
+        # vLLM's newer front-end flags that change nothing here, or only at these values
+        "--no-enable-log-deltas",
+        "--log-error-stack",
+        "--fingerprint-mode",
+        "none",
+        "--h11-max-header-count",
+        "256",
+        "--cohere-format",
+        "cmd4",
+        "--disable-access-log-for-endpoints",
+        "/health,/metrics",
+        "--ssl-ciphers",
+        "TLSv1",
     ]
     with running_server(None, *flags) as (base, proc):
         assert httpx.get(base + "/load").json() == {"server_load": 0}
@@ -274,6 +287,45 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
     # --enable-log-outputs: a finished request's whole text (the 3 tokens streamed above), in its log line
     assert re.search(r"request cmpl-[\w-]+ output 0 \(length\): '", proc.output), proc.output[-3000:]
     assert "HTTP/1.1" not in proc.output  # no access log, though the log level is info
+
+
+def test_vllms_newer_front_end_flags_parse_and_refuse_by_name():
+    """The 17 of vLLM's front-end flags that did not parse: each parses; those fovea does not have fail naming
+    what is missing, at any value but the one that changes nothing; the access log leaves out the paths given."""
+    import logging
+
+    from fovea.config.vllm_args import take_vllm_args
+    from fovea.server.cli import QuietPaths
+
+    parse = build_parser().parse_args
+    given = [["--log-config-file", "l.json"], ["--enable-per-request-metrics"], ["--enable-tokenizer-info-endpoint"],
+             ["--no-enable-log-deltas"], ["--log-error-stack"], ["--tokens-only"], ["--fingerprint-mode", "hash"],
+             ["--fingerprint-value", "x"], ["--data-parallel-supervisor-port", "9256"], ["--uds", "/tmp/s"],
+             ["--disable-access-log-for-endpoints", "/health"], ["--enable-ssl-refresh"], ["--ssl-ciphers", "x"],
+             ["--h11-max-header-count", "10"], ["--enable-offline-docs"], ["--cohere-format", "cmd3"]]  # fmt: skip
+    for flags in given:
+        parse(["serve", "m", *flags])
+    for name, value, words in [
+        ("uds", "/tmp/s", "Unix domain socket"),
+        ("log_config_file", "l.json", "logging configuration files are not read"),
+        ("enable_ssl_refresh", True, "reloading changed certificate files"),
+        ("h11_max_header_count", 10, "bounded by size"),
+        ("tokens_only", True, "tokens-only"),
+        ("fingerprint_mode", "full", "no system_fingerprint"),
+        ("enable_tokenizer_info_endpoint", True, "/tokenizer_info"),
+        ("enable_per_request_metrics", True, "per-request timings"),
+        ("enable_offline_docs", True, "docs pages"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            take_vllm_args({name: value})
+    assert take_vllm_args({"h11_max_header_count": 256, "fingerprint_mode": "none", "log_error_stack": True}) == {}
+    quiet = QuietPaths(["/health", "/metrics"])
+
+    def line(path: str) -> logging.LogRecord:
+        args = ("127.0.0.1:5", "GET", path, "1.1", 200)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', args, None)
+
+    assert [quiet.filter(line(p)) for p in ("/health", "/metrics?x=1", "/v1/models")] == [False, False, True]
 
 
 def fovea_serve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
@@ -387,6 +439,12 @@ def test_serve_help_shows_every_default():
         "--enable-dbo",
         "--headless",
         "--mm-encoder-only",
+        "--enable-offline-docs",
+        "--enable-ssl-refresh",
+        "--tokens-only",
+        "--enable-tokenizer-info",
+        "--enable-per-request",
+        "--log-error-stack",
     )
     for entry in entries:
         if entry.strip() and not entry.strip().startswith(switches):

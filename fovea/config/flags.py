@@ -347,6 +347,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, names=None, given_only: bo
 # type (a list of them when the type is in a list); -pp, -O and -asc as vLLM's short forms
 SWITCH = "switch"
 VLLM_ARG_KINDS = {
+    "data_parallel_supervisor_port": int,
+    "cohere_format": str,
+    "uds": str,
+    "log_config_file": str,
+    "h11_max_header_count": int,
+    "fingerprint_mode": str,
+    "fingerprint_value": str,
     "pipeline_parallel_size": int,
     "load_format": str,
     "tokenizer_mode": str,

@@ -46,6 +46,10 @@ NO_EFFECT = {
     "safetensors_load_strategy": "each rank reads the checkpoint once, file by file",
     "show_hidden_metrics_for_version": "no metric of fovea's is hidden",
     "cudagraph_capture_sizes": "decode CUDA graphs are captured by batch size, up to max_num_seqs",
+    "enable_log_deltas": "--enable-log-outputs logs each request's text once, when it finishes",
+    "log_error_stack": "a failure while running a request is logged with its stack whatever this says",
+    "data_parallel_supervisor_port": "fovea has no external load-balancing mode (one server, --data-parallel-size)",
+    "cohere_format": "it is for Cohere's tokenizer mode, which fovea does not have",
 }
 
 # value(s) at which the argument changes nothing; any other value asks for something fovea does not do
@@ -85,6 +89,19 @@ ONLY_AT = {
     "io_processor_plugin": ((None,), "IO processor plugins are not supported"),
     "tool_server": ((None,), "built-in tool servers (the Responses API's browsing and code tools) are not implemented"),
     "middleware": ((None, []), "custom ASGI middleware is not supported"),
+    "uds": ((None,), "serving on a Unix domain socket is not implemented; use --host and --port"),
+    "log_config_file": ((None,), "logging configuration files are not read; VLLM_LOGGING_LEVEL sets the level"),
+    "enable_ssl_refresh": ((None, False), "reloading changed certificate files is not implemented; restart"),
+    "h11_max_header_count": (
+        (None, 256),
+        "request heads are bounded by size (--h11-max-incomplete-event-size), not by their number of headers",
+    ),
+    "enable_offline_docs": ((None, False), "the API docs pages are not bundled (--disable-fastapi-docs drops them)"),
+    "tokens_only": ((None, False), "a tokens-only (disaggregated) front end is not implemented"),
+    "enable_tokenizer_info_endpoint": ((None, False), "/tokenizer_info is not implemented"),
+    "enable_per_request_metrics": ((None, False), "per-request timings in responses are not implemented"),
+    "fingerprint_mode": ((None, "none"), "responses carry no system_fingerprint"),
+    "fingerprint_value": ((None,), "responses carry no system_fingerprint"),
     "mm_encoder_only": (
         (None, False),
         "an encoder-only instance is not how fovea splits the encoder (--mm-encoder-workers)",

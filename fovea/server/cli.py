@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -115,6 +116,12 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     net.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log")
     net.add_argument(
+        "--disable-access-log-for-endpoints",
+        type=lambda text: [path.strip() for path in text.split(",") if path.strip()],
+        default=[],
+        help="paths left out of the access log, comma-separated, e.g. /health,/metrics",
+    )
+    net.add_argument(
         "--max-log-len", type=int, default=1000, help="characters of a request's parameters in its log line"
     )
     net.add_argument(
@@ -156,6 +163,7 @@ def add_serve_parser(sub) -> None:
     net.add_argument("--ssl-certfile", default=None, help="the certificate for --ssl-keyfile")
     net.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client certificates (uvicorn's)")
     net.add_argument("--ssl-cert-reqs", type=int, default=0, help="whether client certificates are required (ssl)")
+    net.add_argument("--ssl-ciphers", default="TLSv1", help="cipher suites for TLS 1.2 and below (uvicorn's)")
     net.add_argument(
         "--h11-max-incomplete-event-size", type=int, default=None, help="largest request head in bytes (uvicorn's)"
     )
@@ -208,6 +216,19 @@ class DefaultsShown(argparse.HelpFormatter):
         if not action.option_strings or "(default" in action.help or action.default is argparse.SUPPRESS or switch_off:
             return action.help
         return action.help + (" (default: none)" if action.default is None else " (default: %(default)s)")
+
+
+class QuietPaths(logging.Filter):
+    """--disable-access-log-for-endpoints: uvicorn's access lines for these paths (their query aside) are dropped."""
+
+    def __init__(self, paths: list[str]):
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        path = args[2] if len(args) > 2 and isinstance(args[2], str) else ""  # (client, method, path, ...)
+        return path.split("?", 1)[0] not in self.paths
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -314,11 +335,14 @@ def run_serve(args: argparse.Namespace) -> None:
                 ssl_certfile=args.ssl_certfile,
                 ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=args.ssl_cert_reqs,
+                ssl_ciphers=args.ssl_ciphers,
                 h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                 access_log=not (args.disable_log_requests or args.disable_uvicorn_access_log),
                 timeout_graceful_shutdown=30,
             )
         )
+        if args.disable_access_log_for_endpoints:
+            logging.getLogger("uvicorn.access").addFilter(QuietPaths(args.disable_access_log_for_endpoints))
         # an engine that cannot be brought back: stop serving and exit non-zero rather than answer 503 forever
         engine.on_fatal = lambda: setattr(server, "should_exit", True)
         # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the handler found at
