@@ -291,7 +291,8 @@ def test_a_vllm_launch_line_serves(tiny_dirs, tmp_path):
 
 def test_vllms_newer_front_end_flags_parse_and_refuse_by_name():
     """The 17 of vLLM's front-end flags that did not parse: each parses; those fovea does not have fail naming
-    what is missing, at any value but the one that changes nothing; the access log leaves out the paths given."""
+    what is missing, at any value but the one that changes nothing; the access log leaves out the paths given
+    (--uds and --log-config-file: test_a_server_on_a_unix_socket_with_a_logging_configuration)."""
     import logging
 
     from fovea.config.vllm_args import take_vllm_args
@@ -306,8 +307,6 @@ def test_vllms_newer_front_end_flags_parse_and_refuse_by_name():
     for flags in given:
         parse(["serve", "m", *flags])
     for name, value, words in [
-        ("uds", "/tmp/s", "Unix domain socket"),
-        ("log_config_file", "l.json", "logging configuration files are not read"),
         ("enable_ssl_refresh", True, "reloading changed certificate files"),
         ("h11_max_header_count", 10, "bounded by size"),
         ("tokens_only", True, "tokens-only"),
@@ -326,6 +325,47 @@ def test_vllms_newer_front_end_flags_parse_and_refuse_by_name():
         return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', args, None)
 
     assert [quiet.filter(line(p)) for p in ("/health", "/metrics?x=1", "/v1/models")] == [False, False, True]
+
+
+def test_a_server_on_a_unix_socket_with_a_logging_configuration(tmp_path):
+    """vLLM's --uds (the server answers on a Unix socket, removed when it stops) and --log-config-file (a
+    dictConfig JSON: fovea's log goes where it says, uvicorn's too)."""
+    path, log = tmp_path / "fovea.sock", tmp_path / "fovea.log"
+    handler = {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain"}
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(name)s %(levelname)s %(message)s"}},
+        "handlers": {"file": handler},
+        "loggers": {name: {"handlers": ["file"], "level": "INFO", "propagate": False} for name in ("fovea", "uvicorn")},
+    }
+    (tmp_path / "logging.json").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "fovea.cli", "serve", "--uds", str(path), "--log-config-file",
+               str(tmp_path / "logging.json"), "--max-model-len", "512", "--mm-processor-workers", "0"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://localhost", timeout=60)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, server.stdout.read() if server.poll() else ""
+            time.sleep(0.5)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        assert client.post("/v1/chat/completions", json=body).json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.terminate()
+        output = server.communicate(timeout=60)[0]
+    assert server.returncode == 0, output[-2000:]
+    assert not path.exists()  # removed when the server stopped
+    written = log.read_text()
+    assert "fovea INFO KV cache:" in written and "KV cache" not in output, written[-2000:]
+    (tmp_path / "bad.json").write_text("{not json")
+    done, _ = fovea_serve("--uds", str(path), "--log-config-file", str(tmp_path / "bad.json"))
+    assert done.returncode != 0 and "--log-config-file" in done.stderr and "Traceback" not in done.stderr
 
 
 def fovea_serve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:

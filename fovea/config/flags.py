@@ -349,8 +349,6 @@ SWITCH = "switch"
 VLLM_ARG_KINDS = {
     "data_parallel_supervisor_port": int,
     "cohere_format": str,
-    "uds": str,
-    "log_config_file": str,
     "h11_max_header_count": int,
     "fingerprint_mode": str,
     "fingerprint_value": str,

@@ -89,8 +89,6 @@ ONLY_AT = {
     "io_processor_plugin": ((None,), "IO processor plugins are not supported"),
     "tool_server": ((None,), "built-in tool servers (the Responses API's browsing and code tools) are not implemented"),
     "middleware": ((None, []), "custom ASGI middleware is not supported"),
-    "uds": ((None,), "serving on a Unix domain socket is not implemented; use --host and --port"),
-    "log_config_file": ((None,), "logging configuration files are not read; VLLM_LOGGING_LEVEL sets the level"),
     "enable_ssl_refresh": ((None, False), "reloading changed certificate files is not implemented; restart"),
     "h11_max_header_count": (
         (None, 256),

@@ -61,6 +61,13 @@ def add_serve_parser(sub) -> None:
         help="address to listen on: this machine only unless --host 0.0.0.0 (vLLM listens on every address)",
     )
     net.add_argument("--port", type=int, default=8000, help="port to listen on")
+    net.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host/--port")
+    net.add_argument(
+        "--log-config-file",
+        default=os.environ.get("VLLM_LOGGING_CONFIG_PATH"),
+        help="a JSON logging configuration (logging.config.dictConfig's) for fovea's and uvicorn's loggers "
+        "(else the VLLM_LOGGING_CONFIG_PATH variable's)",
+    )
     net.add_argument("--served-model-name", nargs="+", default=None, help="names clients may use (several allowed)")
     net.add_argument(
         "--api-key",
@@ -246,6 +253,40 @@ def bind(host: str, port: int) -> socket.socket:
     return server_socket
 
 
+def bind_unix(path: str) -> socket.socket:
+    """--uds: a Unix domain socket at `path` (a stale socket file there is replaced; any other file is not)."""
+    import stat
+
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            sys.exit(f"fovea serve: --uds {path} exists and is not a socket")
+        os.unlink(path)
+    server_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server_socket.bind(path)
+    except OSError as error:
+        sys.exit(f"fovea serve: cannot listen on {path}: {error.strerror}")
+    server_socket.listen(2048)
+    server_socket.set_inheritable(True)
+    print(f"fovea serve: listening on unix:{path}; the model loads next", file=sys.stderr, flush=True)
+    return server_socket
+
+
+def logging_config(path: str | None) -> dict | None:
+    """--log-config-file: the JSON dictConfig, applied now (fovea's loggers) and handed to uvicorn (its own)."""
+    if not path:
+        return None
+    import logging.config
+
+    try:
+        config = json.loads(Path(path).read_text())
+        logging.config.dictConfig(config)
+    except (OSError, ValueError, TypeError, AttributeError, ImportError) as error:
+        sys.exit(f"fovea serve: --log-config-file {path}: {error}")
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(Path(path).resolve())  # the engine processes read it at import
+    return config
+
+
 def run_serve(args: argparse.Namespace) -> None:
     from fovea.core.memory import watch_memory
 
@@ -280,7 +321,9 @@ def run_serve(args: argparse.Namespace) -> None:
         template = Path(template).read_text()
     elif template and not any(char in template for char in "{}\n"):  # vLLM's test: a template has one of these
         sys.exit(f"fovea serve: --chat-template {template!r} names no file, and is not a template either")
-    server_socket = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
+    log_config = logging_config(args.log_config_file)
+    # a busy port fails now, not after the model has loaded
+    server_socket = bind_unix(args.uds) if args.uds else bind(args.host, args.port)
     try:
         engine = AsyncLLM.from_args(args.model, max_restarts=args.max_engine_restarts, **engine_kwargs(args))
     except (ValueError, FileNotFoundError) as error:
@@ -330,6 +373,7 @@ def run_serve(args: argparse.Namespace) -> None:
             uvicorn.Config(
                 app,
                 log_level=args.uvicorn_log_level,
+                **({"log_config": log_config} if log_config else {}),
                 root_path=args.root_path,
                 ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile,
@@ -353,5 +397,7 @@ def run_serve(args: argparse.Namespace) -> None:
             app.state.template_sandbox.close()
     finally:
         engine.shutdown()
+        if args.uds and os.path.lexists(args.uds):
+            os.unlink(args.uds)
     if engine.error is not None:
         sys.exit(f"fovea serve: {engine.error}")
