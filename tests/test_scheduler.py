@@ -198,3 +198,22 @@ def test_a_sequence_waiting_for_room_in_the_encoder_cache_holds_none_of_its_late
             sched.add(mine)
             added = True
     assert ran == {0: 12, 1: 21}
+
+
+def test_blocks_for_the_forks_of_a_completed_prompt_stay_free_for_them():
+    """A prompt of a request with n=3 that this step completes forks two samples when the step is recorded, each
+    copying the prompt's partly filled last block: the sequences admitted after it in the same step must leave
+    those two blocks free. (They took them: the fork then found no free block, the step failed, and the forked
+    sample was left in no list, so the request never finished; the offline cross-talk fuzz hung on it.)"""
+    sched = scheduler(budget=32, blocks=6)
+    request = Request(RequestInput("r0", list(range(1, 7)), SamplingParams(n=3, max_tokens=8)))
+    request.input.arrival_index = 0
+    forking = Sequence(0, request)
+    request.sequences.append(forking)
+    sched.add(forking)
+    sched.add(sequence(1, list(range(10, 18))))  # two blocks: fits beside the two kept for the forks
+    sched.add(sequence(2, list(range(20, 24))))  # one more block: would take one of them
+    assert step(sched) == {0: 6, 1: 8}
+    assert sched.blocks.num_free_blocks == 2
+    for _ in range(2):  # what the engine does when it records the step (LLMEngine._record)
+        sched.blocks.fork(forking.block_table, forking.num_computed_tokens)

@@ -120,6 +120,9 @@ class Scheduler:
             pending = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
             (prefills if pending > 1 else decodes).append(seq)
         computing: set[bytes] = set()  # hashes of the blocks this step fills: one sequence computes each
+        # free blocks promised to the forks of prompts this step completes: they are taken when the step's samples
+        # are recorded, so the sequences scheduled after them must leave them free
+        reserved = 0
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -140,7 +143,7 @@ class Scheduler:
                     continue
             extra = seq.pending_forks if start + n >= tokens else 0  # (_fork_blocks)
             if extra or len(seq.block_table) * block_size < start + n:  # (a decode mostly has room already)
-                while not self.blocks.can_append(seq.block_table, start + n, extra):
+                while not self.blocks.can_append(seq.block_table, start + n, extra + reserved):
                     victim = self._pick_victim(batch)
                     self._preempt(victim)
                     preempted = True
@@ -153,8 +156,9 @@ class Scheduler:
             if self.blocks.enable_prefix_caching:
                 self._note_filled(seq, start, n, computing)
             budget -= n
+            reserved += extra
         if not preempted:
-            self._admit_waiting(batch, budget, computing, eligible)
+            self._admit_waiting(batch, budget, computing, eligible, reserved)
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
         """The tokens steps still on the device sample for it reach max_tokens or max_model_len."""
@@ -197,7 +201,9 @@ class Scheduler:
             if item.end <= seq.num_computed_tokens:  # an image it no longer needs embeddings of
                 self.encoder_cache.release(item.content_hash, seq.seq_id)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, computing: set[bytes], eligible) -> int:
+    def _admit_waiting(
+        self, batch: ScheduledBatch, budget: int, computing: set[bytes], eligible, reserved: int = 0
+    ) -> int:
         position = 0  # in the waiting list: sequences deferred by a step stay ahead of later arrivals
         adapters = (
             {s.request.lora.lora_int_id for s in self.running if s.request.lora} if self.config.enable_lora else ()
@@ -225,8 +231,10 @@ class Scheduler:
                 position += 1  # a sequence fills its next block in this step: admitted next step, it reuses it
                 continue
             n = self._fit_encoder(seq, start, min(seq.num_tokens - start, budget), batch)
-            if not self.blocks.can_allocate(prefix, start + n, self._fork_blocks(seq, start + n)):
+            forks = self._fork_blocks(seq, start + n)
+            if not self.blocks.can_allocate(prefix, start + n, forks + reserved):
                 break
+            reserved += forks
             self.waiting.pop(position)
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += start
