@@ -11,7 +11,6 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from fovea.bench.metrics import METRIC_TITLES
 from fovea.config.flags import add_engine_flags, add_vllm_only_flags, engine_kwargs
 from fovea.engine.profiler import profiler_dir
 
@@ -511,7 +510,7 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     import httpx
 
     from fovea.bench import serve
-    from fovea.bench.metrics import compute_metrics, format_table, parse_goodput, probe_metrics
+    from fovea.bench.metrics import METRIC_TITLES, compute_metrics, format_table, parse_goodput, probe_metrics
 
     refuse_missing_flags(args)
     args.backend = args.backend or ("openai-chat" if args.endpoint == "/v1/chat/completions" else "openai")
@@ -577,6 +576,7 @@ def run_bench_serve(args: argparse.Namespace) -> dict:
     finally:  # a profile left running would grow in the server's memory
         if args.profile:
             toggle_profiler(client, base_url, headers, "stop")
+        client.close()
     client_cpu_s = time.process_time() - cpu_start
     queued = (args.max_concurrency is not None, args.request_rate != float("inf"))
     metrics = compute_metrics(results, duration, goodput, selected, percentiles, queued) | probe_metrics(probes)

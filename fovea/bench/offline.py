@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,31 +33,34 @@ def bench_params(output_len: int, n: int = 1, beam_search: bool = False, detoken
     transformers'); n > 1 samples at temperature 1; or a beam search of n beams."""
     from fovea import SamplingParams
 
+    common = dict(n=n, max_tokens=output_len, ignore_eos=True, detokenize=detokenize)
     if beam_search:
-        return SamplingParams(
-            n=n, use_beam_search=True, temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=detokenize
-        )
-    return SamplingParams(
-        n=n, temperature=0 if n == 1 else 1.0, max_tokens=output_len, ignore_eos=True, detokenize=detokenize
-    )
+        return SamplingParams(use_beam_search=True, temperature=0, **common)
+    return SamplingParams(temperature=0 if n == 1 else 1.0, **common)
 
 
 @dataclass
 class OfflineRun:
-    """How `fovea bench throughput` runs fovea: as chats or prompts as they are, whether outputs are detokenized,
-    the adapter requests draw from (as vLLM's --lora-path: one of max_loras ids each, at random) and whether the
-    torch profiler records the timed run."""
+    """How the offline benchmarks run fovea: whether outputs are detokenized, the adapter requests draw from (as
+    vLLM's --lora-path: one of max_loras ids each, at random) and whether the torch profiler records the timed run."""
 
-    chat: bool = True
     detokenize: bool = True
     lora_path: str | None = None
     profile: bool = False
     seed: int = 0
 
 
-def fovea_runner(model: str, engine_args: dict, n: int = 1, beam_search: bool = False, how: OfflineRun = OfflineRun()):
-    """A function that runs a workload once and returns every sample's generated token ids, request by request, and
-    the prompts' lengths in tokens (the chat template's and image tokens counted). Benchmarks that repeat give
+def fovea_runner(
+    model: str,
+    engine_args: dict,
+    n: int = 1,
+    beam_search: bool = False,
+    how: OfflineRun = OfflineRun(),
+    chat: bool = True,
+):
+    """A function that runs a workload once, each prompt as a chat or (`chat` False) as it is, and returns every
+    sample's generated token ids, request by request, and the prompts' lengths in tokens (the chat template's and
+    image tokens counted). Benchmarks that repeat give
     each run fresh prompts: the same ones again would find their KV blocks and image embeddings cached, which
     transformers cannot do."""
     from fovea import LLM, LoRARequest
@@ -73,7 +76,7 @@ def fovea_runner(model: str, engine_args: dict, n: int = 1, beam_search: bool = 
             adapters = [LoRARequest(str(i), i, how.lora_path) for i in ids]
         if profile:
             llm.start_profile()
-        if how.chat:
+        if chat:
             outputs = llm.chat([conversation(r) for r in requests], params, use_tqdm=False, lora_request=adapters)
         elif any(r.images or r.videos for r in requests):
             raise ValueError("images and videos need a chat backend (vllm-chat or fovea), not --backend vllm")
@@ -162,7 +165,7 @@ def throughput(
     """One backend's run of the workload: vLLM's figures (prompt tokens as the engine counts them, template and
     image tokens included) and every sample's token ids."""
     if backend != "hf":
-        run = fovea_runner(model, engine_args, n, beam_search, replace(how, chat=backend != "vllm"))
+        run = fovea_runner(model, engine_args, n, beam_search, how, chat=backend != "vllm")
     elif n > 1 or beam_search or how.lora_path or how.profile:
         raise ValueError("--n above 1, --use-beam-search, --lora-path and --profile run on fovea's backends only")
     else:
