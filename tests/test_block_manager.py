@@ -141,6 +141,18 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     check_no_leaks(bm)
 
 
+def test_a_fork_with_no_free_block_for_its_copy_fails_naming_it_and_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    tokens = list(range(10))  # 3 blocks, none left free
+    parent, _ = alloc(bm, block_hashes(tokens, BS), len(tokens))
+    counts = list(bm.ref_counts)
+    with pytest.raises(RuntimeError, match="no free KV block"):
+        bm.fork(parent, len(tokens))
+    assert bm.ref_counts == counts  # the shared blocks' counts were not raised
+    bm.release(parent)
+    check_no_leaks(bm)
+
+
 def test_hashes_extend_incrementally():
     tokens = list(range(23))
     hashes = block_hashes(tokens[:9], BS)

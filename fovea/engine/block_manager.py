@@ -139,6 +139,8 @@ class BlockManager:
         block is copied (both sequences will write different tokens into it). Returns the table and the
         (source, destination) block copy the model runner must do, if any."""
         full = num_tokens // self.block_size
+        if full < len(table) and not self.free:  # checked first: a failure leaves no reference count raised
+            raise RuntimeError("no free KV block left for a fork's copy of its parent's last block")
         shared = table[:full]
         for block in shared:
             self.ref_counts[block] += 1

@@ -172,7 +172,7 @@ class LLMEngine:
             build = self.grammars.compiler.build(request.params.structured_outputs, request.params.n)
             self.compiling.append((request, build))
             return  # scheduled once its grammar is built (_admit_compiled)
-        self.scheduler.add(self._new_sequence(request, 0))
+        self._schedule_first_sample(request)
 
     def _admit_compiled(self) -> StepFailed | None:
         """Requests whose grammars are built go to the scheduler; those whose grammar failed, or overran the time
@@ -189,13 +189,19 @@ class LLMEngine:
                 except ValueError as error:
                     failed.append((request, error))
                     continue
-                self.scheduler.add(self._new_sequence(request, 0))
+                self._schedule_first_sample(request)
             elif build.overran():
                 self.compiling.remove(entry)
                 failed.append((request, too_slow_error()))
         return self._fail({request for request, _ in failed}, failed[0][1]) if failed else None
 
+    def _schedule_first_sample(self, request: Request) -> None:
+        seq = self._new_sequence(request, 0)
+        request.sequences.append(seq)
+        self.scheduler.add(seq)
+
     def _new_sequence(self, request: Request, index: int) -> Sequence:
+        """Sample `index` of `request`, listed in the request by the caller once the scheduler holds it."""
         seq = Sequence(next(self._seq_ids), request, index, self.config.max_model_len)
         params = request.params
         if params.detokenize and (params.stop_strings or request.input.grammar_after is not None):  # text checked
@@ -205,7 +211,6 @@ class LLMEngine:
                 request.params.skip_special_tokens,
                 request.params.spaces_between_special_tokens,
             )
-        request.sequences.append(seq)
         return seq
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -461,6 +466,7 @@ class LLMEngine:
                 seq.pending_forks = 0  # (its own row, fork 0, is in this step too)
                 child = self._new_sequence(seq.request, seq.index + fork)
                 self.scheduler.fork(seq, child)
+                seq.request.sequences.append(child)  # (only now: a fork that failed leaves no sample in no list)
                 seq = child
             row_seqs.append(seq)
         now = time.time()
