@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from conftest import hf_tokenizer, our_model, random_image
 from test_engine_vs_hf import LOREM, SYSTEM, assert_engine_idle
 from test_model_vs_hf import our_logits
@@ -213,6 +216,35 @@ def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
         assert out.prompt_logprobs[index][target].logprob == pytest.approx(
             reference[index - 1, target].item(), abs=1e-4
         )
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
+def test_logprobs_mode_reports_the_drawn_distribution_or_the_logits(tiny_dirs, mode):
+    """--logprobs-mode: processed_logprobs are those of the distribution a token was drawn from (here the four
+    best logits over the temperature), raw_logits the model's logits; prompt logprobs stay log-probabilities."""
+    model, processor = our_model(tiny_dirs["tiny-3b"])
+    engine = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024, logprobs_mode=mode)
+    messages = image_chat(random_image(120, 90, 5))
+    params = SamplingParams(temperature=0.8, top_k=4, seed=9, max_tokens=6, logprobs=4, prompt_logprobs=1)
+    out = engine.chat(messages, params, use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    prompt = processor.process_chat(messages)
+    logits = our_logits(model, prompt, generated[:-1])
+    num_prompt = len(prompt.token_ids)
+    for step, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
+        row = logits[num_prompt - 1 + step]
+        if mode == "raw_logits":
+            expected = row
+        else:
+            kept = (row / 0.8).topk(4)
+            expected = torch.full_like(row, float("-inf")).scatter(0, kept.indices, kept.values.log_softmax(-1))
+        assert sorted(entry) == sorted(set(expected.topk(4).indices.tolist()) | {token})
+        for t, value in entry.items():
+            assert value.logprob == pytest.approx(expected[t].item(), abs=1e-4), (step, t)
+        if mode == "processed_logprobs":  # the four kept tokens hold all of the mass
+            assert sum(math.exp(v.logprob) for v in entry.values()) == pytest.approx(1.0, abs=1e-4)
+    target = prompt.token_ids[5]
+    assert out.prompt_logprobs[5][target].logprob == pytest.approx(logits[4].log_softmax(-1)[target].item(), abs=1e-4)
 
 
 def test_prompt_logprobs_scored_in_blocks_match_the_model(llm, tiny_dirs, monkeypatch):

@@ -150,6 +150,60 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     assert out.ranks.tolist() == [int((expected[i] > expected[i, t]).sum()) + 1 for i, t in enumerate(out.token_ids)]
 
 
+def reference_processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A row as vLLM's processed_logits has it, the slow way: bias, then (temperature above 0) divided by the
+    temperature and sorted once for top_k, top_p (a token goes when the better ones already reach p) and min_p."""
+    row = logits.clone()
+    for token, bias in (params.logit_bias or {}).items():
+        row[int(token)] += bias
+    if params.temperature < 1e-5:
+        return row
+    row /= params.temperature
+    order = row.argsort(descending=True)
+    keep = torch.zeros(len(row), dtype=torch.bool)
+    probs = row.softmax(-1)
+    covered = 0.0
+    for rank, token in enumerate(order.tolist()):
+        if rank >= (params.top_k or len(row)) or (rank and covered >= params.top_p):
+            break
+        keep[token] = probs[token] >= params.min_p * probs[order[0]]
+        covered += float(probs[token])
+    return row.masked_fill(~keep, float("-inf"))
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_report_the_raw_or_the_processed_distribution(mode):
+    torch.manual_seed(3)
+    vocab = 300
+    logits = torch.randn(6, vocab) * 3
+    params = [
+        SamplingParams(temperature=0, logprobs=5, logit_bias={7: 4.0}),
+        SamplingParams(temperature=0.7, top_k=5, logprobs=5),
+        SamplingParams(temperature=1.3, top_p=0.6, logprobs=5),
+        SamplingParams(temperature=0.5, min_p=0.2, logprobs=5, logit_bias={3: 2.0}),
+        SamplingParams(temperature=1.0, top_k=1, logprobs=5),  # greedy by its top_k, drawn for vLLM
+        SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, logprobs=5),
+    ]
+    batch = [SampleRow(p, [1, 2], 2, None, ()) for p in params]
+    raw = logits.clone()
+    out = Sampler(seed=5, logprobs_mode=mode)(logits, batch)
+    for i, p in enumerate(params):
+        if mode.startswith("raw"):
+            expected = raw[i] if mode == "raw_logits" else raw[i].log_softmax(-1)
+        else:
+            expected = reference_processed(raw[i], p)
+            expected = expected if mode == "processed_logits" else expected.log_softmax(-1)
+        token = int(out.token_ids[i])
+        assert torch.allclose(out.logprobs[i], expected[token], atol=1e-5), (i, mode)
+        assert out.ranks[i] == int((expected > expected[token]).sum()) + 1
+        assert torch.allclose(out.top_logprobs[i], expected.topk(5).values, atol=1e-5), (i, mode)
+        if mode.startswith("processed"):
+            assert out.logprobs[i].isfinite(), "the drawn token is one the filters kept"
+    if mode == "processed_logprobs":  # top_k=5 keeps five tokens: the five reported hold all of the mass
+        assert math.isclose(float(out.top_logprobs[1].exp().sum()), 1.0, rel_tol=1e-5)
+        assert out.top_logprobs[4, 0] == 0 and out.top_logprobs[4, 1:].isneginf().all()
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 
 import httpx
 import openai
@@ -356,6 +357,39 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
     assert "".join(text.json()["choices"][0]["logprobs"]["tokens"]) == whole["text"]  # the default: the text
     events = stream_events(server, "/v1/completions", {**body, "stream": True})
     assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
+
+
+def strict_json(text: str):
+    """JSON as the spec has it: NaN and Infinity are no numbers (Python's json reads them)."""
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in a response"))
+
+
+def test_processed_logprobs_mode_sends_filtered_tokens_as_vllm_does(tiny_dirs):
+    """--logprobs-mode processed_logprobs: tokens top_k filtered out have logprob -inf, sent as -9999.0 (vLLM's
+    value) in valid JSON, whole and streamed; the kept ones hold all of the mass."""
+    flags = ["--dtype", "float32", "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs"]
+    with running_server(tiny_dirs["tiny-3b"], *flags, "--disable-playground") as (base, _):
+        # (top_p given: the tiny checkpoint's generation_config has Qwen2.5-VL's 0.001, which keeps one token)
+        sampling = {"temperature": 1.0, "top_k": 2, "top_p": 1.0, "seed": 3, "max_tokens": 4, "ignore_eos": True}
+        body = {"prompt": "The harbour at dawn", "logprobs": 4, **sampling}
+        reply = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        logprobs = strict_json(reply.text)["choices"][0]["logprobs"]
+        for chosen, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"]):
+            kept = [v for v in top.values() if v > -9999.0]
+            assert len(top) == 4 and len(kept) == 2 and chosen in kept
+            assert sum(math.exp(v) for v in kept) == pytest.approx(1.0, abs=1e-4)
+        chat = {"messages": HELLO, "logprobs": True, "top_logprobs": 4, "stream": True, **sampling}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=chat, timeout=60) as response:
+            lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+        content = [
+            t
+            for line in lines[:-1]
+            for c in strict_json(line)["choices"]
+            for t in (c["logprobs"] or {}).get("content") or []
+        ]
+        assert len(content) == 4
+        assert all(sum(t["logprob"] == -9999.0 for t in item["top_logprobs"]) == 2 for item in content)
 
 
 def test_streamed_logprobs_cover_tokens_whose_text_is_held_back(server):

@@ -86,7 +86,7 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         (dict(model_impl="transformers"), "fovea runs its own model code"),
         (dict(speculative_config={"method": "ngram"}), "speculative decoding is not implemented"),
         (dict(enable_sleep_mode=True), "sleep mode is not implemented"),
-        (dict(logprobs_mode="processed_logprobs"), "the other modes are not implemented"),
+        (dict(logprobs_mode="processed"), "logprobs_mode must be one of raw_logprobs"),
         (dict(kv_transfer_config={"kv_connector": "x"}), "disaggregated prefill"),
     ]:
         with pytest.raises(ValueError, match=words):

@@ -63,6 +63,7 @@ class EngineConfig:
     generation_config: str = default("generation_config")
     override_generation_config: dict | None = default("override_generation_config")
     max_logprobs: int = default("max_logprobs")
+    logprobs_mode: str = default("logprobs_mode")
     quantization: str | None = default("quantization")
     kv_cache_dtype: str = default("kv_cache_dtype")
     reasoning_parser: str | None = default("reasoning_parser")

@@ -180,6 +180,13 @@ FLAGS = (
     ),
     Flag("max_logprobs", 20, "most logprobs a request may ask for"),
     Flag(
+        "logprobs_mode",
+        "raw_logprobs",
+        "what logprobs hold: the model's log-probabilities or logits (raw_*), or those the token was drawn from "
+        "(processed_*: after bias, penalties, temperature and top_k/top_p/min_p, -inf where filtered out)",
+        choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
+    ),
+    Flag(
         "reasoning_parser",
         None,
         "a thinking model's <think>...</think> part: the chat message's reasoning, and structured outputs and "
@@ -366,7 +373,6 @@ VLLM_ARG_KINDS = {
     "ec_transfer_config": json_arg,
     "kv_transfer_config": json_arg,
     "speculative_config": json_arg,
-    "logprobs_mode": str,
     "logits_processors": [str],
     "cuda_graph_sizes": [int],
     "max_cudagraph_capture_size": int,

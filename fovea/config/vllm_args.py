@@ -63,7 +63,6 @@ ONLY_AT = {
     # vLLM's encoder instances, fed by a proxy, hand their outputs to the language model's through a connector
     "speculative_config": ((None, {}), "speculative decoding is not implemented"),
     "enable_sleep_mode": ((None, False), "sleep mode is not implemented"),
-    "logprobs_mode": ((None, "raw_logprobs"), "logprobs are the model's raw ones; the other modes are not implemented"),
     "kv_transfer_config": ((None, {}), "disaggregated prefill (KV transfer between instances) is not implemented"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
     "otlp_traces_endpoint": ((None,), "OpenTelemetry tracing is not implemented"),

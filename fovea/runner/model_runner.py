@@ -136,7 +136,7 @@ class ModelRunner:
             )
             if not config.skip_warmup:
                 self.encoder_buckets.warm_up()
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, logprobs_mode=config.logprobs_mode)
         self.inputs = InputBatch(config.max_model_len, config.block_size)  # rank 0's rows (execute)
         self.num_blocks = self._count_kv_blocks()
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can

@@ -185,12 +185,14 @@ def filter_candidates(logits: torch.Tensor, temperature: torch.Tensor, rows: lis
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, reads_back: bool | None = None):
+    def __init__(self, seed: int = 0, reads_back: bool | None = None, logprobs_mode: str = "raw_logprobs"):
         """`reads_back`: whether a step may read the device's values (None: only on the CPU, where reading costs
         nothing). Without, a top_p-only row gets both its candidates' token and its whole row's, and the device
-        chooses between them: the host queues the next step meanwhile instead of waiting for this one."""
+        chooses between them: the host queues the next step meanwhile instead of waiting for this one.
+        `logprobs_mode`: EngineConfig's (vLLM's names), what a sample's logprobs hold."""
         self.seed = seed
         self.reads_back = reads_back
+        self.logprobs_mode = logprobs_mode
         self.generators: dict[torch.device, torch.Generator] = {}  # unseeded requests share one per device
         self.seen: dict[tuple, SeenTokens] = {}  # penalized samples' tokens by row key, for the rows of the last step
         self.scratch: torch.Tensor | None = None  # see _work
@@ -280,7 +282,10 @@ class Sampler:
         logits = logits.float().contiguous()
         max_logprobs = max((r.params.logprobs or 0) for r in rows)
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
-        raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
+        mode = self.logprobs_mode if wants_logprobs else None
+        reported = (
+            logits.log_softmax(-1) if mode == "raw_logprobs" else logits.clone() if mode == "raw_logits" else None
+        )
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         # only this step's samples stay: a sequence that is not in a step (finished, preempted) is rebuilt if it returns
         self.seen = {r.key: self.seen[r.key] for r in rows if r.key in self.seen}
@@ -300,9 +305,28 @@ class Sampler:
             for i, token, ok in zip(constrained, tokens[index].tolist(), finite[index].tolist()):
                 if ok:  # a nonsense token would break the grammar's state: its request fails anyway
                     rows[i].grammar.consume_token(token)
-        if raw_logprobs is None:
+        if mode is None:
             return SamplerOutput(tokens, finite=finite)
-        return SamplerOutput(tokens, *top_logprobs(raw_logprobs, tokens, max_logprobs), finite=finite)
+        if reported is None:  # processed_*: `logits` hold the rows as penalized, biased and masked
+            reads_back = logits.device.type == "cpu" if self.reads_back is None else self.reads_back
+            reported = processed(logits, rows, sort_rows=not reads_back)
+            if mode == "processed_logprobs":
+                reported = reported.log_softmax(-1).nan_to_num_(
+                    float("-inf"), neginf=float("-inf")
+                )  # (a row masked whole)
+        return SamplerOutput(tokens, *top_logprobs(reported, tokens, max_logprobs), finite=finite)
+
+
+def processed(logits: torch.Tensor, rows: list[SampleRow], sort_rows: bool) -> torch.Tensor:
+    """The logits each row's token was drawn from (vLLM's processed logits): a drawn row's divided by its
+    temperature and filtered by top_k, top_p and min_p (-inf where they cut); a greedy row's as they are."""
+    out = logits.clone()
+    drawn = [i for i, r in enumerate(rows) if r.params.temperature >= 1e-5]  # (vLLM's greedy: temperature alone)
+    if drawn:
+        index = to_device(drawn, torch.long, logits.device)
+        temperature = column([rows[i] for i in drawn], lambda p: p.temperature, logits.dtype, logits.device)
+        out[index] = filter_logits(_scaled_rows(logits, index, temperature), [rows[i] for i in drawn], sort_rows)
+    return out
 
 
 ARGMAX_BLOCK = 128  # vocabularies are multiples of it (Qwen's 151,936 and 152,064; 64 for LLaVA's 32,064 works too)

@@ -127,13 +127,18 @@ def shown_token(token: int, lp: Logprob, as_ids: bool) -> str:
     return f"token_id:{token}" if as_ids else lp.decoded_token or ""
 
 
+def shown_logprob(lp: Logprob) -> float:
+    """As vLLM sends it: -inf (a token --logprobs-mode processed_* filtered out) is no JSON number."""
+    return max(lp.logprob, -9999.0)
+
+
 def chat_logprobs(completion: CompletionOutput, k: int, as_ids: bool = False) -> dict | None:
     if completion.logprobs is None:
         return None
 
     def item(token: int, lp: Logprob) -> dict:
         text = shown_token(token, lp, as_ids)
-        return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode())}
+        return {"token": text, "logprob": shown_logprob(lp), "bytes": list(text.encode())}
 
     content = []
     for token, entry in zip(completion.token_ids, completion.logprobs):
@@ -152,8 +157,8 @@ def completion_logprobs(token_ids: list[int], entries: list, k: int, text_offset
             tops.append(None)
             continue
         tokens.append(shown_token(token, entry[token], as_ids))
-        token_logprobs.append(entry[token].logprob)
-        tops.append({shown_token(t, lp, as_ids): lp.logprob for t, lp in _top(entry, k)})
+        token_logprobs.append(shown_logprob(entry[token]))
+        tops.append({shown_token(t, lp, as_ids): shown_logprob(lp) for t, lp in _top(entry, k)})
         text_offset += len(entry[token].decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
