@@ -68,15 +68,25 @@ def test_streams_run_concurrently_and_abort_on_early_exit(tiny_dirs):
     assert c == reference.chat(image_chat, greedy, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_a_failing_request_fails_alone(tiny_dirs):
-    """A bug hit while preparing one request (here: an injected exception) or a request the engine refuses
-    fails that request only; the server answers 500 / 400 for it and the other streams are unaffected."""
+def test_a_failing_request_fails_alone(tiny_dirs, monkeypatch):
+    """A bug hit while preparing one request or building its response (here: injected exceptions) or a request
+    the engine refuses fails that request only; the server answers 500 / 400 for it and the other streams are
+    unaffected. A ValueError while building a response is the server's failure, not the request's (a 500)."""
     import httpx
 
+    from fovea.server import openai_serving
     from fovea.server.app import ServerOptions, build_app
 
     engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS)
     process_chat = engine.inputs.process_chat
+    chat_response = openai_serving.chat_response
+
+    def faulty_body(output, *args):
+        if len(output.outputs[0].token_ids) == 2:
+            raise ValueError("injected body failure")
+        return chat_response(output, *args)
+
+    monkeypatch.setattr(openai_serving, "chat_response", faulty_body)
 
     def faulty(messages, *args, **kwargs):
         if messages[0]["content"] == "boom":
@@ -97,8 +107,10 @@ def test_a_failing_request_fails_alone(tiny_dirs):
                     json={"messages": [{"role": "user", "content": text}], "max_tokens": 3, **fields},
                 )
 
-            broken, refused, fine = await asyncio.gather(chat("boom"), chat("hi", n=400), chat("hi"))
-        return await running, broken, refused, fine
+            broken, refused, fine, body = await asyncio.gather(
+                chat("boom"), chat("hi", n=400), chat("hi"), chat("hi", max_tokens=2, ignore_eos=True)
+            )
+        return await running, broken, refused, fine, body
 
     async def engine_dies_and_comes_back():
         old_pid = engine.process.pid
@@ -114,7 +126,7 @@ def test_a_failing_request_fails_alone(tiny_dirs):
         return engine.process.pid != old_pid, reply.status_code, reply.json()
 
     try:
-        (tokens, _, reason), broken, refused, fine = asyncio.run(main())
+        (tokens, _, reason), broken, refused, fine, body = asyncio.run(main())
         restarted, status, reply = asyncio.run(engine_dies_and_comes_back())
         assert restarted and status == 200 and reply["usage"]["completion_tokens"] == 3, reply
         assert engine.restarts[0] and engine.error is None
@@ -123,6 +135,7 @@ def test_a_failing_request_fails_alone(tiny_dirs):
     assert broken.status_code == 500 and "injected failure" in broken.json()["error"]["message"]
     assert refused.status_code == 400 and "max_num_seqs" in refused.json()["error"]["message"]
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 3
+    assert body.status_code == 500 and "injected body failure" in body.json()["error"]["message"]
     assert reason == "length" and len(tokens) == 20
 
 

@@ -124,8 +124,16 @@ class Served:
 
     async def json_off_loop(self, build, *args) -> JSONResponse:
         """A response built and rendered in the preparation pool: 8 choices x 1000 tokens x 20 top logprobs took
-        seconds to build and encode, which on the event loop stalled every other client."""
-        return await self.engine.run_in_pool(lambda: JSONResponse(build(*args)))
+        seconds to build and encode, which on the event loop stalled every other client. The request was checked
+        before it ran: a ValueError here is the server's failure (a 500), not the client's (STATUS makes it a 400)."""
+
+        def respond() -> JSONResponse:
+            try:
+                return JSONResponse(build(*args))
+            except ValueError as error:
+                raise RuntimeError(f"building the response failed: {error}") from error
+
+        return await self.engine.run_in_pool(respond)
 
     def shown(self, body, logprobs: int | None, echo: str = "") -> serving.Shown:
         """What the response carries beside the text, as `body` asked; return_tokens_as_token_ids and the usage
