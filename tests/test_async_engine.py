@@ -186,13 +186,13 @@ def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True}
 
     delivered = collections.Counter()
-    deliver = engine._deliver
+    deliver_all = engine._deliver_all
 
-    def counting_deliver(request_id, item):
-        delivered[request_id] += 1
-        deliver(request_id, item)
+    def counting_deliver_all(items):
+        delivered.update(request_id for request_id, _ in items)
+        deliver_all(items)
 
-    engine._deliver = counting_deliver
+    engine._deliver_all = counting_deliver_all
 
     async def fail_the_newest_request(after_outputs=0):
         deadline = time.time() + 30
@@ -229,3 +229,32 @@ def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
     assert len(events) > 4 and all('"content"' in e for e in events[1:-2])  # it was streaming tokens
     assert waiting.status_code == 500 and "injected" in waiting.json()["error"]["message"]
     assert reason == "length" and len(tokens) == 20
+
+
+def test_a_steps_outputs_reach_their_streams_with_one_wake_up_per_event_loop():
+    """The receiving thread hands a step's outputs to a caller's event loop in one call (one write to its wake-up
+    socket, not one per stream), each in its own stream in order; streams of a closed loop are dropped."""
+    import threading
+    import types
+
+    loop, closed = asyncio.new_event_loop(), asyncio.new_event_loop()
+    closed.close()
+    wake_ups = []
+    wake = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *args: (wake_ups.append(args), wake(*args))[1]
+    queues = {f"r{i}": asyncio.Queue() for i in range(3)}
+    streams = {rid: (loop, q) for rid, q in queues.items()} | {"gone": (closed, asyncio.Queue())}
+    owner = types.SimpleNamespace(_streams=streams)
+    items = [("r0", "a"), ("gone", "x"), ("r1", "b"), ("r0", "c"), ("unknown", "y"), ("r2", "d")]
+
+    async def receive():
+        thread = threading.Thread(target=AsyncLLM._deliver_all, args=(owner, items))
+        thread.start()
+        thread.join()
+        return [[await q.get() for _ in range(q_len)] for q, q_len in zip(queues.values(), (2, 1, 1))]
+
+    try:
+        assert loop.run_until_complete(receive()) == [["a", "c"], ["b"], ["d"]]
+    finally:
+        loop.close()
+    assert len(wake_ups) == 1 and "gone" not in streams
