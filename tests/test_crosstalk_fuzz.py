@@ -3,9 +3,9 @@ prefixes, token ids, one or two of a few images; greedy or seeded sampling with 
 banned tokens, min_tokens, stop rules, logprobs, prompt logprobs, n > 1, grammars, and now and then a grammar its
 own allowed tokens contradict, which fails) each run alone, then all of them arriving at random steps into one
 engine, with aborts between, under drawn engine settings (block size, a step budget that cuts prompts and images,
-sequences at a time, prefix caching, the step order, a KV cache tight enough to preempt). Every request that was
-not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4 where they agree), or
-the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
+sequences at a time, prefix caching, the step order, a KV cache tight enough to preempt, what logprobs hold).
+Every request that was not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4
+where they agree), or the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
 draw per model runs by default, FOVEA_FUZZ_DRAWS more.
 
 One difference is allowed, and only for sampled requests: on the CPU the batch's shape changes the rounding of the
@@ -113,6 +113,8 @@ def engine_options(rng: random.Random, max_model_len: int) -> dict:
     )
     if rng.random() < 0.5:  # the longest sequence and a few blocks: sequences preempt one another
         options["num_gpu_blocks_override"] = max_model_len // block_size + rng.choice([2, 8, 24])
+    if rng.random() < 0.3:  # what logprobs hold: the processed ones are each row's own filters over its row
+        options["logprobs_mode"] = rng.choice(["raw_logits", "processed_logprobs", "processed_logits"])
     orders = [dict(async_scheduling=False, overlap_outputs=False), dict(async_scheduling=True)]
     return options | rng.choice(orders)
 
@@ -155,7 +157,7 @@ def differences(alone, together, params: SamplingParams) -> str | None:
         first = None if same else first_difference(a.token_ids, b.token_ids)
         shared = len(a.token_ids) if first is None else first
         for i, (x, y) in enumerate(zip((a.logprobs or [])[:shared], (b.logprobs or [])[:shared])):
-            gaps = [abs(x[t].logprob - y[t].logprob) for t in x.keys() & y.keys()]
+            gaps = [abs(x[t].logprob - y[t].logprob) for t in x.keys() & y.keys() if x[t].logprob != y[t].logprob]
             if max(gaps, default=0) > 1e-4:
                 return f"sample {a.index}: logprobs at token {i} differ by {max(gaps)}"
         if first is not None and not (params.temperature > 0 and moved_to_a_neighbour(a.token_ids, b.token_ids)):

@@ -221,7 +221,8 @@ def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_dirs):
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
 def test_logprobs_mode_reports_the_drawn_distribution_or_the_logits(tiny_dirs, mode):
     """--logprobs-mode: processed_logprobs are those of the distribution a token was drawn from (here the four
-    best logits over the temperature), raw_logits the model's logits; prompt logprobs stay log-probabilities."""
+    best logits over the temperature), raw_logits the model's logits; prompt logprobs stay log-probabilities. Beam
+    search, which ranks by log-probabilities, is refused."""
     model, processor = our_model(tiny_dirs["tiny-3b"])
     engine = LLM(str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=1024, logprobs_mode=mode)
     messages = image_chat(random_image(120, 90, 5))
@@ -245,6 +246,8 @@ def test_logprobs_mode_reports_the_drawn_distribution_or_the_logits(tiny_dirs, m
             assert sum(math.exp(v.logprob) for v in entry.values()) == pytest.approx(1.0, abs=1e-4)
     target = prompt.token_ids[5]
     assert out.prompt_logprobs[5][target].logprob == pytest.approx(logits[4].log_softmax(-1)[target].item(), abs=1e-4)
+    with pytest.raises(ValueError, match=f"beam search ranks beams by the model's log-probabilities.*{mode}"):
+        engine.generate(["Hi"], SamplingParams(n=2, use_beam_search=True), use_tqdm=False)
 
 
 def test_prompt_logprobs_scored_in_blocks_match_the_model(llm, tiny_dirs, monkeypatch):

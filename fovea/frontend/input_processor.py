@@ -163,6 +163,11 @@ class InputProcessor:
                 f"beam search with n={params.n} beams needs {2 * params.n} logprobs a step, more than max_logprobs="
                 f"{self.config.max_logprobs} (a server flag: --max-logprobs)"
             )
+        if params.use_beam_search and self.config.logprobs_mode != "raw_logprobs":
+            raise ValueError(
+                "beam search ranks beams by the model's log-probabilities, which this engine's logprobs_mode="
+                f"{self.config.logprobs_mode} does not report (a server flag: --logprobs-mode raw_logprobs)"
+            )
         if grammar and params.structured_outputs is not None:
             params.structured_outputs = self.grammars.check(params.structured_outputs)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words or ())
