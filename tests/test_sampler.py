@@ -171,8 +171,9 @@ def reference_processed(logits: torch.Tensor, params: SamplingParams) -> torch.T
     return row.masked_fill(~keep, float("-inf"))
 
 
+@pytest.mark.parametrize("reads_back", [None, False])  # False: a GPU's way (top_p cut by sorting), on this CPU
 @pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
-def test_logprobs_modes_report_the_raw_or_the_processed_distribution(mode):
+def test_logprobs_modes_report_the_raw_or_the_processed_distribution(mode, reads_back):
     torch.manual_seed(3)
     vocab = 300
     logits = torch.randn(6, vocab) * 3
@@ -186,7 +187,7 @@ def test_logprobs_modes_report_the_raw_or_the_processed_distribution(mode):
     ]
     batch = [SampleRow(p, [1, 2], 2, None, ()) for p in params]
     raw = logits.clone()
-    out = Sampler(seed=5, logprobs_mode=mode)(logits, batch)
+    out = Sampler(seed=5, reads_back=reads_back, logprobs_mode=mode)(logits, batch)
     for i, p in enumerate(params):
         if mode.startswith("raw"):
             expected = raw[i] if mode == "raw_logits" else raw[i].log_softmax(-1)
