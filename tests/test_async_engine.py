@@ -258,3 +258,56 @@ def test_a_steps_outputs_reach_their_streams_with_one_wake_up_per_event_loop():
     finally:
         loop.close()
     assert len(wake_ups) == 1 and "gone" not in streams
+
+
+def test_mid_stream_only_the_engines_refusal_is_a_400(tiny_dirs, monkeypatch):
+    """A stream that ends early says whose fault it was: the engine refusing the request while it runs (its own
+    settings contradict each other) is a 400 event; a ValueError anywhere else, e.g. building a chunk, is the
+    server's (500), not a 400 (the request was checked before its stream began)."""
+    import json
+
+    import httpx
+
+    from fovea.core.messages import Rejected
+    from fovea.server import openai_serving
+    from fovea.server.app import ServerOptions, build_app
+
+    engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+    app = build_app(engine, ServerOptions(["tiny"]))
+    chat_logprobs = openai_serving.chat_logprobs
+    built = []
+
+    def failing_chunks(completion, *args):
+        built.append(completion.logprobs is not None)
+        if sum(built) == 3:  # the third chunk of the stream that asked for logprobs
+            raise ValueError("injected chunk failure")
+        return chat_logprobs(completion, *args)
+
+    monkeypatch.setattr(openai_serving, "chat_logprobs", failing_chunks)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+    async def refuse_when_streaming():
+        while not engine._streams:
+            await asyncio.sleep(0.005)
+        (request_id,) = engine._streams
+        await asyncio.sleep(0.05)  # tokens are streaming (1,500 are far off)
+        engine._on_message(Rejected(request_id, "contradiction injected"))
+
+    async def stream(client, fields):
+        async with client.stream("POST", "/v1/chat/completions", json={**body, **fields}) as response:
+            return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fovea", timeout=60) as client:
+            refused, _ = await asyncio.gather(stream(client, {}), refuse_when_streaming())
+            broken = await stream(client, {"logprobs": True})
+        return refused, broken
+
+    try:
+        refused, broken = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for events, code, words in ((refused, 400, "contradiction injected"), (broken, 500, "injected chunk failure")):
+        error = json.loads(events[-2][6:])["error"]
+        assert events[-1] == "data: [DONE]" and error["code"] == code and words in error["message"], events[-3:]

@@ -87,6 +87,11 @@ class RequestFailed(RuntimeError):
     """The engine hit an error while running this request (a bug or a device error): 500."""
 
 
+class RequestRefused(ValueError):
+    """The engine refused this request, at admission or while running it (its own settings contradict each
+    other): 400, also in the middle of a stream, where any other error is the server's."""
+
+
 def put_each(puts: list[tuple[str, asyncio.Queue, object]]) -> None:
     for _, outputs, item in puts:
         outputs.put_nowait(item)
@@ -396,7 +401,7 @@ class AsyncLLM:
                     except Exception:  # noqa: BLE001 - metrics must never stop the outputs
                         logger.exception("the stats callback failed")
             case Rejected(request_id, reason):
-                self._deliver(request_id, ValueError(reason))
+                self._deliver(request_id, RequestRefused(reason))
             case RequestsFailed(request_ids, reason):
                 for request_id in request_ids:
                     self._deliver(

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fovea.core.request import CompletionOutput, Logprob, RequestOutput
-from fovea.frontend.async_llm import EngineDeadError
+from fovea.frontend.async_llm import EngineDeadError, RequestRefused
 from fovea.server.protocol import error_body
 from fovea.server.reasoning import Reasoning
 from fovea.server.tool_calls import ToolCallStream, ToolUse
@@ -47,9 +47,11 @@ def sse(payload: dict | str) -> str:
 
 
 def error_event(error: Exception) -> str:
+    """The event that ends a stream early. The request was checked before its stream began: only the engine's
+    refusal is the client's (400); any other error, a ValueError too, is the server's."""
     if isinstance(error, EngineDeadError):
         status, kind = 503, "ServiceUnavailableError"
-    elif isinstance(error, ValueError):
+    elif isinstance(error, RequestRefused):
         status, kind = 400, "BadRequestError"
     else:  # RequestFailed, or a bug
         status, kind = 500, "InternalServerError"
