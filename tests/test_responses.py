@@ -163,8 +163,8 @@ def settled(client, response_id: str, timeout_s: float = 60):
 
 
 def test_background_responses_run_on_and_are_read_cancelled_or_failed_later(client):
-    """background=true answers at once with a queued response; GET later gives what the same request gives in the
-    foreground; cancel aborts one still running (its request leaves the engine); one whose request fails is stored
+    """background=true answers at once with a queued response, in_progress once it goes to the engine; GET later
+    gives what the same request gives in the foreground; cancel aborts one still running (its request leaves the engine); one whose request fails is stored
     as failed with the reason."""
     import time
 
@@ -182,6 +182,10 @@ def test_background_responses_run_on_and_are_read_cancelled_or_failed_later(clie
         model="tiny", input="Go on.", background=True, max_output_tokens=900, extra_body={"ignore_eos": True}
     )
     long, other = client.responses.create(**endless), client.responses.create(**endless)
+    deadline = time.time() + 60
+    while (status := client.responses.retrieve(long.id).status) == "queued" and time.time() < deadline:
+        time.sleep(0.01)
+    assert status == "in_progress"  # it went to the engine; its 900 tokens are far off
     with pytest.raises(openai.RateLimitError, match="2 background responses are running"):
         client.responses.create(**endless)  # (FOVEA_BACKGROUND_RESPONSES=2 on this server)
     client.responses.cancel(other.id)

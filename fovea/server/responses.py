@@ -9,9 +9,9 @@ the SDK's typed stream events.
 request's `previous_response_id` (whose instructions are not carried over, as OpenAI does). Bounded: the newest
 FOVEA_STORED_RESPONSES responses (default 1000) and FOVEA_STORED_RESPONSES_MB of their text (default 256, images
 as data URLs included); older ones are forgotten first. `background` (with `store`, not streamed) answers at once
-with a `queued` response and runs on without the client: `GET` shows it `completed`, `incomplete`, `failed` (with
-the error) or `cancelled` (`POST .../cancel`, or `DELETE`, aborts it); at most FOVEA_BACKGROUND_RESPONSES (256) run
-at once, a 429 past that.
+with a `queued` response and runs on without the client: `GET` shows it `in_progress` once it goes to the engine,
+then `completed`, `incomplete`, `failed` (with the error) or `cancelled` (`POST .../cancel`, or `DELETE`, aborts
+it); at most FOVEA_BACKGROUND_RESPONSES (256) run at once, a 429 past that.
 """
 
 from __future__ import annotations
@@ -231,10 +231,13 @@ async def start_in_background(served: Served, body: ResponsesRequest, chat, conv
     queued = response_object(body, response_id, served.model_name(body.model), [], {}, None, int(time.time()), "queued")
     await served.engine.run_in_pool(store.put, queued, conversation)
 
+    async def in_progress() -> None:  # prepared, and going to the engine
+        await served.engine.run_in_pool(store.put, queued | {"status": "in_progress"}, conversation)
+
     async def run() -> None:
         ended = None
         try:
-            await respond(Detached(), served, body, chat, conversation, response_id, queued["created_at"])
+            await respond(Detached(), served, body, chat, conversation, response_id, queued["created_at"], in_progress)
         except asyncio.CancelledError:
             ended = {"status": "cancelled"}
         except Exception as error:  # noqa: BLE001 - the client reads it from the stored response
@@ -252,11 +255,19 @@ async def start_in_background(served: Served, body: ResponsesRequest, chat, conv
 
 
 async def respond(
-    client, served: Served, body: ResponsesRequest, chat, conversation: list[dict], response_id=None, created=None
+    client,
+    served: Served,
+    body: ResponsesRequest,
+    chat,
+    conversation: list[dict],
+    response_id=None,
+    created=None,
+    on_start=None,
 ):
-    """The response to `chat`, whole or streamed; `client`: the HTTP request (its leaving aborts the run)."""
+    """The response to `chat`, whole or streamed; `client`: the HTTP request (its leaving aborts the run);
+    `on_start`: start_chat's."""
     store: ResponseStore = served.responses
-    run = await start_chat(client, served, lambda: chat, "resp")
+    run = await start_chat(client, served, lambda: chat, "resp", on_start)
     response_id = response_id or "resp_" + run.request_id.removeprefix("resp-")
     created = created or int(time.time())
 

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -228,12 +228,17 @@ class ChatRun:
 
 
 async def start_chat(
-    request: Request, served: Served, read_chat: Callable[[], ChatCompletionRequest], id_prefix: str
+    request: Request,
+    served: Served,
+    read_chat: Callable[[], ChatCompletionRequest],
+    id_prefix: str,
+    on_start: Callable[[], Awaitable[None]] | None = None,
 ) -> ChatRun:
     """What chat completions and the Responses API share: the body (`read_chat`), params, tools, media, the
     engine's first output. One preparation-pool job reads the body, checks it and, unless it names media to
     download or brings its own chat template, makes the engine's request (template, tokens, images): a chat of
-    inline images goes from the event loop to the pool and back once before it is sent."""
+    inline images goes from the event loop to the pool and back once before it is sent. `on_start`: awaited as
+    the prepared request goes to the engine (a background response is then in progress)."""
     engine, options = served.engine, served.options
     arrival = time.time()  # latencies count the preparation
     limits = engine.config.limit_mm_per_prompt
@@ -303,6 +308,8 @@ async def start_chat(
                 lora_request=served.lora(model),
                 priority=body.priority,
             )
+        if on_start is not None:
+            await on_start()
         return stream, await anext(stream)  # bad input fails here, before any 200
 
     stream, first = await unless_disconnected(request, start())
