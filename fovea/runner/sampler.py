@@ -310,10 +310,8 @@ class Sampler:
         if reported is None:  # processed_*: `logits` hold the rows as penalized, biased and masked
             reads_back = logits.device.type == "cpu" if self.reads_back is None else self.reads_back
             reported = processed(logits, rows, sort_rows=not reads_back)
-            if mode == "processed_logprobs":
-                reported = reported.log_softmax(-1).nan_to_num_(
-                    float("-inf"), neginf=float("-inf")
-                )  # (a row masked whole)
+            if mode == "processed_logprobs":  # (NaN: a row masked whole)
+                reported = reported.log_softmax(-1).nan_to_num_(float("-inf"), neginf=float("-inf"))
         return SamplerOutput(tokens, *top_logprobs(reported, tokens, max_logprobs), finite=finite)
 
 
