@@ -48,6 +48,7 @@ def server(tiny_dirs, media_dir):
         "--trust-remote-code",
         "--enable-mm-embeds",
         "--disable-playground",
+        "--enable-tokenizer-info-endpoint",
         env={"VLLM_SERVER_DEV_MODE": "1"},
     ) as (base, proc):
         yield base
@@ -359,6 +360,24 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
     assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
 
 
+def test_tokenizer_info_gives_the_tokenizers_settings_and_template(server, tiny_dirs):
+    """vLLM's /tokenizer_info (--enable-tokenizer-info-endpoint): the settings transformers read from
+    tokenizer_config.json, the tokenizer's class and the chat template served; no file path of this machine. Behind
+    the API key like every route; absent without the flag (test_processed_logprobs_mode_... checks a 404)."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(tiny_dirs["tiny-3b"])
+    assert httpx.get(server + "/tokenizer_info").status_code == 401
+    reply = httpx.get(server + "/tokenizer_info", headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    info = reply.json()
+    assert info["tokenizer_class"] == type(reference).__name__
+    assert info["chat_template"] == reference.chat_template and "<|im_start|>" in info["chat_template"]
+    assert info["model_max_length"] == reference.init_kwargs["model_max_length"]
+    assert info["eos_token"] == str(reference.init_kwargs["eos_token"]) == "<|im_end|>"
+    assert str(tiny_dirs["tiny-3b"]) not in reply.text and not any(key.endswith("_file") for key in info)
+
+
 def strict_json(text: str):
     """JSON as the spec has it: NaN and Infinity are no numbers (Python's json reads them)."""
     return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in a response"))
@@ -369,6 +388,7 @@ def test_processed_logprobs_mode_sends_filtered_tokens_as_vllm_does(tiny_dirs):
     value) in valid JSON, whole and streamed; the kept ones hold all of the mass."""
     flags = ["--dtype", "float32", "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs"]
     with running_server(tiny_dirs["tiny-3b"], *flags, "--disable-playground") as (base, _):
+        assert httpx.get(base + "/tokenizer_info").status_code == 404  # (not asked for)
         # (top_p given: the tiny checkpoint's generation_config has Qwen2.5-VL's 0.001, which keeps one token)
         sampling = {"temperature": 1.0, "top_k": 2, "top_p": 1.0, "seed": 3, "max_tokens": 4, "ignore_eos": True}
         body = {"prompt": "The harbour at dawn", "logprobs": 4, **sampling}

@@ -311,7 +311,6 @@ def test_vllms_newer_front_end_flags_parse_and_refuse_by_name():
         ("h11_max_header_count", 10, "bounded by size"),
         ("tokens_only", True, "tokens-only"),
         ("fingerprint_mode", "full", "no system_fingerprint"),
-        ("enable_tokenizer_info_endpoint", True, "/tokenizer_info"),
         ("enable_per_request_metrics", True, "per-request timings"),
         ("enable_offline_docs", True, "docs pages"),
     ]:

@@ -95,7 +95,6 @@ ONLY_AT = {
     ),
     "enable_offline_docs": ((None, False), "the API docs pages are not bundled (--disable-fastapi-docs drops them)"),
     "tokens_only": ((None, False), "a tokens-only (disaggregated) front end is not implemented"),
-    "enable_tokenizer_info_endpoint": ((None, False), "/tokenizer_info is not implemented"),
     "enable_per_request_metrics": ((None, False), "per-request timings in responses are not implemented"),
     "fingerprint_mode": ((None, "none"), "responses carry no system_fingerprint"),
     "fingerprint_value": ((None,), "responses carry no system_fingerprint"),

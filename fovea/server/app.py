@@ -26,7 +26,7 @@ from fovea.server.playground import SETTINGS_PATH
 from fovea.server.protocol import RequestLimits
 from fovea.server.responses import ROUTES as RESPONSES_ROUTES
 from fovea.server.responses import ResponseStore
-from fovea.server.routes import ROUTES, Served, tool_routes
+from fovea.server.routes import ROUTES, Served, tokenizer_info, tool_routes
 from fovea.server.tool_calls import START
 
 logger = logging.getLogger("fovea")
@@ -62,6 +62,7 @@ class ServerOptions:
     allowed_hosts: list[str] | None = None  # Host names served (None: any), loopback names on a loopback address
     default_chat_template_kwargs: dict = field(default_factory=dict)  # under every request's chat_template_kwargs
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template is not shown the tools
+    tokenizer_info: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
@@ -119,6 +120,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions) -> FastAPI:
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, max_objects=options.max_body_objects)
     routes = ROUTES + RESPONSES_ROUTES + lora_routes() + tool_routes()
+    routes += [("/tokenizer_info", "GET", tokenizer_info)] if options.tokenizer_info else []
     routes += PLAYGROUND_ROUTES if options.playground else []
     public = PUBLIC_PATHS | {path for path, _, _ in PLAYGROUND_ROUTES if path != SETTINGS_PATH}
     app.add_middleware(APIKeyCheck, api_key=options.api_key, public=frozenset(public))

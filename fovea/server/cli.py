@@ -120,6 +120,11 @@ def add_serve_parser(sub) -> None:
     net.add_argument(
         "--enable-request-id-headers", action="store_true", help="responses carry X-Request-Id (the request's own)"
     )
+    net.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="GET /tokenizer_info: the tokenizer's settings (tokenizer_config.json's, no file paths) and chat template",
+    )
     net.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     net.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log")
     net.add_argument(
@@ -348,6 +353,7 @@ def run_serve(args: argparse.Namespace) -> None:
             force_include_usage=args.enable_force_include_usage,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             request_id_headers=args.enable_request_id_headers,
+            tokenizer_info=args.enable_tokenizer_info_endpoint,
             fastapi_docs=not args.disable_fastapi_docs,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             lora_modules=args.lora_modules,

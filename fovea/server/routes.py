@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -423,6 +424,22 @@ async def detokenize(request: Request):
     if any(not 0 <= t < vocab for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
     return {"prompt": await served.engine.run_in_pool(served.engine.tokenizer.decode, body.tokens)}
+
+
+async def tokenizer_info(request: Request):
+    """vLLM's /tokenizer_info (--enable-tokenizer-info-endpoint): the tokenizer's settings as tokenizer_config.json
+    gives them (special tokens as their text; no key naming a file on this machine), its class, and the chat
+    template the server applies."""
+    served: Served = request.app.state.served
+    engine = served.engine
+
+    def info() -> dict:
+        settings = json.loads(json.dumps(engine.tokenizer.init_kwargs, default=str))
+        settings = {k: v for k, v in settings.items() if not k.endswith("_file") and k != "name_or_path"}
+        template = served.options.chat_template or engine.inputs.prompts.chat_template
+        return settings | {"tokenizer_class": type(engine.tokenizer).__name__, "chat_template": template}
+
+    return await served.json_off_loop(info)
 
 
 def engine_command(act: Callable) -> Callable:
