@@ -10,17 +10,29 @@ __version__ = "0.1.0"
 # the "fovea" logger itself; FOVEA_LOGGING_LEVEL (or vLLM's VLLM_LOGGING_LEVEL) changes the level, vLLM's
 # VLLM_LOGGING_CONFIG_PATH names a JSON logging configuration (dictConfig's; `fovea serve --log-config-file` sets it
 # for its engine processes), and VLLM_CONFIGURE_LOGGING=0 leaves the logger to the application.
-_logger = logging.getLogger("fovea")
-_config_path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
-if _config_path and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
+
+
+def apply_logging_config(path: str) -> dict:
+    """Reads the JSON dictConfig at `path` and applies it; returns it. A ValueError names what is wrong."""
     import json
     import logging.config
 
     try:
-        with open(_config_path) as _file:
-            logging.config.dictConfig(json.load(_file))
-    except (OSError, ValueError, TypeError, AttributeError, ImportError) as _error:
-        raise ValueError(f"VLLM_LOGGING_CONFIG_PATH={_config_path!r}: {_error}") from None
+        with open(path) as file:
+            config = json.load(file)
+        logging.config.dictConfig(config)
+    except (OSError, ValueError, TypeError, AttributeError, ImportError) as error:
+        raise ValueError(f"{path}: {error}") from None
+    return config
+
+
+_logger = logging.getLogger("fovea")
+_config_path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+if _config_path and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
+    try:
+        apply_logging_config(_config_path)
+    except ValueError as _error:
+        raise ValueError(f"VLLM_LOGGING_CONFIG_PATH={_error}") from None
 elif not _logger.handlers and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
     _variable = next((v for v in ("FOVEA_LOGGING_LEVEL", "VLLM_LOGGING_LEVEL") if os.environ.get(v)), None)
     _level = os.environ[_variable].upper() if _variable else "INFO"

@@ -316,9 +316,10 @@ class Sampler:
 
 
 def processed(logits: torch.Tensor, rows: list[SampleRow], sort_rows: bool) -> torch.Tensor:
-    """The logits each row's token was drawn from (vLLM's processed logits): a drawn row's divided by its
-    temperature and filtered by top_k, top_p and min_p (-inf where they cut); a greedy row's as they are."""
-    out = logits.clone()
+    """The logits each row's token was drawn from (vLLM's processed logits), written over `logits` (the draws are
+    done): a drawn row's divided by its temperature and filtered by top_k, top_p and min_p (-inf where they cut); a
+    greedy row's as they are."""
+    out = logits
     drawn = [i for i, r in enumerate(rows) if r.params.temperature >= 1e-5]  # (vLLM's greedy: temperature alone)
     if drawn:
         index = to_device(drawn, torch.long, logits.device)

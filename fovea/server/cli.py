@@ -281,13 +281,12 @@ def logging_config(path: str | None) -> dict | None:
     """--log-config-file: the JSON dictConfig, applied now (fovea's loggers) and handed to uvicorn (its own)."""
     if not path:
         return None
-    import logging.config
+    from fovea import apply_logging_config
 
     try:
-        config = json.loads(Path(path).read_text())
-        logging.config.dictConfig(config)
-    except (OSError, ValueError, TypeError, AttributeError, ImportError) as error:
-        sys.exit(f"fovea serve: --log-config-file {path}: {error}")
+        config = apply_logging_config(path)
+    except ValueError as error:
+        sys.exit(f"fovea serve: --log-config-file {error}")
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(Path(path).resolve())  # the engine processes read it at import
     return config
 
