@@ -231,6 +231,52 @@ def test_a_failed_request_ends_its_stream_with_an_error_event(tiny_dirs):
     assert reason == "length" and len(tokens) == 20
 
 
+def test_a_reader_that_falls_behind_gets_what_queued_as_one_output(tiny_dirs):
+    """Outputs that queue while a stream's reader is busy (a server whose event loop falls behind at many
+    streams) reach it as one: each sample's tokens, text and logprobs joined in order, the prompt with the first,
+    the metrics with the last; an error queued behind outputs comes after them."""
+    from fovea.frontend.async_llm import RequestFailed
+
+    engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+    delta = RequestOutputKind.DELTA
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True, logprobs=1, output_kind=delta)
+
+    async def slow_reader(request_id, max_tokens=40, fail=False):
+        outputs, stream = [], engine.generate(LOREM, params.clone(max_tokens=max_tokens), request_id)
+        try:
+            async for output in stream:
+                outputs.append(output)
+                if len(outputs) == 1:
+                    await asyncio.sleep(0.3)  # the engine runs on: its outputs queue
+                    if fail:
+                        engine._on_message(RequestsFailed([request_id], "injected"))
+        except RequestFailed as error:
+            return outputs, error
+        return outputs, None
+
+    async def main():
+        slow = await slow_reader("slow")
+        alone = [o async for o in engine.generate(LOREM, params.clone(output_kind=RequestOutputKind.FINAL_ONLY))]
+        failing = await slow_reader("failing", max_tokens=1500, fail=True)
+        return slow, alone, failing
+
+    try:
+        (outputs, error), (alone,), (before_error, failure) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert error is None and [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert max(len(c.token_ids) for c in outputs[1].outputs) > 1  # what queued came as one
+    assert outputs[0].prompt_token_ids == alone.prompt_token_ids and outputs[-1].metrics is not None
+    for c in alone.outputs:
+        pieces = [s for o in outputs for s in o.outputs if s.index == c.index]
+        assert [t for s in pieces for t in s.token_ids] == c.token_ids
+        assert "".join(s.text for s in pieces) == c.text
+        assert [e.keys() for s in pieces for e in s.logprobs] == [e.keys() for e in c.logprobs]
+        assert pieces[-1].finish_reason == "length"
+    assert isinstance(failure, RequestFailed) and len(before_error) == 2
+    assert len(before_error[1].outputs[0].token_ids) > 1 and not before_error[1].finished
+
+
 def test_a_steps_outputs_reach_their_streams_with_one_wake_up_per_event_loop():
     """The receiving thread hands a step's outputs to a caller's event loop in one call (one write to its wake-up
     socket, not one per stream), each in its own stream in order; streams of a closed loop are dropped."""

@@ -521,6 +521,45 @@ def test_streamed_outputs_carry_the_prompt_only_first_and_last(llm):
     assert_engine_idle(engine)
 
 
+def test_stream_interval_reports_the_first_tokens_at_once_then_every_k(llm, tiny_dirs):
+    """vLLM's --stream-interval: a streamed request's first output at once, then one per `k` new tokens of a
+    sample, and one when a sample finishes; the outputs add up to the tokens, text and logprobs the request gets
+    unstreamed (n = 2, a stop string ending one sample mid-interval)."""
+    every = LLM(
+        str(tiny_dirs["tiny-3b"]), dtype="float32", max_model_len=2048, num_gpu_blocks_override=400, stream_interval=4
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    whole = llm.generate(LOREM, greedy, use_tqdm=False)[0].outputs[0]
+    stop = whole.text[len(llm.generate(LOREM, greedy.clone(max_tokens=6), use_tqdm=False)[0].outputs[0].text) :][:2]
+    sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=1)
+    cases = {"greedy": greedy, "stop": greedy.clone(stop=[stop]), "n2": sampled}
+    for name, params in cases.items():
+        streamed = params.clone(output_kind=RequestOutputKind.DELTA)
+        every.engine.add_request(every.inputs.make_request(name, every.inputs.process(LOREM), streamed))
+    reports: dict[str, list] = {name: [] for name in cases}
+    while every.engine.has_unfinished_requests():
+        for output in every.engine.step():
+            reports[output.request_id].append(output)
+    assert [len(o.outputs[0].token_ids) for o in reports["greedy"]] == [1, 4, 4, 1]
+    stopped = [len(o.outputs[0].token_ids) for o in reports["stop"]]
+    assert stopped[:2] == [1, 4] and 1 <= stopped[-1] < 4 and len(stopped) == 3, stopped
+    for name, params in cases.items():
+        alone = llm.generate(LOREM, params, use_tqdm=False)[0]
+        for c in alone.outputs:
+            pieces = [s for o in reports[name] for s in o.outputs if s.index == c.index]
+            assert [t for s in pieces for t in s.token_ids] == c.token_ids, name
+            assert "".join(s.text for s in pieces) == c.text, name
+            entries = [e for s in pieces for e in s.logprobs]  # (other batches: fp32 sums in another order)
+            assert [e.keys() for e in entries] == [e.keys() for e in c.logprobs], name
+            assert all(
+                math.isclose(e[t].logprob, a[t].logprob, abs_tol=1e-4) for e, a in zip(entries, c.logprobs) for t in e
+            ), name
+            assert pieces[-1].finish_reason == c.finish_reason, name
+        assert reports[name][-1].finished and reports[name][0].prompt_token_ids == alone.prompt_token_ids
+    assert_engine_idle(every.engine)
+    every.close()
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tiny_dirs):
     """vLLM's truncate_prompt_tokens: a text prompt keeps the last k of transformers' tokens of the whole text (one
     longer than max_model_len too, which is otherwise refused) and runs as those k given as ids; token ids keep

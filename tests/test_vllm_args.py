@@ -88,6 +88,7 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         (dict(enable_sleep_mode=True), "sleep mode is not implemented"),
         (dict(logprobs_mode="processed"), "logprobs_mode must be one of raw_logprobs"),
         (dict(kv_transfer_config={"kv_connector": "x"}), "disaggregated prefill"),
+        (dict(stream_interval=0), "stream_interval must be at least 1, got 0"),
     ]:
         with pytest.raises(ValueError, match=words):
             EngineConfig.from_args(str(model), **args)

@@ -42,6 +42,7 @@ class EngineConfig:
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool | None = default("async_scheduling")  # None: schedules_ahead decides
     scheduling_policy: str = default("scheduling_policy")
+    stream_interval: int = default("stream_interval")
     max_model_len_from_model: bool = False  # the user left it unset: the KV cache may shorten it
     attention_backend: str = default("attention_backend")
     fp32_softmax: bool = default("fp32_softmax")
@@ -195,6 +196,7 @@ class EngineConfig:
             "max_logprobs",
             "max_loras",
             "max_lora_rank",
+            "stream_interval",
         ):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")

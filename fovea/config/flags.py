@@ -210,6 +210,12 @@ FLAGS = (
         type=argparse.BooleanOptionalAction,
     ),
     Flag(
+        "stream_interval",
+        1,
+        "a streamed request's tokens are reported every this many (its first and its last at once): fewer, "
+        "larger chunks cost the engine and the front end less per token",
+    ),
+    Flag(
         "scheduling_policy",
         "fcfs",
         "fcfs: requests in arrival order; priority: by each request's priority (lower first, as in vLLM), then "
@@ -386,7 +392,6 @@ VLLM_ARG_KINDS = {
     "structured_outputs_config": str,
     "guided_decoding_backend": str,
     "api_server_count": int,
-    "stream_interval": int,
     "otlp_traces_endpoint": str,
     "collect_detailed_traces": str,
     "video_pruning_rate": float,

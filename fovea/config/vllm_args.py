@@ -42,7 +42,6 @@ NO_EFFECT = {
     "guided_decoding_backend": "structured outputs run on llguidance",
     "enable_expert_parallel": "MoE experts are split over the ranks by tensor parallelism",
     "api_server_count": "one front-end process serves; its preparation work runs in pools of threads and processes",
-    "stream_interval": "streams send each token's text as it comes",
     "safetensors_load_strategy": "each rank reads the checkpoint once, file by file",
     "show_hidden_metrics_for_version": "no metric of fovea's is hidden",
     "cudagraph_capture_sizes": "decode CUDA graphs are captured by batch size, up to max_num_seqs",

@@ -22,7 +22,7 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.request import RequestDelta, RequestInput, RequestOutput
-from fovea.core.sampling_params import WHERE, RequestOutputKind
+from fovea.core.sampling_params import WHERE
 from fovea.core.stats import EngineStats, LatencyEvents, record_token_time
 from fovea.engine.block_manager import BlockManager
 from fovea.engine.encoder_cache import EncoderCache
@@ -31,6 +31,7 @@ from fovea.engine.outputs import (
     LogprobEntries,
     append_token,
     record_prompt_logprobs,
+    report_due,
     request_delta,
 )
 from fovea.engine.scheduler import Scheduler
@@ -400,7 +401,7 @@ class LLMEngine:
             if self.requests.get(request.request_id) is not request:
                 continue
             finished = request.finished
-            if finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+            if finished or (request.streams and report_due(request, self.config.stream_interval)):
                 outputs.append(request_delta(request, final=finished))
             if finished:
                 self.requests.pop(request.request_id)

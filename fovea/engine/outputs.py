@@ -193,6 +193,18 @@ class LogprobEntries:
         return entry
 
 
+def report_due(request: Request, interval: int) -> bool:
+    """Whether a streamed request is reported now (--stream-interval): its first tokens at once (the time to the
+    first token is the same), then whenever a sample has `interval` unreported tokens or has finished."""
+    if interval == 1 or not request.prompt_sent:
+        return True
+    for seq in request.sequences:
+        unsent = len(seq.token_ids) - seq.num_prompt_tokens - seq.sent_tokens
+        if unsent >= interval or (unsent and seq.finish_reason is not None):
+            return True
+    return False
+
+
 def request_delta(request: Request, final: bool) -> tuple:
     """What the request's samples gained since its last report, as a RequestDelta's plain tuple: ids, logprob
     entries, how they finished. Text is the assembler's (OutputAssembler), wherever the caller is: this is all

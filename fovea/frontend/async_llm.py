@@ -47,13 +47,13 @@ from fovea.core.messages import (
     ToEngine,
 )
 from fovea.core.request import LoRARequest, RequestDelta, RequestInput, RequestOutput
-from fovea.core.sampling_params import SamplingParams, default_sampling_params
+from fovea.core.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
 from fovea.core.stats import EngineStats, combine
 from fovea.frontend.beam_search import BeamSearch, served_beam_search
 from fovea.frontend.engine_process import EngineProcess
 from fovea.frontend.grammar_checks import GrammarChecks
 from fovea.frontend.input_processor import InputProcessor
-from fovea.frontend.outputs import OutputAssembler
+from fovea.frontend.outputs import OutputAssembler, joined
 from fovea.frontend.replica_routing import pick_replica
 from fovea.multimodal.image_workers import ImageWorkers, default_workers, release_shared
 from fovea.multimodal.prompt import ChatOptions, load_tokenizer
@@ -316,8 +316,15 @@ class AsyncLLM:
                 _, _, (self._sent_pixels[request_id],), _ = request.release_unsent.detach()
                 request.release_unsent = None
             engine.send(AddRequest(request))
+            incremental, held = request.params.output_kind == RequestOutputKind.DELTA, None
             while not finished:
                 item = await outputs.get()
+                while not isinstance(item, BaseException) and not outputs.empty():  # this reader fell behind
+                    later = outputs.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later  # raised once what came before it is out
+                        break
+                    item = joined(item, later, incremental)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -327,6 +334,8 @@ class AsyncLLM:
                         request_id, [(o.index, o.finish_reason, samples[o.index].text) for o in item.outputs]
                     )
                 yield item
+                if held is not None:
+                    raise held
         finally:
             self._in_flight[replica] -= 1
             self._streams.pop(request_id, None)

@@ -97,3 +97,38 @@ class OutputAssembler:
             self.metrics,
             sum(item.span.length for item in self.input.mm_items),
         )
+
+
+def joined(earlier: RequestOutput, later: RequestOutput, incremental: bool) -> RequestOutput:
+    """Two outputs of one stream that queued while its reader was busy, as one (fewer, larger chunks when the
+    front end falls behind, as vLLM's). DELTA: each sample's new text, ids and logprobs in order, its finish as
+    the later has it; the prompt fields from whichever has them. Otherwise the later has it all."""
+    if not incremental:
+        return later
+    samples = {c.index: c for c in earlier.outputs}  # (made for this stream alone: extended in place)
+    for c in later.outputs:
+        sample = samples.get(c.index)
+        if sample is None:
+            samples[c.index] = c
+            continue
+        sample.text += c.text
+        sample.token_ids = sample.token_ids + c.token_ids
+        if c.logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + c.logprobs
+        sample.cumulative_logprob, sample.finish_reason, sample.stop_reason = (
+            c.cumulative_logprob,
+            c.finish_reason,
+            c.stop_reason,
+        )
+    prompt = earlier if earlier.prompt_token_ids else later
+    return RequestOutput(
+        later.request_id,
+        prompt.prompt,
+        prompt.prompt_token_ids,
+        prompt.prompt_logprobs,
+        sorted(samples.values(), key=lambda c: c.index),
+        later.finished,
+        later.num_cached_tokens,
+        later.metrics or earlier.metrics,
+        prompt.num_image_tokens,
+    )

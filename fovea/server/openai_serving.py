@@ -358,6 +358,13 @@ def completion_choice(
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests as they come, tagged with the request's index."""
+    if len(streams) == 1:  # most completions: no task and queue hop per output
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index, stream):
