@@ -134,3 +134,35 @@ def test_lora_requests_info_follows_the_adapters_in_use():
     metrics.update(EngineStats(running_loras=("a", "b"), waiting_loras=("c",)))
     (info,) = families(generate_latest(metrics.registry).decode())["vllm:lora_requests_info"].samples
     assert (info.labels["running_lora_adapters"], info.labels["waiting_lora_adapters"]) == ("a,b", "c")
+
+
+def test_inter_token_latencies_fed_a_step_at_once_read_as_prometheus_histograms_do():
+    """The inter-token histogram takes a step's latencies in one call (ServerMetrics.update); what /metrics shows
+    of it is what prometheus_client's Histogram shows for the same observations, under both names, values on
+    a bucket's bound and past the last one included."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from fovea.core.stats import EngineStats, LatencyEvents
+    from fovea.server.metrics import ITL_BUCKETS, ServerMetrics
+
+    steps = [[0.01, 0.0099, 0.02, 0.3], [], [0.0001, 80.0, 80.5, 1e6, 0.075]]
+    ours = ServerMetrics("m")
+    for values in steps:
+        ours.update(EngineStats(events=LatencyEvents(inter_token=list(values))))
+    reference = CollectorRegistry()
+    for name in ("fovea:inter_token_latency_seconds", "fovea:time_per_output_token_seconds"):
+        histogram = Histogram(name, "x", ["model_name"], registry=reference, buckets=ITL_BUCKETS).labels("m")
+        for value in (v for values in steps for v in values):
+            histogram.observe(value)
+
+    def samples(text: str, name: str) -> list:
+        (family,) = [f for f in text_string_to_metric_families(text) if f.name == name]
+        return sorted(
+            (s.name, tuple(sorted(s.labels.items())), s.value) for s in family.samples if "created" not in s.name
+        )
+
+    shown = generate_latest(ours.registry).decode()
+    expected = generate_latest(reference).decode()
+    for name in ("fovea:inter_token_latency_seconds", "fovea:time_per_output_token_seconds"):
+        assert samples(shown, name) == samples(expected, name), name
+        assert samples(shown, name.replace("fovea:", "vllm:")), name
