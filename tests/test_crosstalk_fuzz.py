@@ -3,8 +3,9 @@ prefixes, token ids, one or two of a few images; greedy or seeded sampling with 
 banned tokens, min_tokens, stop rules, logprobs, prompt logprobs, n > 1, grammars, and now and then a grammar its
 own allowed tokens contradict, which fails) each run alone, then all of them arriving at random steps into one
 engine, with aborts between, under drawn engine settings (block size, a step budget that cuts prompts and images,
-sequences at a time, prefix caching, the step order, a KV cache tight enough to preempt, what logprobs hold).
-Every request that was not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4
+sequences at a time, prefix caching, the step order, a KV cache tight enough to preempt, what logprobs hold,
+how often streamed requests are reported); half the requests stream there, their outputs joined as a server's
+reader joins them. Every request that was not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4
 where they agree), or the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
 draw per model runs by default, FOVEA_FUZZ_DRAWS more.
 
@@ -29,6 +30,7 @@ from conftest import random_image
 from fovea import LLM, SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.engine import StepFailed
+from fovea.frontend.outputs import joined
 from fovea.multimodal.prompt import ChatOptions
 
 SEED = int(os.environ.get("FOVEA_FUZZ_SEED") or random.SystemRandom().randrange(1 << 30))
@@ -115,13 +117,18 @@ def engine_options(rng: random.Random, max_model_len: int) -> dict:
         options["num_gpu_blocks_override"] = max_model_len // block_size + rng.choice([2, 8, 24])
     if rng.random() < 0.3:  # what logprobs hold: the processed ones are each row's own filters over its row
         options["logprobs_mode"] = rng.choice(["raw_logits", "processed_logprobs", "processed_logits"])
+    if rng.random() < 0.3:  # streamed requests are reported every few tokens: across preemptions, forks, aborts
+        options["stream_interval"] = rng.choice([2, 3, 5])
     orders = [dict(async_scheduling=False, overlap_outputs=False), dict(async_scheduling=True)]
     return options | rng.choice(orders)
 
 
-def run(llm: LLM, requests: list, arrivals: list[int], aborts: dict[str, int]) -> dict[str, object]:
-    """Adds each request at its step, aborts some at theirs; each request's final output, or why it failed."""
-    engine, ended = llm.engine, {}
+def run(
+    llm: LLM, requests: list, arrivals: list[int], aborts: dict[str, int], streamed: frozenset = frozenset()
+) -> dict[str, object]:
+    """Adds each request at its step, aborts some at theirs; each request's final output (the `streamed` ones'
+    outputs joined as a server's reader joins them), or why it failed."""
+    engine, ended, so_far = llm.engine, {}, {}
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     step = 0
     while order or engine.has_unfinished_requests():
@@ -130,8 +137,8 @@ def run(llm: LLM, requests: list, arrivals: list[int], aborts: dict[str, int]) -
             processed = (
                 llm.inputs.process_chat(prompt, None, ChatOptions()) if kind == "chat" else llm.inputs.process(prompt)
             )
-            final = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            engine.add_request(llm.inputs.make_request(request_id, processed, final))
+            kind = RequestOutputKind.DELTA if request_id in streamed else RequestOutputKind.FINAL_ONLY
+            engine.add_request(llm.inputs.make_request(request_id, processed, params.clone(output_kind=kind)))
         for request_id, at in aborts.items():
             if at == step:
                 engine.abort_request(request_id)
@@ -140,7 +147,12 @@ def run(llm: LLM, requests: list, arrivals: list[int], aborts: dict[str, int]) -
         except StepFailed as error:
             ended.update((request_id, f"failed: {error}") for request_id in error.request_ids)
             outputs = []
-        ended.update((output.request_id, output) for output in outputs if output.finished)
+        for output in outputs:
+            if output.request_id in streamed:
+                earlier = so_far.get(output.request_id)
+                output = so_far[output.request_id] = output if earlier is None else joined([earlier, output], True)
+            if output.finished:
+                ended[output.request_id] = output
         step += 1
         # a request left in no list never finishes: fail naming it rather than run until CI's time is up
         assert step < MAX_STEPS, f"still unfinished after {step} steps: {sorted(engine.requests)}"
@@ -187,11 +199,12 @@ def check_draw(model: str, models, draw_index: int) -> None:
     requests = [(f"r{i}", draw_prompt(rng, prefix, images), draw_params(rng)) for i in range(REQUESTS)]
     arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
     aborts = {request_id: rng.randrange(4 * REQUESTS) for request_id, _, _ in rng.sample(requests, REQUESTS // 8)}
+    streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
     with LLM(str(model_dir), **options) as llm:
         alone = {}
         for request in requests:
             alone |= run(llm, [request], [0], {})
-        together = run(llm, requests, arrivals, aborts)
+        together = run(llm, requests, arrivals, aborts, streamed)
     assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= REQUESTS // 2, (where, alone)
     wrong = []
     for request_id, (kind, _), params in requests:

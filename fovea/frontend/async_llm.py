@@ -319,12 +319,15 @@ class AsyncLLM:
             incremental, held = request.params.output_kind == RequestOutputKind.DELTA, None
             while not finished:
                 item = await outputs.get()
-                while not isinstance(item, BaseException) and not outputs.empty():  # this reader fell behind
-                    later = outputs.get_nowait()
-                    if isinstance(later, BaseException):
-                        held = later  # raised once what came before it is out
-                        break
-                    item = joined(item, later, incremental)
+                if not isinstance(item, BaseException) and not outputs.empty():  # this reader fell behind
+                    queued = [item]
+                    while not outputs.empty():
+                        later = outputs.get_nowait()
+                        if isinstance(later, BaseException):
+                            held = later  # raised once what came before it is out
+                            break
+                        queued.append(later)
+                    item = joined(queued, incremental)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -99,36 +99,38 @@ class OutputAssembler:
         )
 
 
-def joined(earlier: RequestOutput, later: RequestOutput, incremental: bool) -> RequestOutput:
-    """Two outputs of one stream that queued while its reader was busy, as one (fewer, larger chunks when the
-    front end falls behind, as vLLM's). DELTA: each sample's new text, ids and logprobs in order, its finish as
-    the later has it; the prompt fields from whichever has them. Otherwise the later has it all."""
+def joined(outputs: list[RequestOutput], incremental: bool) -> RequestOutput:
+    """Outputs of one stream that queued while its reader was busy, as one (fewer, larger chunks when the front
+    end falls behind, as vLLM's). DELTA: each sample's new text, ids and logprobs in order, its finish as the
+    last has it; the prompt fields from the first that has them. Otherwise the last has it all."""
+    last = outputs[-1]
     if not incremental:
-        return later
-    samples = {c.index: c for c in earlier.outputs}  # (made for this stream alone: extended in place)
-    for c in later.outputs:
-        sample = samples.get(c.index)
-        if sample is None:
-            samples[c.index] = c
-            continue
-        sample.text += c.text
-        sample.token_ids = sample.token_ids + c.token_ids
-        if c.logprobs is not None:
-            sample.logprobs = (sample.logprobs or []) + c.logprobs
-        sample.cumulative_logprob, sample.finish_reason, sample.stop_reason = (
-            c.cumulative_logprob,
-            c.finish_reason,
-            c.stop_reason,
+        return last
+    parts: dict[int, list[CompletionOutput]] = {}
+    for output in outputs:
+        for c in output.outputs:
+            parts.setdefault(c.index, []).append(c)
+    samples = []
+    for index in sorted(parts):
+        ours, final = parts[index], parts[index][-1]
+        logprobs = None
+        if any(c.logprobs is not None for c in ours):
+            logprobs = [entry for c in ours for entry in c.logprobs or ()]
+        text, token_ids = "".join(c.text for c in ours), [t for c in ours for t in c.token_ids]
+        samples.append(
+            CompletionOutput(
+                index, text, token_ids, final.cumulative_logprob, logprobs, final.finish_reason, final.stop_reason
+            )
         )
-    prompt = earlier if earlier.prompt_token_ids else later
+    prompt = next((output for output in outputs if output.prompt_token_ids), last)
     return RequestOutput(
-        later.request_id,
+        last.request_id,
         prompt.prompt,
         prompt.prompt_token_ids,
         prompt.prompt_logprobs,
-        sorted(samples.values(), key=lambda c: c.index),
-        later.finished,
-        later.num_cached_tokens,
-        later.metrics or earlier.metrics,
+        samples,
+        last.finished,
+        last.num_cached_tokens,
+        next((output.metrics for output in reversed(outputs) if output.metrics is not None), None),
         prompt.num_image_tokens,
     )
