@@ -337,7 +337,7 @@ class AsyncLLM:
                         request_id, [(o.index, o.finish_reason, samples[o.index].text) for o in item.outputs]
                     )
                 yield item
-                if held is not None:
+                if held is not None and not finished:
                     raise held
         finally:
             self._in_flight[replica] -= 1
