@@ -200,6 +200,39 @@ def test_a_sequence_waiting_for_room_in_the_encoder_cache_holds_none_of_its_late
     assert ran == {0: 12, 1: 21}
 
 
+def test_a_prompt_left_waiting_for_kv_blocks_holds_none_of_the_images_it_reached():
+    """Found by the cross-talk fuzz (LLaVA, 66 KV blocks, an encoder cache for one image): a waiting prompt that
+    reached a cached image took a reference to it, then waited for KV blocks, holding it. The running prompt that
+    had finished with that image needed the cache's room for its next one, and waited for the waiting prompt,
+    which waited for its blocks: "the request cannot be scheduled even with the engine idle"."""
+    sched = scheduler(budget=64, blocks=10, prefix_caching=False, encoder_tokens=12)  # room for one image
+    running = sequence(
+        0, [1, 2] + [9] * 8 + [3, 3] + [9] * 8 + [4], max_tokens=1, images=[image(2, 8, "a"), image(12, 8, "b")]
+    )
+    waiting = sequence(1, [1, 2] + [9] * 8 + [5] * 30, max_tokens=1, images=[image(2, 8, "a")])  # needs 10 blocks
+    sched.add(running)
+    ran = {0: 0, 1: 0}
+    for turn in range(12):
+        batch = sched.schedule()
+        sched.launched(batch)
+        for seq in batch.seqs:
+            if seq.num_pending:  # its last token ran: one is sampled, and with max_tokens=1 it is done
+                seq.num_pending -= 1
+                seq.token_ids.append(7)
+        sched.step_done(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            ran[seq.seq_id] += n
+            if seq.num_output_tokens:
+                sched.finish(seq)
+        for item in batch.step.encode:  # the encoder is done by the next step
+            sched.encoder_cache.put(item.content_hash, torch.zeros(item.span.length, 4))
+        if turn == 0:  # arrives while the running prompt holds image a, its next chunk up to image b
+            sched.add(waiting)
+        if waiting.num_computed_tokens == 0:
+            assert sched.encoder_cache.num_references() == (1 if running.num_computed_tokens < 10 else 0), turn
+    assert ran == {0: 21, 1: 40}
+
+
 def test_blocks_for_the_forks_of_a_completed_prompt_stay_free_for_them():
     """A prompt of a request with n=3 that this step completes forks two samples when the step is recorded, each
     copying the prompt's partly filled last block: the sequences admitted after it in the same step must leave

@@ -233,6 +233,11 @@ class Scheduler:
             n = self._fit_encoder(seq, start, min(seq.num_tokens - start, budget), batch)
             forks = self._fork_blocks(seq, start + n)
             if not self.blocks.can_allocate(prefix, start + n, forks + reserved):
+                # it waits holding no image: the images it reached stay cached (those the encoder starts on now
+                # too) but evictable, or running sequences that need the room would wait for it, and it for
+                # their KV blocks (a deadlock the cross-talk fuzz found)
+                for item in request.mm_items:
+                    self.encoder_cache.release(item.content_hash, seq.seq_id)
                 break
             reserved += forks
             self.waiting.pop(position)
@@ -389,7 +394,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self._free(seq)  # a waiting sequence may hold images it had the encoder start on
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.request.num_finished_sequences += 1
         if seq.request.finished:
