@@ -843,3 +843,18 @@ def test_beam_search_answers_the_offline_beams_whole_and_streamed(server, llm, m
     ):
         refused = httpx.post(server + "/v1/chat/completions", json={**body, **extra}, headers=AUTH)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
+
+
+def test_text_chunks_from_the_template_are_the_chunks_sse_makes():
+    """A stream's commonest chunk (a choice's new text alone) is written from a template; it is the same string,
+    byte for byte, that serializing the whole chunk gives, for any text (quotes, escapes, non-ASCII, control
+    characters) and model name."""
+    from fovea.server.openai_serving import TextChunks, sse
+
+    for kind, field in (("chat.completion.chunk", "delta"), ("text_completion", "text")):
+        for text in ("", " word", 'a "quoted" \\ back\nslash\t', "é 日本 😀 \x00\x1f\u2028"):
+            template = TextChunks("chatcmpl-1-x", kind, 1700000000, 'the "model"/é')
+            content = {"delta": {"content": text}} if field == "delta" else {"text": text}
+            choice = {"index": 7, **content, "logprobs": None, "finish_reason": None, "stop_reason": None}
+            body = {"id": "chatcmpl-1-x", "object": kind, "created": 1700000000, "model": 'the "model"/é'}
+            assert template(7, text) == sse({**body, "choices": [choice]}), (kind, text)

@@ -46,6 +46,24 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+class TextChunks:
+    """A stream's commonest chunk, one choice's new text and nothing else (no logprobs, ids, usage or finish), as
+    the same string `sse` makes of it, written from a template: json.dumps of the whole chunk was the largest
+    part of the event loop's work per streamed token (benchmarks/README)."""
+
+    def __init__(self, request_id: str, kind: str, created: int, model: str):
+        envelope = json.dumps({"id": request_id, "object": kind, "created": created, "model": model})
+        self.head = f'data: {envelope[:-1]}, "choices": [{{"index": '
+        text = '"delta": {"content": ' if kind == "chat.completion.chunk" else '"text": '
+        self.middle = f", {text}"
+        self.tail = ("}" if kind == "chat.completion.chunk" else "") + (
+            ', "logprobs": null, "finish_reason": null, "stop_reason": null}]}\n\n'
+        )
+
+    def __call__(self, choice: int, text: str) -> str:
+        return f"{self.head}{choice}{self.middle}{json.dumps(text)}{self.tail}"
+
+
 def error_event(error: Exception) -> str:
     """The event that ends a stream early. The request was checked before its stream began: only the engine's
     refusal is the client's (400); any other error, a ValueError too, is the server's."""
@@ -248,6 +266,7 @@ async def chat_stream(
     """A chat completion's chunks: the roles (with the prompt's ids, `shown.token_ids`), the echoed text, then
     each choice's deltas (with their new ids), the usage last (`shown.usage`)."""
     created = int(time.time())
+    text_chunk = TextChunks(request_id, "chat.completion.chunk", created, model)
     tool_calls = {i: ToolCallStream(tool_use) for i in range(n)} if tool_use and tool_use.choice != "none" else {}
     reasoning = {i: Reasoning(reasoning_parser, first.prompt) for i in range(n)} if reasoning_parser else {}
 
@@ -268,6 +287,7 @@ async def chat_stream(
     usage.add_prompt(first)
     finished: set[int] = set()
     so_far = RunningUsage(len(first.prompt_token_ids)) if shown.usage[1] else None
+    plain = so_far is None and not shown.token_ids  # chunks of text alone can come from the template
     try:
         yield chunk(
             [
@@ -295,6 +315,9 @@ async def chat_stream(
                     if not deltas and (finish or c.logprobs or shown.token_ids):  # held back text: what else
                         deltas = [{}]
                     for k, delta in enumerate(deltas):  # logprobs, ids with the first, finish_reason with the last
+                        if plain and not finish and c.logprobs is None and delta.keys() == {"content"}:
+                            yield text_chunk(c.index, delta["content"])
+                            continue
                         last = k == len(deltas) - 1
                         ids = {"token_ids": list(c.token_ids) if k == 0 else []} if shown.token_ids else {}
                         yield chunk(
@@ -451,6 +474,8 @@ async def completion_stream(
     created = int(time.time())
     so_far: dict[int, RunningUsage] = {}  # by prompt, with usage in every chunk
     started: set[int] = set()  # choices that have had a chunk
+    text_chunk = TextChunks(request_id, "text_completion", created, model)
+    plain = not (shown.usage[1] or shown.token_ids or shown.prompt_logprobs)  # text alone: from the template
 
     def chunk(choices: list[dict], **extra) -> str:
         return sse(
@@ -479,6 +504,14 @@ async def completion_stream(
                     first_of_choice = choice not in started
                     started.add(choice)
                     echo_text = output.prompt if echo and first_of_choice else None
+                    if (
+                        plain
+                        and echo_text is None
+                        and c.finish_reason is None
+                        and (c.logprobs is None or shown.logprobs is None)
+                    ):
+                        yield text_chunk(choice, c.text)
+                        continue
                     yield chunk([completion_choice(output, c, choice, echo_text, shown, first_of_choice)], **extra)
             if output.finished:
                 usage.add_prompt(output)
