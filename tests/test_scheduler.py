@@ -49,7 +49,10 @@ def image(start: int, length: int, key: str) -> MMItem:
 
 def step(sched: Scheduler) -> dict[int, int]:
     """One step: {sequence id: tokens it ran}; a sequence whose last token ran gains a sampled one."""
-    batch = sched.schedule()
+    return step_recorded(sched, sched.schedule())
+
+
+def step_recorded(sched: Scheduler, batch) -> dict[int, int]:
     sched.launched(batch)
     for seq in batch.seqs:
         if seq.num_pending:  # its last token ran: one is sampled
@@ -57,6 +60,19 @@ def step(sched: Scheduler) -> dict[int, int]:
             seq.token_ids.append(7)
     sched.step_done(batch)
     return dict(zip((s.seq_id for s in batch.seqs), batch.num_new_tokens))
+
+
+def step_with_images(sched: Scheduler) -> dict[int, int]:
+    """`step`, for prompts of max_tokens=1 with images: a sequence that sampled finishes, and the encoder has the
+    images the step handed it done by the next step."""
+    batch = sched.schedule()
+    ran = step_recorded(sched, batch)
+    for seq in batch.seqs:
+        if seq.num_output_tokens:
+            sched.finish(seq)
+    for item in batch.step.encode:
+        sched.encoder_cache.put(item.content_hash, torch.zeros(item.span.length, 4))
+    return ran
 
 
 def test_decodes_first_then_prompt_chunks_under_the_budget():
@@ -181,19 +197,8 @@ def test_a_sequence_waiting_for_room_in_the_encoder_cache_holds_none_of_its_late
     )
     ran, added = {0: 0, 1: 0}, False
     for _ in range(12):
-        batch = sched.schedule()
-        sched.launched(batch)
-        for seq in batch.seqs:
-            if seq.num_pending:  # its last token ran: one is sampled, and with max_tokens=1 it is done
-                seq.num_pending -= 1
-                seq.token_ids.append(7)
-        sched.step_done(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            ran[seq.seq_id] += n
-            if seq.num_output_tokens:
-                sched.finish(seq)
-        for item in batch.step.encode:  # the encoder is done by the next step
-            sched.encoder_cache.put(item.content_hash, torch.zeros(item.span.length, 4))
+        for seq_id, n in step_with_images(sched).items():
+            ran[seq_id] += n
         if not added and ran[0] >= 2:  # arrives once the other's image is cached and held
             sched.add(mine)
             added = True
@@ -213,19 +218,8 @@ def test_a_prompt_left_waiting_for_kv_blocks_holds_none_of_the_images_it_reached
     sched.add(running)
     ran = {0: 0, 1: 0}
     for turn in range(12):
-        batch = sched.schedule()
-        sched.launched(batch)
-        for seq in batch.seqs:
-            if seq.num_pending:  # its last token ran: one is sampled, and with max_tokens=1 it is done
-                seq.num_pending -= 1
-                seq.token_ids.append(7)
-        sched.step_done(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            ran[seq.seq_id] += n
-            if seq.num_output_tokens:
-                sched.finish(seq)
-        for item in batch.step.encode:  # the encoder is done by the next step
-            sched.encoder_cache.put(item.content_hash, torch.zeros(item.span.length, 4))
+        for seq_id, n in step_with_images(sched).items():
+            ran[seq_id] += n
         if turn == 0:  # arrives while the running prompt holds image a, its next chunk up to image b
             sched.add(waiting)
         if waiting.num_computed_tokens == 0:
