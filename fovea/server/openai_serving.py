@@ -53,12 +53,10 @@ class TextChunks:
 
     def __init__(self, request_id: str, kind: str, created: int, model: str):
         envelope = json.dumps({"id": request_id, "object": kind, "created": created, "model": model})
+        chat = kind == "chat.completion.chunk"
         self.head = f'data: {envelope[:-1]}, "choices": [{{"index": '
-        text = '"delta": {"content": ' if kind == "chat.completion.chunk" else '"text": '
-        self.middle = f", {text}"
-        self.tail = ("}" if kind == "chat.completion.chunk" else "") + (
-            ', "logprobs": null, "finish_reason": null, "stop_reason": null}]}\n\n'
-        )
+        self.middle = ', "delta": {"content": ' if chat else ', "text": '
+        self.tail = ("}" if chat else "") + ', "logprobs": null, "finish_reason": null, "stop_reason": null}]}\n\n'
 
     def __call__(self, choice: int, text: str) -> str:
         return f"{self.head}{choice}{self.middle}{json.dumps(text)}{self.tail}"
