@@ -13,7 +13,8 @@ What is drawn, per family:
   none); MLP width 48-160, its gate SiLU or a GELU; tied or untied embeddings; rope theta 1e4 or 1e6, scaled half
   the time (linear, YaRN or Llama 3's, factors 2-8); the M-RoPE sections any split of half the head dimension into
   three (Qwen families); biases where the family's config can ask for them (Llama's attention and MLP biases,
-  Qwen3's attention ones); Qwen2 decoders' sliding windows (4-64 keys from a drawn layer on) half the time;
+  Qwen3's attention ones); Qwen2 decoders' sliding windows (4-64 keys from a drawn layer on) half the time; the
+  norms' epsilon (the decoders', and the CLIP, SigLIP and InternViT towers');
 - every bias drawn as the weights are (transformers starts them at zero, where a bias left out would not show);
 - Qwen2.5-VL's tower: 1-4 blocks of 1-4 heads of 8 or 16 dimensions, any set of full-attention blocks (none
   too), windows of 56 or 112 pixels, its MLP's gate SiLU or a GELU;
@@ -78,6 +79,7 @@ DRAWS = int(os.environ.get("FOVEA_FUZZ_DRAWS", "1"))
 FAMILIES = ["qwen2.5-vl", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "llava", "gemma3", "internvl"]
 KINDS = ("text", "one_image", "two_images")
 INIT = 0.1
+EPSILONS = [1e-6, 1e-5, 1e-3]  # the norms' (1e-6 Qwen's, 1e-5 Llama 2's and CLIP's; 1e-3 large enough to show)
 TOLERANCE = 1e-4  # on logits, fp32
 
 
@@ -97,7 +99,7 @@ def decoder(rng: random.Random, explicit_head_dim: bool = False) -> dict:
         hidden_size=rng.choice([32, 64, 96]) if explicit_head_dim else heads * head_dim,
         vocab_size=151936,
         max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
+        rms_norm_eps=rng.choice(EPSILONS),
         initializer_range=INIT,
         hidden_act=rng.choice(["silu", "silu", "gelu", "gelu_pytorch_tanh"]),
     )
@@ -139,7 +141,8 @@ def draw(family: str, rng: random.Random) -> dict:
         heads, layers = rng.choice([1, 2, 4]), rng.randint(2, 3)
         vision = dict(model_type="clip_vision_model", hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads,
                       intermediate_size=rng.choice([32, 64]), num_hidden_layers=layers, image_size=336, patch_size=14,
-                      projection_dim=32, initializer_range=INIT, initializer_factor=INIT / 0.02)  # fmt: skip
+                      layer_norm_eps=rng.choice(EPSILONS), projection_dim=32, initializer_range=INIT,
+                      initializer_factor=INIT / 0.02)  # fmt: skip
         return dict(text_config=text, vision_config=vision, vision_feature_layer=rng.choice([-1, -2]),
                     vision_feature_select_strategy="default", image_token_index=LLAVA_IMAGE_TOKEN,
                     projector_hidden_act=rng.choice(["gelu", "gelu_pytorch_tanh", "silu"]),
@@ -154,7 +157,8 @@ def draw(family: str, rng: random.Random) -> dict:
         heads = rng.choice([1, 2, 4])
         vision = dict(model_type="siglip_vision_model", hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads,
                       intermediate_size=rng.choice([32, 64]), num_hidden_layers=rng.randint(1, 3), image_size=56,
-                      patch_size=14, vision_use_head=False, initializer_range=INIT)  # fmt: skip
+                      patch_size=14, vision_use_head=False, layer_norm_eps=rng.choice(EPSILONS),
+                      initializer_range=INIT)  # fmt: skip
         return dict(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=GEMMA_IMAGE,
                     boi_token_index=GEMMA_BOI, eoi_token_index=GEMMA_EOI, tie_word_embeddings=tied,
                     initializer_range=INIT)  # fmt: skip
@@ -171,7 +175,8 @@ def draw(family: str, rng: random.Random) -> dict:
                       intermediate_size=rng.choice([32, 64]), image_size=56, patch_size=14,
                       norm_type=rng.choice(["layer_norm", "rms_norm"]), attention_bias=rng.random() < 0.5,
                       use_qk_norm=rng.random() < 0.5, use_mean_pooling=rng.random() < 0.5,
-                      layer_scale_init_value=rng.choice([0.1, 1.0]), initializer_range=INIT)  # fmt: skip
+                      layer_scale_init_value=rng.choice([0.1, 1.0]), layer_norm_eps=rng.choice(EPSILONS),
+                      initializer_range=INIT)  # fmt: skip
         return dict(text_config=text, vision_config=vision, image_token_id=INTERNVL_IMAGE, image_seq_length=4,
                     vision_feature_layer=rng.choice([-1, -2]) if layers > 1 else -1, tie_word_embeddings=tied,
                     initializer_range=INIT)  # fmt: skip
@@ -386,12 +391,13 @@ def test_more_drawn_configurations_match_transformers(family, bases, tmp_path):
         ("qwen2.5-vl", "mrope_sections_swapped"),
         ("qwen2.5-vl", "sliding_windows_dropped"),
         ("qwen3-vl", "rope_scaling_dropped"),
+        ("qwen2.5-vl", "norm_eps_changed"),
     ],
 )
 def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
     """Our side read from a copy whose config.json breaks one rule transformers keeps (DeepStack features dropped,
     the M-RoPE sections in another order, other blocks attending over whole images, the decoder's sliding windows
-    or its YaRN scaling left out): the logits part by ten times the fuzzer's tolerance or more on an image, with
+    or its YaRN scaling left out, its norms' epsilon 1e-6 for 1e-3): the logits part by ten times the fuzzer's tolerance or more on an image, with
     the weights these draws have."""
     config = draw(family, random.Random(SEED))
     text, vision = config["text_config"], config["vision_config"]
@@ -414,6 +420,8 @@ def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
         text.update(use_sliding_window=True, sliding_window=4, max_window_layers=0)
     elif broken == "rope_scaling_dropped":
         text["rope_parameters"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024)
+    elif broken == "norm_eps_changed":
+        text["rms_norm_eps"] = 1e-3
     reference = materialize(family, config, bases[family], tmp_path / "reference", SEED)
     ours = tmp_path / "ours"
     shutil.copytree(reference, ours)
@@ -428,6 +436,8 @@ def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
         raw["text_config"]["use_sliding_window"] = False
     elif broken == "rope_scaling_dropped":
         rope["rope_type"] = "default"
+    elif broken == "norm_eps_changed":
+        raw["text_config"]["rms_norm_eps"] = 1e-6
     else:
         mutate = drop_deepstack
     (ours / "config.json").write_text(json.dumps(raw))

@@ -4,8 +4,10 @@ banned tokens, min_tokens, stop rules, logprobs, prompt logprobs, n > 1, grammar
 own allowed tokens contradict, which fails) each run alone, then all of them arriving at random steps into one
 engine, with aborts between, under drawn engine settings (block size, a step budget that cuts prompts and images,
 sequences at a time, prefix caching, the step order, a KV cache tight enough to preempt, what logprobs hold,
-how often streamed requests are reported); half the requests stream there, their outputs joined as a server's
-reader joins them. Every request that was not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4
+how often streamed requests are reported, LoRA with one or two adapters a batch on Qwen2.5-VL, priority
+scheduling); half the requests stream there, their outputs joined as a server's reader joins them. With LoRA on,
+each request asks for one of three adapters or none; with priorities, for one of four. Every request that was not
+aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4
 where they agree), or the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
 draw per model runs by default, FOVEA_FUZZ_DRAWS more.
 
@@ -27,7 +29,7 @@ import random
 import pytest
 from conftest import random_image
 
-from fovea import LLM, SamplingParams
+from fovea import LLM, LoRARequest, SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.engine import StepFailed
 from fovea.frontend.outputs import joined
@@ -47,6 +49,24 @@ def models(tiny_dirs, tmp_path_factory):
     # LLaVA's images are 576 tokens: a few fill the encoder cache and the KV cache
     llava = write_llava_checkpoint(tmp_path_factory.mktemp("crosstalk") / "llava", seed=3)
     return {"qwen2.5-vl": (tiny_dirs["tiny-3b"], 512), "llava": (llava, 2048)}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dirs, tmp_path_factory):
+    """Three adapters of the Qwen2.5-VL checkpoint, written on first use (the draws that turn LoRA on)."""
+    written = []
+
+    def make() -> list[LoRARequest]:
+        if not written:
+            from test_lora import write_adapter
+
+            root = tmp_path_factory.mktemp("crosstalk-lora")
+            for i, targets in enumerate([["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "qkv"], ["up_proj"]]):
+                path = write_adapter(tiny_dirs["tiny-3b"], root / f"l{i}", targets, seed=40 + i, rank=4 + 4 * i)
+                written.append(LoRARequest(f"l{i}", i + 1, str(path)))
+        return written
+
+    return make
 
 
 def draw_params(rng: random.Random) -> SamplingParams:
@@ -123,22 +143,38 @@ def engine_options(rng: random.Random, max_model_len: int) -> dict:
     return options | rng.choice(orders)
 
 
+def request_options(rng: random.Random, options: dict, adapters) -> dict:
+    """What a request asks of the engine besides its prompt and parameters: an adapter, a priority."""
+    drawn = {}
+    if options.get("enable_lora"):
+        drawn["lora"] = rng.choice([None, *adapters()])
+    if options.get("scheduling_policy") == "priority":
+        drawn["priority"] = rng.choice([-1, 0, 1, 2])
+    return drawn
+
+
 def run(
     llm: LLM, requests: list, arrivals: list[int], aborts: dict[str, int], streamed: frozenset = frozenset()
 ) -> dict[str, object]:
-    """Adds each request at its step, aborts some at theirs; each request's final output (the `streamed` ones'
-    outputs joined as a server's reader joins them), or why it failed."""
+    """Adds each request (id, prompt, parameters, `request_options`) at its step, aborts some at theirs; each
+    request's final output (the `streamed` ones' outputs joined as a server's reader joins them), or why it
+    failed."""
     engine, ended, so_far = llm.engine, {}, {}
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     step = 0
     while order or engine.has_unfinished_requests():
         while order and arrivals[order[0]] <= step:
-            request_id, (kind, prompt), params = requests[order.pop(0)]
+            request_id, (kind, prompt), params, extra = requests[order.pop(0)]
             processed = (
                 llm.inputs.process_chat(prompt, None, ChatOptions()) if kind == "chat" else llm.inputs.process(prompt)
             )
             kind = RequestOutputKind.DELTA if request_id in streamed else RequestOutputKind.FINAL_ONLY
-            engine.add_request(llm.inputs.make_request(request_id, processed, params.clone(output_kind=kind)))
+            try:  # (a draw's settings can contradict each other: refused, alone and together)
+                input = llm.inputs.make_request(request_id, processed, params.clone(output_kind=kind), **extra)
+            except ValueError as error:
+                ended[request_id] = f"refused: {error}"
+                continue
+            engine.add_request(input)
         for request_id, at in aborts.items():
             if at == step:
                 engine.abort_request(request_id)
@@ -188,11 +224,17 @@ def moved_to_a_neighbour(alone: list[int], together: list[int]) -> bool:
     return first < min(len(alone), len(together)) and abs(alone[first] - together[first]) <= NEIGHBOURS
 
 
-def check_draw(model: str, models, draw_index: int) -> None:
+def check_draw(model: str, models, adapters, draw_index: int) -> None:
     model_dir, max_model_len = models[model]
     seed = SEED + 1000 * draw_index + list(models).index(model)
     rng = random.Random(seed)
     options = engine_options(rng, max_model_len)
+    # drawn apart, so that a seed's other draws stay what they were before these were
+    extra_rng = random.Random(-seed)
+    if model == "qwen2.5-vl" and extra_rng.random() < 0.35:  # (the adapters are written for its checkpoint)
+        options |= dict(enable_lora=True, max_loras=extra_rng.choice([1, 2]), max_lora_rank=12)
+    if extra_rng.random() < 0.3:
+        options["scheduling_policy"] = "priority"
     where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}"
     prefix = " ".join(rng.choice(WORDS) for _ in range(40))
     images = [random_image(rng.choice([28, 56, 84]), rng.choice([28, 56]), seed=i) for i in range(3)]
@@ -200,6 +242,7 @@ def check_draw(model: str, models, draw_index: int) -> None:
     arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
     aborts = {request_id: rng.randrange(4 * REQUESTS) for request_id, _, _ in rng.sample(requests, REQUESTS // 8)}
     streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
+    requests = [(*request, request_options(extra_rng, options, adapters)) for request in requests]
     with LLM(str(model_dir), **options) as llm:
         alone = {}
         for request in requests:
@@ -207,14 +250,14 @@ def check_draw(model: str, models, draw_index: int) -> None:
         together = run(llm, requests, arrivals, aborts, streamed)
     assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= REQUESTS // 2, (where, alone)
     wrong = []
-    for request_id, (kind, _), params in requests:
+    for request_id, (kind, _), params, extra in requests:
         if request_id not in aborts:
             why = differences(alone[request_id], together.get(request_id, "never ended"), params)
-            wrong += [f"{request_id} ({kind}, {params}): {why}"] if why else []
+            wrong += [f"{request_id} ({kind}, {params}, {extra}): {why}"] if why else []
     assert not wrong, f"{where}: {len(wrong)} of {REQUESTS} differ; the first: {wrong[0]}"
 
 
 @pytest.mark.parametrize("model", ["qwen2.5-vl", "llava"])
-def test_requests_run_together_end_as_they_do_alone(model, models):
+def test_requests_run_together_end_as_they_do_alone(model, models, adapters):
     for draw_index in range(DRAWS):
-        check_draw(model, models, draw_index)
+        check_draw(model, models, adapters, draw_index)
