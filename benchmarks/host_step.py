@@ -3,7 +3,7 @@ sampler, recording, detokenizing, outputs, and served: the engine process's pipe
 replaced by fixed logits over the real 151,936-token vocabulary.
 
     python benchmarks/host_step.py --out FILE [--baseline TREE] [--batches 1,16,64,256] [--contexts 1000,8000]
-        [--modes offline,served] [--samplings greedy,default] [--steps 40] [--stream] [--repeats 1] [--vocab N]
+        [--modes offline,served] [--samplings greedy,default,logprobs] [--steps 40] [--stream] [--repeats 1] [--vocab N]
         [--quick]
 
 Each case (mode x sampling x batch x context, one fresh process per case and tree, the trees alternating) fills
@@ -22,7 +22,8 @@ The stub is installed in every process the case starts (the engine process too) 
 on PYTHONPATH, so an earlier tree is measured the same way side by side: `--baseline DIR` (e.g. a `git archive`
 of the baseline commit) runs every case on that tree as well, interleaved with this one. The checkpoint is
 fovea.testing.tiny's tiny-3b (the real Qwen2 vocabulary and tokenizer, Qwen2.5-VL's generation_config: the
-`default` sampling is repetition_penalty 1.05, temperature 0.1, top_p 0.001, top_k 1).
+`default` sampling is repetition_penalty 1.05, temperature 0.1, top_p 0.001, top_k 1; `logprobs` is greedy with
+logprobs=5, each token's five likeliest).
 
 `--vocab N` has the stub return only the first N logit columns. On this CPU the sampler's pass over a step's
 logits (256 x 151,936 fp32: 155 MB) evicts the host's caches, so the host work after it runs cold; on a GPU the
@@ -177,7 +178,10 @@ def params_for(case: dict, defaults):
     from fovea.core.sampling_params import RequestOutputKind
 
     kind = RequestOutputKind.DELTA if case["stream"] else RequestOutputKind.FINAL_ONLY
-    base = SamplingParams(temperature=0) if case["sampling"] == "greedy" else defaults
+    base = {
+        "greedy": SamplingParams(temperature=0),
+        "logprobs": SamplingParams(temperature=0, logprobs=5),  # an eval's: each token's five likeliest
+    }.get(case["sampling"], defaults)
     return base.clone(max_tokens=case["max_tokens"], ignore_eos=True, output_kind=kind)
 
 

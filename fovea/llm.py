@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from fovea.engine.engine import LLMEngine
 from fovea.engine.profiler import StepProfiler, profiler_dir
 from fovea.frontend.beam_search import BeamSearch, BeamSearchOutput, beam_search_output
 from fovea.frontend.input_processor import InputProcessor
-from fovea.frontend.outputs import OutputAssembler
+from fovea.frontend.outputs import LogprobEntries, OutputAssembler
 from fovea.multimodal.prompt import ChatOptions, load_tokenizer
 
 
@@ -34,7 +35,9 @@ class LLM:
         self.default_params = default_sampling_params(
             config.model_dir, config.generation_config, config.override_generation_config
         )
-        self.engine = LLMEngine(config, tokenizer=load_tokenizer(config.model_dir), assembler=OutputAssembler)
+        tokenizer = load_tokenizer(config.model_dir)
+        assembler = functools.partial(OutputAssembler, entries=LogprobEntries(tokenizer))  # one for all requests
+        self.engine = LLMEngine(config, tokenizer=tokenizer, assembler=assembler)
         # prompts are prepared here, with the engine's tokenizer and grammars (its config: max_model_len may have
         # been lowered to what the KV cache holds)
         self.inputs = InputProcessor(self.engine.config, tokenizer=self.engine.tokenizer, grammars=self.engine.grammars)

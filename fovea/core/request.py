@@ -117,13 +117,25 @@ class RequestInput:
                 item.pixels = whole[item.frames[0] : item.frames[1]] if item.frames else whole
 
 
+class LogprobRow(NamedTuple):
+    """One position's log-probabilities as the engine keeps and reports them (a plain tuple in these fields'
+    order): the token's, its rank, and the likeliest tokens'. The front end makes the {token: Logprob} entry of
+    it, with the tokens' text (frontend/outputs.py), off the engine's step loop."""
+
+    token: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class SampleDelta(NamedTuple):
     """What one sample of a request gained since the request's last report; its text is made where the caller
     is (frontend/outputs.py OutputAssembler), not in the engine's step loop."""
 
     index: int
     token_ids: list[int]  # new since the last report
-    logprobs: list[dict[int, Logprob]] | None  # their entries, where logprobs were asked for
+    logprobs: list[tuple] | None  # their LogprobRow tuples, where logprobs were asked for
     cumulative_logprob: float | None
     finish_reason: str | None
     stop_reason: int | str | None
@@ -140,7 +152,7 @@ class RequestDelta(NamedTuple):
     outputs: list[tuple]
     finished: bool
     num_cached_tokens: int
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    prompt_logprobs: list[tuple | None] | None  # LogprobRow tuples, None for the first prompt token
     metrics: RequestMetrics | None
 
 

@@ -28,7 +28,6 @@ from fovea.engine.block_manager import BlockManager
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.outputs import (
     IncrementalDetokenizer,
-    LogprobEntries,
     append_token,
     record_prompt_logprobs,
     report_due,
@@ -100,8 +99,9 @@ class LLMEngine:
         self.config = config = fit_max_model_len(
             config, self.runner.num_blocks * config.block_size, self.runner.kv_cache_bytes
         )
-        # the engine's own needs: token texts (outputs, logprobs) and the grammars of structured outputs; the
-        # front end (AsyncLLM, or LLM in this process) has the input processor
+        # the engine's own needs: the text its checks read (stop strings, a reasoning end tag) and the grammars of
+        # structured outputs; the front end (AsyncLLM, or LLM in this process) has the input processor and makes
+        # the outputs' text and logprob entries
         self.tokenizer = tokenizer or load_engine_tokenizer(config.model_dir)
         self.grammars = Grammars(
             self.tokenizer, config.model.text.vocab_size, config.model.eos_token_ids, config.device
@@ -129,7 +129,6 @@ class LLMEngine:
         self.assemblers: dict[str, Callable] = {}  # by request id, with an assembler
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
-        self._logprob_entry = LogprobEntries(self.tokenizer)
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None  # queued on the device, not yet recorded
         self.failed_rows: list[StepFailed] = []  # requests failed by their own row, raised after the step
         # on a GPU the step's kernels run while the host goes on: the host builds the outputs of one step while the
@@ -362,7 +361,7 @@ class LLMEngine:
             if self.events is not None:
                 self.events.iteration_tokens.append(batch.num_tokens)
             self.scheduler.step_done(batch)
-            record_prompt_logprobs(batch, result.prompt_logprobs, self._logprob_entry)
+            record_prompt_logprobs(batch, result.prompt_logprobs)
             sampled, to_report = self._record_samples(batch, result)
         except Exception as error:  # noqa: BLE001
             self._step_failed(batch, error)
@@ -451,7 +450,7 @@ class LLMEngine:
         sampled = self.runner.read_samples(result)
         tokens = sampled.token_ids.tolist()
         finite = sampled.finite.tolist() if sampled.finite is not None else [True] * len(tokens)
-        if sampled.logprobs is not None:  # computed for the whole batch; turned into entries only where asked
+        if sampled.logprobs is not None:  # computed for the whole batch; kept only where asked
             logprobs, ranks = sampled.logprobs.tolist(), sampled.ranks.tolist()
             no_top = [[] for _ in tokens]  # every row asked for logprobs=0: no top tokens were computed
             top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else no_top
@@ -506,7 +505,7 @@ class LLMEngine:
                 logprob = logprobs[row]
                 if seq.logprobs is not None:
                     k = seq.params.logprobs
-                    entry = self._logprob_entry(token, logprob, ranks[row], top_ids[row][:k], top_values[row][:k])
+                    entry = (token, logprob, ranks[row], top_ids[row][:k], top_values[row][:k])  # (LogprobRow)
             waiting = seq.grammar_waiting
             finished = append_token(seq, token, entry, logprob)
             if waiting and not seq.grammar_waiting:

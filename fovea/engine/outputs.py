@@ -1,6 +1,6 @@
 """From a sampled token to the request's report: the token recorded, the stop checks (on text only where they
-read it), logprob entries, and `request_delta` (ids and finish). The text and the `RequestOutput` are made where
-the caller is (frontend/outputs.py).
+read it), and `request_delta` (ids, logprob rows and finish). The text, the logprob entries and the
+`RequestOutput` are made where the caller is (frontend/outputs.py).
 
 The tokenizers library's DecodeStream does the incremental part: it holds back a token whose bytes end inside
 a multi-byte UTF-8 character until the character is complete, so no stream ever shows a broken character.
@@ -9,11 +9,8 @@ Stop strings are searched in the text as it grows, including matches that span s
 
 from __future__ import annotations
 
-import functools
-
 from tokenizers.decoders import DecodeStream
 
-from fovea.core.request import Logprob
 from fovea.engine.sequence import Request, ScheduledBatch, Sequence
 
 PRIME_TOKENS = 4  # prompt tokens fed first, so the first generated token decodes in context (leading spaces)
@@ -143,8 +140,8 @@ def decode_pending(seq: Sequence) -> int:
     return len(seq.text) - before
 
 
-def append_token(seq: Sequence, token: int, entry: dict | None, logprob: float):
-    """Records a sampled token on its sequence (ids, logprobs, and text where a check reads it); returns why
+def append_token(seq: Sequence, token: int, entry: tuple | None, logprob: float):
+    """Records a sampled token on its sequence (ids, its LogprobRow, and text where a check reads it); returns why
     the sequence finishes with it, (finish_reason, stop_reason), or None. A stop string found is cut from the
     text (kept with include_stop_str_in_output)."""
     params = seq.params
@@ -177,22 +174,6 @@ def append_token(seq: Sequence, token: int, entry: dict | None, logprob: float):
     return None
 
 
-class LogprobEntries:
-    """{token: Logprob} entries, with the tokens' texts: the same few thousand ids come back step after step."""
-
-    def __init__(self, tokenizer):
-        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
-
-    def __call__(
-        self, token: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]
-    ) -> dict[int, Logprob]:
-        """The chosen token and the best ones (ranked 1, 2, ...)."""
-        entry = {token: Logprob(logprob, rank, self.token_text(token))}
-        for place, (tid, value) in enumerate(zip(top_ids, top_values), start=1):
-            entry.setdefault(tid, Logprob(value, place, self.token_text(tid)))
-        return entry
-
-
 def report_due(request: Request, interval: int) -> bool:
     """Whether a streamed request is reported now (--stream-interval): its first tokens at once (the time to the
     first token is the same), then whenever a sample has `interval` unreported tokens or has finished."""
@@ -207,7 +188,7 @@ def report_due(request: Request, interval: int) -> bool:
 
 def request_delta(request: Request, final: bool) -> tuple:
     """What the request's samples gained since its last report, as a RequestDelta's plain tuple: ids, logprob
-    entries, how they finished. Text is the assembler's (OutputAssembler), wherever the caller is: this is all
+    rows, how they finished. Text is the assembler's (OutputAssembler), wherever the caller is: this is all
     the engine's step loop builds."""
     samples = []
     for seq in request.sequences:
@@ -231,14 +212,12 @@ def request_delta(request: Request, final: bool) -> tuple:
     return request.request_id, samples, final, request.num_cached_tokens, None, None
 
 
-def record_prompt_logprobs(batch: ScheduledBatch, scored: dict[int, tuple], entry: LogprobEntries) -> None:
+def record_prompt_logprobs(batch: ScheduledBatch, scored: dict[int, tuple]) -> None:
     """The prompt log-probabilities a step scored (batch index -> chosen, ranks, top ids, top values), appended
-    to their requests' as {token: Logprob} entries."""
+    to their requests' as LogprobRow tuples."""
     for index, (chosen, ranks, top_ids, top_values) in scored.items():
         seq = batch.seqs[index]
         targets = seq.token_ids[len(seq.request.prompt_logprobs) :][: chosen.numel()]
         top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in targets]
         top_values = top_values.tolist() if top_values is not None else [[] for _ in targets]
-        seq.request.prompt_logprobs += [
-            entry(*row) for row in zip(targets, chosen.tolist(), ranks.tolist(), top_ids, top_values)
-        ]
+        seq.request.prompt_logprobs += zip(targets, chosen.tolist(), ranks.tolist(), top_ids, top_values)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fovea.core.request import Logprob, RequestInput, RequestMetrics
+from fovea.core.request import RequestInput, RequestMetrics
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.runner.step_input import NewSequence, ScheduledStep
 
@@ -67,9 +67,8 @@ class Request:
         self.metrics = RequestMetrics(input.arrival_time)
         self.sequences: list[Sequence] = []
         self.num_cached_tokens = 0
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
+        # LogprobRow tuples (the front end makes the entries), None for the first prompt token
+        self.prompt_logprobs: list[tuple | None] | None = [None] if params.prompt_logprobs is not None else None
         self.aborted = False
         self.prompt_sent = False  # a report carried the prompt's log-probabilities and the metrics already
         self.num_finished_sequences = 0  # kept by the scheduler
@@ -112,7 +111,7 @@ class Sequence:
         self.queried_images: set[str] = set()  # images this sequence looked up in the encoder cache
         self.cumulative_logprob = 0.0
         self.last_token_time: float | None = None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
+        self.logprobs: list[tuple] | None = [] if request.params.logprobs is not None else None  # LogprobRows
         self.text = ""
         self.num_decoded = self.num_prompt_tokens  # tokens whose text is in `text` (engine/outputs.py)
         self.finish_reason: str | None = None

@@ -53,7 +53,7 @@ from fovea.frontend.beam_search import BeamSearch, served_beam_search
 from fovea.frontend.engine_process import EngineProcess
 from fovea.frontend.grammar_checks import GrammarChecks
 from fovea.frontend.input_processor import InputProcessor
-from fovea.frontend.outputs import OutputAssembler, joined
+from fovea.frontend.outputs import LogprobEntries, OutputAssembler, joined
 from fovea.frontend.replica_routing import pick_replica
 from fovea.multimodal.image_workers import ImageWorkers, default_workers, release_shared
 from fovea.multimodal.prompt import ChatOptions, load_tokenizer
@@ -159,6 +159,7 @@ class AsyncLLM:
         tokenizer, self.grammar_checks = loaded.result()
         self.inputs = InputProcessor(self.config, self.image_workers, tokenizer, self.grammar_checks)
         self.tokenizer = self.inputs.tokenizer
+        self._logprob_entries = LogprobEntries(self.tokenizer)  # the receiving thread's, for every request
 
     @classmethod
     def from_args(cls, model: str | None = None, on_stats=None, max_restarts: int = 3, **engine_args) -> AsyncLLM:
@@ -298,7 +299,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         outputs: asyncio.Queue = asyncio.Queue()
-        self._assemblers[request_id] = OutputAssembler(self.tokenizer, request)
+        self._assemblers[request_id] = OutputAssembler(self.tokenizer, request, self._logprob_entries)
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
         live = [r for r in range(len(self._engines)) if r not in self.replicas_down] or [0]  # none: _check_alive

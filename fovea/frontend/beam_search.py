@@ -174,10 +174,11 @@ class BeamSearch:
         return [(b, b.tokens[: len(b.tokens) - (b.ended and not keep_end)]) for b in self.best()]
 
     def output(self, tokenizer) -> RequestOutput:
-        """The answer as the request's one final output, made as the engine's are (OutputAssembler)."""
+        """The answer as the request's one final output, made as the engine's are (OutputAssembler), with the
+        beams' logprob entries (the step requests' outputs')."""
+        answer = self.answer()
         samples = [
-            (i, tokens, beam.logprobs[: len(tokens)], beam.cum_logprob, *finish_of(beam), None)
-            for i, (beam, tokens) in enumerate(self.answer())
+            (i, tokens, None, beam.cum_logprob, *finish_of(beam), None) for i, (beam, tokens) in enumerate(answer)
         ]
         first, now = self.first, time.time()
         metrics = RequestMetrics(self.root.arrival_time, finished_time=now, last_token_time=now)
@@ -186,7 +187,11 @@ class BeamSearch:
             metrics.first_token_time = first.metrics.first_token_time
         cached = first.num_cached_tokens if first is not None else 0
         delta = RequestDelta(self.root.request_id, samples, True, cached, None, metrics)
-        return OutputAssembler(tokenizer, self.root)(delta)
+        output = OutputAssembler(tokenizer, self.root)(delta)
+        if self.root.params.logprobs is not None:
+            for completion, (beam, tokens) in zip(output.outputs, answer):
+                completion.logprobs = beam.logprobs[: len(tokens)]
+        return output
 
 
 async def served_beam_search(search: BeamSearch, stream: Callable, tokenizer) -> RequestOutput:
