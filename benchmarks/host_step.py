@@ -16,7 +16,9 @@ the engine with `batch` prompts of random ids, then times the decode steps where
 - host CPU: the engine process's CPU time per step less the device's, plus the front end's (served: the process
   that detokenizes, once the redesign moves it there), both from the processes' own clocks;
 - phases of the critical path by the functions that exist in the tree (schedule, build the step's inputs, record
-  the samples, report the outputs); the rest (the engine process's sends and polls, ...) is `other`.
+  the samples, report the outputs); the rest (the engine process's sends and polls, ...) is `other`;
+- the engine process's garbage collector: its passes' time per step, and the longest pass (a full collection
+  stops the step it falls in, which the medians above do not show).
 
 The stub is installed in every process the case starts (the engine process too) through a sitecustomize module
 on PYTHONPATH, so an earlier tree is measured the same way side by side: `--baseline DIR` (e.g. a `git archive`
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import gc
 import json
 import os
 import statistics
@@ -89,6 +92,11 @@ class StepLog:
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
+    def collected(self, seconds: float) -> None:
+        """A pass of the cyclic garbage collector, wherever it fell in the step."""
+        self.add("gc", seconds)
+        self.phases["gc_longest"] = max(self.phases.get("gc_longest", 0.0), seconds)
+
 
 def install() -> None:
     """Replaces ModelRunner.run_step by fixed logits and times the sampler and the phases (any tree with
@@ -99,6 +107,15 @@ def install() -> None:
 
     log = StepLog(os.environ["FOVEA_HOST_STEP"])
     fixed: list[torch.Tensor] = []
+    collection_start = [0.0]
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            collection_start[0] = time.monotonic()
+        else:
+            log.collected(time.monotonic() - collection_start[0])
+
+    gc.callbacks.append(on_collection)
 
     def run_step(self, step, mm_embeds, previous_tokens=None):
         if log.steps % FLUSH_EVERY == 0:
@@ -276,6 +293,9 @@ def summarize(case: dict, prefix: str) -> dict:
         phases[name] = statistics.median(values) * 1e3
     critical = statistics.median(gaps) * 1e3
     phases["other"] = critical - sum(phases.values())
+    # the garbage collector's passes, wherever they fell: a full one can stop a step for a long time, which the
+    # median above does not show
+    gc_seconds = [steps[i + 1].get("gc", 0.0) for i in window]
     return {
         **{k: case[k] for k in ("tree", "mode", "sampling", "batch", "context", "stream")},
         "steps": len(window),
@@ -288,6 +308,8 @@ def summarize(case: dict, prefix: str) -> dict:
         "frontend_cpu_ms": frontend_cpu * 1e3,
         "host_cpu_ms": (engine_cpu - device + frontend_cpu) * 1e3,
         "phases_ms": phases,
+        "gc_ms_per_step": sum(gc_seconds) / len(window) * 1e3,
+        "gc_longest_ms": max(steps[i + 1].get("gc_longest", 0.0) for i in window) * 1e3,
         "wall_s": front["wall_s"],
         "fovea": front["fovea"],
     }
@@ -377,7 +399,8 @@ def main() -> None:
                                 f"{name:8} {mode:7} {sampling:7} {batch:3}x{context:<5} step {result['step_ms']:7.2f}"
                                 f" critical {result['critical_path_ms']:6.2f} sampler {result['sampler_ms']:6.2f}"
                                 f" host cpu {result['host_cpu_ms']:6.2f} ms  "
-                                + " ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items()),
+                                + " ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
+                                + f"  gc {result['gc_ms_per_step']:.2f} (longest {result['gc_longest_ms']:.1f})",
                                 flush=True,
                             )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)

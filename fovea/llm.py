@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fovea.config.engine import EngineConfig
+from fovea.core.memory import heap_frozen
 from fovea.core.request import LoRARequest, RequestOutput
 from fovea.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, default_sampling_params
 from fovea.engine.engine import LLMEngine
@@ -209,23 +210,26 @@ class LLM:
         bar = (use_tqdm if callable(use_tqdm) else _progress_bar)(total=len(requests)) if use_tqdm else None
         prompt_tokens = output_tokens = 0
         try:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    search = searches.pop(output.request_id, None)
-                    if search is not None and (not search.take(output) or (output := search_on(search)) is None):
-                        continue
-                    if output.finished and output.request_id in order:
-                        results[order[output.request_id]] = output
-                        if bar is not None:
-                            prompt_tokens += len(output.prompt_token_ids)
-                            output_tokens += sum(len(o.token_ids) for o in output.outputs)
-                            elapsed = bar.format_dict["elapsed"] or 1e-9
-                            bar.set_postfix_str(
-                                f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
-                                f"output: {output_tokens / elapsed:.2f} toks/s",
-                                refresh=False,
-                            )
-                            bar.update(1)
+            # the garbage collector's passes skip what was alive before the run: the model, the libraries, the
+            # caller's objects (core/memory.py); they are the collector's again once it ends
+            with heap_frozen():
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        search = searches.pop(output.request_id, None)
+                        if search is not None and (not search.take(output) or (output := search_on(search)) is None):
+                            continue
+                        if output.finished and output.request_id in order:
+                            results[order[output.request_id]] = output
+                            if bar is not None:
+                                prompt_tokens += len(output.prompt_token_ids)
+                                output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                                elapsed = bar.format_dict["elapsed"] or 1e-9
+                                bar.set_postfix_str(
+                                    f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                                    f"output: {output_tokens / elapsed:.2f} toks/s",
+                                    refresh=False,
+                                )
+                                bar.update(1)
         except BaseException:
             # Ctrl-C or a failure: free everything (beam searches' steps too), keep the engine usable
             self.engine.abort_request([*order, *searches])

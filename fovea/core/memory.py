@@ -18,6 +18,14 @@ end stepped up by ~40 MB for good when its pools reached their size. fovea's pro
 MALLOC_ARENA_MAX the environment already has is glibc's and wins (0 gives glibc's own count back). Mapping every
 array from 128 KB on kept memory as low as trimming but cost 28 % of image throughput (benchmarks/allocator_cost.py).
 
+The cyclic garbage collector's full passes walk every container object alive, and a process that has imported
+torch and transformers and built a model holds millions of them: one pass stopped a step for 100-200 ms on the
+CPU (benchmarks/README). What was made at start-up lives until the process ends, so each process freezes it once
+started (`freeze_startup_heap`: gc.freeze, after one collection so that no garbage is frozen with it); the passes
+then walk only what was made since. `LLM` runs in its caller's process, whose objects are the caller's to free:
+it freezes the heap while it generates (`heap_frozen`; freezing and unfreezing move lists, they cost nothing) and
+gives everything back to the collector when it is done.
+
 FOVEA_TRACEMALLOC=SECONDS makes the front end and the engine trace Python's allocations (slower) and log, every
 SECONDS, the sites whose memory grew most since the first report: what a soak run that grows should look at first.
 Memory that torch or glibc hold for arrays is not Python's and does not show there.
@@ -25,8 +33,10 @@ Memory that torch or glibc hold for arrays is not Python's and does not show the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import threading
@@ -73,6 +83,27 @@ def _bound_arenas(libc) -> None:
     if "MALLOC_ARENA_MAX" not in os.environ:
         libc.mallopt(M_ARENA_MAX, ARENAS)
         os.environ["MALLOC_ARENA_MAX"] = str(ARENAS)
+
+
+def freeze_startup_heap() -> None:
+    """A process of fovea's own, started: every object alive now, once collected, out of the garbage collector's
+    passes for good (see above)."""
+    gc.collect()
+    gc.freeze()
+
+
+@contextlib.contextmanager
+def heap_frozen():
+    """The objects alive at the block's start out of the garbage collector's passes while it runs (see above);
+    nothing happens where the heap is frozen already (a process's own, or an outer block's)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def watch_memory(process: str) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from fovea.config.engine import EngineConfig
-from fovea.core.memory import watch_memory
+from fovea.core.memory import freeze_startup_heap, watch_memory
 from fovea.core.messages import (
     AbortRequests,
     AddRequest,
@@ -79,6 +79,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
     except BaseException:  # noqa: BLE001 - the front end reports why start-up failed
         send(StartFailed(traceback.format_exc()))
         return
+    freeze_startup_heap()  # a full garbage collection no longer walks the model and the libraries
     send(Ready(engine.config))
     send(StepOutputs([], engine.stats()))  # the gauges of a fresh engine; starts recording latencies
     try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fovea.config.engine import EngineConfig
+from fovea.core.memory import freeze_startup_heap
 from fovea.distributed import ParallelGroups, free_port, join_groups
 
 logger = logging.getLogger("fovea")
@@ -65,6 +66,7 @@ def run_worker(args: WorkerArgs) -> None:
         args.rank, config.tensor_parallel_size, args.address, args.port, config.device, config.mm_encoder_tp_mode
     )
     runner = ModelRunner(config, parallel)
+    freeze_startup_heap()  # (core/memory.py): a rank's pause stops every rank's step
     threading.Thread(target=_encode_loop, args=(runner, parallel), name="fovea-tp-encoder", daemon=True).start()
     while (step := parallel.send(None, parallel.lm_control)) is not None:
         runner.run_worker_step(step)

@@ -292,7 +292,7 @@ def logging_config(path: str | None) -> dict | None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from fovea.core.memory import watch_memory
+    from fovea.core.memory import freeze_startup_heap, watch_memory
 
     watch_memory("the front end")  # before any thread starts: the arenas' bound holds for threads started later
     import uvicorn
@@ -397,6 +397,7 @@ def run_serve(args: argparse.Namespace) -> None:
         # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the handler found at
         # start; a no-op one turns that into a normal exit (status 0) after the engine is shut down below.
         signal.signal(signal.SIGTERM, lambda *_: None)
+        freeze_startup_heap()  # a full garbage collection no longer walks the libraries and the app
         server.run(sockets=[server_socket])
         if app.state.template_sandbox is not None:
             app.state.template_sandbox.close()
