@@ -125,8 +125,8 @@ class LogprobRow(NamedTuple):
     token: int
     logprob: float
     rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
 
 
 class SampleDelta(NamedTuple):

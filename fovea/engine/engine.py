@@ -505,7 +505,9 @@ class LLMEngine:
                 logprob = logprobs[row]
                 if seq.logprobs is not None:
                     k = seq.params.logprobs
-                    entry = (token, logprob, ranks[row], top_ids[row][:k], top_values[row][:k])  # (LogprobRow)
+                    # (a LogprobRow) of tuples: a request keeps one per token, and tuples of numbers leave the
+                    # garbage collector's passes, where lists would be walked by every full one
+                    entry = (token, logprob, ranks[row], tuple(top_ids[row][:k]), tuple(top_values[row][:k]))
             waiting = seq.grammar_waiting
             finished = append_token(seq, token, entry, logprob)
             if waiting and not seq.grammar_waiting:

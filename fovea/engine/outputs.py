@@ -218,6 +218,7 @@ def record_prompt_logprobs(batch: ScheduledBatch, scored: dict[int, tuple]) -> N
     for index, (chosen, ranks, top_ids, top_values) in scored.items():
         seq = batch.seqs[index]
         targets = seq.token_ids[len(seq.request.prompt_logprobs) :][: chosen.numel()]
-        top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in targets]
-        top_values = top_values.tolist() if top_values is not None else [[] for _ in targets]
+        # tuples, as the sampled tokens' rows (LLMEngine._record_samples says why)
+        top_ids = map(tuple, top_ids.tolist()) if top_ids is not None else [()] * len(targets)
+        top_values = map(tuple, top_values.tolist()) if top_values is not None else [()] * len(targets)
         seq.request.prompt_logprobs += zip(targets, chosen.tolist(), ranks.tolist(), top_ids, top_values)
