@@ -227,6 +227,33 @@ def test_a_prompt_left_waiting_for_kv_blocks_holds_none_of_the_images_it_reached
     assert ran == {0: 21, 1: 40}
 
 
+def test_a_step_that_preempts_the_sequence_holding_an_image_schedules_the_ones_it_passed():
+    """Found by the cross-talk fuzz (LLaVA, seed 966): a prompt past its first image waits for room in the encoder
+    cache for its second, which a later prompt's share of the same first image takes. In one step the earlier
+    prompt is passed (no room), then the later one preempts itself for KV blocks, giving the image up: the step
+    ran nothing and handed the encoder nothing, and the engine failed the request as unschedulable. The pass now
+    goes again after a preemption that left it empty."""
+    sched = scheduler(budget=8, blocks=7, prefix_caching=False, encoder_tokens=12)  # room for one image
+    first = sequence(
+        0, [1, 2] + [9] * 8 + [3, 3] + [9] * 8 + [4], max_tokens=1, images=[image(2, 8, "a"), image(12, 8, "b")]
+    )
+    later = sequence(1, [1] * 5 + [9] * 8 + [5] * 8, max_tokens=1, images=[image(5, 8, "a")])
+    sched.add(first)
+    sched.add(later)
+    for turn in range(20):
+        batch = sched.schedule()
+        assert batch.seqs or batch.step.encode, f"step {turn} ran nothing and encoded nothing"
+        step_recorded(sched, batch)
+        for seq in batch.seqs:
+            if seq.num_output_tokens:
+                sched.finish(seq)
+        for item in batch.step.encode:
+            sched.encoder_cache.put(item.content_hash, torch.zeros(item.span.length, 4))
+        if not sched.running and not sched.waiting:
+            break
+    assert first.num_output_tokens == later.num_output_tokens == 1 and sched.num_preemptions >= 1
+
+
 def test_blocks_for_the_forks_of_a_completed_prompt_stay_free_for_them():
     """A prompt of a request with n=3 that this step completes forks two samples when the step is recorded, each
     copying the prompt's partly filled last block: the sequences admitted after it in the same step must leave

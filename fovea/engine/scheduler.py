@@ -95,7 +95,11 @@ class Scheduler:
         batch = ScheduledBatch(step=ScheduledStep(block_copies=self.pending_copies))
         self.pending_copies = []
         for eligible in self._turns():
-            self._fill(batch, eligible)
+            # a fill that preempted and ran nothing goes again: what the preempted sequences held (KV blocks, an
+            # image's room in the encoder cache) may be what the sequences before them in this pass waited for.
+            # Each pass again preempts one more running sequence or admits, so this ends.
+            while self._fill(batch, eligible) and not batch.seqs:
+                pass
             if batch.seqs:
                 batch.step.relaid, self.relaid = self.relaid, []
                 break
@@ -111,7 +115,8 @@ class Scheduler:
         self.isolating = not self.isolating
         return turns if self.isolating else turns[::-1]
 
-    def _fill(self, batch: ScheduledBatch, eligible) -> None:
+    def _fill(self, batch: ScheduledBatch, eligible) -> bool:
+        """Adds what may run to `batch`; whether it preempted a sequence to make room."""
         budget = self.config.max_num_batched_tokens
         block_size = self.blocks.block_size
         preempted = False
@@ -159,6 +164,7 @@ class Scheduler:
             reserved += extra
         if not preempted:
             self._admit_waiting(batch, budget, computing, eligible, reserved)
+        return preempted
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
         """The tokens steps still on the device sample for it reach max_tokens or max_model_len."""
