@@ -207,8 +207,7 @@ class LLM:
                 results[order[request.request_id]] = search_on(BeamSearch(request, self.engine.config.max_model_len))
             else:
                 self.engine.add_request(request)
-        bar = (use_tqdm if callable(use_tqdm) else _progress_bar)(total=len(requests)) if use_tqdm else None
-        prompt_tokens = output_tokens = 0
+        progress = Progress(use_tqdm, len(requests))
         try:
             # the garbage collector's passes skip what was alive before the run: the model, the libraries, the
             # caller's objects (core/memory.py); they are the collector's again once it ends
@@ -220,24 +219,14 @@ class LLM:
                             continue
                         if output.finished and output.request_id in order:
                             results[order[output.request_id]] = output
-                            if bar is not None:
-                                prompt_tokens += len(output.prompt_token_ids)
-                                output_tokens += sum(len(o.token_ids) for o in output.outputs)
-                                elapsed = bar.format_dict["elapsed"] or 1e-9
-                                bar.set_postfix_str(
-                                    f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
-                                    f"output: {output_tokens / elapsed:.2f} toks/s",
-                                    refresh=False,
-                                )
-                                bar.update(1)
+                            progress.finished(output)
         except BaseException:
             # Ctrl-C or a failure: free everything (beam searches' steps too), keep the engine usable
             self.engine.abort_request([*order, *searches])
             self.engine.finished_outputs.clear()  # nobody waits for these aborts' outputs
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            progress.close()
         return results
 
 
@@ -256,7 +245,36 @@ def per_prompt(value, count: int, name: str) -> list:
     return values
 
 
-def _progress_bar(total: int):  # use_tqdm may instead be a callable that makes the bar, as in vLLM
-    from tqdm.auto import tqdm
+class Progress:
+    """vLLM's bar of finished prompts, with the input and output tokens a second so far (`use_tqdm`: True, or a
+    callable that makes the bar, as in vLLM; False: none)."""
 
-    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    def __init__(self, use_tqdm: bool | Callable, total: int):
+        self.bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            make = (
+                use_tqdm
+                if callable(use_tqdm)
+                else functools.partial(tqdm, desc="Processed prompts", dynamic_ncols=True)
+            )
+            self.bar = make(total=total)
+        self.prompt_tokens = self.output_tokens = 0
+
+    def finished(self, output: RequestOutput) -> None:
+        if self.bar is None:
+            return
+        self.prompt_tokens += len(output.prompt_token_ids)
+        self.output_tokens += sum(len(o.token_ids) for o in output.outputs)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.set_postfix_str(
+            f"est. speed input: {self.prompt_tokens / elapsed:.2f} toks/s, "
+            f"output: {self.output_tokens / elapsed:.2f} toks/s",
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
