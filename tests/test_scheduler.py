@@ -35,8 +35,9 @@ def scheduler(
     return Scheduler(config, BlockManager(blocks, BLOCK, prefix_caching), EncoderCache(encoder_tokens))
 
 
-def sequence(seq_id: int, prompt: list[int], max_tokens=100, images: list[MMItem] = (), priority=0) -> Sequence:
-    request = Request(RequestInput(f"r{seq_id}", prompt, SamplingParams(max_tokens=max_tokens), mm_items=list(images)))
+def sequence(seq_id: int, prompt: list[int], max_tokens=100, images: list[MMItem] = (), priority=0, n=1) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, n=n)
+    request = Request(RequestInput(f"r{seq_id}", prompt, params, mm_items=list(images)))
     request.input.arrival_index, request.input.priority = seq_id, priority
     seq = Sequence(seq_id, request)
     request.sequences.append(seq)

@@ -14,24 +14,27 @@ and printed with every failure (FOVEA_FUZZ_SEED repeats one); FOVEA_FUZZ_DRAWS s
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
 import torch
 from test_scheduler import BLOCK, image, scheduler, sequence
 
-from fovea.engine.sequence import SequenceStatus
+from fovea.engine.sequence import Sequence, SequenceStatus
 
 SEED = int(os.environ.get("FOVEA_FUZZ_SEED") or random.SystemRandom().randrange(1 << 30))
 DRAWS = int(os.environ.get("FOVEA_FUZZ_DRAWS", "1000"))
 
 
 def draw_prompts(rng: random.Random, image_sizes: list[int]) -> list:
-    """(prompt ids, images, max_tokens, arrival step, abort step or None, priority) per prompt."""
+    """(prompt ids, images, max_tokens, n, arrival step, abort step or None, priority) per prompt; prompts start
+    with one of two shared prefixes half the time (prefix caching's shared blocks)."""
     sizes = {key: rng.choice(image_sizes) for key in "abcd"}
+    prefixes = [[rng.randrange(10, 40) for _ in range(rng.randint(4, 20))] for _ in range(2)]
     prompts = []
     for _ in range(rng.randint(1, 8)):
-        ids, images = [], []
+        ids, images = list(rng.choice(prefixes)) if rng.random() < 0.5 else [], []
         for _ in range(rng.randint(1, 4)):
             if rng.random() < 0.5:
                 key = rng.choice("abcd")
@@ -39,8 +42,9 @@ def draw_prompts(rng: random.Random, image_sizes: list[int]) -> list:
                 ids += [9] * sizes[key]
             else:
                 ids += [rng.randrange(10, 40) for _ in range(rng.randint(1, 20))]
+        n = rng.choice([1, 1, 1, 2, 3])
         abort = rng.randrange(60) if rng.random() < 0.15 else None
-        prompts.append((ids, images, rng.randint(1, 6), rng.randrange(30), abort, rng.choice([0, 0, 1, -1])))
+        prompts.append((ids, images, rng.randint(1, 6), n, rng.randrange(30), abort, rng.choice([0, 0, 1, -1])))
     return prompts
 
 
@@ -51,13 +55,14 @@ def check_schedule(draw: int) -> None:
     # an image seen both ways (Gemma 3's) runs in one chunk: the model's one size, which the budget must hold
     # (EngineConfig refuses a smaller one)
     prompts = draw_prompts(rng, [min(budget, rng.choice([4, 8, 12]))] if whole_images else [4, 8, 12, 24])
-    longest = max(len(ids) + max_tokens for ids, _, max_tokens, _, _, _ in prompts)
+    # the longest sample fits, and every prompt with its samples' first blocks (LLMEngine.add_request's check)
+    fits = max(max(-(-(len(p[0]) + p[2]) // BLOCK), -(-(len(p[0]) + 1) // BLOCK) + p[3] - 1) for p in prompts)
     encoder_budget = rng.choice([budget, budget, 8, 64])
-    largest = max((item.span.length for _, images, _, _, _, _ in prompts for item in images), default=0)
+    largest = max((item.span.length for p in prompts for item in p[1]), default=0)
     options = dict(
         budget=budget,
-        max_seqs=rng.choice([1, 2, 3, 8]),
-        blocks=-(-longest // BLOCK) + rng.choice([0, 1, 2, 8]),
+        max_seqs=rng.choice([3, 4, 8]),
+        blocks=fits + rng.choice([0, 1, 2, 8]),
         prefix_caching=rng.random() < 0.5,
         encoder_tokens=largest + encoder_budget,
         encoder_budget=encoder_budget,
@@ -66,33 +71,47 @@ def check_schedule(draw: int) -> None:
     ahead = rng.random() < 0.5
     where = f"FOVEA_FUZZ_SEED={SEED} draw {draw}: {options}, ahead {ahead}, prompts {[(len(p[0]), *p[2:]) for p in prompts]}"
     sched = scheduler(**options)
-    seqs = [
-        (sequence(i, ids, max_tokens=max_tokens, images=images, priority=priority), max_tokens, arrival, abort)
-        for i, (ids, images, max_tokens, arrival, abort, priority) in enumerate(prompts)
+    requests = [
+        sequence(i, ids, max_tokens=max_tokens, images=images, priority=priority, n=n).request
+        for i, (ids, images, max_tokens, n, _, _, priority) in enumerate(prompts)
     ]
-    ended: set[int] = set()
+    seq_ids = itertools.count(len(prompts))
 
     def record(batch, sampling) -> None:
-        """LLMEngine._record's bookkeeping: the samples land, a sample that reaches max_tokens finishes."""
+        """LLMEngine._record's bookkeeping: the samples land (a prompt's first forks its other samples, which
+        sample too), a sample that reaches max_tokens finishes."""
         for seq in sampling:
             seq.num_pending -= 1
         sched.step_done(batch)
+        for seq in list(sampling):
+            if seq.status == SequenceStatus.FINISHED:  # (aborted while its step ran)
+                continue
+            for fork in range(1, seq.pending_forks + 1):
+                child = Sequence(next(seq_ids), seq.request, seq.index + fork)
+                sched.fork(seq, child)
+                seq.request.sequences.append(child)
+                sampling.append(child)
+            seq.pending_forks = 0
         for seq in sampling:
-            if seq.status != SequenceStatus.FINISHED:  # (aborted while its step ran)
+            if seq.status != SequenceStatus.FINISHED:
                 seq.token_ids.append(7)
-                if seq.num_output_tokens >= seqs[seq.seq_id][1]:
+                if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq)
-                    ended.add(seq.seq_id)
 
-    total = sum(len(ids) + max_tokens for ids, _, max_tokens, _, _, _ in prompts)
+    total = sum((len(p[0]) + p[2]) * p[3] for p in prompts)
     in_flight = None  # (batch, its sampling sequences) scheduled ahead, not yet recorded
     for turn in range(4 * total + 100):
-        for seq, _, arrival, abort in seqs:
+        for request, (_, _, _, _, arrival, abort, _) in zip(requests, prompts):
             if arrival == turn:
-                sched.add(seq)
-            if abort == turn and arrival <= turn and seq.seq_id not in ended:
-                sched.finish(seq)
-                ended.add(seq.seq_id)
+                sched.add(request.sequences[0])
+            if abort == turn and arrival <= turn and not request.finished:  # LLMEngine.abort_request
+                request.aborted = True
+                for seq in request.sequences:
+                    sched.finish(seq)
+        # a step whose samples fork is recorded before the next is scheduled (LLMEngine._schedules_ahead)
+        if in_flight is not None and any(seq.pending_forks for seq in in_flight[1]):
+            record(*in_flight)
+            in_flight = None
         left = sched.running or sched.waiting
         batch = sched.schedule()
         progress = batch.seqs or batch.step.encode or in_flight or not left
@@ -108,9 +127,10 @@ def check_schedule(draw: int) -> None:
             in_flight = None
         for item in batch.step.encode:
             sched.encoder_cache.put(item.content_hash, torch.zeros(item.span.length, 4))
-        if len(ended) == len(seqs):
+        if all(request.finished for request in requests) and in_flight is None:
             return
-    raise AssertionError(f"{where}: {len(seqs) - len(ended)} prompt(s) never ended")
+    unfinished = [request.request_id for request in requests if not request.finished]
+    raise AssertionError(f"{where}: {unfinished} never ended")
 
 
 def test_every_step_runs_or_encodes_until_every_prompt_ends():
