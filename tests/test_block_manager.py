@@ -159,3 +159,23 @@ def test_hashes_extend_incrementally():
     assert len(hashes) == 2
     extend_block_hashes(hashes, tokens, BS)
     assert hashes == block_hashes(tokens, BS)
+
+
+def test_a_prefill_adopts_cached_blocks_only_while_the_blocks_kept_free_stay_free():
+    """A prefill takes blocks another sequence filled since it was admitted; a cached block no sequence holds sits
+    in the free list, so taking one leaves one fewer free. The scheduler keeps blocks free for the forks of a
+    prompt the step completes: adopting must not take them (the scheduler fuzz, seed 189: the forks then found no
+    block to copy into, and the request failed)."""
+    tokens = list(range(1, 18))  # 4 full blocks and a token
+    hashes = block_hashes(tokens, BS)
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    filler, _ = alloc(bm, hashes, len(tokens))
+    bm.mark_computed(filler, hashes, len(tokens))
+    bm.release(filler)  # its 4 full blocks stay cached, in the free list
+    assert bm.num_free_blocks == 8
+    for keep_free, expected in ((0, 4), (6, 2), (8, 0)):
+        prefill = bm.allocate([], 1)  # admitted before the blocks were filled: one block of its own
+        taken = bm.adopt_cached(prefill, hashes, 0, len(tokens), keep_free=keep_free)
+        assert taken == expected and bm.num_free_blocks >= min(keep_free, 7), (keep_free, taken)
+        bm.release(prefill)
+    check_no_leaks(bm)

@@ -78,17 +78,23 @@ class BlockManager:
             prefix.append(block)
         return prefix
 
-    def adopt_cached(self, table: list[int], hashes: list[bytes], first: int, num_tokens: int) -> int:
+    def adopt_cached(
+        self, table: list[int], hashes: list[bytes], first: int, num_tokens: int, keep_free: int = 0
+    ) -> int:
         """A running prefill's blocks from index `first` on, replaced by cached blocks of the same hashes while
         there are any (computed by another sequence since this one was admitted; the block of the last token is
-        never taken, as in cached_prefix). Its own blocks there hold nothing registered and go back to the free
-        list first in line. Returns how many blocks were taken."""
+        never taken, as in cached_prefix), and while `keep_free` blocks stay free (a cached block no sequence
+        holds sits in the free list: taking it leaves one fewer). Its own blocks there hold nothing registered
+        and go back to the free list first in line. Returns how many blocks were taken."""
         if not self.enable_prefix_caching:
             return 0
         taken = 0
         for index in range(first, min(len(hashes), (num_tokens - 1) // self.block_size)):
             block = self.cached.get(hashes[index])
             if block is None:
+                break
+            freed = index < len(table) and self.ref_counts[table[index]] == 1  # its own block there goes back
+            if len(self.free) - (self.ref_counts[block] == 0) + freed < keep_free:
                 break
             if self.ref_counts[block] == 0:
                 del self.free[block]

@@ -137,7 +137,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or nothing left to compute
             tokens = seq.num_tokens  # read once: hundreds of sequences a step
             if tokens - seq.num_computed_tokens > 1 and self._shares_blocks(seq):  # a prefill
-                self._adopt_cached(seq)
+                self._adopt_cached(seq, reserved)
                 if self._block_at(seq, seq.num_computed_tokens) in computing:
                     continue  # another sequence fills that block now; this one takes it next step
             start = seq.num_computed_tokens
@@ -188,12 +188,13 @@ class Scheduler:
         if self._shares_blocks(seq):
             computing.update(seq.block_hashes[start // self.blocks.block_size : (start + n) // self.blocks.block_size])
 
-    def _adopt_cached(self, seq: Sequence) -> None:
+    def _adopt_cached(self, seq: Sequence, reserved: int) -> None:
         """A prefill admitted before another sequence filled the blocks it needs next (requests that came
-        together with the same image or prefix) takes those blocks instead of computing them again."""
+        together with the same image or prefix) takes those blocks instead of computing them again, leaving
+        the `reserved` blocks promised to this step's forks free (the scheduler fuzz's seed 189)."""
         block_size = self.blocks.block_size
         first = seq.num_computed_tokens // block_size
-        taken = self.blocks.adopt_cached(seq.block_table, seq.block_hashes, first, seq.num_tokens)
+        taken = self.blocks.adopt_cached(seq.block_table, seq.block_hashes, first, seq.num_tokens, reserved)
         if not taken:
             return
         self.relay(seq)  # blocks of its table were swapped
