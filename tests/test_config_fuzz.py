@@ -395,10 +395,10 @@ def test_more_drawn_configurations_match_transformers(family, bases, tmp_path):
     ],
 )
 def test_the_fuzzer_sees_a_broken_rule(family, broken, bases, tmp_path):
-    """Our side read from a copy whose config.json breaks one rule transformers keeps (DeepStack features dropped,
-    the M-RoPE sections in another order, other blocks attending over whole images, the decoder's sliding windows
-    or its YaRN scaling left out, its norms' epsilon 1e-6 for 1e-3): the logits part by ten times the fuzzer's tolerance or more on an image, with
-    the weights these draws have."""
+    """Our side read from a copy whose config.json breaks one rule transformers keeps (DeepStack features dropped, the
+    M-RoPE sections in another order, other blocks attending over whole images, the decoder's sliding windows or
+    its YaRN scaling left out, its norms' epsilon 1e-6 for 1e-3): the logits part by ten times the fuzzer's
+    tolerance or more on an image, with the weights these draws have."""
     config = draw(family, random.Random(SEED))
     text, vision = config["text_config"], config["vision_config"]
     if family == "qwen3-vl":

@@ -18,13 +18,13 @@ end stepped up by ~40 MB for good when its pools reached their size. fovea's pro
 MALLOC_ARENA_MAX the environment already has is glibc's and wins (0 gives glibc's own count back). Mapping every
 array from 128 KB on kept memory as low as trimming but cost 28 % of image throughput (benchmarks/allocator_cost.py).
 
-The cyclic garbage collector's full passes walk every container object alive, and a process that has imported
-torch and transformers and built a model holds hundreds of thousands of them: a pass stopped the step it fell in
-for far longer than the step (benchmarks/README, "The garbage collector's passes"). What was made at start-up lives until the process ends, so each process freezes it once
-started (`freeze_startup_heap`: gc.freeze, after one collection so that no garbage is frozen with it); the passes
-then walk only what was made since. `LLM` runs in its caller's process, whose objects are the caller's to free:
-it freezes the heap while it generates (`heap_frozen`; freezing and unfreezing move lists, they cost nothing) and
-gives everything back to the collector when it is done.
+The cyclic garbage collector's full passes walk every container object alive, and a process that has imported torch
+and transformers and built a model holds hundreds of thousands of them: a pass stopped the step it fell in for far
+longer than the step (benchmarks/README, "The garbage collector's passes"). What was made at start-up lives until
+the process ends, so each process freezes it once started (`freeze_startup_heap`: gc.freeze, after one collection so
+that no garbage is frozen with it); the passes then walk only what was made since. `LLM` runs in its caller's
+process, whose objects are the caller's to free: it freezes the heap while it generates (`heap_frozen`; freezing and
+unfreezing move lists, they cost nothing) and gives everything back to the collector when it is done.
 
 FOVEA_TRACEMALLOC=SECONDS makes the front end and the engine trace Python's allocations (slower) and log, every
 SECONDS, the sites whose memory grew most since the first report: what a soak run that grows should look at first.
