@@ -21,23 +21,35 @@ BLOCK = 4
 
 
 def scheduler(
-    budget=16, max_seqs=8, blocks=64, prefix_caching=True, encoder_tokens=0, encoder_budget=None, whole_images=False
+    budget=16,
+    max_seqs=8,
+    blocks=64,
+    prefix_caching=True,
+    encoder_tokens=0,
+    encoder_budget=None,
+    whole_images=False,
+    max_loras=0,
+    max_model_len=1024,
 ):
     config = SimpleNamespace(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
-        enable_lora=False,
-        max_loras=1,
+        enable_lora=max_loras > 0,
+        max_loras=max_loras,
         encoder_budget=encoder_budget or budget,
-        max_model_len=1024,
+        max_model_len=max_model_len,
         model=SimpleNamespace(bidirectional_images=whole_images),
     )
     return Scheduler(config, BlockManager(blocks, BLOCK, prefix_caching), EncoderCache(encoder_tokens))
 
 
-def sequence(seq_id: int, prompt: list[int], max_tokens=100, images: list[MMItem] = (), priority=0, n=1) -> Sequence:
-    params = SamplingParams(max_tokens=max_tokens, n=n)
-    request = Request(RequestInput(f"r{seq_id}", prompt, params, mm_items=list(images)))
+def sequence(
+    seq_id: int, prompt: list[int], max_tokens=100, images: list[MMItem] = (), priority=0, n=1, **request
+) -> Sequence:
+    """A request's first sequence; `request`: RequestInput's fields (lora) and SamplingParams' (prompt_logprobs)."""
+    lora = request.pop("lora", None)
+    params = SamplingParams(max_tokens=max_tokens, n=n, **request)
+    request = Request(RequestInput(f"r{seq_id}", prompt, params, mm_items=list(images), lora=lora))
     request.input.arrival_index, request.input.priority = seq_id, priority
     seq = Sequence(seq_id, request)
     request.sequences.append(seq)
@@ -272,3 +284,46 @@ def test_blocks_for_the_forks_of_a_completed_prompt_stay_free_for_them():
     assert sched.blocks.num_free_blocks == 2
     for _ in range(2):  # what the engine does when it records the step (LLMEngine._record)
         sched.blocks.fork(forking.block_table, forking.num_computed_tokens)
+
+
+def test_the_samples_a_running_prompt_will_fork_count_against_max_num_seqs():
+    """A request with n=3 takes three of max_num_seqs' places from its admission, while its prompt is still being
+    prefilled: prompts admitted meanwhile leave its two forks their places. (They took them: once it forked, five
+    sequences ran under max_num_seqs=4; the scheduler fuzz found it.)"""
+    sched = scheduler(budget=8, max_seqs=4)
+    forking = sequence(0, list(range(1, 13)), n=3)
+    sched.add(forking)
+    assert step(sched) == {0: 8}  # a first chunk: its samples are not forked yet
+    sched.add(sequence(1, [20, 21, 22]))
+    sched.add(sequence(2, [30, 31, 32]))
+    assert step(sched) == {0: 4, 1: 3}  # the second arrival waits: the forks will take the last two places
+    for fork in (1, 2):  # what the engine does when it records the step (LLMEngine._record)
+        child = Sequence(10 + fork, forking.request, fork)
+        sched.fork(forking, child)
+    forking.pending_forks = 0
+    assert len(sched.running) == 4 and [s.seq_id for s in sched.waiting] == [2]
+
+
+def test_a_suspects_turn_goes_again_when_the_others_turn_preempted_what_it_waited_for():
+    """A suspect (a request of a failed step, run alone every other step) takes its turn first and waits for room in
+    the encoder cache, which an image of a later prompt holds; in the others' turn that prompt needs a KV block,
+    finds none and preempts itself, giving the image up. The suspect's turn goes again and hands its image to the
+    encoder. (It did not: the step ran nothing and encoded nothing, and the engine failed the suspect as "cannot be
+    scheduled even with the engine idle"; the scheduler fuzz found it once it drew failed steps.)"""
+    sched = scheduler(budget=4, blocks=5, encoder_tokens=12, encoder_budget=12)
+    text = list(range(20, 32))
+    earlier = sequence(2, [*text, 7])  # leaves the suspect's first three blocks in the prefix cache
+    sched.add(earlier)
+    while earlier.num_computed_tokens < 13:
+        step(sched)
+    sched.finish(earlier)
+    later = sequence(1, [9] * 12 + [15] * 4, images=[image(0, 12, "d")])  # its image fills the encoder cache
+    sched.add(later)
+    assert step_with_images(sched) == {}  # its image is encoded
+    assert step_with_images(sched) == step_with_images(sched) == {1: 4}  # in its image, holding it
+    suspect = sequence(0, [*text, 9, 9, 9, 9], images=[image(12, 4, "c")])
+    sched.add(suspect)
+    sched.isolate({suspect.request})
+    batch = sched.schedule()  # the suspect's turn first: its cached prefix taken, its image waits for room
+    assert [item.content_hash for item in batch.step.encode] == ["c"]
+    assert suspect.num_computed_tokens == 12 and sched.num_preemptions == 1

@@ -94,15 +94,17 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(step=ScheduledStep(block_copies=self.pending_copies))
         self.pending_copies = []
-        for eligible in self._turns():
-            # a fill that preempted and ran nothing goes again: what the preempted sequences held (KV blocks, an
-            # image's room in the encoder cache) may be what the sequences before them in this pass waited for.
-            # Each pass again preempts one more running sequence or admits, so this ends.
-            while self._fill(batch, eligible) and not batch.seqs:
-                pass
-            if batch.seqs:
-                batch.step.relaid, self.relaid = self.relaid, []
-                break
+        turns, preempted = self._turns(), True
+        # a pass that preempted and ran nothing goes again, every turn: what the preempted sequences held (KV
+        # blocks, an image's room in the encoder cache) may be what the sequences before them, or the other turn's
+        # (a suspect), waited for. Each pass again preempts one more running sequence or admits, so this ends.
+        while preempted and not batch.seqs:
+            preempted = False
+            for eligible in turns:
+                preempted = self._fill(batch, eligible) or preempted
+                if batch.seqs:
+                    batch.step.relaid, self.relaid = self.relaid, []
+                    break
         return batch
 
     def _turns(self) -> list:
@@ -215,9 +217,11 @@ class Scheduler:
         adapters = (
             {s.request.lora.lora_int_id for s in self.running if s.request.lora} if self.config.enable_lora else ()
         )
+        # the running prompts' samples still to fork count as running: each takes a place once its prompt is done
+        running = len(self.running) + sum(s.pending_forks for s in self.running) if self.waiting else 0
         while position < len(self.waiting) and budget > 0:
             seq = self.waiting[position]
-            if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
+            if running + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
             if eligible is not None and not eligible(seq):
                 position += 1
@@ -257,6 +261,7 @@ class Scheduler:
                 seq.request.num_cached_tokens = start
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.order)
+            running += 1 + seq.pending_forks
             if lora:
                 adapters.add(lora.lora_int_id)
             if n:  # 0: its next token is an image still being encoded; it runs from there once it is ready
