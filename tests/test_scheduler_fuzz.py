@@ -1,14 +1,15 @@
 """The scheduler never gets stuck: random prompts with images (shared between prompts, of several sizes), arriving at
 random steps, some aborted, some with LoRA adapters (under max_loras), some scoring every prompt position
-(prompt_logprobs), under drawn budgets, KV caches down to the longest prompt and a block, encoder caches of the
-engine's default size (the largest image and one step's encoder budget), prefix caching, whole images or chunked,
-priorities, max_model_len reached or not, samples ending on a stop token, steps that fail at their launch (their
-requests then run alone, or fail: Scheduler.isolate), and steps in order or scheduled ahead (the next step scheduled
-while one is in flight, as --async-scheduling does). Each step must run a token or hand the encoder an image while
-any prompt is left and none is in flight (else the engine fails a request as "cannot be scheduled even with the
-engine idle"), hold the token budget, max_num_seqs and max_loras, skip no prompt position a request scores, and every
-prompt must end within a bound on the steps (no livelock), leaving no suspect, KV block or image held. The model is the engine's bookkeeping
-(LLMEngine._record, _step_failed): a step's sampled token is appended, its images are encoded by the next step.
+(prompt_logprobs), under drawn budgets, KV caches down to the longest prompt and a block, encoder caches of the engine's
+default size (the largest image and one step's encoder budget), prefix caching, whole images or chunked, priorities,
+max_model_len reached or not, samples ending on a stop token, steps that fail at their launch (their requests then run
+alone, or fail: Scheduler.isolate), and steps in order or scheduled ahead (the next step scheduled while one is in
+flight, as --async-scheduling does). Each step must run a token or hand the encoder an image while any prompt is left
+and none is in flight (else the engine fails a request as "cannot be scheduled even with the engine idle"), hold the
+token budget, max_num_seqs and max_loras, skip no prompt position a request scores, keep the KV blocks' books
+(check_blocks: no block written by two sequences), and every prompt must end within a bound on the steps (no livelock),
+leaving no suspect, KV block or image held. The model is the engine's bookkeeping (LLMEngine._record, _step_failed): a
+step's sampled token is appended, its images are encoded by the next step.
 
 The cross-talk fuzz (tests/test_crosstalk_fuzz.py) found two such states with LLaVA's 576-token images, each after
 hundreds of draws of a whole engine; this one draws a thousand schedules in a few seconds, and finds each of them
@@ -19,6 +20,7 @@ one); FOVEA_FUZZ_DRAWS sets the number of schedules."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import random
@@ -181,6 +183,7 @@ def check_schedule(draw: int) -> None:
         progress = batch.seqs or batch.step.encode or in_flight or not left
         assert progress, f"{where}: step {turn} ran nothing and encoded nothing"
         check_limits(sched, batch, launched_upto, where)
+        check_blocks(sched, requests, where)
         launched = None
         if batch.seqs and rng.random() < failures:
             fail(batch)
@@ -223,6 +226,21 @@ def check_limits(sched, batch, launched_upto: dict[int, int], where: str) -> Non
         start = seq.num_computed_tokens
         if seq.request.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens:
             assert start <= launched_upto.get(seq.seq_id, 0), f"{where}: positions {start} skipped"
+
+
+def check_blocks(sched, requests, where: str) -> None:
+    """The KV blocks' bookkeeping: each block's reference count is the tables holding it, the free list holds
+    exactly the blocks no table holds, a cached hash names the block holding it, and a block a sequence writes
+    next (from its first token not computed on) is its own: a block two sequences wrote would mix their KV."""
+    blocks = sched.blocks
+    live = [seq for request in requests for seq in request.sequences if seq.status != SequenceStatus.FINISHED]
+    held = collections.Counter(block for seq in live for block in seq.block_table)
+    assert all(blocks.ref_counts[b] == held[b] for b in range(blocks.num_blocks)), f"{where}: reference counts"
+    assert set(blocks.free) == {b for b in range(blocks.num_blocks) if not held[b]}, f"{where}: the free list"
+    assert all(blocks.block_hash[b] == h for h, b in blocks.cached.items()), f"{where}: the cached hashes"
+    for seq in live:
+        for block in seq.block_table[seq.num_computed_tokens // BLOCK :]:
+            assert held[block] == 1, f"{where}: sequence {seq.seq_id} writes block {block}, which others hold"
 
 
 def test_every_step_runs_or_encodes_until_every_prompt_ends():
