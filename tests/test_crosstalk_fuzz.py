@@ -6,9 +6,11 @@ engine, with aborts between, under drawn engine settings (block size, a step bud
 sequences at a time, prefix caching, the step order, a KV cache tight enough to preempt, what logprobs hold,
 how often streamed requests are reported, LoRA with one or two adapters a batch on Qwen2.5-VL, priority
 scheduling); half the requests stream there, their outputs joined as a server's reader joins them. With LoRA on,
-each request asks for one of three adapters or none; with priorities, for one of four. Every request that was not
-aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4
-where they agree), or the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
+each request asks for one of three adapters or none; with priorities, for one of four. Now and then one or two
+requests are poison: every step that runs one fails (test_engine_failures.py's `fail_steps_running`), so the requests
+of that step run alone from then on until each samples (Scheduler.isolate), and the poison fails alone. Every request
+that was not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4 where they agree),
+or the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
 draw per model runs by default, FOVEA_FUZZ_DRAWS more.
 
 One difference is allowed, and only for sampled requests: on the CPU the batch's shape changes the rounding of the
@@ -31,6 +33,7 @@ import random
 
 import pytest
 from conftest import random_image
+from test_engine_failures import fail_steps_running
 
 from fovea import LLM, LoRARequest, SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
@@ -248,7 +251,7 @@ def top_k_alone(llm: LLM, request, alone) -> object:
     return best_tokens
 
 
-def check_draw(model: str, models, adapters, draw_index: int) -> None:
+def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> None:
     model_dir, max_model_len = models[model]
     seed = SEED + 1000 * draw_index + list(models).index(model)
     rng = random.Random(seed)
@@ -259,7 +262,12 @@ def check_draw(model: str, models, adapters, draw_index: int) -> None:
         options |= dict(enable_lora=True, max_loras=extra_rng.choice([1, 2]), max_lora_rank=12)
     if extra_rng.random() < 0.3:
         options["scheduling_policy"] = "priority"
-    where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}"
+    # poison: every step that runs one of these fails (their requests then run alone, and the poison fails alone);
+    # two at most, so that no other request is in MAX_FAILED_STEPS failed steps (each poison is in one with others)
+    poison_rng = random.Random(f"poison {seed}")  # (drawn apart too)
+    poison = {f"r{i}" for i in poison_rng.sample(range(REQUESTS), poison_rng.choice([1, 2]))}
+    poison = poison if poison_rng.random() < 0.3 else set()
+    where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}, poison {poison}"
     prefix = " ".join(rng.choice(WORDS) for _ in range(40))
     images = [random_image(rng.choice([28, 56, 84]), rng.choice([28, 56]), seed=i) for i in range(3)]
     requests = [(f"r{i}", draw_prompt(rng, prefix, images), draw_params(rng)) for i in range(REQUESTS)]
@@ -268,6 +276,8 @@ def check_draw(model: str, models, adapters, draw_index: int) -> None:
     streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
     requests = [(*request, request_options(extra_rng, options, adapters)) for request in requests]
     with LLM(str(model_dir), **options, max_logprobs=64) as llm:  # (a top_k of 50's logprobs: best_tokens)
+        if poison:
+            fail_steps_running(llm.engine, poison, monkeypatch)
         alone = {}
         for request in requests:
             alone |= run(llm, [request], [0], {})
@@ -286,6 +296,6 @@ def check_draw(model: str, models, adapters, draw_index: int) -> None:
 
 
 @pytest.mark.parametrize("model", ["qwen2.5-vl", "llava"])
-def test_requests_run_together_end_as_they_do_alone(model, models, adapters):
+def test_requests_run_together_end_as_they_do_alone(model, models, adapters, monkeypatch):
     for draw_index in range(DRAWS):
-        check_draw(model, models, adapters, draw_index)
+        check_draw(model, models, adapters, draw_index, monkeypatch)

@@ -85,14 +85,15 @@ def test_a_failing_step_fails_its_requests_and_nothing_else(llm, tiny_dirs, monk
     assert_engine_idle(engine)
 
 
-def fail_steps_running(engine, prefix: str, monkeypatch) -> None:
-    """Every step that runs a request whose id starts with `prefix` raises, in the model's forward (as a real
-    failure would: after the runner has taken the step's rows)."""
+def fail_steps_running(engine, prefix: str | set[str], monkeypatch) -> None:
+    """Every step that runs a request whose id starts with `prefix` (or is one of a set) raises, in the model's
+    forward (as a real failure would: after the runner has taken the step's rows)."""
     real_execute, real_run_step = engine.runner.execute, engine.runner.run_step
     poisoned = [False]
+    is_poison = prefix.__contains__ if isinstance(prefix, set) else lambda request_id: request_id.startswith(prefix)
 
     def execute(step, cache, *ahead):
-        requests = [r for r in engine.requests.values() if r.request_id.startswith(prefix)]
+        requests = [r for r in engine.requests.values() if is_poison(r.request_id)]
         poisoned[0] = bool({seq.seq_id for r in requests for seq in r.sequences}.intersection(step.seq_ids))
         return real_execute(step, cache, *ahead)
 
