@@ -3,13 +3,14 @@ random steps, some aborted, some with LoRA adapters (under max_loras), some scor
 (prompt_logprobs), under drawn budgets, KV caches down to the longest prompt and a block, encoder caches of the engine's
 default size (the largest image and one step's encoder budget), prefix caching, whole images or chunked, priorities,
 max_model_len reached or not, samples ending on a stop token, steps that fail at their launch (their requests then run
-alone, or fail: Scheduler.isolate), and steps in order or scheduled ahead (the next step scheduled while one is in
-flight, as --async-scheduling does). Each step must run a token or hand the encoder an image while any prompt is left
-and none is in flight (else the engine fails a request as "cannot be scheduled even with the engine idle"), hold the
-token budget, max_num_seqs and max_loras, skip no prompt position a request scores, keep the KV blocks' books
-(check_blocks: no block written by two sequences), and every prompt must end within a bound on the steps (no livelock),
-leaving no suspect, KV block or image held. The model is the engine's bookkeeping (LLMEngine._record, _step_failed): a
-step's sampled token is appended, its images are encoded by the next step.
+alone, or fail: Scheduler.isolate), encoder runs that fail (so do the requests showing their images), and steps in order
+or scheduled ahead (the next step scheduled while one is in flight, as --async-scheduling does). Each step must run a
+token or hand the encoder an image while any prompt is left and none is in flight (else the engine fails a request as
+"cannot be scheduled even with the engine idle"), hold the token budget, max_num_seqs and max_loras, skip no prompt
+position a request scores, keep the KV blocks' books (check_blocks: no block written by two sequences), and every prompt
+must end within a bound on the steps (no livelock), leaving no suspect, KV block or image held. The model is the
+engine's bookkeeping (LLMEngine._record, _step_failed, _collect_images): a step's sampled token is appended, its images
+are encoded by the next step.
 
 The cross-talk fuzz (tests/test_crosstalk_fuzz.py) found two such states with LLaVA's 576-token images, each after
 hundreds of draws of a whole engine; this one draws a thousand schedules in a few seconds, and finds each of them
@@ -155,11 +156,17 @@ def check_schedule(draw: int) -> None:
             dropped = {r for r in suspects if r.failed_steps >= MAX_FAILED_STEPS}
             sched.isolate(suspects - dropped)
             suspects = dropped
-        for request in suspects:  # LLMEngine._fail, _retire
+        fail_requests(suspects, keep={item.content_hash for item in batch.step.encode})
+
+    def fail_requests(doomed, keep=frozenset()) -> None:
+        """LLMEngine._fail and _retire: the requests leave the engine, and the encoder cache's reservations that
+        no encoding in flight (`keep`) will fill go."""
+        for request in doomed:
             failed.add(request)
             for seq in request.sequences:
                 sched.finish(seq)
             sched.cleared(request)
+        sched.encoder_cache.drop_unfilled(keep)
 
     total = sum((len(p["ids"]) + p["max_tokens"]) * p["n"] for p in prompts)
     limit = 4 * total + 100  # steps; each failed step adds room to recompute what it sent back
@@ -201,6 +208,13 @@ def check_schedule(draw: int) -> None:
         if not ahead and in_flight is not None:
             record(*in_flight)
             in_flight = None
+        keys = {item.content_hash for item in batch.step.encode}
+        if keys and rng.random() < failures:  # the encoder failed: every request showing its images fails
+            fail_requests({
+                r for r, p in zip(requests, prompts)
+                if p["arrival"] <= turn and not r.finished and r not in failed
+                and keys.intersection(item.content_hash for item in r.mm_items)
+            })  # fmt: skip
         for item in batch.step.encode:
             sched.encoder_cache.put(item.content_hash, torch.zeros(item.span.length, 4))
         if all(request.finished or request in failed for request in requests) and in_flight is None:
