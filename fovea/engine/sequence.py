@@ -121,8 +121,7 @@ class Sequence:
         self.sent_tokens = 0  # output tokens already reported (RequestDelta)
         # its tokens need none of append_token's checks but a stop token and the length (LLMEngine._record_samples)
         self.plain = (
-            self.logprobs is None
-            and not self.params.stop_strings
+            not self.params.stop_strings
             and request.input.grammar_after is None
             and self.params.structured_outputs is None
             and self.params.min_tokens == 0
