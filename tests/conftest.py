@@ -442,3 +442,23 @@ def fovea_log(caplog):
             yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dirs, tmp_path_factory):
+    """Three adapters of the Qwen2.5-VL checkpoint, written on first use (the draws that turn LoRA on)."""
+    written = []
+
+    def make() -> list:
+        if not written:
+            from test_lora import write_adapter
+
+            from fovea import LoRARequest
+
+            root = tmp_path_factory.mktemp("crosstalk-lora")
+            for i, targets in enumerate([["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "qkv"], ["up_proj"]]):
+                path = write_adapter(tiny_dirs["tiny-3b"], root / f"l{i}", targets, seed=40 + i, rank=4 + 4 * i)
+                written.append(LoRARequest(f"l{i}", i + 1, str(path)))
+        return written
+
+    return make

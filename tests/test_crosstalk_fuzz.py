@@ -35,7 +35,7 @@ import pytest
 from conftest import random_image
 from test_engine_failures import fail_steps_running
 
-from fovea import LLM, LoRARequest, SamplingParams
+from fovea import LLM, SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.engine import StepFailed
 from fovea.frontend.outputs import joined
@@ -55,24 +55,6 @@ def models(tiny_dirs, tmp_path_factory):
     # LLaVA's images are 576 tokens: a few fill the encoder cache and the KV cache
     llava = write_llava_checkpoint(tmp_path_factory.mktemp("crosstalk") / "llava", seed=3)
     return {"qwen2.5-vl": (tiny_dirs["tiny-3b"], 512), "llava": (llava, 2048)}
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_dirs, tmp_path_factory):
-    """Three adapters of the Qwen2.5-VL checkpoint, written on first use (the draws that turn LoRA on)."""
-    written = []
-
-    def make() -> list[LoRARequest]:
-        if not written:
-            from test_lora import write_adapter
-
-            root = tmp_path_factory.mktemp("crosstalk-lora")
-            for i, targets in enumerate([["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "qkv"], ["up_proj"]]):
-                path = write_adapter(tiny_dirs["tiny-3b"], root / f"l{i}", targets, seed=40 + i, rank=4 + 4 * i)
-                written.append(LoRARequest(f"l{i}", i + 1, str(path)))
-        return written
-
-    return make
 
 
 def draw_params(rng: random.Random) -> SamplingParams:

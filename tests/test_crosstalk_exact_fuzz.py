@@ -1,0 +1,145 @@
+"""Cross-talk, exactly, at a stub model's speed: the engine's bookkeeping (scheduler, KV block tables and slots,
+forks' block copies, the prefix cache, preemption, the runner's rows, async scheduling's tokens filled on the
+device, image rows) under the cross-talk fuzz's draws (tests/test_crosstalk_fuzz.py: requests, arrivals, aborts,
+poison, engine settings), with a model whose every token reads the whole KV it is given.
+
+The stub writes into each token's KV slot a number made of its id, its M-RoPE position and its LoRA adapter (an
+image row: its picture and row); the next token of a sequence is a hash of everything in the slots its block table
+lists up to its length. A block that holds another sequence's tokens, a copy gone to the wrong block, a cached
+block shared where the prompts differ (another picture, another adapter), a position off by one or a token filled
+from the wrong sample changes the tokens. The logits put everything on that token, so that sampled requests draw
+it too: every request not aborted must end exactly as it did alone, tokens, finish reasons and logprobs. The
+real model's arithmetic is the other fuzz's part; this one runs many more draws in the same time (each some
+seconds). The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); FOVEA_FUZZ_DRAWS
+sets how many (2 by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_image
+from test_crosstalk_fuzz import REQUESTS, WORDS, draw_params, draw_prompt, engine_options, request_options, run
+from test_engine_failures import fail_steps_running
+
+from fovea import LLM
+
+SEED = int(os.environ.get("FOVEA_FUZZ_SEED") or random.SystemRandom().randrange(1 << 30))
+DRAWS = int(os.environ.get("FOVEA_FUZZ_DRAWS", "2"))
+
+
+def install_stub(llm: LLM) -> None:
+    """The engine's language model and vision tower replaced by the stub (the module's docstring)."""
+    engine = llm.engine
+    runner, block_size = engine.runner, engine.config.block_size
+    vocab = engine.config.model.text.vocab_size
+    kv = np.zeros(runner.num_blocks * block_size, np.int64)  # one number per KV slot
+    # under the chosen token, logits of distinct values (turned by the context): rows a grammar, allowed_token_ids
+    # or a bias leave without it hold no ties, whose order top-k would be free to pick
+    spread = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+
+    def encode(items):  # an image's rows: its picture's hash and the row, exact in any float dtype
+        return [
+            torch.tensor(
+                [[zlib.crc32(item.content_hash.encode()) % (1 << 20), row] for row in range(item.span.length)],
+                dtype=torch.float32,
+            )
+            for item in items
+        ]
+
+    def run_step(step, mm_embeds, previous_tokens=None):
+        for src, dst in step.block_copies:
+            kv[dst * block_size : (dst + 1) * block_size] = kv[src * block_size : (src + 1) * block_size]
+        ids = step.token_ids.astype(np.int64)
+        if step.fill_rows:  # async scheduling: tokens sampled by the step still on the device
+            ids[step.fill_rows] = previous_tokens[step.fill_from].cpu().numpy()
+        position = step.positions.astype(np.int64)
+        values = ids * 1_000_003 + position[0] * 7 + position[1] * 11 + position[2] * 13
+        if step.num_mm_rows:
+            rows = mm_embeds[:, :2].to(torch.int64).numpy()
+            values[step.mm_mask] = -(rows[:, 0] * 100_003 + rows[:, 1]) - 1
+        if step.loras:
+            adapter = np.array([lora.lora_int_id for lora in step.loras])[step.lora_of_seq]
+            values += np.repeat(np.where(step.lora_of_seq >= 0, adapter, 0), np.diff(step.query_starts)) << 40
+        kv[step.slots] = values
+        if not step.logits_rows:  # a prompt's chunk that samples nothing
+            return None, None
+        owners = np.searchsorted(step.query_starts, step.logits_rows, side="right") - 1
+        logits = torch.empty(len(step.logits_rows), vocab)
+        for row, seq in enumerate(owners):
+            positions = np.arange(int(step.seq_lens[seq]))
+            blocks = step.block_tables[seq][positions // block_size].astype(np.int64)
+            context = zlib.crc32(kv[blocks * block_size + positions % block_size].tobytes())
+            logits[row] = spread.roll(context % 1000)
+            logits[row, context % vocab] = 100.0
+        return logits, None
+
+    runner.run_step = run_step
+    engine.image_encoder._encode = encode
+
+
+def check_draw(models, adapters, draw_index: int, monkeypatch) -> None:
+    model_dir, max_model_len = models["qwen2.5-vl"]
+    seed = SEED + 1000 * draw_index
+    rng = random.Random(seed)
+    options = engine_options(rng, max_model_len)
+    if rng.random() < 0.35:
+        options |= dict(enable_lora=True, max_loras=rng.choice([1, 2]), max_lora_rank=12)
+    if rng.random() < 0.3:
+        options["scheduling_policy"] = "priority"
+    poison = {f"r{i}" for i in rng.sample(range(REQUESTS), rng.choice([1, 2]))} if rng.random() < 0.3 else set()
+    where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} (seed {seed}): {json.dumps(options)}, poison {poison}"
+    prefix = " ".join(rng.choice(WORDS) for _ in range(40))
+    images = [random_image(rng.choice([28, 56, 84]), rng.choice([28, 56]), seed=seed + i) for i in range(3)]
+    # (prompt log-probabilities are scored from hidden states, which the stub has none of)
+    requests = [
+        (f"r{i}", draw_prompt(rng, prefix, images), draw_params(rng).clone(prompt_logprobs=None))
+        for i in range(REQUESTS)
+    ]
+    arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
+    aborts = {request_id: rng.randrange(4 * REQUESTS) for request_id, _, _ in rng.sample(requests, REQUESTS // 8)}
+    streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
+    requests = [(*request, request_options(rng, options, adapters)) for request in requests]
+    with LLM(str(model_dir), **options) as llm:
+        install_stub(llm)
+        if poison:
+            fail_steps_running(llm.engine, poison, monkeypatch)
+        alone = {}
+        for request in requests:
+            alone |= run(llm, [request], [0], {})
+        together = run(llm, requests, arrivals, aborts, streamed)
+    wrong = []
+    for request_id, (kind, _), params, extra in requests:
+        if request_id in aborts:
+            continue
+        a, b = (outcome(o) for o in (alone[request_id], together.get(request_id, "never ended")))
+        if a != b:
+            wrong.append(f"{request_id} ({kind}, {params}, {extra}): alone {a}; together {b}")
+    assert not wrong, f"{where}: {len(wrong)} of {REQUESTS} differ; the first: {wrong[0]}"
+
+
+def outcome(output) -> object:
+    """What must be the same alone and together: each sample's tokens, finish reason and logprobs, or that it failed
+    (or was refused). Top tokens of logprob -inf (a grammar or allowed_token_ids left fewer than asked for) tie, and
+    which of them come is free."""
+    if isinstance(output, str):
+        return output.split(":")[0]
+    finite = lambda entries: {t: e for t, e in entries.items() if e.logprob != float("-inf")}  # noqa: E731
+    return [
+        (c.index, list(c.token_ids), c.finish_reason, [finite(e) for e in c.logprobs or []]) for c in output.outputs
+    ]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs):
+    return {"qwen2.5-vl": (tiny_dirs["tiny-3b"], 512)}
+
+
+def test_requests_run_together_end_exactly_as_they_do_alone(models, adapters, monkeypatch):
+    for draw_index in range(DRAWS):
+        check_draw(models, adapters, draw_index, monkeypatch)
