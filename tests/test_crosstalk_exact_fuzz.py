@@ -1,7 +1,7 @@
-"""Cross-talk, exactly, at a stub model's speed: the engine's bookkeeping (scheduler, KV block tables and slots,
-forks' block copies, the prefix cache, preemption, the runner's rows, async scheduling's tokens filled on the
-device, image rows) under the cross-talk fuzz's draws (tests/test_crosstalk_fuzz.py: requests, arrivals, aborts,
-poison, engine settings), with a model whose every token reads the whole KV it is given.
+"""Cross-talk, exactly, at a stub model's speed: the engine's bookkeeping (scheduler, KV block tables and slots, forks'
+block copies, the prefix cache, preemption, the runner's rows, async scheduling's tokens filled on the device, image
+rows) under the cross-talk fuzz's draws (tests/test_crosstalk_fuzz.py: requests, arrivals, aborts, poison, engine
+settings; the step order overlapped too), with a model whose every token reads the whole KV it is given.
 
 The stub writes into each token's KV slot a number made of its id, its M-RoPE position and its LoRA adapter (an
 image row: its picture and row); the next token of a sequence is a hash of everything in the slots its block table
@@ -88,6 +88,9 @@ def check_draw(models, adapters, draw_index: int, monkeypatch) -> None:
     seed = SEED + 1000 * draw_index
     rng = random.Random(seed)
     options = engine_options(rng, max_model_len)
+    # the step orders: in order, scheduled ahead, and outputs built while the next step runs (a GPU's without
+    # async scheduling)
+    options |= rng.choice([{}, {}, dict(async_scheduling=False, overlap_outputs=True)])
     if rng.random() < 0.35:
         options |= dict(enable_lora=True, max_loras=rng.choice([1, 2]), max_lora_rank=12)
     if rng.random() < 0.3:
