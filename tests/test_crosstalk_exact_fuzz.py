@@ -41,16 +41,18 @@ def install_stub(llm: LLM) -> None:
     kv = np.zeros(runner.num_blocks * block_size, np.int64)  # one number per KV slot
     # under the chosen token, logits of distinct values (turned by the context): rows a grammar, allowed_token_ids
     # or a bias leave without it hold no ties, whose order top-k would be free to pick
-    spread = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    spread = torch.randn(vocab, generator=torch.Generator().manual_seed(0)).to(runner.device)
 
-    def encode(items):  # an image's rows: its picture's hash and the row, exact in any float dtype
-        return [
-            torch.tensor(
-                [[zlib.crc32(item.content_hash.encode()) % (1 << 20), row] for row in range(item.span.length)],
-                dtype=torch.float32,
+    def encode(items):  # an image's rows: its picture's hash and the row, in bytes (exact in bfloat16 too)
+        rows = []
+        for item in items:
+            digest = zlib.crc32(item.content_hash.encode())
+            rows.append(
+                torch.tensor(
+                    [[digest & 255, digest >> 8 & 255, row & 255, row >> 8] for row in range(item.span.length)]
+                )
             )
-            for item in items
-        ]
+        return [r.to(runner.device, torch.float32) for r in rows]
 
     def run_step(step, mm_embeds, previous_tokens=None):
         for src, dst in step.block_copies:
@@ -61,8 +63,8 @@ def install_stub(llm: LLM) -> None:
         position = step.positions.astype(np.int64)
         values = ids * 1_000_003 + position[0] * 7 + position[1] * 11 + position[2] * 13
         if step.num_mm_rows:
-            rows = mm_embeds[:, :2].to(torch.int64).numpy()
-            values[step.mm_mask] = -(rows[:, 0] * 100_003 + rows[:, 1]) - 1
+            rows = mm_embeds[:, :4].to(torch.int64).cpu().numpy()
+            values[step.mm_mask] = -(rows @ np.array([1 << 24, 1 << 16, 1 << 8, 1])) - 1
         if step.loras:
             adapter = np.array([lora.lora_int_id for lora in step.loras])[step.lora_of_seq]
             values += np.repeat(np.where(step.lora_of_seq >= 0, adapter, 0), np.diff(step.query_starts)) << 40
@@ -70,7 +72,7 @@ def install_stub(llm: LLM) -> None:
         if not step.logits_rows:  # a prompt's chunk that samples nothing
             return None, None
         owners = np.searchsorted(step.query_starts, step.logits_rows, side="right") - 1
-        logits = torch.empty(len(step.logits_rows), vocab)
+        logits = torch.empty(len(step.logits_rows), vocab, device=runner.device)
         for row, seq in enumerate(owners):
             positions = np.arange(int(step.seq_lens[seq]))
             blocks = step.block_tables[seq][positions // block_size].astype(np.int64)
