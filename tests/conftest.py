@@ -36,6 +36,7 @@ SLOW_FILES = {
     "test_config_fuzz.py",
     "test_request_fuzz.py",
     "test_crosstalk_fuzz.py",
+    "test_crosstalk_exact_fuzz.py",
     "test_parallel_serving.py",
     "test_multihost.py",
     "test_families.py",
