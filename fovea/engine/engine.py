@@ -491,16 +491,17 @@ class LLMEngine:
                     inter_token.append(now - last)
             if request.streams:
                 to_report.add(request)
+            entry, logprob = None, 0.0
+            if seq.logprobs is not None:
+                logprob, k = logprobs[row], seq.params.logprobs
+                # (a LogprobRow) of tuples: a request keeps one per token, and tuples of numbers leave the garbage
+                # collector's passes, where lists would be walked by every full one
+                entry = (token, logprob, ranks[row], tuple(top_ids[row][:k]), tuple(top_values[row][:k]))
             if seq.plain:  # most decodes: no text checks, grammar or min_tokens (append_token's checks)
                 seq.token_ids.append(token)
-                if seq.logprobs is not None:
-                    logprob, k = logprobs[row], seq.params.logprobs
+                if entry is not None:
                     seq.cumulative_logprob += logprob
-                    # (a LogprobRow) of tuples: a request keeps one per token, and tuples of numbers leave the
-                    # garbage collector's passes, where lists would be walked by every full one
-                    seq.logprobs.append(
-                        (token, logprob, ranks[row], tuple(top_ids[row][:k]), tuple(top_values[row][:k]))
-                    )
+                    seq.logprobs.append(entry)
                 if token in request.stop_set:
                     self._finish(seq, "stop", None if token in request.eos_token_ids else token)
                     to_report.add(request)
@@ -508,12 +509,6 @@ class LLMEngine:
                     self._finish(seq, "length", None)
                     to_report.add(request)
                 continue
-            entry, logprob = None, 0.0
-            if sampled.logprobs is not None:
-                logprob = logprobs[row]
-                if seq.logprobs is not None:
-                    k = seq.params.logprobs
-                    entry = (token, logprob, ranks[row], tuple(top_ids[row][:k]), tuple(top_values[row][:k]))
             waiting = seq.grammar_waiting
             finished = append_token(seq, token, entry, logprob)
             if waiting and not seq.grammar_waiting:
