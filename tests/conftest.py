@@ -463,3 +463,13 @@ def adapters(tiny_dirs, tmp_path_factory):
         return written
 
     return make
+
+
+@pytest.fixture(scope="module")
+def crosstalk_models(tiny_dirs, tmp_path_factory):
+    """The cross-talk fuzzes' models: {name: (directory, max_model_len)}."""
+    from fovea.testing.tiny_llava import write_llava_checkpoint
+
+    # LLaVA's images are 576 tokens: a few fill the encoder cache and the KV cache
+    llava = write_llava_checkpoint(tmp_path_factory.mktemp("crosstalk") / "llava", seed=3)
+    return {"qwen2.5-vl": (tiny_dirs["tiny-3b"], 512), "llava": (llava, 2048)}

@@ -8,8 +8,9 @@ how often streamed requests are reported, LoRA with one or two adapters a batch 
 scheduling); half the requests stream there, their outputs joined as a server's reader joins them. With LoRA on,
 each request asks for one of three adapters or none; with priorities, for one of four. Now and then one or two
 requests are poison: every step that runs one fails (test_engine_failures.py's `fail_steps_running`), so the requests
-of that step run alone from then on until each samples (Scheduler.isolate), and the poison fails alone. Every request
-that was not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4 where they agree),
+of that step run alone from then on until each samples (Scheduler.isolate), and the poison fails alone. Each request
+runs alone from an empty prefix cache (what a wrong cache hit gives is never the reference). Every request that was
+not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4 where they agree),
 or the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
 draw per model runs by default, FOVEA_FUZZ_DRAWS more.
 
@@ -46,15 +47,6 @@ DRAWS = int(os.environ.get("FOVEA_FUZZ_DRAWS", "1"))
 REQUESTS = 32
 NEIGHBOURS = 64
 WORDS = "the cat sat on a mat and then it ran far away from home into the deep dark wood".split()
-
-
-@pytest.fixture(scope="module")
-def models(tiny_dirs, tmp_path_factory):
-    from fovea.testing.tiny_llava import write_llava_checkpoint
-
-    # LLaVA's images are 576 tokens: a few fill the encoder cache and the KV cache
-    llava = write_llava_checkpoint(tmp_path_factory.mktemp("crosstalk") / "llava", seed=3)
-    return {"qwen2.5-vl": (tiny_dirs["tiny-3b"], 512), "llava": (llava, 2048)}
 
 
 def draw_params(rng: random.Random) -> SamplingParams:
@@ -225,6 +217,7 @@ def top_k_alone(llm: LLM, request, alone) -> object:
 
     def best_tokens(index: int, position: int) -> set[int]:
         asked = params.clone(logprobs=max(params.top_k, params.logprobs or 0))
+        llm.reset_prefix_cache()  # (as the alone run)
         again = run(llm, [(request_id, prompt, asked, extra)], [0], {})[request_id]
         if isinstance(again, str) or [c.token_ids for c in again.outputs] != [c.token_ids for c in alone.outputs]:
             return set()
@@ -261,8 +254,10 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
         if poison:
             fail_steps_running(llm.engine, poison, monkeypatch)
         alone = {}
-        for request in requests:
+        for request in requests:  # each from an empty prefix cache: what a wrong hit gives never stands as alone's
+            llm.reset_prefix_cache()
             alone |= run(llm, [request], [0], {})
+        llm.reset_prefix_cache()
         together = run(llm, requests, arrivals, aborts, streamed)
         assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= REQUESTS // 2, (where, alone)
         wrong = []
@@ -278,6 +273,6 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
 
 
 @pytest.mark.parametrize("model", ["qwen2.5-vl", "llava"])
-def test_requests_run_together_end_as_they_do_alone(model, models, adapters, monkeypatch):
+def test_requests_run_together_end_as_they_do_alone(model, crosstalk_models, adapters, monkeypatch):
     for draw_index in range(DRAWS):
-        check_draw(model, models, adapters, draw_index, monkeypatch)
+        check_draw(model, crosstalk_models, adapters, draw_index, monkeypatch)
