@@ -24,8 +24,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_image
-from test_crosstalk_fuzz import REQUESTS, WORDS, draw_params, draw_prompt, engine_options, request_options, run
-from test_engine_failures import fail_steps_running
+from test_crosstalk_fuzz import (
+    REQUESTS,
+    WORDS,
+    alone_then_together,
+    draw_params,
+    draw_prompt,
+    engine_options,
+    request_options,
+)
 
 from fovea import LLM
 
@@ -112,14 +119,7 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
     requests = [(*request, request_options(rng, options, adapters)) for request in requests]
     with LLM(str(model_dir), **options) as llm:
         install_stub(llm)
-        if poison:
-            fail_steps_running(llm.engine, poison, monkeypatch)
-        alone = {}
-        for request in requests:  # each from an empty prefix cache: what a wrong hit gives never stands as alone's
-            llm.reset_prefix_cache()
-            alone |= run(llm, [request], [0], {})
-        llm.reset_prefix_cache()
-        together = run(llm, requests, arrivals, aborts, streamed)
+        alone, together = alone_then_together(llm, requests, arrivals, aborts, streamed, poison, monkeypatch)
     wrong = []
     for request_id, (kind, _), params, extra in requests:
         if request_id in aborts:

@@ -175,6 +175,19 @@ def run(
     return ended
 
 
+def alone_then_together(llm: LLM, requests, arrivals, aborts, streamed, poison: set[str], monkeypatch) -> tuple:
+    """Each request's outcome run alone (from an empty prefix cache: what a wrong hit gives is never the
+    reference), then all of them together (`run`); the `poison` requests fail every step they are in."""
+    if poison:
+        fail_steps_running(llm.engine, poison, monkeypatch)
+    alone = {}
+    for request in requests:
+        llm.reset_prefix_cache()
+        alone |= run(llm, [request], [0], {})
+    llm.reset_prefix_cache()
+    return alone, run(llm, requests, arrivals, aborts, streamed)
+
+
 def differences(alone, together, params: SamplingParams, best_tokens) -> str | None:
     """Why `together` is not `alone`'s outcome (None: it is). `best_tokens(index, position)`: the top_k tokens of
     sample `index` at `position` run alone."""
@@ -251,14 +264,7 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
     streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
     requests = [(*request, request_options(extra_rng, options, adapters)) for request in requests]
     with LLM(str(model_dir), **options, max_logprobs=64) as llm:  # (a top_k of 50's logprobs: best_tokens)
-        if poison:
-            fail_steps_running(llm.engine, poison, monkeypatch)
-        alone = {}
-        for request in requests:  # each from an empty prefix cache: what a wrong hit gives never stands as alone's
-            llm.reset_prefix_cache()
-            alone |= run(llm, [request], [0], {})
-        llm.reset_prefix_cache()
-        together = run(llm, requests, arrivals, aborts, streamed)
+        alone, together = alone_then_together(llm, requests, arrivals, aborts, streamed, poison, monkeypatch)
         assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= REQUESTS // 2, (where, alone)
         wrong = []
         for request in requests:
