@@ -177,7 +177,8 @@ def server(tiny_dirs):
     flags = ["--max-model-len", "1024", "--max-logprobs", "8", "--served-model-name", "tiny"]
     flags += ["--max-num-batched-tokens", "96", "--max-num-seqs", "6", "--num-gpu-blocks-override", "120"]
     flags += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--mm-processor-workers", "0"]
-    with running_server(tiny_dirs["tiny-3b"], *flags) as (base, proc):
+    # (VLLM_SERVER_DEV_MODE: /reset_prefix_cache, which the cross-talk test calls between its runs)
+    with running_server(tiny_dirs["tiny-3b"], *flags, env={"VLLM_SERVER_DEV_MODE": "1"}) as (base, proc):
         yield base
     assert "Traceback" not in proc.output, proc.output[proc.output.index("Traceback") :][:3000]
 
@@ -235,10 +236,10 @@ def answer(client: httpx.Client, base: str, path: str, body: dict, stream: bool)
 
 
 def test_valid_requests_sent_together_answer_as_they_do_alone(server):
-    """Cross-talk, served: seeded valid chats and completions (their token ids returned), each alone and whole,
-    then all together, streamed or not at random: every choice has the same text, ids, finish reason and tool
-    calls, or the request the same error. A sampled choice may differ from a token on where a float's rounding
-    moved a draw to the neighbouring token (tests/test_crosstalk_fuzz.py says why).
+    """Cross-talk, served: seeded valid chats and completions (their token ids returned), each alone and whole (from an
+    empty prefix cache), then all together, streamed or not at random: every choice has the same text, ids, finish
+    reason and tool calls, or the request the same error. A sampled choice may differ from a token on where a float's
+    rounding moved a draw to the neighbouring token (tests/test_crosstalk_fuzz.py says why).
 
     Found when it was written: streamed completions left out the prompt that `echo` puts first; a streamed chat
     dropped the text of a <tool_call> block that never became a call; an unstreamed answer whose last tokens ended
@@ -255,7 +256,13 @@ def test_valid_requests_sent_together_answer_as_they_do_alone(server):
         if stream:  # (refused with streams, as vLLM's: the same request alone and together)
             body.pop("prompt_logprobs", None)
     with httpx.Client(timeout=300) as client:
-        alone = [answer(client, server, path, body, False) for path, body in drawn]
+
+        def from_an_empty_cache(path: str, body: dict):  # (what a wrong cache hit gives is never the reference)
+            client.post(f"{server}/reset_prefix_cache").raise_for_status()
+            return answer(client, server, path, body, False)
+
+        alone = [from_an_empty_cache(path, body) for path, body in drawn]
+        client.post(f"{server}/reset_prefix_cache").raise_for_status()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             together = list(
                 pool.map(lambda args: answer(client, server, *args), [(*d, s) for d, s in zip(drawn, streamed)])
