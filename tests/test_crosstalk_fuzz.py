@@ -1,18 +1,17 @@
-"""Cross-talk: a request's tokens do not depend on what else the engine runs. Random requests (text, shared
-prefixes, token ids, one or two of a few images; greedy or seeded sampling with penalties, logit bias, allowed and
-banned tokens, min_tokens, stop rules, logprobs, prompt logprobs, n > 1, grammars, and now and then a grammar its
-own allowed tokens contradict, which fails) each run alone, then all of them arriving at random steps into one
-engine, with aborts between, under drawn engine settings (block size, a step budget that cuts prompts and images,
-sequences at a time, prefix caching, the step order, a KV cache tight enough to preempt, what logprobs hold,
-how often streamed requests are reported, LoRA with one or two adapters a batch on Qwen2.5-VL, priority
-scheduling); half the requests stream there, their outputs joined as a server's reader joins them. With LoRA on,
-each request asks for one of three adapters or none; with priorities, for one of four. Now and then one or two
-requests are poison: every step that runs one fails (test_engine_failures.py's `fail_steps_running`), so the requests
-of that step run alone from then on until each samples (Scheduler.isolate), and the poison fails alone. Each request
-runs alone from an empty prefix cache (what a wrong cache hit gives is never the reference). Every request that was
-not aborted ends as it did alone: the same tokens and finish reasons (logprobs within 1e-4 where they agree),
-or the same failure. The seed is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one
-draw per model runs by default, FOVEA_FUZZ_DRAWS more.
+"""Cross-talk: a request's tokens do not depend on what else the engine runs. Random requests (text, shared prefixes,
+token ids, one or two of a few images; greedy or seeded sampling with penalties, logit bias, allowed and banned tokens,
+min_tokens, stop rules, logprobs, prompt logprobs, n > 1, grammars, and now and then a grammar its own allowed tokens
+contradict, which fails) each run alone, then all of them arriving at random steps into one engine, with aborts between,
+under drawn engine settings (block size, a step budget that cuts prompts and images, sequences at a time, prefix
+caching, the step order, a KV cache tight enough to preempt, what logprobs hold, how often streamed requests are
+reported, LoRA with one or two adapters a batch on Qwen2.5-VL, priority scheduling); half the requests stream there,
+their outputs joined as a server's reader joins them. With LoRA on, each request asks for one of three adapters or none;
+with priorities, for one of four. Now and then one or two requests are poison: every step that runs one fails
+(test_engine_failures.py's `fail_steps_running`), so the requests of that step run alone from then on until each samples
+(Scheduler.isolate), and the poison fails alone. Each request runs alone from empty prefix and image caches (what a
+wrong cache hit gives is never the reference). Every request that was not aborted ends as it did alone: the same tokens
+and finish reasons (logprobs within 1e-4 where they agree), or the same failure. The seed is fixed for a run and printed
+with every failure (FOVEA_FUZZ_SEED repeats one); one draw per model runs by default, FOVEA_FUZZ_DRAWS more.
 
 One difference is allowed, and only for sampled requests: on the CPU the batch's shape changes the rounding of the
 matmuls (a step of one to four rows takes another kernel), so logits differ in the last bits, and a draw from the
@@ -176,15 +175,17 @@ def run(
 
 
 def alone_then_together(llm: LLM, requests, arrivals, aborts, streamed, poison: set[str], monkeypatch) -> tuple:
-    """Each request's outcome run alone (from an empty prefix cache: what a wrong hit gives is never the
+    """Each request's outcome run alone (from empty prefix and image caches: what a wrong hit gives is never the
     reference), then all of them together (`run`); the `poison` requests fail every step they are in."""
     if poison:
         fail_steps_running(llm.engine, poison, monkeypatch)
     alone = {}
     for request in requests:
         llm.reset_prefix_cache()
+        llm.reset_mm_cache()
         alone |= run(llm, [request], [0], {})
     llm.reset_prefix_cache()
+    llm.reset_mm_cache()
     return alone, run(llm, requests, arrivals, aborts, streamed)
 
 
@@ -231,6 +232,7 @@ def top_k_alone(llm: LLM, request, alone) -> object:
     def best_tokens(index: int, position: int) -> set[int]:
         asked = params.clone(logprobs=max(params.top_k, params.logprobs or 0))
         llm.reset_prefix_cache()  # (as the alone run)
+        llm.reset_mm_cache()
         again = run(llm, [(request_id, prompt, asked, extra)], [0], {})[request_id]
         if isinstance(again, str) or [c.token_ids for c in again.outputs] != [c.token_ids for c in alone.outputs]:
             return set()

@@ -236,8 +236,8 @@ def answer(client: httpx.Client, base: str, path: str, body: dict, stream: bool)
 
 
 def test_valid_requests_sent_together_answer_as_they_do_alone(server):
-    """Cross-talk, served: seeded valid chats and completions (their token ids returned), each alone and whole (from an
-    empty prefix cache), then all together, streamed or not at random: every choice has the same text, ids, finish
+    """Cross-talk, served: seeded valid chats and completions (their token ids returned), each alone and whole (from
+    empty caches), then all together, streamed or not at random: every choice has the same text, ids, finish
     reason and tool calls, or the request the same error. A sampled choice may differ from a token on where a float's
     rounding moved a draw to the neighbouring token (tests/test_crosstalk_fuzz.py says why).
 
@@ -257,12 +257,15 @@ def test_valid_requests_sent_together_answer_as_they_do_alone(server):
             body.pop("prompt_logprobs", None)
     with httpx.Client(timeout=300) as client:
 
-        def from_an_empty_cache(path: str, body: dict):  # (what a wrong cache hit gives is never the reference)
-            client.post(f"{server}/reset_prefix_cache").raise_for_status()
-            return answer(client, server, path, body, False)
+        def empty_caches() -> None:  # (what a wrong cache hit gives is never the reference)
+            for cache in ("prefix", "mm"):
+                client.post(f"{server}/reset_{cache}_cache").raise_for_status()
 
-        alone = [from_an_empty_cache(path, body) for path, body in drawn]
-        client.post(f"{server}/reset_prefix_cache").raise_for_status()
+        alone = []
+        for path, body in drawn:
+            empty_caches()
+            alone.append(answer(client, server, path, body, False))
+        empty_caches()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             together = list(
                 pool.map(lambda args: answer(client, server, *args), [(*d, s) for d, s in zip(drawn, streamed)])
