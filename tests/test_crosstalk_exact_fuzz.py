@@ -1,7 +1,8 @@
 """Cross-talk, exactly, at a stub model's speed: the engine's bookkeeping (scheduler, KV block tables and slots, forks'
 block copies, the prefix cache, preemption, the runner's rows, async scheduling's tokens filled on the device, image
 rows) under the cross-talk fuzz's draws (tests/test_crosstalk_fuzz.py: requests, arrivals, aborts, poison, engine
-settings; the step order overlapped too), with a model whose every token reads the whole KV it is given.
+settings; the step order overlapped too; at times a max_model_len that prompts exceed and samples reach), with a model
+whose every token reads the whole KV it is given.
 
 The stub writes into each token's KV slot a number made of its id, its M-RoPE position and its LoRA adapter (an
 image row: its picture and row); the next token of a sequence is a hash of everything in the slots its block table
@@ -96,6 +97,8 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
     model_dir, max_model_len = models[model]
     seed = SEED + 1000 * draw_index + list(models).index(model)
     rng = random.Random(seed)
+    if model == "qwen2.5-vl" and rng.random() < 0.3:  # short enough that prompts are refused and samples end there
+        max_model_len = rng.choice([48, 96])
     options = engine_options(rng, max_model_len)
     # the step orders: in order, scheduled ahead, and outputs built while the next step runs (a GPU's without
     # async scheduling)

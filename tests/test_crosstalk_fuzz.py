@@ -144,16 +144,17 @@ def run(
     while order or engine.has_unfinished_requests():
         while order and arrivals[order[0]] <= step:
             request_id, (kind, prompt), params, extra = requests[order.pop(0)]
-            processed = (
-                llm.inputs.process_chat(prompt, None, ChatOptions()) if kind == "chat" else llm.inputs.process(prompt)
-            )
-            kind = RequestOutputKind.DELTA if request_id in streamed else RequestOutputKind.FINAL_ONLY
-            try:  # (a draw's settings can contradict each other: refused, alone and together)
-                input = llm.inputs.make_request(request_id, processed, params.clone(output_kind=kind), **extra)
+            output_kind = RequestOutputKind.DELTA if request_id in streamed else RequestOutputKind.FINAL_ONLY
+            try:  # (a draw's settings can contradict each other, a prompt exceed the engine's: refused, alone and together)
+                processed = (
+                    llm.inputs.process_chat(prompt, None, ChatOptions())
+                    if kind == "chat"
+                    else llm.inputs.process(prompt)
+                )
+                input = llm.inputs.make_request(request_id, processed, params.clone(output_kind=output_kind), **extra)
+                engine.add_request(input)
             except ValueError as error:
                 ended[request_id] = f"refused: {error}"
-                continue
-            engine.add_request(input)
         for request_id, at in aborts.items():
             if at == step:
                 engine.abort_request(request_id)
