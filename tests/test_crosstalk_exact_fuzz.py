@@ -117,12 +117,14 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
         for i in range(REQUESTS)
     ]
     arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
-    aborts = {request_id: rng.randrange(4 * REQUESTS) for request_id, _, _ in rng.sample(requests, REQUESTS // 8)}
+    # aborted a few steps after they arrive, while they run (drawn over the whole run, most came before or after)
+    aborted = rng.sample(range(REQUESTS), REQUESTS // 8)
+    aborts = {f"r{i}": arrivals[i] + rng.randrange(1, 12) for i in aborted}
     streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
     requests = [(*request, request_options(rng, options, adapters)) for request in requests]
     with LLM(str(model_dir), **options) as llm:
         install_stub(llm)
-        alone, together = alone_then_together(llm, requests, arrivals, aborts, streamed, poison, monkeypatch)
+        alone, together = alone_then_together(llm, where, requests, arrivals, aborts, streamed, poison, monkeypatch)
     wrong = []
     for request_id, (kind, _), params, extra in requests:
         if request_id in aborts:

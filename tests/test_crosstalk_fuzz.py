@@ -34,6 +34,7 @@ import random
 import pytest
 from conftest import random_image
 from test_engine_failures import fail_steps_running
+from test_engine_vs_hf import assert_engine_idle
 
 from fovea import LLM, SamplingParams
 from fovea.core.sampling_params import RequestOutputKind
@@ -145,7 +146,7 @@ def run(
         while order and arrivals[order[0]] <= step:
             request_id, (kind, prompt), params, extra = requests[order.pop(0)]
             output_kind = RequestOutputKind.DELTA if request_id in streamed else RequestOutputKind.FINAL_ONLY
-            try:  # (a draw's settings can contradict each other, a prompt exceed the engine's: refused, alone and together)
+            try:  # (a draw's settings can contradict each other, a prompt be too long: refused, alone and together)
                 processed = (
                     llm.inputs.process_chat(prompt, None, ChatOptions())
                     if kind == "chat"
@@ -175,9 +176,10 @@ def run(
     return ended
 
 
-def alone_then_together(llm: LLM, requests, arrivals, aborts, streamed, poison: set[str], monkeypatch) -> tuple:
+def alone_then_together(llm: LLM, where: str, requests, arrivals, aborts, streamed, poison, monkeypatch) -> tuple:
     """Each request's outcome run alone (from empty prefix and image caches: what a wrong hit gives is never the
-    reference), then all of them together (`run`); the `poison` requests fail every step they are in."""
+    reference), then all of them together (`run`), after which the engine holds nothing (no KV block, image or
+    request left); the `poison` requests fail every step they are in."""
     if poison:
         fail_steps_running(llm.engine, poison, monkeypatch)
     alone = {}
@@ -187,7 +189,12 @@ def alone_then_together(llm: LLM, requests, arrivals, aborts, streamed, poison: 
         alone |= run(llm, [request], [0], {})
     llm.reset_prefix_cache()
     llm.reset_mm_cache()
-    return alone, run(llm, requests, arrivals, aborts, streamed)
+    together = run(llm, requests, arrivals, aborts, streamed)
+    try:
+        assert_engine_idle(llm.engine)
+    except AssertionError as error:
+        raise AssertionError(f"{where}: the engine is not idle after the draw: {error}") from None
+    return alone, together
 
 
 def differences(alone, together, params: SamplingParams, best_tokens) -> str | None:
@@ -263,11 +270,13 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
     images = [random_image(rng.choice([28, 56, 84]), rng.choice([28, 56]), seed=i) for i in range(3)]
     requests = [(f"r{i}", draw_prompt(rng, prefix, images), draw_params(rng)) for i in range(REQUESTS)]
     arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
-    aborts = {request_id: rng.randrange(4 * REQUESTS) for request_id, _, _ in rng.sample(requests, REQUESTS // 8)}
+    # aborted a few steps after they arrive, while they run (drawn over the whole run, most came before or after)
+    aborted = rng.sample(range(REQUESTS), REQUESTS // 8)
+    aborts = {f"r{i}": arrivals[i] + rng.randrange(1, 12) for i in aborted}
     streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
     requests = [(*request, request_options(extra_rng, options, adapters)) for request in requests]
     with LLM(str(model_dir), **options, max_logprobs=64) as llm:  # (a top_k of 50's logprobs: best_tokens)
-        alone, together = alone_then_together(llm, requests, arrivals, aborts, streamed, poison, monkeypatch)
+        alone, together = alone_then_together(llm, where, requests, arrivals, aborts, streamed, poison, monkeypatch)
         assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= REQUESTS // 2, (where, alone)
         wrong = []
         for request in requests:
