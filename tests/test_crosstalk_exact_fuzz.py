@@ -24,15 +24,12 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import random_image
 from test_crosstalk_fuzz import (
     REQUESTS,
-    WORDS,
     alone_then_together,
     draw_params,
-    draw_prompt,
+    draw_traffic,
     engine_options,
-    request_options,
 )
 
 from fovea import LLM
@@ -109,19 +106,9 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
         options["scheduling_policy"] = "priority"
     poison = {f"r{i}" for i in rng.sample(range(REQUESTS), rng.choice([1, 2]))} if rng.random() < 0.3 else set()
     where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}, poison {poison}"
-    prefix = " ".join(rng.choice(WORDS) for _ in range(40))
-    images = [random_image(rng.choice([28, 56, 84]), rng.choice([28, 56]), seed=seed + i) for i in range(3)]
     # (prompt log-probabilities are scored from hidden states, which the stub has none of)
-    requests = [
-        (f"r{i}", draw_prompt(rng, prefix, images), draw_params(rng).clone(prompt_logprobs=None))
-        for i in range(REQUESTS)
-    ]
-    arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
-    # aborted a few steps after they arrive, while they run (drawn over the whole run, most came before or after)
-    aborted = rng.sample(range(REQUESTS), REQUESTS // 8)
-    aborts = {f"r{i}": arrivals[i] + rng.randrange(1, 12) for i in aborted}
-    streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
-    requests = [(*request, request_options(rng, options, adapters)) for request in requests]
+    without_prompt_logprobs = lambda rng: draw_params(rng).clone(prompt_logprobs=None)  # noqa: E731
+    requests, arrivals, aborts, streamed = draw_traffic(rng, rng, options, adapters, seed, without_prompt_logprobs)
     with LLM(str(model_dir), **options) as llm:
         install_stub(llm)
         alone, together = alone_then_together(llm, where, requests, arrivals, aborts, streamed, poison, monkeypatch)

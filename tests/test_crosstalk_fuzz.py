@@ -176,6 +176,22 @@ def run(
     return ended
 
 
+def draw_traffic(rng: random.Random, options_rng: random.Random, options: dict, adapters, image_seed=0, params=None):
+    """REQUESTS requests (id, prompt, parameters, `request_options` drawn from `options_rng`), their arrival steps,
+    the steps some are aborted at, and the ids of those that stream. `params(rng)`: a request's parameters
+    (`draw_params`)."""
+    prefix = " ".join(rng.choice(WORDS) for _ in range(40))
+    images = [random_image(rng.choice([28, 56, 84]), rng.choice([28, 56]), seed=image_seed + i) for i in range(3)]
+    requests = [(f"r{i}", draw_prompt(rng, prefix, images), (params or draw_params)(rng)) for i in range(REQUESTS)]
+    arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
+    # aborted a few steps after they arrive, while they run (drawn over the whole run, most came before or after)
+    aborted = rng.sample(range(REQUESTS), REQUESTS // 8)
+    aborts = {f"r{i}": arrivals[i] + rng.randrange(1, 12) for i in aborted}
+    streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
+    requests = [(*request, request_options(options_rng, options, adapters)) for request in requests]
+    return requests, arrivals, aborts, streamed
+
+
 def alone_then_together(llm: LLM, where: str, requests, arrivals, aborts, streamed, poison, monkeypatch) -> tuple:
     """Each request's outcome run alone (from empty prefix and image caches: what a wrong hit gives is never the
     reference), then all of them together (`run`), after which the engine holds nothing (no KV block, image or
@@ -266,15 +282,7 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
     poison = {f"r{i}" for i in poison_rng.sample(range(REQUESTS), poison_rng.choice([1, 2]))}
     poison = poison if poison_rng.random() < 0.3 else set()
     where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}, poison {poison}"
-    prefix = " ".join(rng.choice(WORDS) for _ in range(40))
-    images = [random_image(rng.choice([28, 56, 84]), rng.choice([28, 56]), seed=i) for i in range(3)]
-    requests = [(f"r{i}", draw_prompt(rng, prefix, images), draw_params(rng)) for i in range(REQUESTS)]
-    arrivals = [rng.randrange(3 * REQUESTS) for _ in requests]
-    # aborted a few steps after they arrive, while they run (drawn over the whole run, most came before or after)
-    aborted = rng.sample(range(REQUESTS), REQUESTS // 8)
-    aborts = {f"r{i}": arrivals[i] + rng.randrange(1, 12) for i in aborted}
-    streamed = frozenset(request_id for request_id, _, _ in requests if rng.random() < 0.5)
-    requests = [(*request, request_options(extra_rng, options, adapters)) for request in requests]
+    requests, arrivals, aborts, streamed = draw_traffic(rng, extra_rng, options, adapters)
     with LLM(str(model_dir), **options, max_logprobs=64) as llm:  # (a top_k of 50's logprobs: best_tokens)
         alone, together = alone_then_together(llm, where, requests, arrivals, aborts, streamed, poison, monkeypatch)
         assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= REQUESTS // 2, (where, alone)

@@ -103,8 +103,9 @@ class Scheduler:
             for eligible in turns:
                 preempted = self._fill(batch, eligible) or preempted
                 if batch.seqs:
-                    batch.step.relaid, self.relaid = self.relaid, []
                     break
+        if batch.seqs:
+            batch.step.relaid, self.relaid = self.relaid, []
         return batch
 
     def _turns(self) -> list:
