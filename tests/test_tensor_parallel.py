@@ -46,6 +46,11 @@ def run(model_dir, **engine_args) -> tuple[list, dict]:
         # batched (the order of sums in near-tied logprobs) and preempted, does not depend on how fast the
         # vision tower's thread keeps up on a busy machine
         llm.generate([p for p in workload() if isinstance(p, dict)], SamplingParams(max_tokens=1), use_tqdm=False)
+        steps_ahead = []  # per step: whether it was queued before the previous one was back (async scheduling)
+        execute = llm.engine.runner.execute
+        llm.engine.runner.execute = lambda step, encoded, previous=None: (
+            steps_ahead.append(previous is not None) or execute(step, encoded, previous)
+        )
         params = SamplingParams(temperature=0, max_tokens=20, logprobs=2, prompt_logprobs=2, ignore_eos=True)
         outputs = llm.generate(workload(), params, use_tqdm=False) + llm.generate(
             workload()[1:3], params, use_tqdm=False
@@ -56,6 +61,7 @@ def run(model_dir, **engine_args) -> tuple[list, dict]:
             "prefix_hits": llm.engine.scheduler.prefix_cache_hits,
             "kv_bytes_per_token": runner.kv_cache_bytes // (runner.num_blocks * 16),
             "ranks": runner.parallel.size if runner.parallel else 0,
+            "steps_ahead": sum(steps_ahead),
         }
         # the prompt's log-probabilities too: every rank joins in scoring them (a gathered vocabulary)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs + o.prompt_logprobs[1:]) for o in outputs], stats
@@ -66,11 +72,13 @@ def run(model_dir, **engine_args) -> tuple[list, dict]:
 _BASELINES: dict = {}
 
 
-def baseline(model_dir, device: str | None = None):
+def baseline(model_dir, device: str | None = None, async_scheduling: bool = False):
+    """One process's run, stepping in order or (async_scheduling) ahead, as the ranks' run is asked to."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if (model_dir, device) not in _BASELINES:
-        _BASELINES[model_dir, device] = run(model_dir, device=device)
-    return _BASELINES[model_dir, device]
+    key = model_dir, device, async_scheduling
+    if key not in _BASELINES:
+        _BASELINES[key] = run(model_dir, device=device, async_scheduling=async_scheduling)
+    return _BASELINES[key]
 
 
 def assert_same(expected, got):
@@ -90,8 +98,10 @@ def assert_same(expected, got):
         ("tiny-7b", dict(tensor_parallel_size=4)),
         ("tiny-3b", dict(tensor_parallel_size=4, mm_encoder_tp_mode="data")),
         ("tiny-3b", dict(tensor_parallel_size=1, distributed_executor_backend="mp")),
+        # steps queued before the previous one's samples are back, which rank 0 hands the other ranks
+        ("tiny-3b", dict(tensor_parallel_size=2, async_scheduling=True)),
     ],
-    ids=["3b-tp2", "7b-tp4-replicated-kv", "3b-tp4-vision-data", "3b-group-of-one"],
+    ids=["3b-tp2", "7b-tp4-replicated-kv", "3b-tp4-vision-data", "3b-group-of-one", "3b-tp2-ahead"],
 )
 def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
     from fovea.plan import plan_memory
@@ -99,12 +109,14 @@ def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
     size = engine_args["tensor_parallel_size"]
     # ranks on the CPU (gloo) where the machine has fewer GPUs than ranks, as on CI; a group of one uses the GPU
     device = "cpu" if torch.cuda.device_count() < size else "cuda"
-    expected, base_stats = baseline(tiny_dirs[name], device)
-    got, stats = run(tiny_dirs[name], device=device, **engine_args)
+    ahead = engine_args.get("async_scheduling", False)
+    expected, base_stats = baseline(tiny_dirs[name], device, ahead)
+    got, stats = run(tiny_dirs[name], device=device, **{"async_scheduling": False, **engine_args})
     assert_same(expected, got)
     # the workload did exercise what it is meant to, in both runs alike
     assert stats["preemptions"] == base_stats["preemptions"] > 0
     assert stats["prefix_hits"] == base_stats["prefix_hits"] > 0
+    assert stats["steps_ahead"] == base_stats["steps_ahead"] and (stats["steps_ahead"] > 0) == ahead
     # rank 0 holds its share of the KV heads (one replicated head at least), as `fovea plan` says per GPU
     assert stats["ranks"] == size and base_stats["ranks"] == 0  # the distributed path, against the plain one
     kv_heads = {"tiny-3b": 2, "tiny-7b": 1}[name]

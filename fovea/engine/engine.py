@@ -132,11 +132,11 @@ class LLMEngine:
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None  # queued on the device, not yet recorded
         self.failed_rows: list[StepFailed] = []  # requests failed by their own row, raised after the step
         # on a GPU the step's kernels run while the host goes on: the host builds the outputs of one step while the
-        # device computes the next. Not under tensor parallelism, whose ranks step in lockstep with rank 0.
+        # device computes the next. Under tensor parallelism too: the other ranks queue each step's kernels as
+        # soon as rank 0 sends it, behind the one their devices still run.
         overlap = config.overlap_outputs
-        self.overlap = (config.device.type == "cuda" and self.workers is None) if overlap is None else overlap
-        # scheduling ahead needs a step in flight between calls
-        self.overlap |= config.schedules_ahead and self.workers is None
+        self.overlap = config.device.type == "cuda" if overlap is None else overlap
+        self.overlap |= config.schedules_ahead  # scheduling ahead needs a step in flight between calls
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -302,7 +302,7 @@ class LLMEngine:
         """Whether the next step may be scheduled before `previous` is back: not when the host must see one of
         its samples first (a grammar consumes it, min_tokens counts it, a bad word's last token is banned after it,
         a request forks after it)."""
-        if not self.config.schedules_ahead or self.workers is not None:
+        if not self.config.schedules_ahead:
             return False
         batch, result = previous
         for index, fork in result.row_owners():

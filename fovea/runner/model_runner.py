@@ -256,8 +256,8 @@ class ModelRunner:
 
     def run_step(self, step: StepInput, mm_embeds: torch.Tensor | None, previous_tokens: torch.Tensor | None = None):
         """Every rank: the forward pass, the logits of the rows to sample, and the hidden states (whose prompt
-        log-probability spans `span_logits` scores). `previous_tokens`: the samples of the step still on the
-        device, which `step.fill_rows` take (async scheduling)."""
+        log-probability spans `span_logits` scores). `previous_tokens`: rank 0's samples of the step still on the
+        device, which `step.fill_rows` take (async scheduling; rank 0 broadcasts them to the other ranks)."""
         for lora_int_id in step.dropped_loras:
             self.adapters.drop(lora_int_id)
         for src, dst in step.block_copies:
@@ -266,8 +266,13 @@ class ModelRunner:
         to = lambda a: to_device(a, None, self.device)  # noqa: E731
         ids, positions = to(step.token_ids), to(step.positions)
         if step.fill_rows:
-            fill = to_device(step.fill_from, torch.long, self.device)
-            ids[to_device(step.fill_rows, torch.long, self.device)] = previous_tokens[fill]
+            if previous_tokens is None:  # a rank above 0: rank 0 sampled them
+                filled = torch.empty(len(step.fill_rows), dtype=ids.dtype, device=self.device)
+            else:
+                filled = previous_tokens[to_device(step.fill_from, torch.long, self.device)].to(ids.dtype)
+            if self.parallel is not None:
+                self.parallel.broadcast(filled)
+            ids[to_device(step.fill_rows, torch.long, self.device)] = filled
         meta = PagedAttentionMetadata(
             self.backend,
             to(step.slots),
