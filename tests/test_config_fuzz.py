@@ -3,7 +3,8 @@ below, scaled down from the released checkpoints'), written by the installed tra
 against transformers: logits (fp32, within 1e-4 of transformers' float64 ones: `parity`) and greedy tokens through
 the engine, for text, one image and two images of odd sizes, and (the Qwen families) an image then a video of an
 odd frame count. The engine's own settings are drawn too (`engine_options`: block size, a step budget that cuts
-prompts and images into chunks, sequences at a time, prefix caching, the step order, a cache small enough to preempt), and every KV
+prompts and images into chunks, sequences at a time, prefix caching, the step order, a cache small enough to preempt,
+two tensor-parallel ranks), and every KV
 block the engine takes afresh holds noise (`poison_fresh_blocks`). The seed is
 fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw per family runs by default,
 FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
@@ -300,8 +301,9 @@ def video_case(family: str, model_dir):
 def engine_options(rng: random.Random, prompt_lens: list[int]) -> dict:
     """The engine's own settings, drawn: the tokens must not depend on them. Block sizes, step budgets small
     enough to cut prompts (and images' spans) into chunks, one sequence at a time or several, prefix caching on or
-    off, the step order (in order, overlapped, scheduled ahead), and at times a KV cache that holds only the
-    longest sequence and a block, so that sequences preempt one another and come back."""
+    off, the step order (in order, overlapped, scheduled ahead), at times a KV cache that holds only the
+    longest sequence and a block, so that sequences preempt one another and come back, and at times two
+    tensor-parallel ranks."""
     block_size = rng.choice([16, 32, 64])
     options = dict(
         block_size=block_size,
@@ -315,6 +317,8 @@ def engine_options(rng: random.Random, prompt_lens: list[int]) -> dict:
     if rng.random() < 0.5:  # the cache must hold max_model_len: the model length shrinks with it
         blocks = -(-(max(prompt_lens) + MAX_TOKENS) // block_size) + 1
         options.update(num_gpu_blocks_override=blocks, max_model_len=blocks * block_size)
+    if rng.random() < 0.25:  # two ranks (gloo here), the vision tower split over them where its heads divide
+        options.update(tensor_parallel_size=2, mm_encoder_tp_mode=rng.choice(["weights", "data"]))
     return options
 
 
@@ -357,6 +361,9 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
                 messages = with_pil(template_messages, images)
             cases.append((messages, inputs))
         options = engine_options(random.Random(seed + 1), [inputs["input_ids"].shape[1] for _, inputs in cases])
+        vision = ModelConfig.from_dir(model_dir).vision
+        if options.get("mm_encoder_tp_mode") == "weights" and (vision.num_heads % 2 or vision.intermediate_size % 2):
+            options["mm_encoder_tp_mode"] = "data"  # a tower of 1 or 3 heads runs whole on each rank
         llm = LLM(str(model_dir), dtype="float32", **{"max_model_len": 2048, **options})
         poison_fresh_blocks(llm)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
