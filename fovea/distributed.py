@@ -11,12 +11,17 @@ timeout instead of a message paired with somebody's all-reduce.
 
 Layers take their group from `tensor_parallel(...)` while they are built and keep it: the model code builds its
 layers as usual, and the same code serves world size 1 (no communication at all).
+
+A step that fails after rank 0 sent it leaves the ranks in step only if every rank made as many `lm` collectives
+before it stopped (a failure of the step itself, met by every rank at the same place): `ParallelGroups.one_step`
+has them compare their counts then, and raises RanksOutOfStep when they differ or a rank does not answer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import pickle
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +34,19 @@ import torch.distributed as dist
 # noticed at once: its connections close). The other groups wait at most for the slowest rank to load its weights.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 START_TIMEOUT = datetime.timedelta(minutes=30)
+# after a failed step a rank that failed too answers at once; one that does not is stuck in a collective
+SETTLE_TIMEOUT_S = 10.0
+
+
+class RanksOutOfStep(RuntimeError):
+    """A step failed with the ranks at different collectives: the next step's would be paired with this one's."""
+
+
+@dataclass
+class FailedStep:
+    """Rank 0's message after a step that failed there: how many `lm` collectives it made in that step."""
+
+    calls: int
 
 
 @dataclass(frozen=True)
@@ -41,12 +59,14 @@ class TPGroup:
     # False for SINGLE; a real group of one rank still calls its collectives (to measure their cost). A field,
     # not a property: layers read it in every forward
     communicates: bool = field(init=False)
+    calls: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)  # collectives made so far
 
     def __post_init__(self):
         object.__setattr__(self, "communicates", self.group is not None)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.communicates:
+            self.calls[0] += 1
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -54,6 +74,7 @@ class TPGroup:
         """The ranks' pieces side by side along the last dimension."""
         if not self.communicates:
             return x
+        self.calls[0] += 1
         pieces = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(pieces, x.contiguous(), group=self.group)
         return torch.cat(pieces, dim=-1)
@@ -88,15 +109,51 @@ class ParallelGroups:
     lm_control: object
     vision_control: object
 
-    def send(self, message: object, control: object) -> object:
-        """Rank 0 passes `message`; every rank gets it back (a worker passes None and waits for it)."""
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=control)
-        return box[0]
+    def send(self, message: object, control: object, timeout_s: float | None = None) -> object:
+        """Rank 0 passes `message`; every rank gets it back (a worker passes None and waits for it). With
+        `timeout_s`, raises when the other ranks do not take part within it."""
+        payload = pickle.dumps(message) if self.rank == 0 else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        _wait(dist.broadcast(size, src=0, group=control, async_op=True), timeout_s)
+        data = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if payload
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
+        _wait(dist.broadcast(data, src=0, group=control, async_op=True), timeout_s)
+        return message if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.lm.calls[0] += 1
         dist.broadcast(tensor, src=0, group=self.lm.group)
         return tensor
+
+    @contextlib.contextmanager
+    def one_step(self) -> Iterator[None]:
+        """Rank 0, around the collectives of a step it has sent: when the step fails, the ranks settle whether
+        they are still in step (`settle`); if not, RanksOutOfStep replaces the step's own error."""
+        start = self.lm.calls[0]
+        try:
+            yield
+        except Exception as error:
+            calls = self.lm.calls[0] - start
+            try:
+                self.send(FailedStep(calls), self.lm_control, SETTLE_TIMEOUT_S)
+                in_step = self.settle(calls, SETTLE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a rank that does not answer is stuck in a collective
+                in_step = False
+            if not in_step:
+                raise RanksOutOfStep(
+                    f"a step failed ({type(error).__name__}: {error}) with the tensor-parallel ranks at different "
+                    "collectives: the engine cannot go on with them"
+                ) from error
+            raise
+
+    def settle(self, calls: int, timeout_s: float | None = None) -> bool:
+        """Every rank, after a failed step: whether each made `calls` collectives in it (each passes its own)."""
+        box = torch.tensor([calls, -calls], dtype=torch.int64)
+        _wait(dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.lm_control, async_op=True), timeout_s)
+        return int(box[0]) == calls == -int(box[1])
 
     def min_over_ranks(self, value: int) -> int:
         box = torch.tensor([value], dtype=torch.int64)
@@ -148,6 +205,10 @@ def join_groups(
         lm_control,
         vision_control,
     )
+
+
+def _wait(work, timeout_s: float | None) -> None:
+    work.wait() if timeout_s is None else work.wait(datetime.timedelta(seconds=timeout_s))
 
 
 def free_port() -> int:

@@ -291,3 +291,31 @@ def test_ray_replicas_are_actors_that_answer_like_one_engine_and_a_killed_one_co
         if engine is not None:
             engine.shutdown()
         ray.shutdown()
+
+
+def test_a_request_every_rank_fails_on_gets_an_error_and_the_others_their_answers(tiny_dirs, tmp_path):
+    """Served on two ranks, a request whose step fails on every rank (test_tensor_parallel's hook, in the engine
+    and worker processes) gets a 500 naming the failure; the requests beside it get their own answers, and the
+    server goes on serving with the same engine (not restarted)."""
+    from test_tensor_parallel import POISON_HOOK
+
+    (tmp_path / "sitecustomize.py").write_text(POISON_HOOK)
+    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "FOVEA_TEST_POISON_WORKER": "1"}
+    model = tiny_dirs["tiny-3b"]
+    prompts = ["Tensor parallel serving says", "Another prompt for two ranks"]
+    expected = solo_texts(model, prompts, 6)
+    with running_server(model, "--tensor-parallel-size", "2", *COMMON, env=env) as (base, proc):
+        (engine,) = children(proc.pid, "spawn_main")
+
+        async def poison_beside_others():
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {"model": str(model), "prompt": [4242, *range(300, 320)], "max_tokens": 6}
+                poison = asyncio.create_task(client.post(base + "/v1/completions", json=body))
+                texts = await complete_all(base, model, prompts, 6)
+                return await poison, texts
+
+        poison, texts = asyncio.run(poison_beside_others())
+        assert poison.status_code == 500 and "injected" in poison.json()["error"]["message"], poison.text
+        assert texts == expected
+        assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
+        assert children(proc.pid, "spawn_main") == [engine]  # the same engine process throughout

@@ -1,5 +1,7 @@
 """Tensor parallelism on the CPU (gloo): N ranks give exactly the single-process tokens, and log-probabilities
-within 1e-4, for text and image prompts, through chunked prefill, prefix-cache hits and preemption.
+within 1e-4, for text and image prompts, through chunked prefill, prefix-cache hits and preemption, stepping in
+order or ahead. A step every rank fails (a request's failure) fails that request alone and the ranks go on; one that
+fails on rank 0 alone leaves them out of step, which the engine says at once instead of hanging.
 
 tiny-3b has 4 query / 2 KV heads (TP=2 splits both; TP=4 replicates the KV heads) and a 2-head vision tower
 (TP=4 needs --mm-encoder-tp-mode data); tiny-7b has 1 KV head (replicated at any size) and a 4-head tower.
@@ -7,12 +9,18 @@ tiny-3b has 4 query / 2 KV heads (TP=2 splits both; TP=4 replicates the KV heads
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
 from conftest import random_image
+from test_engine_vs_hf import assert_engine_idle
 
-from fovea import LLM, SamplingParams
+from fovea import LLM, SamplingParams, distributed
+from fovea.core.sampling_params import RequestOutputKind
+from fovea.engine.engine import StepFailed
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 SHARED = "A shared opening that is long enough to fill several KV blocks of sixteen tokens each, " * 3
@@ -199,3 +207,107 @@ def test_vocabulary_that_does_not_divide_is_padded():
     gathered = torch.cat(logits, -1)
     torch.testing.assert_close(gathered[:, :vocab], x @ full.t())
     assert gathered.shape[1] == 12 and not gathered[:, vocab:].any()  # the padding scores 0 and is cut off
+
+
+# Installed in the test's process, and through a sitecustomize module in the worker's when FOVEA_TEST_POISON_WORKER
+# is set: a step holding the POISON token raises in the decoder's second layer (after the first one's collectives).
+POISON_HOOK = """
+import os
+
+POISON = 4242
+
+
+def install(set_attribute):
+    from fovea.models.decoder import DecoderLayer
+    from fovea.runner.model_runner import ModelRunner
+
+    state = {"poisoned": False, "layers": 0}
+    run_step, layer_forward = ModelRunner.run_step, DecoderLayer.forward
+
+    def poisoned_run_step(self, step, *args):
+        state.update(poisoned=POISON in list(step.token_ids), layers=0)
+        return run_step(self, step, *args)
+
+    def poisoned_layer(self, *args):
+        state["layers"] += 1
+        if state["poisoned"] and state["layers"] == 2:
+            raise RuntimeError("injected: a step that fails in the second layer")
+        return layer_forward(self, *args)
+
+    set_attribute(ModelRunner, "run_step", poisoned_run_step)
+    set_attribute(DecoderLayer, "forward", poisoned_layer)
+
+
+if os.environ.get("FOVEA_TEST_POISON_WORKER"):
+    install(setattr)
+"""
+
+
+@pytest.fixture
+def poison_hook(tmp_path, monkeypatch):
+    """`install(on_rank_0, on_workers)`: the hook where asked (the workers: those started after the call)."""
+    (tmp_path / "sitecustomize.py").write_text(POISON_HOOK)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    hook: dict = {}
+    exec(POISON_HOOK, hook)
+
+    def install(on_rank_0: bool, on_workers: bool) -> None:
+        if on_rank_0:
+            hook["install"](monkeypatch.setattr)
+        if on_workers:
+            monkeypatch.setenv("FOVEA_TEST_POISON_WORKER", "1")
+
+    return install
+
+
+# two requests beside one holding the POISON token, on an engine small enough for three
+PROMPTS = {"a": list(range(100, 140)), "poison": [4242, *range(300, 320)], "b": list(range(200, 230))}
+POISON_PARAMS = SamplingParams(temperature=0, max_tokens=8, output_kind=RequestOutputKind.FINAL_ONLY)
+POISON_OPTIONS = dict(dtype="float32", max_model_len=256, block_size=16, num_gpu_blocks_override=40)
+
+
+def add_poisoned_requests(llm) -> None:
+    for name, prompt in PROMPTS.items():
+        request = llm.inputs.make_request(name, llm.inputs.process({"prompt_token_ids": prompt}), POISON_PARAMS)
+        llm.engine.add_request(request)
+
+
+def test_a_step_every_rank_fails_fails_its_request_alone_and_the_ranks_go_on(tiny_dirs, poison_hook):
+    """Met by every rank at the same place (a request's failure), a failed step leaves the ranks in step: the
+    request fails alone, the others end with the tokens one process gives, and the engine goes on."""
+    innocent = {name: prompt for name, prompt in PROMPTS.items() if name != "poison"}
+    with LLM(str(tiny_dirs["tiny-3b"]), **POISON_OPTIONS) as alone:
+        outputs = alone.generate([{"prompt_token_ids": p} for p in innocent.values()], POISON_PARAMS, use_tqdm=False)
+    expected = {name: output.outputs[0].token_ids for name, output in zip(innocent, outputs)}
+    assert all(4242 not in tokens for tokens in expected.values())  # only the poison's steps hold the token
+    poison_hook(on_rank_0=True, on_workers=True)
+    with LLM(str(tiny_dirs["tiny-3b"]), tensor_parallel_size=2, **POISON_OPTIONS) as llm:
+        engine, outputs, failed = llm.engine, {}, []
+        add_poisoned_requests(llm)
+        while engine.has_unfinished_requests():
+            try:
+                outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            except StepFailed as failure:
+                failed.append(failure.request_ids)
+        assert failed == [["poison"]] and outputs == expected
+        assert_engine_idle(engine)
+        again = llm.generate([{"prompt_token_ids": innocent["a"]}], POISON_PARAMS, use_tqdm=False)
+        assert again[0].outputs[0].token_ids == expected["a"]
+
+
+def test_a_step_that_fails_on_rank_0_alone_stops_the_engine_at_once(tiny_dirs, poison_hook, monkeypatch):
+    """Rank 0 failed in the second layer while the other rank waits in that layer's collective: the next step's
+    would be paired with it, so the engine says the ranks are out of step (in SETTLE_TIMEOUT_S, not after the
+    collectives' 30-minute timeout) and stops them; in a server the engine process is started again."""
+    monkeypatch.setattr(distributed, "SETTLE_TIMEOUT_S", 2.0)
+    poison_hook(on_rank_0=True, on_workers=False)
+    llm = LLM(str(tiny_dirs["tiny-3b"]), tensor_parallel_size=2, **POISON_OPTIONS)
+    worker = llm.engine.workers.processes[0]
+    add_poisoned_requests(llm)
+    start = time.monotonic()
+    with pytest.raises(distributed.RanksOutOfStep, match="injected: a step that fails in the second layer"):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert time.monotonic() - start < 30
+    assert worker.wait(timeout=30) is not None  # the other rank was stopped
+    llm.close()

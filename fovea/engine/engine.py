@@ -40,7 +40,7 @@ from fovea.engine.tokenizer import load_engine_tokenizer
 from fovea.runner.image_encoder import ImageEncoder
 from fovea.runner.memory_profile import fit_max_model_len
 from fovea.runner.model_runner import ModelRunner, StepOutput
-from fovea.runner.tp_workers import WorkerDied, start_workers
+from fovea.runner.tp_workers import RanksOutOfStep, WorkerDied, start_workers
 
 logger = logging.getLogger("fovea")
 IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them
@@ -376,6 +376,10 @@ class LLMEngine:
         if self.workers is not None and self.workers.died():
             self.close()
             raise WorkerDied(self.workers.failure) from error
+        if isinstance(error, RanksOutOfStep):  # no step can run on these ranks again: a new engine must start
+            self.workers.failure = str(error)  # (not told to stop: they are not listening)
+            self.close()
+            raise error
         if self.config.device.type == "cuda":
             torch.cuda.synchronize(self.config.device)  # a broken device raises here: no request is to blame
         # (a step run ahead can hold rows of requests that have left the engine since: not theirs to answer for)

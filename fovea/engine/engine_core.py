@@ -8,8 +8,9 @@ A RequestInput arrives fully prepared (token ids, positions, resized pixel array
 Between steps it takes every command waiting; with no work it blocks until one comes. A request the engine
 cannot take is rejected alone; a request a step fails is failed alone (RequestsFailed) and the engine goes on,
 however many there are. Only after several steps in a row fail with no request to blame (a broken device, say)
-does the process give up (Dead); the front end then starts a new one. A tensor-parallel worker that stops is
-Fatal: the server exits with its message.
+does the process give up (Dead); the front end then starts a new one, as it does at once when a failed step left
+the tensor-parallel ranks out of step. A tensor-parallel worker that stops is Fatal: the server exits with its
+message.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from fovea.core.messages import (
     StepOutputs,
 )
 from fovea.engine.profiler import StepProfiler, profiler_dir
-from fovea.runner.tp_workers import WorkerDied
+from fovea.runner.tp_workers import RanksOutOfStep, WorkerDied
 from fovea.worker_pool import ignore_group_signals  # stops when the front end says so, after in-flight requests
 
 MAX_FAILED_STEPS_IN_A_ROW = 3
@@ -132,7 +133,7 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
         try:
             outputs = engine.step_deltas() if engine.has_unfinished_requests() else []
             failed_in_a_row = 0
-        except WorkerDied:
+        except (WorkerDied, RanksOutOfStep):  # a worker gone is Fatal; ranks out of step need a new process
             raise
         except StepFailed as failure:  # its requests were failed and freed: nothing else is wrong
             if failure.refused:

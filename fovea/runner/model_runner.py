@@ -199,13 +199,28 @@ class ModelRunner:
         masks = None
         if self.inputs.num_grammar_rows:
             masks = GrammarMasks.start([row.grammar for row in plan.rows], self.config.model.text.vocab_size)
-        if self.parallel is not None:
-            self.parallel.send(step_input, self.parallel.lm_control)
+        if self.parallel is None:
+            return self._run(step_input, mm_embeds, plan, masks, previous)
+        self.parallel.send(step_input, self.parallel.lm_control)
+        with self.parallel.one_step():  # a failure from here on: are the ranks still in step?
             if mm_embeds is not None:
                 self.parallel.broadcast(mm_embeds.to(self.config.dtype).contiguous())
+            return self._run(step_input, mm_embeds, plan, masks, previous)
+
+    def _run(self, step_input: StepInput, mm_embeds, plan: SamplePlan, masks, previous: StepOutput | None):
+        """Rank 0's part of `execute` once the other ranks have the step: forward, samples, prompt logprobs."""
         previous_tokens = None if previous is None or previous.sampled is None else previous.sampled.token_ids
         logits, hidden = self.run_step(step_input, mm_embeds, previous_tokens)
         out = StepOutput(plan)
+        # the prompt's log-probabilities first: their logits are gathered from every rank, and a sampler that fails
+        # (rank 0's alone) after them leaves the ranks in step
+        parts: list[list[tuple]] = [[] for _ in plan.prompt_logprobs]
+        for span, offset, logits_rows in self.span_logits(hidden, step_input.logprob_spans):
+            _, targets, k = plan.prompt_logprobs[span]
+            ids = to_device(targets[offset : offset + len(logits_rows)], torch.long, self.device)
+            parts[span].append(top_logprobs(logits_rows.float().log_softmax(-1), ids, k))
+        for (index, _, _), blocks in zip(plan.prompt_logprobs, parts):  # the blocks joined field by field
+            out.prompt_logprobs[index] = tuple(None if field[0] is None else torch.cat(field) for field in zip(*blocks))
         if logits is not None:
             pending = None
             if plan.pending:
@@ -214,13 +229,6 @@ class ModelRunner:
             out.sampled = self.sampler(logits, plan.rows, masks, pending)
             if self.device.type == "cuda":
                 out.host, out.ready = _queue_to_host(out.sampled)
-        parts: list[list[tuple]] = [[] for _ in plan.prompt_logprobs]
-        for span, offset, logits_rows in self.span_logits(hidden, step_input.logprob_spans):
-            _, targets, k = plan.prompt_logprobs[span]
-            ids = to_device(targets[offset : offset + len(logits_rows)], torch.long, self.device)
-            parts[span].append(top_logprobs(logits_rows.float().log_softmax(-1), ids, k))
-        for (index, _, _), blocks in zip(plan.prompt_logprobs, parts):  # the blocks joined field by field
-            out.prompt_logprobs[index] = tuple(None if field[0] is None else torch.cat(field) for field in zip(*blocks))
         return out
 
     def read_samples(self, out: StepOutput) -> SamplerOutput | None:

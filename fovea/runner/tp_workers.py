@@ -2,7 +2,8 @@
 
 Rank 0 starts the workers, hosts the rendezvous and then, every step, sends the StepInput over the control group;
 each worker runs the same forward pass on its slices of the weights and the KV cache, and the layers' collectives
-join them. A second thread in each worker runs the vision tower when rank 0's image encoder sends it images.
+join them. A step that fails on every rank at the same collective (a request's failure) leaves them in step: the
+worker goes on once rank 0 has compared their counts (`ParallelGroups.one_step`). A second thread in each worker runs the vision tower when rank 0's image encoder sends it images.
 
 A worker is a plain `python -m fovea.runner.tp_workers` child (the engine process is a daemon and may not have
 multiprocessing children): its arguments come pickled on stdin, and stdin closing means rank 0 is gone. A worker
@@ -28,10 +29,11 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.memory import freeze_startup_heap
-from fovea.distributed import ParallelGroups, free_port, join_groups
+from fovea.distributed import FailedStep, ParallelGroups, RanksOutOfStep, free_port, join_groups
 
 logger = logging.getLogger("fovea")
 HANG_EXIT_S = 60.0  # after a worker died, rank 0 still blocked in a collective this long exits the process
+SETTLE_WAIT_S = 30.0  # after a step failed here, rank 0's word that it failed too comes at once or never
 
 
 class WorkerDied(RuntimeError):
@@ -68,8 +70,27 @@ def run_worker(args: WorkerArgs) -> None:
     runner = ModelRunner(config, parallel)
     freeze_startup_heap()  # (core/memory.py): a rank's pause stops every rank's step
     threading.Thread(target=_encode_loop, args=(runner, parallel), name="fovea-tp-encoder", daemon=True).start()
-    while (step := parallel.send(None, parallel.lm_control)) is not None:
-        runner.run_worker_step(step)
+    calls, failed = 0, False  # the last step's `lm` collectives; whether it failed here
+    while True:
+        try:
+            message = parallel.send(None, parallel.lm_control, SETTLE_WAIT_S if failed else None)
+        except RuntimeError as error:  # a gloo timeout: rank 0 is stuck in a collective this rank left
+            raise RanksOutOfStep("a step failed on this rank alone") from error
+        if message is None:
+            return
+        if isinstance(message, FailedStep):  # rank 0 decides from the counts; out of step, it stops this rank
+            parallel.settle(calls)
+            failed = False
+            continue
+        if failed:
+            raise RanksOutOfStep("rank 0 went on after a step that failed on this rank")
+        start = parallel.lm.calls[0]
+        try:
+            runner.run_worker_step(message)
+        except Exception:  # noqa: BLE001 - met by every rank (a request's), the ranks are still in step
+            logger.exception("tensor-parallel worker %d: a step failed", parallel.rank)
+            failed = True
+        calls = parallel.lm.calls[0] - start
 
 
 def _encode_loop(runner, parallel: ParallelGroups) -> None:
