@@ -1,5 +1,6 @@
 """`fovea serve` with several engines or ranks: data-parallel replicas answer like one engine and are all used;
-a tensor-parallel worker or a replica that dies stops the server with a clear message instead of a hang."""
+a tensor-parallel worker or a replica that dies stops the server with a clear message instead of a hang; a step
+every rank fails fails its request alone, and one that leaves the ranks out of step restarts the engine."""
 
 from __future__ import annotations
 
@@ -293,29 +294,58 @@ def test_ray_replicas_are_actors_that_answer_like_one_engine_and_a_killed_one_co
         ray.shutdown()
 
 
-def test_a_request_every_rank_fails_on_gets_an_error_and_the_others_their_answers(tiny_dirs, tmp_path):
-    """Served on two ranks, a request whose step fails on every rank (test_tensor_parallel's hook, in the engine
-    and worker processes) gets a 500 naming the failure; the requests beside it get their own answers, and the
-    server goes on serving with the same engine (not restarted)."""
+def poison_server(model, tmp_path, ranks: str):
+    """A two-rank server whose steps holding test_tensor_parallel's POISON token fail on `ranks` ("all", "0")."""
     from test_tensor_parallel import POISON_HOOK
 
     (tmp_path / "sitecustomize.py").write_text(POISON_HOOK)
-    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "FOVEA_TEST_POISON_WORKER": "1"}
+    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "FOVEA_TEST_POISON_RANKS": ranks}
+    return running_server(model, "--tensor-parallel-size", "2", *COMMON, env=env)
+
+
+async def poison_beside_others(base: str, model, prompts: list[str]):
+    """The POISON request sent, then the others beside it: its reply, and theirs."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        body = {"model": str(model), "prompt": [4242, *range(300, 320)], "max_tokens": 6}
+        poison = asyncio.create_task(client.post(base + "/v1/completions", json=body))
+        await asyncio.sleep(0.2)
+        replies = await asyncio.gather(
+            *(
+                client.post(base + "/v1/completions", json={"model": str(model), "prompt": p, "max_tokens": 6})
+                for p in prompts
+            )
+        )
+        return await poison, replies
+
+
+def test_a_request_every_rank_fails_on_gets_an_error_and_the_others_their_answers(tiny_dirs, tmp_path):
+    """Served on two ranks, a request whose step fails on every rank gets a 500 naming the failure; the requests
+    beside it get their own answers, and the server goes on serving with the same engine (not restarted)."""
     model = tiny_dirs["tiny-3b"]
     prompts = ["Tensor parallel serving says", "Another prompt for two ranks"]
     expected = solo_texts(model, prompts, 6)
-    with running_server(model, "--tensor-parallel-size", "2", *COMMON, env=env) as (base, proc):
+    with poison_server(model, tmp_path, "all") as (base, proc):
         (engine,) = children(proc.pid, "spawn_main")
-
-        async def poison_beside_others():
-            async with httpx.AsyncClient(timeout=120) as client:
-                body = {"model": str(model), "prompt": [4242, *range(300, 320)], "max_tokens": 6}
-                poison = asyncio.create_task(client.post(base + "/v1/completions", json=body))
-                texts = await complete_all(base, model, prompts, 6)
-                return await poison, texts
-
-        poison, texts = asyncio.run(poison_beside_others())
+        poison, replies = asyncio.run(poison_beside_others(base, model, prompts))
         assert poison.status_code == 500 and "injected" in poison.json()["error"]["message"], poison.text
-        assert texts == expected
+        assert [r.json()["choices"][0]["text"] for r in replies] == expected
         assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
         assert children(proc.pid, "spawn_main") == [engine]  # the same engine process throughout
+
+
+def test_ranks_out_of_step_after_a_failed_step_restart_the_engine(tiny_dirs, tmp_path):
+    """The step fails on rank 0 alone: the ranks are out of step, so the engine process stops (its requests get a
+    503) and a new one starts, which serves as the first did."""
+    model = tiny_dirs["tiny-3b"]
+    prompts = ["Tensor parallel serving says", "Another prompt for two ranks"]
+    expected = solo_texts(model, prompts, 6)
+    with poison_server(model, tmp_path, "0") as (base, proc):
+        (engine,) = children(proc.pid, "spawn_main")
+        poison, _ = asyncio.run(poison_beside_others(base, model, prompts))
+        assert poison.status_code == 503 and "stopped unexpectedly" in poison.text, poison.text
+        deadline = time.time() + 120
+        while httpx.get(base + "/health").status_code != 200 and time.time() < deadline:
+            time.sleep(0.5)
+        assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
+        assert children(proc.pid, "spawn_main") not in ([], [engine])  # a new engine process
+    assert "RanksOutOfStep: a step failed (RuntimeError: injected" in proc.output, proc.output[-3000:]

@@ -209,10 +209,12 @@ def test_vocabulary_that_does_not_divide_is_padded():
     assert gathered.shape[1] == 12 and not gathered[:, vocab:].any()  # the padding scores 0 and is cut off
 
 
-# Installed in the test's process, and through a sitecustomize module in the worker's when FOVEA_TEST_POISON_WORKER
-# is set: a step holding the POISON token raises in the decoder's second layer (after the first one's collectives).
+# Installed in the test's process, and through a sitecustomize module in the processes started with
+# FOVEA_TEST_POISON_RANKS set ("all"; "0": not in the workers): a step holding the POISON token raises in the
+# decoder's second layer (after the first one's collectives).
 POISON_HOOK = """
 import os
+import sys
 
 POISON = 4242
 
@@ -238,7 +240,8 @@ def install(set_attribute):
     set_attribute(DecoderLayer, "forward", poisoned_layer)
 
 
-if os.environ.get("FOVEA_TEST_POISON_WORKER"):
+ranks = os.environ.get("FOVEA_TEST_POISON_RANKS")
+if ranks == "all" or (ranks == "0" and "fovea.runner.tp_workers" not in sys.orig_argv):
     install(setattr)
 """
 
@@ -255,7 +258,7 @@ def poison_hook(tmp_path, monkeypatch):
         if on_rank_0:
             hook["install"](monkeypatch.setattr)
         if on_workers:
-            monkeypatch.setenv("FOVEA_TEST_POISON_WORKER", "1")
+            monkeypatch.setenv("FOVEA_TEST_POISON_RANKS", "all")
 
     return install
 
