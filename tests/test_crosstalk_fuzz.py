@@ -4,9 +4,9 @@ min_tokens, stop rules, logprobs, prompt logprobs, n > 1, grammars, and now and 
 contradict, which fails) each run alone, then all of them arriving at random steps into one engine, with aborts between,
 under drawn engine settings (block size, a step budget that cuts prompts and images, sequences at a time, prefix
 caching, the step order, a KV cache tight enough to preempt, what logprobs hold, how often streamed requests are
-reported, LoRA with one or two adapters a batch on Qwen2.5-VL, priority scheduling); half the requests stream there,
-their outputs joined as a server's reader joins them. With LoRA on, each request asks for one of three adapters or none;
-with priorities, for one of four. Now and then one or two requests are poison: every step that runs one fails
+reported, LoRA with one or two adapters a batch on Qwen2.5-VL, priority scheduling, two tensor-parallel ranks); half
+the requests stream there, their outputs joined as a server's reader joins them. With LoRA on, each request asks for
+one of three adapters or none; with priorities, for one of four. Now and then one or two requests are poison: every step that runs one fails
 (test_engine_failures.py's `fail_steps_running`), so the requests of that step run alone from then on until each samples
 (Scheduler.isolate), and the poison fails alone. Each request runs alone from empty prefix and image caches (what a
 wrong cache hit gives is never the reference). Every request that was not aborted ends as it did alone: the same tokens
@@ -281,6 +281,9 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
     poison_rng = random.Random(f"poison {seed}")  # (drawn apart too)
     poison = {f"r{i}" for i in poison_rng.sample(range(REQUESTS), poison_rng.choice([1, 2]))}
     poison = poison if poison_rng.random() < 0.3 else set()
+    # two tensor-parallel ranks at times (not with poison, which fails rank 0's steps alone: the ranks out of step)
+    if not poison and random.Random(f"tensor parallel {seed}").random() < 0.2:
+        options["tensor_parallel_size"] = 2
     where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}, poison {poison}"
     requests, arrivals, aborts, streamed = draw_traffic(rng, extra_rng, options, adapters)
     with LLM(str(model_dir), **options, max_logprobs=64) as llm:  # (a top_k of 50's logprobs: best_tokens)
