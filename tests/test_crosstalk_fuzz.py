@@ -6,12 +6,13 @@ under drawn engine settings (block size, a step budget that cuts prompts and ima
 caching, the step order, a KV cache tight enough to preempt, what logprobs hold, how often streamed requests are
 reported, LoRA with one or two adapters a batch on Qwen2.5-VL, priority scheduling, two tensor-parallel ranks); half
 the requests stream there, their outputs joined as a server's reader joins them. With LoRA on, each request asks for
-one of three adapters or none; with priorities, for one of four. Now and then one or two requests are poison: every step that runs one fails
-(test_engine_failures.py's `fail_steps_running`), so the requests of that step run alone from then on until each samples
-(Scheduler.isolate), and the poison fails alone. Each request runs alone from empty prefix and image caches (what a
-wrong cache hit gives is never the reference). Every request that was not aborted ends as it did alone: the same tokens
-and finish reasons (logprobs within 1e-4 where they agree), or the same failure. The seed is fixed for a run and printed
-with every failure (FOVEA_FUZZ_SEED repeats one); one draw per model runs by default, FOVEA_FUZZ_DRAWS more.
+one of three adapters or none; with priorities, for one of four. Now and then one or two requests are poison: every
+step that runs one fails (test_engine_failures.py's `fail_steps_running`), so the requests of that step run alone from
+then on until each samples (Scheduler.isolate), and the poison fails alone. Each request runs alone from empty prefix
+and image caches (what a wrong cache hit gives is never the reference). Every request that was not aborted ends as it
+did alone: the same tokens and finish reasons (logprobs within 1e-4 where they agree), or the same failure. The seed
+is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw per model runs by default,
+FOVEA_FUZZ_DRAWS more.
 
 One difference is allowed, and only for sampled requests: on the CPU the batch's shape changes the rounding of the
 matmuls (a step of one to four rows takes another kernel), so logits differ in the last bits, and a draw from the
