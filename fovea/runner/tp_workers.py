@@ -3,7 +3,8 @@
 Rank 0 starts the workers, hosts the rendezvous and then, every step, sends the StepInput over the control group;
 each worker runs the same forward pass on its slices of the weights and the KV cache, and the layers' collectives
 join them. A step that fails on every rank at the same collective (a request's failure) leaves them in step: the
-worker goes on once rank 0 has compared their counts (`ParallelGroups.one_step`). A second thread in each worker runs the vision tower when rank 0's image encoder sends it images.
+worker goes on once rank 0 has compared their counts (`ParallelGroups.one_step`). A second thread in each worker
+runs the vision tower when rank 0's image encoder sends it images.
 
 A worker is a plain `python -m fovea.runner.tp_workers` child (the engine process is a daemon and may not have
 multiprocessing children): its arguments come pickled on stdin, and stdin closing means rank 0 is gone. A worker
