@@ -12,9 +12,10 @@ timeout instead of a message paired with somebody's all-reduce.
 Layers take their group from `tensor_parallel(...)` while they are built and keep it: the model code builds its
 layers as usual, and the same code serves world size 1 (no communication at all).
 
-A step that fails after rank 0 sent it leaves the ranks in step only if every rank made as many `lm` collectives
-before it stopped (a failure of the step itself, met by every rank at the same place): `ParallelGroups.one_step`
-has them compare their counts then, and raises RanksOutOfStep when they differ or a rank does not answer.
+A step (or a vision tower run) that fails after rank 0 sent it leaves the ranks in step only if every rank made as
+many collectives before it stopped (a failure of the job itself, met by every rank at the same place):
+`ParallelGroups.one_step` has them compare their counts then, and raises RanksOutOfStep when they differ or a rank
+does not answer.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class RanksOutOfStep(RuntimeError):
 
 @dataclass
 class FailedStep:
-    """Rank 0's message after a step that failed there: how many `lm` collectives it made in that step."""
+    """Rank 0's message after a job (a step, a vision tower run) that failed there: the collectives it made in it."""
 
     calls: int
 
@@ -74,10 +75,14 @@ class TPGroup:
         """The ranks' pieces side by side along the last dimension."""
         if not self.communicates:
             return x
-        self.calls[0] += 1
         pieces = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(pieces, x.contiguous(), group=self.group)
+        self.gather_into(pieces, x.contiguous())
         return torch.cat(pieces, dim=-1)
+
+    def gather_into(self, pieces: list[torch.Tensor], x: torch.Tensor) -> None:
+        """Each rank's `x` into `pieces` (one per rank)."""
+        self.calls[0] += 1
+        dist.all_gather(pieces, x, group=self.group)
 
 
 SINGLE = TPGroup()
@@ -129,30 +134,31 @@ class ParallelGroups:
         return tensor
 
     @contextlib.contextmanager
-    def one_step(self) -> Iterator[None]:
-        """Rank 0, around the collectives of a step it has sent: when the step fails, the ranks settle whether
-        they are still in step (`settle`); if not, RanksOutOfStep replaces the step's own error."""
-        start = self.lm.calls[0]
+    def one_step(self, control: object, group: TPGroup, what: str = "step") -> Iterator[None]:
+        """Rank 0, around the collectives on `group` of a job it has sent on `control` (a step, a vision tower
+        run): when the job fails, the ranks settle whether they are still in step (`settle`); if not,
+        RanksOutOfStep replaces the job's own error."""
+        start = group.calls[0]
         try:
             yield
         except Exception as error:
-            calls = self.lm.calls[0] - start
+            calls = group.calls[0] - start
             try:
-                self.send(FailedStep(calls), self.lm_control, SETTLE_TIMEOUT_S)
-                in_step = self.settle(calls, SETTLE_TIMEOUT_S)
+                self.send(FailedStep(calls), control, SETTLE_TIMEOUT_S)
+                in_step = self.settle(calls, control, SETTLE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a rank that does not answer is stuck in a collective
                 in_step = False
             if not in_step:
                 raise RanksOutOfStep(
-                    f"a step failed ({type(error).__name__}: {error}) with the tensor-parallel ranks at different "
+                    f"a {what} failed ({type(error).__name__}: {error}) with the tensor-parallel ranks at different "
                     "collectives: the engine cannot go on with them"
                 ) from error
             raise
 
-    def settle(self, calls: int, timeout_s: float | None = None) -> bool:
-        """Every rank, after a failed step: whether each made `calls` collectives in it (each passes its own)."""
+    def settle(self, calls: int, control: object, timeout_s: float | None = None) -> bool:
+        """Every rank, after a failed job: whether each made `calls` collectives in it (each passes its own)."""
         box = torch.tensor([calls, -calls], dtype=torch.int64)
-        _wait(dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.lm_control, async_op=True), timeout_s)
+        _wait(dist.all_reduce(box, op=dist.ReduceOp.MAX, group=control, async_op=True), timeout_s)
         return int(box[0]) == calls == -int(box[1])
 
     def min_over_ranks(self, value: int) -> int:

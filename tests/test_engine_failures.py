@@ -139,6 +139,34 @@ def test_requests_batched_with_a_failing_one_finish_with_their_own_tokens(llm, m
     assert_engine_idle(engine)
 
 
+def test_images_encoded_with_a_failing_one_are_encoded_again_alone(llm, monkeypatch):
+    """The vision tower fails whenever it runs one poison picture: the images encoded with it are encoded again,
+    each alone, so only the request showing the poison fails and the others end with their own tokens."""
+    engine = llm.engine
+    pictures = [random_image(120 + 28 * i, 90, 70 + i) for i in range(6)]
+    alone = llm.generate([image_prompt(p) for p in pictures[1:]], GREEDY, use_tqdm=False)
+    llm.reset_mm_cache()
+    poison_hash = llm.inputs.process(image_prompt(pictures[0])).images[0].content_hash
+    real_encode, runs = engine.image_encoder._encode, []
+
+    def encode(items):
+        runs.append(len(items))
+        if any(item.content_hash == poison_hash for item in items):
+            raise RuntimeError("injected: the tower fails on this picture")
+        return real_encode(items)
+
+    monkeypatch.setattr(engine.image_encoder, "_encode", encode)
+    for i, picture in enumerate(pictures):
+        engine.add_request(request(llm, f"image-{i}", image_prompt(picture)))
+    outputs = {}
+    assert failures_until_idle(engine, outputs) == [["image-0"]]
+    assert max(runs) > 1  # the poison was encoded with others first
+    assert {rid: o.outputs[0].token_ids for rid, o in outputs.items()} == {
+        f"image-{i}": a.outputs[0].token_ids for i, a in enumerate(alone, 1)
+    }
+    assert_engine_idle(engine)
+
+
 def test_a_suspect_runs_with_the_others_again_once_a_step_samples_for_it(llm, monkeypatch):
     """After a failed step its requests are suspects, each run alone; one that a step samples for is cleared and
     joins the batch again: the step after everyone is cleared runs all of them together."""

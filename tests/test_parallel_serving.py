@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import signal
 import threading
@@ -294,58 +295,53 @@ def test_ray_replicas_are_actors_that_answer_like_one_engine_and_a_killed_one_co
         ray.shutdown()
 
 
-def poison_server(model, tmp_path, ranks: str):
-    """A two-rank server whose steps holding test_tensor_parallel's POISON token fail on `ranks` ("all", "0")."""
+POISON_PROMPTS = ["Tensor parallel serving says", "Another prompt for two ranks"]
+
+
+@contextlib.contextmanager
+def poison_sent(tiny_dirs, tmp_path, ranks: str):
+    """A two-rank server whose steps holding test_tensor_parallel's POISON token fail on `ranks` ("all", "0"),
+    sent the POISON request and then POISON_PROMPTS beside it: yields the server, its engine process before, the
+    replies (the poison's, then the others') and the others' texts as one process makes them."""
     from test_tensor_parallel import POISON_HOOK
 
+    model = tiny_dirs["tiny-3b"]
+    expected = solo_texts(model, POISON_PROMPTS, 6)
     (tmp_path / "sitecustomize.py").write_text(POISON_HOOK)
     env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "FOVEA_TEST_POISON_RANKS": ranks}
-    return running_server(model, "--tensor-parallel-size", "2", *COMMON, env=env)
+    with running_server(model, "--tensor-parallel-size", "2", *COMMON, env=env) as (base, proc):
+        (engine,) = children(proc.pid, "spawn_main")
 
+        async def send():
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {"model": str(model), "prompt": [4242, *range(300, 320)], "max_tokens": 6}
+                poison = asyncio.create_task(client.post(base + "/v1/completions", json=body))
+                await asyncio.sleep(0.2)
+                others = [{"model": str(model), "prompt": p, "max_tokens": 6} for p in POISON_PROMPTS]
+                replies = await asyncio.gather(*(client.post(base + "/v1/completions", json=o) for o in others))
+                return [await poison, *replies]
 
-async def poison_beside_others(base: str, model, prompts: list[str]):
-    """The POISON request sent, then the others beside it: its reply, and theirs."""
-    async with httpx.AsyncClient(timeout=120) as client:
-        body = {"model": str(model), "prompt": [4242, *range(300, 320)], "max_tokens": 6}
-        poison = asyncio.create_task(client.post(base + "/v1/completions", json=body))
-        await asyncio.sleep(0.2)
-        replies = await asyncio.gather(
-            *(
-                client.post(base + "/v1/completions", json={"model": str(model), "prompt": p, "max_tokens": 6})
-                for p in prompts
-            )
-        )
-        return await poison, replies
+        yield base, proc, engine, asyncio.run(send()), expected
 
 
 def test_a_request_every_rank_fails_on_gets_an_error_and_the_others_their_answers(tiny_dirs, tmp_path):
     """Served on two ranks, a request whose step fails on every rank gets a 500 naming the failure; the requests
     beside it get their own answers, and the server goes on serving with the same engine (not restarted)."""
-    model = tiny_dirs["tiny-3b"]
-    prompts = ["Tensor parallel serving says", "Another prompt for two ranks"]
-    expected = solo_texts(model, prompts, 6)
-    with poison_server(model, tmp_path, "all") as (base, proc):
-        (engine,) = children(proc.pid, "spawn_main")
-        poison, replies = asyncio.run(poison_beside_others(base, model, prompts))
+    with poison_sent(tiny_dirs, tmp_path, "all") as (base, proc, engine, (poison, *replies), expected):
         assert poison.status_code == 500 and "injected" in poison.json()["error"]["message"], poison.text
         assert [r.json()["choices"][0]["text"] for r in replies] == expected
-        assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
+        assert asyncio.run(complete_all(base, tiny_dirs["tiny-3b"], POISON_PROMPTS, 6)) == expected
         assert children(proc.pid, "spawn_main") == [engine]  # the same engine process throughout
 
 
 def test_ranks_out_of_step_after_a_failed_step_restart_the_engine(tiny_dirs, tmp_path):
     """The step fails on rank 0 alone: the ranks are out of step, so the engine process stops (its requests get a
     503) and a new one starts, which serves as the first did."""
-    model = tiny_dirs["tiny-3b"]
-    prompts = ["Tensor parallel serving says", "Another prompt for two ranks"]
-    expected = solo_texts(model, prompts, 6)
-    with poison_server(model, tmp_path, "0") as (base, proc):
-        (engine,) = children(proc.pid, "spawn_main")
-        poison, _ = asyncio.run(poison_beside_others(base, model, prompts))
+    with poison_sent(tiny_dirs, tmp_path, "0") as (base, proc, engine, (poison, *_), expected):
         assert poison.status_code == 503 and "stopped unexpectedly" in poison.text, poison.text
         deadline = time.time() + 120
         while httpx.get(base + "/health").status_code != 200 and time.time() < deadline:
             time.sleep(0.5)
-        assert asyncio.run(complete_all(base, model, prompts, 6)) == expected
+        assert asyncio.run(complete_all(base, tiny_dirs["tiny-3b"], POISON_PROMPTS, 6)) == expected
         assert children(proc.pid, "spawn_main") not in ([], [engine])  # a new engine process
     assert "RanksOutOfStep: a step failed (RuntimeError: injected" in proc.output, proc.output[-3000:]

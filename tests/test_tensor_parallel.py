@@ -211,12 +211,14 @@ def test_vocabulary_that_does_not_divide_is_padded():
 
 # Installed in the test's process, and through a sitecustomize module in the processes started with
 # FOVEA_TEST_POISON_RANKS set ("all"; "0": not in the workers): a step holding the POISON token raises in the
-# decoder's second layer (after the first one's collectives).
+# decoder's second layer (after the first one's collectives), and so does the vision tower run over an image of
+# POISON_PATCHES patches.
 POISON_HOOK = """
 import os
 import sys
 
 POISON = 4242
+POISON_PATCHES = 18 * 14
 
 
 def install(set_attribute):
@@ -236,8 +238,16 @@ def install(set_attribute):
             raise RuntimeError("injected: a step that fails in the second layer")
         return layer_forward(self, *args)
 
+    encode_pixels = ModelRunner._encode_pixels
+
+    def poisoned_encode_pixels(self, items, *args):
+        if any(t * h * w == POISON_PATCHES for t, h, w in (item.grid_thw for item in items)):
+            raise RuntimeError("injected: a vision tower run that fails")
+        return encode_pixels(self, items, *args)
+
     set_attribute(ModelRunner, "run_step", poisoned_run_step)
     set_attribute(DecoderLayer, "forward", poisoned_layer)
+    set_attribute(ModelRunner, "_encode_pixels", poisoned_encode_pixels)
 
 
 ranks = os.environ.get("FOVEA_TEST_POISON_RANKS")
@@ -296,6 +306,36 @@ def test_a_step_every_rank_fails_fails_its_request_alone_and_the_ranks_go_on(tin
         assert_engine_idle(engine)
         again = llm.generate([{"prompt_token_ids": innocent["a"]}], POISON_PARAMS, use_tqdm=False)
         assert again[0].outputs[0].token_ids == expected["a"]
+
+
+def test_a_tower_run_every_rank_fails_fails_the_requests_showing_its_image_alone(tiny_dirs, poison_hook):
+    """The vision tower split over the ranks fails on every rank for one image: the request showing it fails, the
+    others (one with another image) end with the tokens one process gives, and later images are encoded."""
+    poisoned, other = random_image(252, 196, seed=8), random_image(140, 112, seed=3)
+    prompts = {
+        "poison": {"prompt": IMAGE + "Describe this picture.", "multi_modal_data": {"image": poisoned}},
+        "image": {"prompt": IMAGE + "Describe this picture.", "multi_modal_data": {"image": other}},
+        "text": "Hello there, how are",
+    }
+    with LLM(str(tiny_dirs["tiny-3b"]), **POISON_OPTIONS) as alone:
+        outputs = alone.generate([prompts["image"], prompts["text"]], POISON_PARAMS, use_tqdm=False)
+    expected = {"image": outputs[0].outputs[0].token_ids, "text": outputs[1].outputs[0].token_ids}
+    poison_hook(on_rank_0=True, on_workers=True)
+    with LLM(str(tiny_dirs["tiny-3b"]), tensor_parallel_size=2, **POISON_OPTIONS) as llm:
+        engine, outputs, failed = llm.engine, {}, []
+        for name, prompt in prompts.items():
+            engine.add_request(llm.inputs.make_request(name, llm.inputs.process(prompt), POISON_PARAMS))
+        while engine.has_unfinished_requests():
+            try:
+                outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            except StepFailed as failure:
+                failed.append((failure.request_ids, str(failure)))
+        assert [ids for ids, _ in failed] == [["poison"]] and "injected" in failed[0][1]
+        assert outputs == expected
+        assert_engine_idle(engine)
+        llm.reset_mm_cache()
+        again = llm.generate([prompts["image"]], POISON_PARAMS, use_tqdm=False)
+        assert again[0].outputs[0].token_ids == expected["image"]
 
 
 def test_a_step_that_fails_on_rank_0_alone_stops_the_engine_at_once(tiny_dirs, poison_hook, monkeypatch):

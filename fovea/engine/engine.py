@@ -376,10 +376,7 @@ class LLMEngine:
         if self.workers is not None and self.workers.died():
             self.close()
             raise WorkerDied(self.workers.failure) from error
-        if isinstance(error, RanksOutOfStep):  # no step can run on these ranks again: a new engine must start
-            self.workers.failure = str(error)  # (not told to stop: they are not listening)
-            self.close()
-            raise error
+        self._stop_if_out_of_step(error)
         if self.config.device.type == "cuda":
             torch.cuda.synchronize(self.config.device)  # a broken device raises here: no request is to blame
         # (a step run ahead can hold rows of requests that have left the engine since: not theirs to answer for)
@@ -395,6 +392,13 @@ class LLMEngine:
             requests = dropped
         if requests:
             raise self._fail(requests, error) from error
+
+    def _stop_if_out_of_step(self, error: Exception) -> None:
+        """Raises RanksOutOfStep: no step or tower run can happen on these ranks again, a new engine must start."""
+        if isinstance(error, RanksOutOfStep):
+            self.workers.failure = str(error)  # (not told to stop: they are not listening)
+            self.close()
+            raise error
 
     def _report(self, touched: set[Request]) -> list[tuple]:
         """The outputs callers asked for of the requests a step touched. A request failed or aborted since is
@@ -439,6 +443,7 @@ class LLMEngine:
                 for item, rows in zip(result.items, result.embeddings):
                     self.encoder_cache.put(item.content_hash, rows)
                 continue
+            self._stop_if_out_of_step(result.error)
             keys = {item.content_hash for item in result.items}
             requests = {r for r in self.requests.values() if keys.intersection(i.content_hash for i in r.mm_items)}
             failed = self._fail(requests, result.error)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fovea.core.request import MMItem
+from fovea.distributed import RanksOutOfStep
 
 
 @dataclass
@@ -87,7 +88,7 @@ class ImageEncoder:
                     self._jobs.put(None)
                 else:
                     with torch.inference_mode():
-                        self._results.put(self._run(items))
+                        self._run(items)
                     wait_s = 0.0
         finished = []
         try:
@@ -119,15 +120,24 @@ class ImageEncoder:
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream:
             while (items := self._jobs.get()) is not None:
-                self._results.put(self._run(items))
+                self._run(items)
                 del items  # an idle encoder keeps no request's pixels alive
 
-    def _run(self, items: list[MMItem]) -> EncodedImages:
+    def _run(self, items: list[MMItem]) -> None:
+        """Puts the items' results: encoded together, or if that fails, each alone (as a failed step's requests
+        run alone), so that only an image that fails by itself fails the requests that show it."""
         try:
             embeddings = self._encode(items)
-            done = torch.cuda.Event() if self._stream is not None else None
-            if done is not None:
-                done.record(self._stream)
-            return EncodedImages(items, embeddings, done=done)
         except Exception as error:  # noqa: BLE001 - the engine fails the requests waiting for them
-            return EncodedImages(items, None, error)
+            if len(items) == 1 or isinstance(error, RanksOutOfStep):  # (out of step: nothing runs again)
+                self._results.put(EncodedImages(items, None, error))
+                return
+            embeddings = None
+        if embeddings is None:  # outside the except block: the errors met alone do not chain this one (and
+            for item in items:  # its frame holding all the items)
+                self._run([item])
+            return
+        done = torch.cuda.Event() if self._stream is not None else None
+        if done is not None:
+            done.record(self._stream)
+        self._results.put(EncodedImages(items, embeddings, done=done))

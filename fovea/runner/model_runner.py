@@ -202,7 +202,7 @@ class ModelRunner:
         if self.parallel is None:
             return self._run(step_input, mm_embeds, plan, masks, previous)
         self.parallel.send(step_input, self.parallel.lm_control)
-        with self.parallel.one_step():  # a failure from here on: are the ranks still in step?
+        with self.parallel.one_step(self.parallel.lm_control, self.parallel.lm):  # failed: are the ranks in step?
             if mm_embeds is not None:
                 self.parallel.broadcast(mm_embeds.to(self.config.dtype).contiguous())
             return self._run(step_input, mm_embeds, plan, masks, previous)
@@ -328,9 +328,11 @@ class ModelRunner:
     def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
         """The vision tower over several images at once (the ImageEncoder's thread calls it): one (tokens,
         hidden) tensor per image. Under tensor parallelism rank 0 sends the job to the other ranks first."""
-        if self.parallel is not None:
-            self.parallel.send(items, self.parallel.vision_control)
-        return self.encode_shared(items)
+        if self.parallel is None:
+            return self.encode_shared(items)
+        self.parallel.send(items, self.parallel.vision_control)
+        with self.parallel.one_step(self.parallel.vision_control, self.parallel.vision_data, "vision tower run"):
+            return self.encode_shared(items)
 
     def encode_shared(self, items: list[MMItem]) -> list[torch.Tensor]:
         """Every rank: a sharded tower runs all the images on every rank; a whole one (mm_encoder_tp_mode data)

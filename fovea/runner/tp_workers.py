@@ -30,7 +30,7 @@ import torch
 
 from fovea.config.engine import EngineConfig
 from fovea.core.memory import freeze_startup_heap
-from fovea.distributed import FailedStep, ParallelGroups, RanksOutOfStep, free_port, join_groups
+from fovea.distributed import FailedStep, ParallelGroups, RanksOutOfStep, TPGroup, free_port, join_groups
 
 logger = logging.getLogger("fovea")
 HANG_EXIT_S = 60.0  # after a worker died, rank 0 still blocked in a collective this long exits the process
@@ -71,38 +71,47 @@ def run_worker(args: WorkerArgs) -> None:
     runner = ModelRunner(config, parallel)
     freeze_startup_heap()  # (core/memory.py): a rank's pause stops every rank's step
     threading.Thread(target=_encode_loop, args=(runner, parallel), name="fovea-tp-encoder", daemon=True).start()
-    calls, failed = 0, False  # the last step's `lm` collectives; whether it failed here
-    while True:
-        try:
-            message = parallel.send(None, parallel.lm_control, SETTLE_WAIT_S if failed else None)
-        except RuntimeError as error:  # a gloo timeout: rank 0 is stuck in a collective this rank left
-            raise RanksOutOfStep("a step failed on this rank alone") from error
-        if message is None:
-            return
-        if isinstance(message, FailedStep):  # rank 0 decides from the counts; out of step, it stops this rank
-            parallel.settle(calls)
-            failed = False
-            continue
-        if failed:
-            raise RanksOutOfStep("rank 0 went on after a step that failed on this rank")
-        start = parallel.lm.calls[0]
-        try:
-            runner.run_worker_step(message)
-        except Exception:  # noqa: BLE001 - met by every rank (a request's), the ranks are still in step
-            logger.exception("tensor-parallel worker %d: a step failed", parallel.rank)
-            failed = True
-        calls = parallel.lm.calls[0] - start
+    follow(parallel, parallel.lm_control, parallel.lm, runner.run_worker_step, "step")
 
 
 def _encode_loop(runner, parallel: ParallelGroups) -> None:
     stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
     with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-        while True:
-            try:
-                runner.encode_shared(parallel.send(None, parallel.vision_control))
-            except Exception:  # noqa: BLE001 - out of step with rank 0 now: stop, rank 0 reports it
-                logger.exception("tensor-parallel worker %d: encoding failed", parallel.rank)
-                os._exit(1)
+        try:
+            follow(parallel, parallel.vision_control, parallel.vision_data, runner.encode_shared, "vision tower run")
+        except Exception:  # noqa: BLE001 - out of step with rank 0 now: stop, rank 0 reports it
+            logger.exception("tensor-parallel worker %d: encoding failed", parallel.rank)
+            os._exit(1)
+
+
+def follow(parallel: ParallelGroups, control, group: TPGroup, run: Callable[[object], object], what: str) -> None:
+    """A worker's loop over the jobs rank 0 sends on `control` (steps, vision tower runs), until it sends None. A
+    job that fails here is logged, and rank 0's next word must be that it failed too (FailedStep): the ranks
+    then compare the collectives each made on `group` in it (rank 0 stops this rank if they differ); anything
+    else, or nothing within SETTLE_WAIT_S, and this rank is out of step (RanksOutOfStep)."""
+    calls, failed = 0, False  # the last job's collectives; whether it failed here
+    while True:
+        try:
+            message = parallel.send(None, control, SETTLE_WAIT_S if failed else None)
+        except RuntimeError as error:  # a gloo timeout: rank 0 is stuck in a collective this rank left
+            if failed:
+                raise RanksOutOfStep(f"a {what} failed on this rank alone") from error
+            raise
+        if message is None:
+            return
+        if isinstance(message, FailedStep):
+            parallel.settle(calls, control)
+            failed = False
+            continue
+        if failed:
+            raise RanksOutOfStep(f"rank 0 went on after a {what} that failed on this rank")
+        start = group.calls[0]
+        try:
+            run(message)
+        except Exception:  # noqa: BLE001 - met by every rank (a request's), the ranks are still in step
+            logger.exception("tensor-parallel worker %d: a %s failed", parallel.rank, what)
+            failed = True
+        calls = group.calls[0] - start
 
 
 _current: TPWorkers | None = None  # the ranks of this process's distributed engine

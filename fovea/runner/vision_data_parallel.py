@@ -40,7 +40,7 @@ def encode_data_parallel(
         local = torch.cat(mine)
         padded[: local.shape[0]] = local
     gathered = [torch.empty_like(padded) for _ in range(group.size)]
-    torch.distributed.all_gather(gathered, padded, group=group.group)
+    group.gather_into(gathered, padded)
     embeddings: list[torch.Tensor | None] = [None] * len(items)
     for share, rank_rows in zip(shares, gathered):
         offset = 0
