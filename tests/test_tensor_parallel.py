@@ -308,10 +308,13 @@ def test_a_step_every_rank_fails_fails_its_request_alone_and_the_ranks_go_on(tin
         assert again[0].outputs[0].token_ids == expected["a"]
 
 
-def test_a_tower_run_every_rank_fails_fails_the_requests_showing_its_image_alone(tiny_dirs, poison_hook):
-    """The vision tower split over the ranks fails on every rank for one image: the request showing it fails, the
-    others (one with another image) end with the tokens one process gives, and later images are encoded."""
-    poisoned, other = random_image(252, 196, seed=8), random_image(140, 112, seed=3)
+@pytest.mark.parametrize("mode", ["weights", "data"])
+def test_a_tower_run_that_fails_fails_the_requests_showing_its_image_alone(tiny_dirs, poison_hook, mode):
+    """The vision tower fails for one image: the request showing it fails, the others (one with a larger image,
+    encoded in the same run first) end with the tokens one process gives, and later images are encoded. Split
+    over the ranks every rank fails; with whole towers (data) the image's rank alone (rank 1 in the first run,
+    rank 0 when the poison is encoded again alone), and the gather tells the others."""
+    poisoned, other = random_image(252, 196, seed=8), random_image(280, 224, seed=3)
     prompts = {
         "poison": {"prompt": IMAGE + "Describe this picture.", "multi_modal_data": {"image": poisoned}},
         "image": {"prompt": IMAGE + "Describe this picture.", "multi_modal_data": {"image": other}},
@@ -321,8 +324,11 @@ def test_a_tower_run_every_rank_fails_fails_the_requests_showing_its_image_alone
         outputs = alone.generate([prompts["image"], prompts["text"]], POISON_PARAMS, use_tqdm=False)
     expected = {"image": outputs[0].outputs[0].token_ids, "text": outputs[1].outputs[0].token_ids}
     poison_hook(on_rank_0=True, on_workers=True)
-    with LLM(str(tiny_dirs["tiny-3b"]), tensor_parallel_size=2, **POISON_OPTIONS) as llm:
-        engine, outputs, failed = llm.engine, {}, []
+    options = dict(tensor_parallel_size=2, mm_encoder_tp_mode=mode, **POISON_OPTIONS)
+    with LLM(str(tiny_dirs["tiny-3b"]), **options) as llm:
+        engine, outputs, failed, runs = llm.engine, {}, [], []
+        encode_images = engine.runner.encode_images
+        engine.image_encoder._encode = lambda items: runs.append(len(items)) or encode_images(items)
         for name, prompt in prompts.items():
             engine.add_request(llm.inputs.make_request(name, llm.inputs.process(prompt), POISON_PARAMS))
         while engine.has_unfinished_requests():
@@ -330,7 +336,7 @@ def test_a_tower_run_every_rank_fails_fails_the_requests_showing_its_image_alone
                 outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
             except StepFailed as failure:
                 failed.append((failure.request_ids, str(failure)))
-        assert [ids for ids, _ in failed] == [["poison"]] and "injected" in failed[0][1]
+        assert runs[0] == 2 and [ids for ids, _ in failed] == [["poison"]] and "injected" in failed[0][1]
         assert outputs == expected
         assert_engine_idle(engine)
         llm.reset_mm_cache()
