@@ -3,13 +3,14 @@ hand each job to a free worker instead of running the tower themselves, and the 
 encoder cache. Each worker holds the tower alone (loader.load_tower), not the language model.
 
 - One host (the default): worker processes; a job's pixels go to the worker in shared-memory segments, its
-  embeddings come back in another. A worker that dies takes only its job with it (those requests fail, naming
-  it) and a replacement starts (fovea/worker_pool.py).
+  embeddings come back in another. A worker that dies takes only its job with it and a replacement starts
+  (fovea/worker_pool.py); the job's images are encoded again, each alone (image_encoder.py), and only the requests
+  showing one that fails by itself fail, naming it.
 - `--distributed-executor-backend ray`: Ray actors spread over the cluster's nodes; pixels and embeddings travel
   through Ray's object store. Ray restarts an actor that dies and runs the job it held there again; a job that
-  kills it twice fails its requests. A server starts them (`RayEncoders.start`) and all its data-parallel
-  replicas send their jobs to the same N (`RayEncoders.attach`, by name): N encoders for M replicas, and a
-  replica's death leaves them serving the others.
+  kills it twice fails, and its images are encoded again as above. A server starts them (`RayEncoders.start`)
+  and all its data-parallel replicas send their jobs to the same N (`RayEncoders.attach`, by name): N encoders
+  for M replicas, and a replica's death leaves them serving the others.
 """
 
 from __future__ import annotations
