@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from conftest import random_image
 from serving import running_server
 
@@ -300,7 +301,7 @@ POISON_PROMPTS = ["Tensor parallel serving says", "Another prompt for two ranks"
 
 @contextlib.contextmanager
 def poison_sent(tiny_dirs, tmp_path, ranks: str):
-    """A two-rank server whose steps holding test_tensor_parallel's POISON token fail on `ranks` ("all", "0"),
+    """A two-rank server whose steps holding test_tensor_parallel's POISON token fail on `ranks` ("all", "0", "workers"),
     sent the POISON request and then POISON_PROMPTS beside it: yields the server, its engine process before, the
     replies (the poison's, then the others') and the others' texts as one process makes them."""
     from test_tensor_parallel import POISON_HOOK
@@ -309,6 +310,7 @@ def poison_sent(tiny_dirs, tmp_path, ranks: str):
     expected = solo_texts(model, POISON_PROMPTS, 6)
     (tmp_path / "sitecustomize.py").write_text(POISON_HOOK)
     env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "FOVEA_TEST_POISON_RANKS": ranks}
+    env["FOVEA_TEST_SETTLE_WAIT_S"] = "2"  # (a worker's wait for rank 0's word)
     with running_server(model, "--tensor-parallel-size", "2", *COMMON, env=env) as (base, proc):
         (engine,) = children(proc.pid, "spawn_main")
 
@@ -334,14 +336,23 @@ def test_a_request_every_rank_fails_on_gets_an_error_and_the_others_their_answer
         assert children(proc.pid, "spawn_main") == [engine]  # the same engine process throughout
 
 
-def test_ranks_out_of_step_after_a_failed_step_restart_the_engine(tiny_dirs, tmp_path):
-    """The step fails on rank 0 alone: the ranks are out of step, so the engine process stops (its requests get a
-    503) and a new one starts, which serves as the first did."""
-    with poison_sent(tiny_dirs, tmp_path, "0") as (base, proc, engine, (poison, *_), expected):
+@pytest.mark.parametrize(
+    "ranks, logged",
+    [
+        ("0", "RanksOutOfStep: a step failed (RuntimeError: injected"),
+        ("workers", "exit code 3); it was out of step with rank 0"),
+    ],
+    ids=["rank-0", "worker"],
+)
+def test_ranks_out_of_step_after_a_failed_step_restart_the_engine(tiny_dirs, tmp_path, ranks, logged):
+    """The step fails on rank 0 alone, or on the worker alone (which leaves when rank 0 does not say it failed
+    too): the ranks are out of step, so the engine process stops (its requests get a 503) and a new one starts,
+    which serves as the first did."""
+    with poison_sent(tiny_dirs, tmp_path, ranks) as (base, proc, engine, (poison, *_), expected):
         assert poison.status_code == 503 and "stopped unexpectedly" in poison.text, poison.text
         deadline = time.time() + 120
         while httpx.get(base + "/health").status_code != 200 and time.time() < deadline:
             time.sleep(0.5)
         assert asyncio.run(complete_all(base, tiny_dirs["tiny-3b"], POISON_PROMPTS, 6)) == expected
         assert children(proc.pid, "spawn_main") not in ([], [engine])  # a new engine process
-    assert "RanksOutOfStep: a step failed (RuntimeError: injected" in proc.output, proc.output[-3000:]
+    assert logged in proc.output, proc.output[-3000:]

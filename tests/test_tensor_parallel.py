@@ -210,7 +210,7 @@ def test_vocabulary_that_does_not_divide_is_padded():
 
 
 # Installed in the test's process, and through a sitecustomize module in the processes started with
-# FOVEA_TEST_POISON_RANKS set ("all"; "0": not in the workers): a step holding the POISON token raises in the
+# FOVEA_TEST_POISON_RANKS set ("all"; "0": not in the workers; "workers": only there): a step holding the POISON token raises in the
 # decoder's second layer (after the first one's collectives), and so does the vision tower run over an image of
 # POISON_PATCHES patches.
 POISON_HOOK = """
@@ -250,9 +250,13 @@ def install(set_attribute):
     set_attribute(ModelRunner, "_encode_pixels", poisoned_encode_pixels)
 
 
-ranks = os.environ.get("FOVEA_TEST_POISON_RANKS")
-if ranks == "all" or (ranks == "0" and "fovea.runner.tp_workers" not in sys.orig_argv):
+ranks, worker = os.environ.get("FOVEA_TEST_POISON_RANKS"), "fovea.runner.tp_workers" in sys.orig_argv
+if ranks == "all" or (ranks == "0" and not worker) or (ranks == "workers" and worker):
     install(setattr)
+if worker and os.environ.get("FOVEA_TEST_SETTLE_WAIT_S"):  # a worker's wait for rank 0's word, shortened
+    from fovea.runner import tp_workers
+
+    tp_workers.SETTLE_WAIT_S = float(os.environ["FOVEA_TEST_SETTLE_WAIT_S"])
 """
 
 
@@ -359,4 +363,20 @@ def test_a_step_that_fails_on_rank_0_alone_stops_the_engine_at_once(tiny_dirs, p
             llm.engine.step()
     assert time.monotonic() - start < 30
     assert worker.wait(timeout=30) is not None  # the other rank was stopped
+    llm.close()
+
+
+def test_a_step_that_fails_on_a_worker_alone_is_out_of_step_not_a_dead_worker(tiny_dirs, poison_hook, monkeypatch):
+    """The worker failed in the second layer while rank 0 waits in that layer's collective: no word comes from
+    rank 0 within SETTLE_WAIT_S (2 s here), so the worker leaves out of step, and the engine says RanksOutOfStep
+    (in a server a new engine process starts), not WorkerDied (the server would stop)."""
+    monkeypatch.setenv("FOVEA_TEST_SETTLE_WAIT_S", "2")
+    poison_hook(on_rank_0=False, on_workers=True)
+    llm = LLM(str(tiny_dirs["tiny-3b"]), tensor_parallel_size=2, **POISON_OPTIONS)
+    add_poisoned_requests(llm)
+    start = time.monotonic()
+    with pytest.raises(distributed.RanksOutOfStep, match=r"rank 1 stopped \(pid \d+, exit code 3\); it was out of"):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert time.monotonic() - start < 20
     llm.close()

@@ -40,7 +40,7 @@ from fovea.engine.tokenizer import load_engine_tokenizer
 from fovea.runner.image_encoder import ImageEncoder
 from fovea.runner.memory_profile import fit_max_model_len
 from fovea.runner.model_runner import ModelRunner, StepOutput
-from fovea.runner.tp_workers import RanksOutOfStep, WorkerDied, start_workers
+from fovea.runner.tp_workers import RanksOutOfStep, start_workers
 
 logger = logging.getLogger("fovea")
 IDLE_WAIT_S = 0.01  # a step with nothing to run but images being encoded waits this long for them
@@ -77,7 +77,7 @@ class LLMEngine:
         self,
         config: EngineConfig,
         runner: ModelRunner | None = None,
-        on_worker_failure: Callable[[str], None] | None = None,
+        on_worker_failure: Callable[[Exception], None] | None = None,
         tokenizer=None,
         assembler: Callable | None = None,
     ):
@@ -93,7 +93,7 @@ class LLMEngine:
         except BaseException as error:
             self.close()
             if self.workers is not None and self.workers.died():
-                raise WorkerDied(self.workers.failure) from error
+                raise self.workers.stopped() from error
             raise
         # max_model_len lowered to what the KV cache holds, when it was the model's
         self.config = config = fit_max_model_len(
@@ -375,7 +375,7 @@ class LLMEngine:
         the one request it ran, or those in MAX_FAILED_STEPS failed steps."""
         if self.workers is not None and self.workers.died():
             self.close()
-            raise WorkerDied(self.workers.failure) from error
+            raise self.workers.stopped() from error
         self._stop_if_out_of_step(error)
         if self.config.device.type == "cuda":
             torch.cuda.synchronize(self.config.device)  # a broken device raises here: no request is to blame

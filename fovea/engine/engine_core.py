@@ -9,8 +9,8 @@ Between steps it takes every command waiting; with no work it blocks until one c
 cannot take is rejected alone; a request a step fails is failed alone (RequestsFailed) and the engine goes on,
 however many there are. Only after several steps in a row fail with no request to blame (a broken device, say)
 does the process give up (Dead); the front end then starts a new one, as it does at once when a failed step left
-the tensor-parallel ranks out of step. A tensor-parallel worker that stops is Fatal: the server exits with its
-message.
+the tensor-parallel ranks out of step (a worker that left out of step too). A tensor-parallel worker that crashes
+or is killed is Fatal: the server exits with its message.
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
         with lock:
             results.send(message)
 
-    def worker_failed(message: str) -> None:  # even while idle, blocked on the command pipe
-        if lock.acquire(timeout=10):
-            results.send(Fatal(message))
+    def worker_failed(error: Exception) -> None:  # even while idle, blocked on the command pipe
+        if lock.acquire(timeout=10):  # out of step: a new engine process starts with new ranks
+            results.send(Dead(str(error)) if isinstance(error, RanksOutOfStep) else Fatal(str(error)))
         os._exit(1)
 
     try:

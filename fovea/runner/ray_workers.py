@@ -5,7 +5,8 @@ or a `ray.init()` done by the caller) and reserves one bundle per rank in a plac
 node, is rank 0's (the engine process itself; in a server, the replica's actor, in the group RayEngineCore made);
 ranks 1..N-1 run as actors in the other bundles, packed onto as few nodes as fit. The ranks then meet over
 torch.distributed exactly as local worker processes do (NCCL between GPUs, across nodes too); Ray only places and
-watches them. An actor that dies is fatal, as a worker process is.
+watches them. An actor that dies is fatal, as a worker process is; one whose step failed there alone, leaving it
+out of step with rank 0, raises RanksOutOfStep, and a new engine starts (a tower run's: the actor exits, fatal).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import torch
 
 from fovea.config.engine import EngineConfig
-from fovea.distributed import free_port
+from fovea.distributed import RanksOutOfStep, free_port
 from fovea.runner.tp_workers import TPWorkers, WorkerArgs, run_worker
 
 
@@ -70,12 +71,14 @@ class RayWorkers(TPWorkers):
         import ray
 
         done, _ = ray.wait(list(self.runs), num_returns=1, timeout=None)
+        out_of_step = False
         try:
             ray.get(done[0])
             how = "it returned"
         except Exception as error:  # noqa: BLE001 - the actor died or raised: its message says which
             how = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-        self._report(self.runs[done[0]], how)
+            out_of_step = isinstance(error, RanksOutOfStep)  # (Ray's error is also an instance of its cause's class)
+        self._report(self.runs[done[0]], how, out_of_step)
 
     def _stop(self) -> None:
         import ray

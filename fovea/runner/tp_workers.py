@@ -35,10 +35,11 @@ from fovea.distributed import FailedStep, ParallelGroups, RanksOutOfStep, TPGrou
 logger = logging.getLogger("fovea")
 HANG_EXIT_S = 60.0  # after a worker died, rank 0 still blocked in a collective this long exits the process
 SETTLE_WAIT_S = 30.0  # after a step failed here, rank 0's word that it failed too comes at once or never
+OUT_OF_STEP_EXIT = 3  # a worker's exit code when it left out of step with rank 0 (a new engine can start)
 
 
 class WorkerDied(RuntimeError):
-    """A tensor-parallel worker stopped: the engine cannot go on."""
+    """A tensor-parallel worker crashed or was killed: the engine cannot go on."""
 
 
 @dataclass
@@ -79,9 +80,9 @@ def _encode_loop(runner, parallel: ParallelGroups) -> None:
     with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
         try:
             follow(parallel, parallel.vision_control, parallel.vision_data, runner.encode_shared, "vision tower run")
-        except Exception:  # noqa: BLE001 - out of step with rank 0 now: stop, rank 0 reports it
+        except Exception as error:  # noqa: BLE001 - out of step with rank 0 now: stop, rank 0 reports it
             logger.exception("tensor-parallel worker %d: encoding failed", parallel.rank)
-            os._exit(1)
+            os._exit(OUT_OF_STEP_EXIT if isinstance(error, RanksOutOfStep) else 1)
 
 
 def follow(parallel: ParallelGroups, control, group: TPGroup, run: Callable[[object], object], what: str) -> None:
@@ -121,9 +122,9 @@ class TPWorkers:
     """Rank 0's side: starts the other ranks, joins the groups with them, watches them, stops them. Subclasses
     say where the ranks run (`_launch`, `_stop`)."""
 
-    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None):
-        """`on_failure(message)` runs in a watcher thread when a worker stops unexpectedly (the server's engine
-        process reports it and exits, even while idle)."""
+    def __init__(self, config: EngineConfig, on_failure: Callable[[Exception], None] | None = None):
+        """`on_failure(error)` runs in a watcher thread when a worker stops unexpectedly, with what `stopped`
+        gives (the server's engine process reports it and exits, even while idle)."""
         global _current
         if _current is not None and not _current._closing:
             # torch.distributed has one default group per process: an engine left open gives way to this one
@@ -135,6 +136,7 @@ class TPWorkers:
         _current = self
         self._on_failure = on_failure
         self.failure: str | None = None
+        self.out_of_step = False  # the worker that stopped left out of step with rank 0, not crashed
         self._closing = False
         address, port = self._launch(config)
         try:
@@ -154,16 +156,26 @@ class TPWorkers:
 
     def check(self) -> None:
         if self.failure is not None:
-            raise WorkerDied(self.failure)
+            raise self.stopped()
 
-    def _report(self, rank: int, how: str) -> None:
+    def stopped(self) -> Exception:
+        """What a worker's stop means: RanksOutOfStep where it left out of step (a step or tower run failed there
+        alone; a new engine with new ranks can start), else WorkerDied."""
+        return (RanksOutOfStep if self.out_of_step else WorkerDied)(self.failure)
+
+    def _report(self, rank: int, how: str, out_of_step: bool = False) -> None:
         """A watcher thread saw rank `rank` stop."""
         if self._closing:
             return
-        self.failure = f"tensor-parallel worker rank {rank} stopped ({how}); the engine cannot go on without it"
+        self.out_of_step = out_of_step
+        self.failure = f"tensor-parallel worker rank {rank} stopped ({how}); " + (
+            "it was out of step with rank 0 after a failure there alone"
+            if out_of_step
+            else "the engine cannot go on without it"
+        )
         logger.error(self.failure)
         if self._on_failure is not None:
-            self._on_failure(self.failure)
+            self._on_failure(self.stopped())
         time.sleep(HANG_EXIT_S)  # rank 0 should have stopped by now; a collective that never returns must not hang
         if not self._closing:
             logger.critical("rank 0 is still waiting on the dead worker; exiting")
@@ -207,7 +219,8 @@ class ProcessWorkers(TPWorkers):
 
     def _watch(self, rank: int, process: subprocess.Popen) -> None:
         code = process.wait()
-        self._report(rank, f"pid {process.pid}, " + (f"signal {-code}" if code < 0 else f"exit code {code}"))
+        how = f"pid {process.pid}, " + (f"signal {-code}" if code < 0 else f"exit code {code}")
+        self._report(rank, how, out_of_step=code == OUT_OF_STEP_EXIT)
 
     def _stop(self) -> None:
         for process in self.processes:
@@ -221,7 +234,7 @@ class ProcessWorkers(TPWorkers):
                 process.wait()
 
 
-def start_workers(config: EngineConfig, on_failure: Callable[[str], None] | None = None):
+def start_workers(config: EngineConfig, on_failure: Callable[[Exception], None] | None = None):
     """The other ranks, on this machine (mp) or on a Ray cluster (ray)."""
     if config.distributed_executor_backend == "ray":
         from fovea.runner.ray_workers import RayWorkers
@@ -240,11 +253,13 @@ def _main() -> None:
     threading.Thread(target=lambda: (sys.stdin.buffer.read(), os._exit(0)), daemon=True).start()
     try:
         run_worker(args)
-    except Exception:  # noqa: BLE001 - out of step with rank 0: stop, rank 0 reports it
+    except Exception as error:  # noqa: BLE001 - out of step with rank 0: stop, rank 0 reports it
         logger.exception("tensor-parallel worker %d failed", args.rank)
-        os._exit(1)
+        os._exit(OUT_OF_STEP_EXIT if isinstance(error, RanksOutOfStep) else 1)
     os._exit(0)
 
 
-if __name__ == "__main__":
-    _main()
+if __name__ == "__main__":  # run as the imported module, not as a second copy of it under __main__
+    from fovea.runner import tp_workers
+
+    tp_workers._main()
