@@ -139,6 +139,45 @@ def test_a_failing_request_fails_alone(tiny_dirs, monkeypatch):
     assert reason == "length" and len(tokens) == 20
 
 
+def test_a_request_whose_output_cannot_be_made_fails_alone(tiny_dirs, monkeypatch):
+    """Making one request's output fails in the front end (here: injected at its third report): its stream gets
+    RequestFailed and the engine aborts it; the request beside it, whose reports came in the same messages, gets
+    every token. (Before, the whole message's outputs were dropped: the other stream lost tokens or hung.)"""
+    from fovea.frontend import outputs
+    from fovea.frontend.async_llm import RequestFailed
+
+    reports, assemble = {"doomed": 0}, outputs.OutputAssembler.__call__
+
+    def faulty(self, delta):
+        if delta.request_id == "doomed":
+            reports["doomed"] += 1
+            if reports["doomed"] == 3:
+                raise KeyError("injected output failure")
+        return assemble(self, delta)
+
+    monkeypatch.setattr(outputs.OutputAssembler, "__call__", faulty)
+    engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+
+    async def main():
+        fine = asyncio.create_task(collect(engine, "fine", prompt=LOREM))
+        with pytest.raises(RequestFailed, match="injected output failure"):
+            await collect(engine, "doomed", prompt=LOREM * 2)
+        return await asyncio.wait_for(fine, timeout=60)
+
+    try:
+        tokens, _, reason = asyncio.run(main())
+        deadline = time.time() + 10
+        while engine.stats.num_running and time.time() < deadline:  # the engine process applies the abort
+            time.sleep(0.01)
+        assert (engine.stats.num_running, engine.stats.kv_used_blocks) == (0, 0)
+    finally:
+        engine.shutdown()
+    greedy = PARAMS.clone(output_kind=RequestOutputKind.CUMULATIVE)
+    with LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS) as reference:
+        expected = reference.generate(LOREM, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert reason == "length" and tokens == expected
+
+
 def test_an_engine_that_keeps_dying_is_given_up(tiny_dirs):
     """Past its restart budget the engine stays down: callers get 503 without a traceback, and on_fatal tells
     the server to exit (fovea serve then exits non-zero)."""

@@ -406,7 +406,10 @@ class AsyncLLM:
                 for delta in map(RequestDelta._make, outputs):  # detokenized here: not in the engine's step loop
                     assembler = self._assemblers.get(delta.request_id)
                     if assembler is not None:
-                        ready.append((delta.request_id, assembler(delta)))
+                        try:
+                            ready.append((delta.request_id, assembler(delta)))
+                        except Exception as error:  # noqa: BLE001 - a bug met by this request's output alone
+                            ready.append((delta.request_id, self._output_failed(delta.request_id, error)))
                 self._deliver_all(ready)
                 if self.on_stats is not None:
                     try:
@@ -421,6 +424,13 @@ class AsyncLLM:
                         request_id,
                         RequestFailed(f"the engine failed while running this request ({reason}); see the server log"),
                     )
+
+    def _output_failed(self, request_id: str, error: Exception) -> RequestFailed:
+        """What the stream of a request whose output could not be made gets (its stream's end aborts it in the
+        engine); the others of the step get theirs."""
+        logger.error("making the output of request %s failed", request_id, exc_info=error)
+        self._assemblers.pop(request_id, None)  # its later reports are dropped
+        return RequestFailed(f"making this request's output failed ({type(error).__name__}: {error}); see the log")
 
     def _on_exit(self, engine: EngineProcess, reason: str, fatal: bool = False) -> None:
         """Runs in the dead engine's receive thread: fails the streams in flight on it, then starts it again
