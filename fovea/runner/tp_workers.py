@@ -2,13 +2,15 @@
 
 Rank 0 starts the workers, hosts the rendezvous and then, every step, sends the StepInput over the control group;
 each worker runs the same forward pass on its slices of the weights and the KV cache, and the layers' collectives
-join them. A step that fails on every rank at the same collective (a request's failure) leaves them in step: the
-worker goes on once rank 0 has compared their counts (`ParallelGroups.one_step`). A second thread in each worker
-runs the vision tower when rank 0's image encoder sends it images.
+join them. A second thread in each worker runs the vision tower when rank 0's image encoder sends it images. A
+step or tower run that fails on every rank at the same collective (a request's failure) leaves them in step: the
+worker goes on once rank 0 has compared their counts (`ParallelGroups.one_step`); one that failed on this rank
+alone leaves it out of step, and it exits with OUT_OF_STEP_EXIT (rank 0 raises RanksOutOfStep: a new engine
+process can start with new ranks).
 
 A worker is a plain `python -m fovea.runner.tp_workers` child (the engine process is a daemon and may not have
 multiprocessing children): its arguments come pickled on stdin, and stdin closing means rank 0 is gone. A worker
-that stops unexpectedly is fatal to the engine: rank 0 hears of it (`failure`) and the engine stops with that
+that crashes or is killed is fatal to the engine: rank 0 hears of it (`failure`) and the engine stops with that
 message; a worker that cannot go on exits, so that nothing waits forever on it.
 """
 
