@@ -362,8 +362,9 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
             cases.append((messages, inputs))
         options = engine_options(random.Random(seed + 1), [inputs["input_ids"].shape[1] for _, inputs in cases])
         vision = ModelConfig.from_dir(model_dir).vision
-        if options.get("mm_encoder_tp_mode") == "weights" and (vision.num_heads % 2 or vision.intermediate_size % 2):
-            options["mm_encoder_tp_mode"] = "data"  # a tower of 1 or 3 heads runs whole on each rank
+        split = not (vision.num_heads % 2 or vision.intermediate_size % 2 or vision.qk_norm)
+        if options.get("mm_encoder_tp_mode") == "weights" and not split:
+            options["mm_encoder_tp_mode"] = "data"  # 1 or 3 heads, or InternViT's q/k norm over all heads: whole
         llm = LLM(str(model_dir), dtype="float32", **{"max_model_len": 2048, **options})
         poison_fresh_blocks(llm)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -372,6 +373,10 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
             assert out.outputs[0].token_ids == hf_generate(model_dir, inputs), (
                 f"{kind}: greedy tokens differ at {where}, engine {options}"
             )
+    except Exception as error:
+        if where not in str(error):  # the seed of any failure, not only of the comparisons
+            error.add_note(where)
+        raise
     finally:
         forget_hf_models(model_dir)
 
