@@ -58,6 +58,6 @@ def test_serve_flags_help_and_errors():
         assert f"\n{group}:" in shown and flag in shown
     bad_json = run_fovea("serve", "--limit-mm-per-prompt", "image:four")
     assert bad_json.returncode == 2 and "--limit-mm-per-prompt: not valid JSON" in bad_json.stderr
-    tensor_parallel = run_fovea("serve", "--tensor-parallel-size", "4")  # the demo model's vision tower has 2 heads
+    tensor_parallel = run_fovea("serve", "--tensor-parallel-size", "3")  # the demo model's decoder has 4 heads
     assert tensor_parallel.returncode != 0
-    assert "vision attention heads (2) do not divide over tensor_parallel_size 4" in tensor_parallel.stderr
+    assert "attention heads (4) do not divide over tensor_parallel_size 3" in tensor_parallel.stderr

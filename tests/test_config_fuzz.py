@@ -361,10 +361,6 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
                 messages = with_pil(template_messages, images)
             cases.append((messages, inputs))
         options = engine_options(random.Random(seed + 1), [inputs["input_ids"].shape[1] for _, inputs in cases])
-        vision = ModelConfig.from_dir(model_dir).vision
-        split = not (vision.num_heads % 2 or vision.intermediate_size % 2 or vision.qk_norm)
-        if options.get("mm_encoder_tp_mode") == "weights" and not split:
-            options["mm_encoder_tp_mode"] = "data"  # 1 or 3 heads, or InternViT's q/k norm over all heads: whole
         llm = LLM(str(model_dir), dtype="float32", **{"max_model_len": 2048, **options})
         poison_fresh_blocks(llm)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -4,11 +4,12 @@ order or ahead. A step every rank fails (a request's failure) fails that request
 fails on rank 0 alone leaves them out of step, which the engine says at once instead of hanging.
 
 tiny-3b has 4 query / 2 KV heads (TP=2 splits both; TP=4 replicates the KV heads) and a 2-head vision tower
-(TP=4 needs --mm-encoder-tp-mode data); tiny-7b has 1 KV head (replicated at any size) and a 4-head tower.
+(at TP=4 the engine runs it whole on each rank, mm_encoder_tp_mode data); tiny-7b has 1 KV head (replicated at any size) and a 4-head tower.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -163,13 +164,31 @@ def test_ray_backend_same_tokens(tiny_dirs):
     "name, size, mode, words",
     [
         ("tiny-3b", 3, "weights", "attention heads (4) do not divide over tensor_parallel_size 3"),
-        ("tiny-3b", 4, "weights", "vision attention heads (2)"),
         ("tiny-3b", 2, "pipeline", "mm_encoder_tp_mode must be one of weights, data; got 'pipeline'"),
     ],
 )
 def test_sizes_that_do_not_divide_fail_at_start(tiny_dirs, name, size, mode, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         LLM(str(tiny_dirs[name]), tensor_parallel_size=size, mm_encoder_tp_mode=mode)
+
+
+def test_a_vision_tower_that_cannot_split_runs_whole_on_each_rank(tiny_dirs, caplog):
+    """tiny-3b's tower has 2 heads: over 4 ranks the engine runs it whole on each (mm_encoder_tp_mode data) and
+    says so, where vLLM would pad it with empty heads; over 2 ranks, or asked for data, nothing changes."""
+    from fovea.config.engine import EngineConfig
+
+    def mode(size: int, asked: str = "weights") -> str:
+        config = EngineConfig.build(tiny_dirs["tiny-3b"], tensor_parallel_size=size, mm_encoder_tp_mode=asked)
+        return config.mm_encoder_tp_mode
+
+    logging.getLogger("fovea").addHandler(caplog.handler)  # (the fovea logger does not propagate)
+    try:
+        assert mode(4) == "data"
+        assert "the vision tower (2 heads) cannot be split over 4 ranks" in caplog.text
+        caplog.clear()
+        assert (mode(2), mode(4, "data"), mode(1)) == ("weights", "data", "weights") and not caplog.text
+    finally:
+        logging.getLogger("fovea").removeHandler(caplog.handler)
 
 
 def test_vocabulary_that_does_not_divide_is_padded():

@@ -5,6 +5,7 @@ derived (the model's own max_model_len, the encoder cache size, the KV cache's l
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from fovea.config.model import ModelConfig, resolve_model_dir, serving_dtype
 from fovea.config.quant import check_flag
 from fovea.config.video import media_io_processor_kwargs
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
+
+logger = logging.getLogger("fovea")
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
         if not 0 < config.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+        config = whole_tower_where_it_cannot_split(config)
         check_tensor_parallel(config)
         if not config.encoder_cache_size:  # a video's parts are at most one step's budget or one temporal patch
             vision = config.model.vision
@@ -222,9 +226,30 @@ def parse_buckets(text: str | list[int] | None, merge_unit: int) -> list[int]:
     return sorted(set(values))
 
 
+def whole_tower_where_it_cannot_split(config: EngineConfig) -> EngineConfig:
+    """mm_encoder_tp_mode data where the vision tower cannot be split over the ranks: its heads or MLP width do not
+    divide, or a norm spans all its heads (InternViT-6B: 25 heads, q/k norms over all of them). vLLM serves such
+    towers split (padded with empty heads); whole on each rank, the same command line serves here."""
+    vision, size = config.model.vision, config.tensor_parallel_size
+    if size <= 1 or config.mm_encoder_tp_mode != "weights":
+        return config
+    counts = {"heads": vision.num_heads, "MLP width": vision.intermediate_size}
+    why = [f"{count} {what}" for what, count in counts.items() if count % size]
+    why += ["a q/k norm over all heads"] if vision.qk_norm else []
+    if not why:
+        return config
+    logger.warning(
+        "the vision tower (%s) cannot be split over %d ranks: it runs whole on each, the images shared out "
+        "(mm_encoder_tp_mode data)",
+        ", ".join(why),
+        size,
+    )
+    return dataclasses.replace(config, mm_encoder_tp_mode="data")
+
+
 def check_tensor_parallel(config: EngineConfig) -> None:
     """Fails at start-up, with the numbers, when the model cannot be split over tensor_parallel_size ranks."""
-    size, text, vision = config.tensor_parallel_size, config.model.text, config.model.vision
+    size, text = config.tensor_parallel_size, config.model.text
     if size < 1 or config.data_parallel_size < 1:
         raise ValueError(
             f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
@@ -232,15 +257,11 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         )
     if config.mm_encoder_workers < 0:
         raise ValueError(f"mm_encoder_workers must be 0 or more, got {config.mm_encoder_workers}")
-    split = [("attention heads", text.num_heads), ("MLP width", text.intermediate_size)]
-    if config.mm_encoder_tp_mode == "weights":
-        split += [("vision attention heads", vision.num_heads), ("vision MLP width", vision.intermediate_size)]
-    for what, count in split:
+    for what, count in [("attention heads", text.num_heads), ("MLP width", text.intermediate_size)]:
         if count % size:
-            hint = " (or --mm-encoder-tp-mode data: the vision tower whole on every rank)" if "vision" in what else ""
             raise ValueError(
                 f"the model's {what} ({count}) do not divide over tensor_parallel_size {size}; "
-                f"choose a size that divides it{hint}"
+                "choose a size that divides it"
             )
     kv = text.num_kv_heads
     if (kv >= size and kv % size) or (kv < size and size % kv):
