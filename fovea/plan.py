@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fovea.config.engine import tower_split_obstacles
 from fovea.config.flags import default
 from fovea.config.image import largest_side
 from fovea.config.model import ModelConfig, serving_dtype
@@ -62,10 +63,12 @@ def count_parameters(config: ModelConfig) -> int:
     return sum(p.numel() for p in meta_model(config).parameters())
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of every weight as the engine holds it in `dtype`: quantized weights, packed integers and float32
-    scales as stored, the rest in `dtype`."""
-    return sum(p.numel() * p.element_size() for p in meta_model(config, dtype).parameters())
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of every weight as the engine holds it in `dtype` (quantized weights, packed integers and float32
+    scales as stored, the rest in `dtype`), and of the vision tower's."""
+    model = meta_model(config, dtype)
+    tower = model.visual.parameters() if model.visual is not None else ()
+    return tuple(sum(p.numel() * p.element_size() for p in params) for params in (model.parameters(), tower))
 
 
 def expert_parameters(config: ModelConfig) -> int:
@@ -85,6 +88,7 @@ def plan_memory(
     max_num_seqs: int = default("max_num_seqs"),
     gpu_memory_utilization: float = default("gpu_memory_utilization"),
     tensor_parallel_size: int = default("tensor_parallel_size"),
+    mm_encoder_tp_mode: str = default("mm_encoder_tp_mode"),
     kv_cache_dtype: str = default("kv_cache_dtype"),
     max_pixels: int | None = None,
     hf_overrides: dict | None = default("hf_overrides"),
@@ -93,8 +97,12 @@ def plan_memory(
     text, vision = config.text, config.vision
     served = serving_dtype(config.torch_dtype, dtype, "cuda")
     size = served.itemsize
-    experts = expert_parameters(config) * size
-    weights = (weight_bytes(config, served) - experts) // tensor_parallel_size + experts
+    total, tower = weight_bytes(config, served)
+    # whole on every rank: MoE experts (layers/moe.py), and a tower run data-parallel, asked or chosen (engine.py)
+    experts = whole = expert_parameters(config) * size
+    if mm_encoder_tp_mode == "data" or tower_split_obstacles(vision, tensor_parallel_size):
+        whole += tower
+    weights = (total - whole) // tensor_parallel_size + whole
     # KV heads split over the ranks, or replicated (one per rank) when there are fewer heads than ranks
     kv_heads = max(1, text.num_kv_heads // tensor_parallel_size)
     kv_values = text.num_layers * kv_heads * text.head_dim * 2  # per token

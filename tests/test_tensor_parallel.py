@@ -71,6 +71,7 @@ def run(model_dir, **engine_args) -> tuple[list, dict]:
             "kv_bytes_per_token": runner.kv_cache_bytes // (runner.num_blocks * 16),
             "ranks": runner.parallel.size if runner.parallel else 0,
             "steps_ahead": sum(steps_ahead),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
         }
         # the prompt's log-probabilities too: every rank joins in scoring them (a gathered vocabulary)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs + o.prompt_logprobs[1:]) for o in outputs], stats
@@ -105,15 +106,16 @@ def assert_same(expected, got):
     [
         ("tiny-3b", dict(tensor_parallel_size=2)),
         ("tiny-7b", dict(tensor_parallel_size=4)),
-        ("tiny-3b", dict(tensor_parallel_size=4, mm_encoder_tp_mode="data")),
+        ("tiny-3b", dict(tensor_parallel_size=4)),  # its 2-head tower whole on each rank, unasked
         ("tiny-3b", dict(tensor_parallel_size=1, distributed_executor_backend="mp")),
         # steps queued before the previous one's samples are back, which rank 0 hands the other ranks
         ("tiny-3b", dict(tensor_parallel_size=2, async_scheduling=True)),
     ],
-    ids=["3b-tp2", "7b-tp4-replicated-kv", "3b-tp4-vision-data", "3b-group-of-one", "3b-tp2-ahead"],
+    ids=["3b-tp2", "7b-tp4-replicated-kv", "3b-tp4-whole-tower", "3b-group-of-one", "3b-tp2-ahead"],
 )
 def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
-    from fovea.plan import plan_memory
+    from fovea.config.model import ModelConfig
+    from fovea.plan import meta_model, plan_memory
 
     size = engine_args["tensor_parallel_size"]
     # ranks on the CPU (gloo) where the machine has fewer GPUs than ranks, as on CI; a group of one uses the GPU
@@ -130,10 +132,11 @@ def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
     assert stats["ranks"] == size and base_stats["ranks"] == 0  # the distributed path, against the plain one
     kv_heads = {"tiny-3b": 2, "tiny-7b": 1}[name]
     assert stats["kv_bytes_per_token"] == base_stats["kv_bytes_per_token"] * max(1, kv_heads // size) // kv_heads
-    assert (
-        stats["kv_bytes_per_token"]
-        == plan_memory(tiny_dirs[name], 80, dtype="float32", tensor_parallel_size=size).kv_bytes_per_token
-    )
+    plan = plan_memory(tiny_dirs[name], 80, dtype="float32", tensor_parallel_size=size)
+    assert stats["kv_bytes_per_token"] == plan.kv_bytes_per_token
+    # and its weights (norms and some biases whole on every rank: not counted apart), a whole tower counted whole
+    tower = sum(p.numel() * 4 for p in meta_model(ModelConfig.from_dir(tiny_dirs[name])).visual.parameters())
+    assert abs(stats["weight_bytes"] - plan.weights_bytes) < tower // 3, (stats["weight_bytes"], plan.weights_bytes)
 
 
 def test_qwen3_vl_moe_same_tokens_with_replicated_experts(tmp_path_factory):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from fovea.config.flags import FLAGS, default
-from fovea.config.model import ModelConfig, resolve_model_dir, serving_dtype
+from fovea.config.model import ModelConfig, VisionConfig, resolve_model_dir, serving_dtype
 from fovea.config.quant import check_flag
 from fovea.config.video import media_io_processor_kwargs
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
@@ -226,16 +226,21 @@ def parse_buckets(text: str | list[int] | None, merge_unit: int) -> list[int]:
     return sorted(set(values))
 
 
-def whole_tower_where_it_cannot_split(config: EngineConfig) -> EngineConfig:
-    """mm_encoder_tp_mode data where the vision tower cannot be split over the ranks: its heads or MLP width do not
-    divide, or a norm spans all its heads (InternViT-6B: 25 heads, q/k norms over all of them). vLLM serves such
-    towers split (padded with empty heads); whole on each rank, the same command line serves here."""
-    vision, size = config.model.vision, config.tensor_parallel_size
-    if size <= 1 or config.mm_encoder_tp_mode != "weights":
-        return config
+def tower_split_obstacles(vision: VisionConfig, size: int) -> list[str]:
+    """Why the vision tower cannot be split over `size` ranks (none: it can): its heads or MLP width do not
+    divide, or a norm spans all its heads (InternViT-6B: 25 heads, q/k norms over all of them)."""
+    if size <= 1:
+        return []
     counts = {"heads": vision.num_heads, "MLP width": vision.intermediate_size}
     why = [f"{count} {what}" for what, count in counts.items() if count % size]
-    why += ["a q/k norm over all heads"] if vision.qk_norm else []
+    return why + (["a q/k norm over all heads"] if vision.qk_norm else [])
+
+
+def whole_tower_where_it_cannot_split(config: EngineConfig) -> EngineConfig:
+    """mm_encoder_tp_mode data where the vision tower cannot be split over the ranks. vLLM serves such towers
+    split (padded with empty heads); whole on each rank, the same command line serves here."""
+    size = config.tensor_parallel_size
+    why = tower_split_obstacles(config.model.vision, size) if config.mm_encoder_tp_mode == "weights" else []
     if not why:
         return config
     logger.warning(

@@ -318,6 +318,7 @@ PLAN_FLAGS = (
     "max_num_batched_tokens",
     "gpu_memory_utilization",
     "tensor_parallel_size",
+    "mm_encoder_tp_mode",
     "kv_cache_dtype",
     "hf_overrides",
 )
