@@ -145,12 +145,12 @@ for _size, _tp in (("4b", 1), ("12b", 1), ("27b", 2)):
         engine_kwargs={"max_model_len": 8192},
     )
 # InternVL3.5 as transformers converts it ("-HF"; bf16 weights: 8B 17 GB, 14B 30 GB, 38B 77 GB: two GPUs), images
-# 256 tokens a tile, up to 12 tiles and a thumbnail. The 38B's InternViT-6B norms q and k over all heads, so its tower
-# runs whole on each rank (mm_encoder_tp_mode data)
+# 256 tokens a tile, up to 12 tiles and a thumbnail. The 38B's InternViT-6B (25 heads, q and k normed over all of
+# them) runs whole on each rank: the engine chooses mm_encoder_tp_mode data for it
 for _size, _tp in (("1B", 1), ("2B", 1), ("4B", 1), ("8B", 1), ("14B", 1), ("38B", 2)):
     MODELS[f"internvl3.5-{_size.lower()}"] = ModelEntry(
         name=f"internvl3.5-{_size.lower()}",
         path=f"OpenGVLab/InternVL3_5-{_size}-HF",
         tensor_parallel_size=_tp,
-        engine_kwargs={"max_model_len": 8192, **({"mm_encoder_tp_mode": "data"} if _size == "38B" else {})},
+        engine_kwargs={"max_model_len": 8192},
     )
