@@ -84,7 +84,12 @@ def _encode_loop(runner, parallel: ParallelGroups) -> None:
             follow(parallel, parallel.vision_control, parallel.vision_data, runner.encode_shared, "vision tower run")
         except Exception as error:  # noqa: BLE001 - out of step with rank 0 now: stop, rank 0 reports it
             logger.exception("tensor-parallel worker %d: encoding failed", parallel.rank)
-            os._exit(OUT_OF_STEP_EXIT if isinstance(error, RanksOutOfStep) else 1)
+            os._exit(exit_code(error))
+
+
+def exit_code(error: BaseException) -> int:
+    """A worker's exit code for the error that stops it: out of step (rank 0 starts a new engine) or failed."""
+    return OUT_OF_STEP_EXIT if isinstance(error, RanksOutOfStep) else 1
 
 
 def follow(parallel: ParallelGroups, control, group: TPGroup, run: Callable[[object], object], what: str) -> None:
@@ -257,7 +262,7 @@ def _main() -> None:
         run_worker(args)
     except Exception as error:  # noqa: BLE001 - out of step with rank 0: stop, rank 0 reports it
         logger.exception("tensor-parallel worker %d failed", args.rank)
-        os._exit(OUT_OF_STEP_EXIT if isinstance(error, RanksOutOfStep) else 1)
+        os._exit(exit_code(error))
     os._exit(0)
 
 

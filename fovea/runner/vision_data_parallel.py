@@ -62,7 +62,8 @@ def gather_shares(
         padded[1 : 1 + local.shape[0]] = local
     gathered = [torch.empty_like(padded) for _ in range(group.size)]
     group.gather_into(gathered, padded)
-    failed = [rank for rank, rank_rows in enumerate(gathered) if rank_rows[0, 0] != 0]
+    flags = torch.stack([rank_rows[0, 0] for rank_rows in gathered]).tolist()  # (one read of the device)
+    failed = [rank for rank, flag in enumerate(flags) if flag]
     if failed and mine is not None:
         raise RuntimeError(f"the vision tower failed on tensor-parallel rank {failed[0]} (its log has the error)")
     return [rank_rows[1:] for rank_rows in gathered]
