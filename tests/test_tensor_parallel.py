@@ -22,6 +22,7 @@ from test_engine_vs_hf import assert_engine_idle
 from fovea import LLM, SamplingParams, distributed
 from fovea.core.sampling_params import RequestOutputKind
 from fovea.engine.engine import StepFailed
+from fovea.runner import tp_workers
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 SHARED = "A shared opening that is long enough to fill several KV blocks of sixteen tokens each, " * 3
@@ -232,7 +233,7 @@ def test_vocabulary_that_does_not_divide_is_padded():
 
 
 # Installed in the test's process, and through a sitecustomize module in the processes started with
-# FOVEA_TEST_POISON_RANKS set ("all"; "0": not in the workers; "workers": only there): a step holding the POISON token raises in the
+# FOVEA_TEST_POISON_RANKS set ("all"; "0": not in the workers; "workers": only there, processes or Ray actors): a step holding the POISON token raises in the
 # decoder's second layer (after the first one's collectives), and so does the vision tower run over an image of
 # POISON_PATCHES patches.
 POISON_HOOK = """
@@ -272,7 +273,8 @@ def install(set_attribute):
     set_attribute(ModelRunner, "_encode_pixels", poisoned_encode_pixels)
 
 
-ranks, worker = os.environ.get("FOVEA_TEST_POISON_RANKS"), "fovea.runner.tp_workers" in sys.orig_argv
+ranks = os.environ.get("FOVEA_TEST_POISON_RANKS")
+worker = "fovea.runner.tp_workers" in sys.orig_argv or any(arg.endswith("default_worker.py") for arg in sys.orig_argv)
 if ranks == "all" or (ranks == "0" and not worker) or (ranks == "workers" and worker):
     install(setattr)
 if worker and os.environ.get("FOVEA_TEST_SETTLE_WAIT_S"):  # a worker's wait for rank 0's word, shortened
@@ -293,8 +295,8 @@ def poison_hook(tmp_path, monkeypatch):
     def install(on_rank_0: bool, on_workers: bool) -> None:
         if on_rank_0:
             hook["install"](monkeypatch.setattr)
-        if on_workers:
-            monkeypatch.setenv("FOVEA_TEST_POISON_RANKS", "all")
+        if on_workers:  # (only in the workers where rank 0 has not the hook: Ray starts processes of its own too)
+            monkeypatch.setenv("FOVEA_TEST_POISON_RANKS", "all" if on_rank_0 else "workers")
 
     return install
 
@@ -388,17 +390,42 @@ def test_a_step_that_fails_on_rank_0_alone_stops_the_engine_at_once(tiny_dirs, p
     llm.close()
 
 
-def test_a_step_that_fails_on_a_worker_alone_is_out_of_step_not_a_dead_worker(tiny_dirs, poison_hook, monkeypatch):
-    """The worker failed in the second layer while rank 0 waits in that layer's collective: no word comes from
-    rank 0 within SETTLE_WAIT_S (2 s here), so the worker leaves out of step, and the engine says RanksOutOfStep
-    (in a server a new engine process starts), not WorkerDied (the server would stop)."""
+@pytest.mark.parametrize(
+    "backend, job", [("mp", "step"), ("mp", "vision tower run"), ("ray", "vision tower run")], ids=lambda v: v[:5]
+)
+def test_a_job_that_fails_on_a_worker_alone_is_out_of_step_not_a_dead_worker(
+    tiny_dirs, poison_hook, monkeypatch, backend, job
+):
+    """The worker failed a step in its second layer (or a tower run, before its collectives) while rank 0 waits in
+    a collective: no word comes from rank 0 within SETTLE_WAIT_S (2 s here), so the worker leaves out of step,
+    and the engine says RanksOutOfStep (in a server a new engine process starts), not WorkerDied (the server
+    would stop). A Ray actor's tower loop is a thread of its own: it says so through the actor's run too."""
     monkeypatch.setenv("FOVEA_TEST_SETTLE_WAIT_S", "2")
     poison_hook(on_rank_0=False, on_workers=True)
-    llm = LLM(str(tiny_dirs["tiny-3b"]), tensor_parallel_size=2, **POISON_OPTIONS)
-    add_poisoned_requests(llm)
-    start = time.monotonic()
-    with pytest.raises(distributed.RanksOutOfStep, match=r"rank 1 stopped \(pid \d+, exit code 3\); it was out of"):
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-    assert time.monotonic() - start < 20
-    llm.close()
+    if backend == "ray":  # (after the hook: Ray's worker processes start with it)
+        ray = pytest.importorskip("ray")
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        llm = LLM(
+            str(tiny_dirs["tiny-3b"]), tensor_parallel_size=2, distributed_executor_backend=backend, **POISON_OPTIONS
+        )
+        if job == "step":
+            add_poisoned_requests(llm)
+        else:
+            prompt = {"prompt": IMAGE + "Describe this.", "multi_modal_data": {"image": random_image(252, 196)}}
+            llm.engine.add_request(llm.inputs.make_request("poison", llm.inputs.process(prompt), POISON_PARAMS))
+        start, workers = time.monotonic(), llm.engine.workers
+        with pytest.raises(distributed.RanksOutOfStep):
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+        assert time.monotonic() - start < 20
+        # how the worker ended, which rank 0's watcher reads (in a server: a new engine, not a stopped server)
+        if backend == "mp":
+            assert workers.processes[0].wait(timeout=30) == tp_workers.OUT_OF_STEP_EXIT
+        else:
+            with pytest.raises(distributed.RanksOutOfStep, match=f"a {job} failed on this rank alone"):
+                ray.get(next(iter(workers.runs)), timeout=30)
+        llm.close()
+    finally:
+        if backend == "ray":
+            ray.shutdown()

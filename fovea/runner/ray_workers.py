@@ -5,12 +5,13 @@ or a `ray.init()` done by the caller) and reserves one bundle per rank in a plac
 node, is rank 0's (the engine process itself; in a server, the replica's actor, in the group RayEngineCore made);
 ranks 1..N-1 run as actors in the other bundles, packed onto as few nodes as fit. The ranks then meet over
 torch.distributed exactly as local worker processes do (NCCL between GPUs, across nodes too); Ray only places and
-watches them. An actor that dies is fatal, as a worker process is; one whose step failed there alone, leaving it
-out of step with rank 0, raises RanksOutOfStep, and a new engine starts (a tower run's: the actor exits, fatal).
+watches them. An actor that dies is fatal, as a worker process is; one whose step or vision tower run failed there
+alone, leaving it out of step with rank 0, raises RanksOutOfStep, and a new engine starts.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import torch
@@ -27,7 +28,21 @@ class _Rank:
         return int(ray.get_gpu_ids()[0])
 
     def run(self, args: WorkerArgs) -> None:
-        run_worker(args)
+        """Raises the error that ended the rank's step loop or its tower loop (a thread's: an actor that exits
+        there reads as dead to rank 0, whatever the cause), so that rank 0's watcher sees which."""
+        ended: queue.SimpleQueue = queue.SimpleQueue()
+
+        def serve() -> None:
+            try:
+                run_worker(args, ended.put)
+                ended.put(None)
+            except Exception as error:  # noqa: BLE001 - it could not start
+                ended.put(error)
+
+        threading.Thread(target=serve, daemon=True).start()
+        error = ended.get()
+        if error is not None:
+            raise error
 
 
 class RayWorkers(TPWorkers):
@@ -63,7 +78,10 @@ class RayWorkers(TPWorkers):
             actor = place(rank).remote()
             self.actors.append(actor)
             # Ray shows each actor only its own GPU: it is device 0 there
-            self.runs[actor.run.remote(WorkerArgs(config, rank, 0, address, port, torch.get_num_threads()))] = rank
+            self.runs[actor.run.remote(WorkerArgs(config, rank, 0, address, port, torch.get_num_threads()))] = (
+                rank,
+                actor,
+            )
         threading.Thread(target=self._watch, daemon=True).start()
         return address, port
 
@@ -76,9 +94,13 @@ class RayWorkers(TPWorkers):
             ray.get(done[0])
             how = "it returned"
         except Exception as error:  # noqa: BLE001 - the actor died or raised: its message says which
-            how = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            cause = getattr(error, "cause", error)  # a RayTaskError's: what the actor raised
+            how = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]}"
             out_of_step = isinstance(error, RanksOutOfStep)  # (Ray's error is also an instance of its cause's class)
-        self._report(self.runs[done[0]], how, out_of_step)
+        rank, actor = self.runs[done[0]]
+        if out_of_step:  # its other loop still holds its connections: rank 0 may be waiting on it in a collective
+            ray.kill(actor)
+        self._report(rank, how, out_of_step)
 
     def _stop(self) -> None:
         import ray

@@ -62,8 +62,9 @@ def worker_config(config: EngineConfig, local_rank: int) -> EngineConfig:
     return dataclasses.replace(config, device=device)
 
 
-def run_worker(args: WorkerArgs) -> None:
-    """A rank above 0, until rank 0 says stop (or its stdin / a peer's connection closes)."""
+def run_worker(args: WorkerArgs, stop: Callable[[BaseException], None]) -> None:
+    """A rank above 0, until rank 0 says stop (or its stdin / a peer's connection closes). Its two loops (steps
+    here, vision tower runs in a thread) hand the error that ends either to `stop`, which must end the rank."""
     from fovea.runner.model_runner import ModelRunner
 
     torch.set_num_threads(args.num_threads)
@@ -73,18 +74,24 @@ def run_worker(args: WorkerArgs) -> None:
     )
     runner = ModelRunner(config, parallel)
     freeze_startup_heap()  # (core/memory.py): a rank's pause stops every rank's step
-    threading.Thread(target=_encode_loop, args=(runner, parallel), name="fovea-tp-encoder", daemon=True).start()
-    follow(parallel, parallel.lm_control, parallel.lm, runner.run_worker_step, "step")
+    threading.Thread(target=_encode_loop, args=(runner, parallel, stop), name="fovea-tp-encoder", daemon=True).start()
+    _follow_or_stop(stop, parallel, parallel.lm_control, parallel.lm, runner.run_worker_step, "step")
 
 
-def _encode_loop(runner, parallel: ParallelGroups) -> None:
+def _encode_loop(runner, parallel: ParallelGroups, stop: Callable[[BaseException], None]) -> None:
     stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
     with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-        try:
-            follow(parallel, parallel.vision_control, parallel.vision_data, runner.encode_shared, "vision tower run")
-        except Exception as error:  # noqa: BLE001 - out of step with rank 0 now: stop, rank 0 reports it
-            logger.exception("tensor-parallel worker %d: encoding failed", parallel.rank)
-            os._exit(exit_code(error))
+        _follow_or_stop(
+            stop, parallel, parallel.vision_control, parallel.vision_data, runner.encode_shared, "vision tower run"
+        )
+
+
+def _follow_or_stop(stop: Callable[[BaseException], None], parallel: ParallelGroups, *job) -> None:
+    try:
+        follow(parallel, *job)
+    except Exception as error:  # noqa: BLE001 - out of step with rank 0, or a peer gone: this rank ends
+        logger.exception("tensor-parallel worker %d: its %s loop stopped", parallel.rank, job[-1])
+        stop(error)
 
 
 def exit_code(error: BaseException) -> int:
@@ -258,11 +265,7 @@ def _main() -> None:
     args = pickle.load(sys.stdin.buffer)
     # stdin stays open while rank 0 lives: at end-of-file there is nobody left to serve
     threading.Thread(target=lambda: (sys.stdin.buffer.read(), os._exit(0)), daemon=True).start()
-    try:
-        run_worker(args)
-    except Exception as error:  # noqa: BLE001 - out of step with rank 0: stop, rank 0 reports it
-        logger.exception("tensor-parallel worker %d failed", args.rank)
-        os._exit(exit_code(error))
+    run_worker(args, lambda error: os._exit(exit_code(error)))  # (rank 0 reads why from the exit code)
     os._exit(0)
 
 
