@@ -54,6 +54,14 @@ class FeedForward(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def mlp_quant(cfg: TextConfig, layer_index: int) -> tuple:
+    """What a decoder layer's gate|up and down projections are built with (GatedMLP's `quant`)."""
+    return (
+        layer_quant(cfg.quant, layer_index, ("mlp.gate_proj", "mlp.up_proj")),
+        layer_quant(cfg.quant, layer_index, ("mlp.down_proj",)),
+    )
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
         super().__init__()
@@ -107,10 +115,7 @@ class DecoderLayer(nn.Module):
         if cfg.moe is not None and layer_index in cfg.moe.sparse_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
         else:
-            quant = (
-                layer_quant(cfg.quant, layer_index, ("mlp.gate_proj", "mlp.up_proj")),
-                layer_quant(cfg.quant, layer_index, ("mlp.down_proj",)),
-            )
+            quant = mlp_quant(cfg, layer_index)
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, fused, quant, cfg.hidden_act)
 
     def forward(self, x, residual, cos, sin, meta):

@@ -3,7 +3,9 @@ written by its format's rule, with the dense checkpoint of exactly the dequantiz
 quantized model must compute.
 
 The language model's projections (q, k, v, o, gate, up, down of every decoder layer) are quantized; the vision
-tower, embeddings and LM head stay as they are, as in Qwen's published FP8 and AWQ checkpoints:
+tower, its projector, the embeddings and the LM head stay as they are, as in the published FP8, W8A8 and AWQ
+checkpoints of every family (Qwen's own, llm-compressor's of Gemma 3 and LLaVA), and the ignore lists name them
+in every family's layout:
 - `fp8-block`: transformers' FineGrainedFP8 (Qwen's FP8 uploads): float8_e4m3fn weights, a float32
   `weight_scale_inv` per block (the factor that multiplies them back), scale = block max / 448;
 - `fp8-tensor`: AutoFP8's form: one float32 `weight_scale` per tensor, no block size in the config;
@@ -33,8 +35,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 FP8_MAX = 448.0  # float8_e4m3fn's largest value
 
 
+TOWERS = ("visual", "vision_tower", "multi_modal_projector")  # the families' towers and projectors, any layout
+
+
 def is_projection(name: str) -> bool:
-    return ".layers." in name and "visual" not in name and name.rsplit(".", 2)[-2] in PROJECTIONS
+    return ".layers." in name and not any(t in name for t in TOWERS) and name.rsplit(".", 2)[-2] in PROJECTIONS
 
 
 def write_quantized_checkpoint(
@@ -125,10 +130,10 @@ def quantization_config(fmt: str, block: tuple[int, int], group_size: int) -> di
             "activation_scheme": "dynamic",
             "fmt": "e4m3",
             "weight_block_size": list(block),
-            "modules_to_not_convert": ["visual", "lm_head"],
+            "modules_to_not_convert": [*TOWERS, "lm_head"],
         }
     if fmt == "fp8-tensor":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["visual", "lm_head"]}
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": [*TOWERS, "lm_head"]}
     if fmt == "awq":
         return {
             "quant_method": "awq",
@@ -136,7 +141,7 @@ def quantization_config(fmt: str, block: tuple[int, int], group_size: int) -> di
             "group_size": group_size,
             "zero_point": True,
             "version": "gemm",
-            "modules_to_not_convert": ["visual"],
+            "modules_to_not_convert": list(TOWERS),
         }
     kind = "int" if fmt == "int8-channel" else "float"
     scheme = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": False, "strategy": "channel"}
@@ -146,6 +151,6 @@ def quantization_config(fmt: str, block: tuple[int, int], group_size: int) -> di
         "format": f"{kind}-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme, "input_activations": activations}},
-        "ignore": ["lm_head", "re:.*visual.*"],
+        "ignore": ["lm_head", *(f"re:.*{tower}.*" for tower in TOWERS)],
         "kv_cache_scheme": None,
     }
