@@ -123,10 +123,15 @@ def plan_adapter(
                             "trained copies of modules are not supported)")  # fmt: skip
         modules.setdefault(match["module"], {})[match["kind"]] = name
     plan: dict[LinearBase, list[Piece]] = {}
+    unused = 0  # modules the model never runs
     for module, pair in modules.items():
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"adapter {path}: {module} has lora_{''.join(pair)} without its other half")
-        layer, shard = find_layer(model, module, path)
+        found = find_layer(model, module, path)
+        if found is None:
+            unused += 1
+            continue
+        layer, shard = found
         a, b = (adapter.tensors[pair[kind]] for kind in "AB")
         outputs = layer.output_size if shard is None else layer.output_piece(shard)[1]
         shapes_fit = a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[1] >= 1
@@ -147,12 +152,16 @@ def plan_adapter(
                 raise LoRAError(f"adapter {path}: {module}'s lora_{kind} (scaled) holds values beyond {MAX_WEIGHT:g}")
         plan.setdefault(layer, []).append((shard, pair["A"], pair["B"], scaling))
     if not plan:
-        raise LoRAError(f"adapter {path} holds no LoRA tensors")
+        runs = f" for modules this model runs ({unused} of its modules it never runs)" if unused else ""
+        raise LoRAError(f"adapter {path} holds no LoRA tensors{runs}")
     return plan
 
 
-def find_layer(model: nn.Module, module: str, path: Path) -> tuple[LinearBase, object]:
-    """Our linear layer (and piece of it) that the adapter's checkpoint module name stands for."""
+def find_layer(model: nn.Module, module: str, path: Path) -> tuple[LinearBase, object] | None:
+    """Our linear layer (and piece of it) that the adapter's checkpoint module name stands for; None for a module
+    the model never runs (a tower layer past the one its features come from: PEFT adapts it, to no effect)."""
+    if model.rename(module + ".weight") is None:
+        return None
     mapped = model.map_checkpoint_name(module + ".weight")
     if mapped is None:  # a head tied to the embeddings
         raise LoRAError(f"adapter {path} changes {module}: LoRA there is not supported")
