@@ -28,7 +28,8 @@ What is drawn, per family:
 - Gemma 3: 1-4 decoder layers, every one, every second or every third seeing all keys and the others a window of
   4-64, the scores' scale its own (query_pre_attn_scalar), the global layers' RoPE scaled as any decoder's;
   its SigLIP tower 1-3 layers of 1-4 heads;
-- InternVL: a Qwen2 or Qwen3 decoder; its InternViT tower 1-3 layers of 1-4 heads, LayerNorm or RMSNorm, q/k/v
+- InternVL: a Qwen2, Qwen3 or Qwen3-MoE decoder (the experts drawn as Qwen3-VL-MoE's, each expert's matrices
+  stored apart, and sliding windows in every layer when on); its InternViT tower 1-3 layers of 1-4 heads, LayerNorm or RMSNorm, q/k/v
   biases or none, q/k norms or none, mean-pooled or with a last norm, features from the last or the second-to-last
   layer, layer scales of 0.1 or 1, tiles of 56 px cut 1-4 or 1-6 at a time (the base's processor).
 Weights are drawn wider than transformers' default (initializer_range 0.1): with its 0.02 a model's logits are so
@@ -131,6 +132,15 @@ def sliding_windows(rng: random.Random, layers: int) -> dict:
                 max_window_layers=rng.randint(0, layers))  # fmt: skip
 
 
+def experts(rng: random.Random, layers: int) -> dict:
+    """A Qwen3-MoE decoder's experts: 2 or 4 of width 16, 20 (not a multiple of 8: the loop, not the grouped
+    products) or 24, 1 or 2 per token, a sparse step of 1 or 2, any dense (mlp_only) layers."""
+    count = rng.choice([2, 4])
+    return dict(num_experts=count, num_experts_per_tok=min(rng.choice([1, 2]), count),
+                moe_intermediate_size=rng.choice([16, 20, 24]), decoder_sparse_step=rng.choice([1, 2]),
+                mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))))  # fmt: skip
+
+
 def draw(family: str, rng: random.Random) -> dict:
     """A config.json's content for `family` (transformers' config class takes it as keyword arguments)."""
     tied = rng.random() < 0.5
@@ -164,13 +174,15 @@ def draw(family: str, rng: random.Random) -> dict:
                     boi_token_index=GEMMA_BOI, eoi_token_index=GEMMA_EOI, tie_word_embeddings=tied,
                     initializer_range=INIT)  # fmt: skip
     if family == "internvl":
-        kind = rng.choice(["qwen2", "qwen3"])
-        text, _ = decoder(rng, explicit_head_dim=kind == "qwen3")
+        kind = rng.choice(["qwen2", "qwen3", "qwen3_moe"])
+        text, _ = decoder(rng, explicit_head_dim=kind != "qwen2")
         rope = {"rope_type": "default", "rope_theta": rng.choice([1e4, 1e6]), **rope_scaling(rng)}
         text.update(model_type=kind, vocab_size=INTERNVL_VOCAB, rope_parameters=rope,
                     **sliding_windows(rng, text["num_hidden_layers"]))  # fmt: skip
-        if kind == "qwen3":
+        if kind != "qwen2":
             text["attention_bias"] = rng.random() < 0.3
+        if kind == "qwen3_moe":
+            text.update(experts(rng, text["num_hidden_layers"]))
         heads, layers = rng.choice([1, 2, 4]), rng.randint(1, 3)
         vision = dict(hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads, num_hidden_layers=layers,
                       intermediate_size=rng.choice([32, 64]), image_size=56, patch_size=14,
@@ -209,11 +221,7 @@ def draw(family: str, rng: random.Random) -> dict:
                       deepstack_visual_indexes=sorted(rng.sample(range(depth), rng.randint(1, min(3, depth)))),
                       hidden_act=rng.choice(["gelu_pytorch_tanh", "gelu", "silu"]))  # fmt: skip
         if family == "qwen3-vl-moe":
-            layers = text["num_hidden_layers"]
-            text.update(num_experts=rng.choice([2, 4]), num_experts_per_tok=rng.choice([1, 2]),
-                        moe_intermediate_size=rng.choice([16, 20, 24]), decoder_sparse_step=rng.choice([1, 2]),
-                        mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))))  # fmt: skip
-            text["num_experts_per_tok"] = min(text["num_experts_per_tok"], text["num_experts"])
+            text.update(experts(rng, text["num_hidden_layers"]))
     vision["initializer_range"] = INIT
     return dict(text_config=text, vision_config=vision, tie_word_embeddings=tied)
 

@@ -1,6 +1,7 @@
 """InternVL against transformers (fp32, tiny random checkpoints written by transformers itself): the tiles and
 their pixels equal GotOcr2ImageProcessor's, a chat's prompt ids InternVLProcessor's, the logits transformers' for
-text, one image and two images of odd sizes (InternViT-300M's tower and InternViT-6B's, Qwen3 and Qwen2 decoders),
+text, one image and two images of odd sizes (InternViT-300M's tower and InternViT-6B's, Qwen3, Qwen3-MoE and Qwen2
+decoders),
 and the engine's greedy tokens transformers' generate while chunks cut through images, prefixes come from the cache,
 sequences are preempted, and over two tensor-parallel ranks."""
 
@@ -32,6 +33,8 @@ def checkpoints(tmp_path_factory):
             root / "6b", seed=2, tower="6b", decoder="qwen2", tie_word_embeddings=True, vision_feature_layer=-2
         ),
         "post-norm": write_internvl_checkpoint(root / "post", seed=3, tower="post-norm", max_patches=4),
+        # InternVL3.5's MoE decoders: Qwen3-MoE's, each expert's matrices stored apart
+        "moe": write_internvl_checkpoint(root / "moe", seed=4, decoder="qwen3_moe"),
     }
 
 
@@ -109,7 +112,15 @@ def logits_pair(model_dir, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "checkpoint, kind",
-    [("300m", "text"), ("300m", "one_image"), ("300m", "two_images"), ("6b", "two_images"), ("post-norm", "one_image")],
+    [
+        ("300m", "text"),
+        ("300m", "one_image"),
+        ("300m", "two_images"),
+        ("6b", "two_images"),
+        ("post-norm", "one_image"),
+        ("moe", "text"),
+        ("moe", "two_images"),
+    ],
 )
 def test_logits_match_transformers(checkpoints, checkpoint, kind):
     ours, theirs = logits_pair(checkpoints[checkpoint], kind)
@@ -191,7 +202,8 @@ def test_config_read_as_transformers_reads_it():
     assert ours.image.max_tiles == 12 and ours.image.image_mean == (0.48145466, 0.4578275, 0.40821073)
 
 
-def test_engine_greedy_matches_transformers(checkpoints):
+@pytest.mark.parametrize("checkpoint", ["300m", "moe"])
+def test_engine_greedy_matches_transformers(checkpoints, checkpoint):
     """Greedy tokens and their log-probabilities (within 1e-4) against transformers' generate: a budget of 16
     tokens (chunks end inside images of 16-28 tokens), prompts repeated (prefix cache), 10 blocks of 16 for six
     prompts (preemption)."""
@@ -199,7 +211,7 @@ def test_engine_greedy_matches_transformers(checkpoints):
 
     from fovea import LLM, SamplingParams
 
-    model_dir = checkpoints["300m"]
+    model_dir = checkpoints[checkpoint]
     cases = [chat(kind) for kind in ("two_images", "one_image", "text", "two_images", "one_image", "text")]
     llm = LLM(
         str(model_dir),
@@ -303,6 +315,9 @@ def test_embeddings_of_a_tiled_image_give_its_tokens(checkpoints):
         assert abs(next(iter(mine.values())).logprob - next(iter(theirs.values())).logprob) <= 1e-4
 
 
+CAUSAL_LMS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def original_upload(hf_dir, out):
     """The checkpoint as OpenGVLab uploads InternVL (InternVLChatModel: `llm_config`, InternViT's keys, the image
     settings in config.json, qkv fused, `vision_model.*` and `mlp1.*`): transformers' conversion, undone."""
@@ -319,7 +334,7 @@ def original_upload(hf_dir, out):
     config = {
         "architectures": ["InternVLChatModel"],
         "model_type": "internvl_chat",
-        "llm_config": {**hf["text_config"], "architectures": ["Qwen3ForCausalLM"]},
+        "llm_config": {**hf["text_config"], "architectures": [CAUSAL_LMS[hf["text_config"]["model_type"]]]},
         "vision_config": {
             "hidden_size": tower["hidden_size"],
             "num_hidden_layers": tower["num_hidden_layers"],
@@ -372,14 +387,15 @@ def original_upload(hf_dir, out):
     return out
 
 
-def test_internvls_own_uploads_are_the_same_model(checkpoints, tmp_path):
+@pytest.mark.parametrize("checkpoint", ["300m", "moe"])
+def test_internvls_own_uploads_are_the_same_model(checkpoints, tmp_path, checkpoint):
     """InternVL as OpenGVLab uploads it (InternVLChatModel) loads to the model transformers' conversion gives (every
     tensor equal), reads its image settings from config.json, and takes "<image>" in a text prompt as vLLM does:
     the same prompt ids and greedy tokens."""
     from fovea import LLM, SamplingParams
     from fovea.multimodal.prompt import PromptProcessor
 
-    source = checkpoints["300m"]
+    source = checkpoints[checkpoint]
     original = original_upload(source, tmp_path / "original")
     ours, _ = load_model(original, dtype="float32")
     theirs, _ = load_model(source, dtype="float32")

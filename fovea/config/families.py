@@ -20,13 +20,14 @@ from fovea.config.hf_keys import (
     eos_from_files,
     eos_ids,
     fixed_size_tower,
+    moe_config,
     parse_text,
     text_keys,
     token_id_in_files,
 )
 from fovea.config.image import ImageProcessorConfig
 from fovea.config.internvl import parse_internvl, parse_internvl_chat
-from fovea.config.model import ModelConfig, MoEConfig, TextConfig, VisionConfig
+from fovea.config.model import ModelConfig, TextConfig, VisionConfig
 from fovea.config.quant import parse_quant_config
 from fovea.config.video import TimestampedVideoOptions
 
@@ -203,18 +204,8 @@ def parse_qwen3_vl_moe(raw: dict, preprocessor: dict) -> ModelConfig:
     """Qwen3-VL-MoE: Qwen3-VL with experts in place of the MLP of every `decoder_sparse_step`-th layer that
     `mlp_only_layers` does not name."""
     config = parse_qwen3_vl(raw, preprocessor)
-    keys = text_keys(raw)
-    experts = keys.get("num_experts") or keys.get("num_local_experts") or 0  # transformers 5 writes the latter
-    step, dense = keys.get("decoder_sparse_step", 1), set(keys.get("mlp_only_layers") or ())
-    layers = config.text.num_layers
-    moe = MoEConfig(
-        num_experts=experts,
-        top_k=keys.get("num_experts_per_tok", 8),
-        intermediate_size=keys["moe_intermediate_size"],
-        sparse_layers=tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0),
-        norm_topk_prob=keys.get("norm_topk_prob", True),
-        hub_layout=int(str(raw.get("transformers_version", "5")).split(".")[0]) < 5,
-    )
+    hub_layout = int(str(raw.get("transformers_version", "5")).split(".")[0]) < 5
+    moe = moe_config(text_keys(raw), config.text.num_layers, hub_layout)
     return dataclasses.replace(config, text=dataclasses.replace(config.text, moe=moe))
 
 

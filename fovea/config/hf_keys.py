@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fovea.config.model import RopeScaling, TextConfig, VisionConfig, read_json, resolve_dtype
+from fovea.config.model import MoEConfig, RopeScaling, TextConfig, VisionConfig, read_json, resolve_dtype
 
 
 def text_keys(raw: dict) -> dict:
@@ -78,6 +78,21 @@ def parse_text(
 
 
 ROPE_KINDS = ("default", "linear", "yarn", "llama3")
+
+
+def moe_config(keys: dict, num_layers: int, hub_layout: bool = False) -> MoEConfig:
+    """A Qwen3-MoE decoder's experts (Qwen3-VL-MoE's, InternVL3.5's): in every `decoder_sparse_step`-th layer
+    that `mlp_only_layers` does not name."""
+    experts = keys.get("num_experts") or keys.get("num_local_experts") or 0  # transformers 5 writes the latter
+    step, dense = keys.get("decoder_sparse_step", 1), set(keys.get("mlp_only_layers") or ())
+    return MoEConfig(
+        num_experts=experts,
+        top_k=keys.get("num_experts_per_tok", 8),
+        intermediate_size=keys["moe_intermediate_size"],
+        sparse_layers=tuple(i for i in range(num_layers) if experts and i not in dense and (i + 1) % step == 0),
+        norm_topk_prob=keys.get("norm_topk_prob", True),
+        hub_layout=hub_layout,
+    )
 
 
 def parse_rope_scaling(rope: dict, raw: dict) -> RopeScaling:

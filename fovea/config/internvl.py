@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fovea.config.hf_keys import checkpoint_dtype, eos_ids, fixed_size_tower, parse_text, text_keys
+from fovea.config.hf_keys import checkpoint_dtype, eos_ids, fixed_size_tower, moe_config, parse_text, text_keys
 from fovea.config.image import ImageProcessorConfig
 from fovea.config.model import ModelConfig
 
@@ -26,20 +26,32 @@ INTERNVIT_DEFAULTS = dict(  # InternVLVisionConfig's defaults (InternViT-300M)
 )
 # the language models InternVL checkpoints end in, by text_config's model_type: (q/k/v biases as parse_text
 # takes them, q/k norms, the default max_window_layers where the decoder has Qwen2's sliding windows)
-INTERNVL_DECODERS = {"qwen2": (True, False, 28), "qwen3": (None, True, 28), "llama": (None, False, None)}
+INTERNVL_DECODERS = {
+    "qwen2": (True, False, 28),
+    "qwen3": (None, True, 28),
+    "qwen3_moe": (None, True, 0),  # InternVL3.5-30B-A3B and -241B-A28B: experts in its MLPs; windows in every layer
+    "llama": (None, False, None),
+}
 
 
 def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
     """InternVL (2.5, 3, 3.5 as transformers converts them, "-hf"): an InternViT tower over 448 px tiles, each
     tile's 32 x 32 patch features pixel-shuffled 2 x 2 into 256 tokens through an MLP projector, and a Qwen2, Qwen3
-    or Llama decoder; 1-D RoPE. Each image's tokens sit between <img> and </img>, which the processor adds."""
+    or Llama decoder (Qwen3's with experts too); 1-D RoPE. Each image's tokens sit between <img> and </img>, which the processor adds."""
     text_raw = raw.get("text_config") or {}
     kind = text_raw.get("model_type", "qwen2")
     if kind not in INTERNVL_DECODERS:
-        raise ValueError(f"InternVL with a {kind!r} language model is not supported; fovea runs qwen2, qwen3, llama")
+        raise ValueError(
+            f"InternVL with a {kind!r} language model is not supported; fovea runs {', '.join(INTERNVL_DECODERS)}"
+        )
     bias, qk_norm, window_layers = INTERNVL_DECODERS[kind]
     mlp_bias = kind == "llama" and bool(text_raw.get("mlp_bias", False))
-    text = parse_text(text_keys(raw), False, bias, qk_norm=qk_norm, window_layers=window_layers, mlp_bias=mlp_bias)
+    keys = text_keys(raw)
+    if kind == "qwen3_moe":  # transformers' Qwen3-MoE slides in every layer, whatever max_window_layers says
+        keys = {key: value for key, value in keys.items() if key not in ("max_window_layers", "layer_types")}
+    text = parse_text(keys, False, bias, qk_norm=qk_norm, window_layers=window_layers, mlp_bias=mlp_bias)
+    if kind == "qwen3_moe":
+        text = dataclasses.replace(text, moe=moe_config(keys, text.num_layers))
     vision = {**INTERNVIT_DEFAULTS, **(raw.get("vision_config") or {})}
     ratio, layer = raw.get("downsample_ratio", 0.5), raw.get("vision_feature_layer", -1)
     merge, side, patch = round(1 / ratio), vision["image_size"], vision["patch_size"]
@@ -82,7 +94,12 @@ def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
 
 
 # InternVL's own uploads (remote code, `InternVLChatModel`): their config keys -> transformers' InternVLConfig's
-INTERNVL_CHAT_DECODERS = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+INTERNVL_CHAT_DECODERS = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+}
 INTERNVIT_KEYS = {"qkv_bias": "attention_bias", "qk_normalization": "use_qk_norm"}
 IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
 

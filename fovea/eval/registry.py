@@ -146,8 +146,9 @@ for _size, _tp in (("4b", 1), ("12b", 1), ("27b", 2)):
     )
 # InternVL3.5 as transformers converts it ("-HF"; bf16 weights: 8B 17 GB, 14B 30 GB, 38B 77 GB: two GPUs), images
 # 256 tokens a tile, up to 12 tiles and a thumbnail. The 38B's InternViT-6B (25 heads, q and k normed over all of
-# them) runs whole on each rank: the engine chooses mm_encoder_tp_mode data for it
-for _size, _tp in (("1B", 1), ("2B", 1), ("4B", 1), ("8B", 1), ("14B", 1), ("38B", 2)):
+# them) runs whole on each rank: the engine chooses mm_encoder_tp_mode data for it. The 30B-A3B (Qwen3-MoE decoder,
+# 61 GB) stays on one GPU, as Qwen3-VL's MoE does
+for _size, _tp in (("1B", 1), ("2B", 1), ("4B", 1), ("8B", 1), ("14B", 1), ("38B", 2), ("30B-A3B", 1)):
     MODELS[f"internvl3.5-{_size.lower()}"] = ModelEntry(
         name=f"internvl3.5-{_size.lower()}",
         path=f"OpenGVLab/InternVL3_5-{_size}-HF",

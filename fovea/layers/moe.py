@@ -41,8 +41,14 @@ class Experts(nn.Module):
             self.register_parameter(name, param)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        """Either orientation: a non-square matrix's shape says which it is; a square one is read as the
-        checkpoint's transformers version wrote it (`hub_layout`)."""
+        """All experts stacked, in either orientation: a non-square matrix's shape says which it is; a square one
+        is read as the checkpoint's transformers version wrote it (`hub_layout`). Or one expert's matrix
+        (Qwen3-MoE's checkpoints): `shard_id` (expert, piece), the piece 0 or 1 of gate|up."""
+        if shard_id is not None:
+            expert, piece = shard_id
+            rows = param.shape[1] // 2 if param is self.gate_up_proj else param.shape[1]
+            LinearBase._copy(param[expert, piece * rows : (piece + 1) * rows], loaded, "an expert's matrix")
+            return
         flip = loaded.shape != param.shape if loaded.shape[1] != loaded.shape[2] else self.hub_layout
         LinearBase._copy(param, loaded.transpose(1, 2) if flip else loaded)
 
@@ -68,6 +74,12 @@ class Experts(nn.Module):
             y = F.linear(gated, self.down_proj[expert]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
+
+
+def expert_pieces(experts: Experts, name: str) -> set:
+    """The (expert, piece) slices that make one of the stacked tensors whole (loaded from Qwen3-MoE's layout)."""
+    pieces = 2 if name == "gate_up_proj" else 1
+    return {(expert, piece) for expert in range(experts.gate_up_proj.shape[0]) for piece in range(pieces)}
 
 
 class SparseMoE(nn.Module):

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from fovea.config.model import ModelConfig, resolve_dtype, resolve_model_dir
 from fovea.distributed import SINGLE, TPGroup, tensor_parallel
 from fovea.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from fovea.layers.moe import Experts, expert_pieces
 from fovea.models.base import ModelOptions, VisionLanguageModel
 from fovea.models.registry import family
 
@@ -48,8 +49,10 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _required_shards(module) -> list[set]:
+def _required_shards(module, name: str) -> list[set]:
     """Ways a parameter can be complete: loaded whole, or from all of its separate pieces."""
+    if isinstance(module, Experts):
+        return [{None}, expert_pieces(module, name)]
     if isinstance(module, QKVParallelLinear):
         return [{None}, {"q", "k", "v"}]
     if isinstance(module, MergedColumnParallelLinear):
@@ -91,8 +94,11 @@ def load_weights(model: VisionLanguageModel, model_dir: Path, only: str = "") ->
         loaded.setdefault(pname, set()).add(shard)
     missing = []
     for pname in params:
-        owner = model.get_submodule(pname.rpartition(".")[0])
-        if loaded.get(pname) not in _required_shards(owner) and pname not in optional:
+        owner_name, _, own_name = pname.rpartition(".")
+        if (
+            loaded.get(pname) not in _required_shards(model.get_submodule(owner_name), own_name)
+            and pname not in optional
+        ):
             missing.append(pname)
     if missing or unexpected:
 

@@ -39,6 +39,15 @@ TOWERS = {
 DECODERS = {
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "qwen2": dict(model_type="qwen2"),
+    # InternVL3.5-30B-A3B's kind: experts in the first layer's MLP, the second dense
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        mlp_only_layers=[1],
+    ),
 }
 
 
