@@ -39,7 +39,6 @@ class MemoryPlan:
     kv_tokens: int
     max_model_len: int
     dtype: str  # the dtype the engine would serve in on a GPU
-    expert_bytes: int = 0  # of weights_bytes: MoE experts and routers, whole on every rank (layers/moe.py)
     quantization: str | None = None  # the checkpoint's quantized weights (method, format)
     kv_tokens_by_dtype: dict[str, int] | None = None  # the KV capacity in the model's dtype and in fp8
 
@@ -71,14 +70,6 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     return tuple(sum(p.numel() * p.element_size() for p in params) for params in (model.parameters(), tower))
 
 
-def expert_parameters(config: ModelConfig) -> int:
-    """The MoE layers' experts and routers: what tensor parallelism does not split (0 for a dense model)."""
-    moe, hidden = config.text.moe, config.text.hidden_size
-    if moe is None:
-        return 0
-    return len(moe.sparse_layers) * moe.num_experts * (3 * hidden * moe.intermediate_size + hidden)
-
-
 def plan_memory(
     model_dir,
     gpu_memory_gib: float,
@@ -98,10 +89,8 @@ def plan_memory(
     served = serving_dtype(config.torch_dtype, dtype, "cuda")
     size = served.itemsize
     total, tower = weight_bytes(config, served)
-    # whole on every rank: MoE experts (layers/moe.py), and a tower run data-parallel, asked or chosen (engine.py)
-    experts = whole = expert_parameters(config) * size
-    if mm_encoder_tp_mode == "data" or tower_split_obstacles(vision, tensor_parallel_size):
-        whole += tower
+    # whole on every rank: a tower run data-parallel, asked or chosen (engine.py)
+    whole = tower if mm_encoder_tp_mode == "data" or tower_split_obstacles(vision, tensor_parallel_size) else 0
     weights = (total - whole) // tensor_parallel_size + whole
     # KV heads split over the ranks, or replicated (one per rank) when there are fewer heads than ranks
     kv_heads = max(1, text.num_kv_heads // tensor_parallel_size)
@@ -156,7 +145,6 @@ def plan_memory(
         int(budget // kv_per_token),
         max_model_len,
         str(served).removeprefix("torch."),
-        experts,
         None if quant is None else f"{quant.method} ({quant.source})",
         {name: int(budget // (kv_values * value)) for name, value in kv_value_bytes.items()},
     )
@@ -181,8 +169,6 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
     ]
     if plan.quantization:
         lines.append(f"{'  quantized':<34}{plan.quantization:>14}")
-    if plan.expert_bytes:
-        lines.append(f"{'  of which MoE experts (every GPU)':<34}{plan.expert_bytes / GIB:>10.2f} GiB")
     lines += [
         f"{'KV cache per token':<34}{plan.kv_bytes_per_token / 1024:>10.1f} KiB",
         f"{'LM step activations (estimate)':<34}{plan.lm_activation_bytes / GIB:>10.2f} GiB",

@@ -258,8 +258,8 @@ def test_builtin_qwen_entries_fit_their_gpus():
 
 
 def test_builtin_qwen3_entries_fit_their_gpus():
-    """Dense sizes by the same rule as Qwen2.5-VL, from the released shapes' exact parameter counts; the MoE on one
-    GPU whatever its size, as tensor parallelism replicates its experts."""
+    """Every size by the same rule as Qwen2.5-VL, from the released shapes' exact parameter counts (the MoE's
+    experts split over the ranks too)."""
     from fovea.config.model import ModelConfig
     from fovea.eval.registry import MODELS
     from fovea.plan import count_parameters
@@ -269,7 +269,7 @@ def test_builtin_qwen3_entries_fit_their_gpus():
         config = ModelConfig.from_dict(hf_config(f"qwen3-vl-{name}").to_dict())  # model_type only, as from_dict
         weights_gb = 2 * count_parameters(config) / 1e9
         moe = config.text.moe is not None
-        fewest = 1 if moe else next(tp for tp in (1, 2, 4, 8) if weights_gb / tp <= 0.6 * 80)
+        fewest = next(tp for tp in (1, 2, 4, 8) if weights_gb / tp <= 0.6 * 80)
         entry = MODELS[f"qwen3-vl-{name}"]
         assert entry.tensor_parallel_size == fewest and weights_gb < 80, (name, weights_gb)
         assert entry.path == f"Qwen/Qwen3-VL-{path}-Instruct"

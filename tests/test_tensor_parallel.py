@@ -73,6 +73,9 @@ def run(model_dir, **engine_args) -> tuple[list, dict]:
             "ranks": runner.parallel.size if runner.parallel else 0,
             "steps_ahead": sum(steps_ahead),
             "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+            "expert_bytes": sum(
+                p.numel() * p.element_size() for name, p in runner.model.named_parameters() if ".experts." in name
+            ),
         }
         # the prompt's log-probabilities too: every rank joins in scoring them (a gathered vocabulary)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs + o.prompt_logprobs[1:]) for o in outputs], stats
@@ -140,9 +143,9 @@ def test_same_tokens_as_one_process(tiny_dirs, name, engine_args):
     assert abs(stats["weight_bytes"] - plan.weights_bytes) < tower // 3, (stats["weight_bytes"], plan.weights_bytes)
 
 
-def test_qwen3_vl_moe_same_tokens_with_replicated_experts(tmp_path_factory):
-    """Qwen3-VL-MoE at TP=2: attention, the dense layer and the vision tower split over the ranks, every expert
-    on every rank (layers/moe.py), DeepStack features broadcast with the embeddings."""
+def test_qwen3_vl_moe_same_tokens_with_experts_split_over_the_ranks(tmp_path_factory):
+    """Qwen3-VL-MoE at TP=2: attention, the dense layer, every expert (layers/moe.py: half of each expert's width
+    on each rank) and the vision tower split over the ranks, DeepStack features broadcast with the embeddings."""
     from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
 
     model_dir = write_qwen3_vl_checkpoint(tmp_path_factory.mktemp("moe"), "tiny-qwen3-vl-moe", seed=2)
@@ -150,6 +153,7 @@ def test_qwen3_vl_moe_same_tokens_with_replicated_experts(tmp_path_factory):
     expected, base_stats = run(model_dir, device=device)
     got, stats = run(model_dir, device=device, tensor_parallel_size=2)
     assert stats["ranks"] == 2 and stats["preemptions"] == base_stats["preemptions"] > 0
+    assert 2 * stats["expert_bytes"] == base_stats["expert_bytes"] > 0
     assert_same(expected, got)
 
 
@@ -174,6 +178,15 @@ def test_ray_backend_same_tokens(tiny_dirs):
 def test_sizes_that_do_not_divide_fail_at_start(tiny_dirs, name, size, mode, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         LLM(str(tiny_dirs[name]), tensor_parallel_size=size, mm_encoder_tp_mode=mode)
+
+
+def test_experts_whose_width_does_not_divide_fail_at_start(tmp_path):
+    from fovea.testing.tiny_qwen3_vl import write_qwen3_vl_checkpoint
+
+    model_dir = write_qwen3_vl_checkpoint(tmp_path / "moe", "tiny-qwen3-vl-moe")
+    odd = {"text_config": {"moe_intermediate_size": 25}}
+    with pytest.raises(ValueError, match=r"experts' MLP width \(25\) do not divide over tensor_parallel_size 2"):
+        LLM(str(model_dir), tensor_parallel_size=2, hf_overrides=odd)
 
 
 def test_a_vision_tower_that_cannot_split_runs_whole_on_each_rank(tiny_dirs, caplog):

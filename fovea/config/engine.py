@@ -262,7 +262,10 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         )
     if config.mm_encoder_workers < 0:
         raise ValueError(f"mm_encoder_workers must be 0 or more, got {config.mm_encoder_workers}")
-    for what, count in [("attention heads", text.num_heads), ("MLP width", text.intermediate_size)]:
+    widths = [("attention heads", text.num_heads), ("MLP width", text.intermediate_size)]
+    if text.moe is not None:
+        widths.append(("experts' MLP width", text.moe.intermediate_size))
+    for what, count in widths:
         if count % size:
             raise ValueError(
                 f"the model's {what} ({count}) do not divide over tensor_parallel_size {size}; "

@@ -132,9 +132,9 @@ MODELS["llava-1.5-7b"] = ModelEntry(
     name="llava-1.5-7b", path="llava-hf/llava-1.5-7b-hf", engine_kwargs={"max_model_len": 4096}
 )
 _qwen("qwen2-vl-7b", "Qwen2-VL-7B", 1, QWEN_MAX_PIXELS)
-# Qwen3-VL by the same rule (bf16 weights: 8B 17.5 GB, 32B 66.7 GB). The 30B-A3B MoE (62 GB) stays on one GPU:
-# its experts are replicated on every tensor-parallel rank (fovea/layers/moe.py), so more ranks would not shrink them.
-for _size, _tp in (("8B", 1), ("32B", 2), ("30B-A3B", 1)):
+# Qwen3-VL by the same rule (bf16 weights: 8B 17.5 GB, 32B 66.7 GB, the 30B-A3B MoE 62 GB: its experts split over
+# the ranks as the rest does)
+for _size, _tp in (("8B", 1), ("32B", 2), ("30B-A3B", 2)):
     _qwen(f"qwen3-vl-{_size.lower()}", f"Qwen3-VL-{_size}", _tp, QWEN3_MAX_PIXELS)
 # Gemma 3 (bf16 weights: 4B 8.6 GB, 12B 24 GB, 27B 55 GB: two GPUs), images always 256 tokens (no max_pixels)
 for _size, _tp in (("4b", 1), ("12b", 1), ("27b", 2)):
@@ -147,8 +147,8 @@ for _size, _tp in (("4b", 1), ("12b", 1), ("27b", 2)):
 # InternVL3.5 as transformers converts it ("-HF"; bf16 weights: 8B 17 GB, 14B 30 GB, 38B 77 GB: two GPUs), images
 # 256 tokens a tile, up to 12 tiles and a thumbnail. The 38B's InternViT-6B (25 heads, q and k normed over all of
 # them) runs whole on each rank: the engine chooses mm_encoder_tp_mode data for it. The 30B-A3B (Qwen3-MoE decoder,
-# 61 GB) stays on one GPU, as Qwen3-VL's MoE does
-for _size, _tp in (("1B", 1), ("2B", 1), ("4B", 1), ("8B", 1), ("14B", 1), ("38B", 2), ("30B-A3B", 1)):
+# 62 GB): two GPUs, its experts split as the rest
+for _size, _tp in (("1B", 1), ("2B", 1), ("4B", 1), ("8B", 1), ("14B", 1), ("38B", 2), ("30B-A3B", 2)):
     MODELS[f"internvl3.5-{_size.lower()}"] = ModelEntry(
         name=f"internvl3.5-{_size.lower()}",
         path=f"OpenGVLab/InternVL3_5-{_size}-HF",

@@ -7,9 +7,9 @@ sizes read on the device), so a layer neither waits for the device nor launches 
 experts, the loop it replaces launched ~600 kernels a layer and read the chosen experts back to the host first.
 Where torch has no grouped product for the device, dtype or shapes (before torch 2.9 none on the CPU and only
 Hopper's on CUDA; on CUDA only bfloat16 is used, its native kernel; rows of a multiple of 16 bytes), the loop over
-the chosen experts runs instead, in expert order as transformers runs it. Under tensor parallelism every rank holds
-all experts and runs them on the whole (replicated) input, so no reduction follows: simple and correct, at the cost
-of each rank's memory holding every expert.
+the chosen experts runs instead, in expert order as transformers runs it. Tensor parallelism splits every expert
+as it splits a dense MLP (each rank holds its share of every expert's width: gate|up by their outputs, down by its
+inputs) and the layer sums the ranks' outputs; the router is whole on every rank, so all choose the same experts.
 """
 
 from __future__ import annotations
@@ -19,38 +19,58 @@ import torch.nn.functional as F
 from torch import nn
 
 from fovea.config.model import MoEConfig
+from fovea.distributed import current_tp
 from fovea.layers.basic import GatedActivation
-from fovea.layers.linear import LinearBase
+from fovea.layers.linear import LinearBase, divide
 
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 GROUPED_MM = getattr(torch, "_grouped_mm", None) if TORCH_VERSION >= (2, 9) else None
 
 
 class Experts(nn.Module):
-    """All experts' weights as two stacked tensors: gate|up (E, 2 x inter, hidden) and down (E, hidden, inter)."""
+    """All experts' weights as two stacked tensors: gate|up (E, 2 x inter, hidden) and down (E, hidden, inter),
+    `inter` this rank's share of an expert's width."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, act: str = "silu"):
         super().__init__()
+        self.tp = current_tp()
+        self.inter = divide(cfg.intermediate_size, self.tp.size, "an expert's MLP width")
         self.hub_layout, self.act = cfg.hub_layout, GatedActivation(act)
-        self.grouped = GROUPED_MM is not None and hidden % 8 == 0 and cfg.intermediate_size % 8 == 0
-        shapes = {"gate_up_proj": (cfg.num_experts, 2 * cfg.intermediate_size, hidden),
-                  "down_proj": (cfg.num_experts, hidden, cfg.intermediate_size)}  # fmt: skip
+        self.grouped = GROUPED_MM is not None and hidden % 8 == 0 and self.inter % 8 == 0
+        # as the checkpoint stores them whole (in our orientation): the shape that says a matrix's orientation
+        self.whole = {"gate_up_proj": (cfg.num_experts, 2 * cfg.intermediate_size, hidden),
+                      "down_proj": (cfg.num_experts, hidden, cfg.intermediate_size)}  # fmt: skip
+        shapes = {"gate_up_proj": (cfg.num_experts, 2 * self.inter, hidden),
+                  "down_proj": (cfg.num_experts, hidden, self.inter)}  # fmt: skip
         for name, shape in shapes.items():
             param = nn.Parameter(torch.empty(shape), requires_grad=False)
             param.weight_loader = self._load
             self.register_parameter(name, param)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        """All experts stacked, in either orientation: a non-square matrix's shape says which it is; a square one
-        is read as the checkpoint's transformers version wrote it (`hub_layout`). Or one expert's matrix
-        (Qwen3-MoE's checkpoints): `shard_id` (expert, piece), the piece 0 or 1 of gate|up."""
-        if shard_id is not None:
+        """This rank's share of all experts stacked, in either orientation (a non-square matrix's shape says which
+        it is; a square one is read as the checkpoint's transformers version wrote it: `hub_layout`), or of one
+        expert's matrix (Qwen3-MoE's checkpoints): `shard_id` (expert, piece), the piece 0 or 1 of gate|up."""
+        down = param is self.down_proj
+        if shard_id is None:
+            flip = loaded.shape[1:] != self.whole["down_proj" if down else "gate_up_proj"][1:]
+            flip = flip if loaded.shape[1] != loaded.shape[2] else self.hub_layout
+            loaded, pieces, target = loaded.transpose(1, 2) if flip else loaded, 1 if down else 2, param
+        else:
             expert, piece = shard_id
-            rows = param.shape[1] // 2 if param is self.gate_up_proj else param.shape[1]
-            LinearBase._copy(param[expert, piece * rows : (piece + 1) * rows], loaded, "an expert's matrix")
-            return
-        flip = loaded.shape != param.shape if loaded.shape[1] != loaded.shape[2] else self.hub_layout
-        LinearBase._copy(param, loaded.transpose(1, 2) if flip else loaded)
+            loaded, pieces = loaded[None], 1
+            target = (
+                param[expert : expert + 1]
+                if down
+                else param[expert : expert + 1, piece * self.inter :][:, : self.inter]
+            )
+        start = self.tp.rank * self.inter
+        if down:
+            share = loaded[..., start : start + self.inter]
+        else:  # this rank's rows of gate and of up (of one of them, for one expert's matrix)
+            width = loaded.shape[1] // pieces
+            share = torch.cat([loaded[:, width * i + start :][:, : self.inter] for i in range(pieces)], 1)
+        LinearBase._copy(target, share, "experts")
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: (N, hidden); chosen, weights: (N, top_k) expert ids and their weights."""
@@ -94,4 +114,4 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, chosen, weights.to(logits.dtype))
+        return self.experts.tp.all_reduce(self.experts(x, chosen, weights.to(logits.dtype)))
