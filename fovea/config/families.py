@@ -69,8 +69,6 @@ def parse_model_config(raw: dict, preprocessor: dict, model_dir: Path | None = N
     quant = parse_quant_config(raw.get("quantization_config") or text_keys(raw).get("quantization_config"))
     if quant is None:
         return config
-    if config.text.moe is not None:
-        raise ValueError(f"{quant.source} quantized MoE experts are not supported yet (dense models only)")
     return dataclasses.replace(config, text=dataclasses.replace(config.text, quant=quant))
 
 

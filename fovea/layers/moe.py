@@ -14,14 +14,18 @@ inputs) and the layer sums the ranks' outputs; the router is whole on every rank
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fovea.config.model import MoEConfig
+from fovea.config.quant import QuantConfig
 from fovea.distributed import current_tp
 from fovea.layers.basic import GatedActivation
-from fovea.layers.linear import LinearBase, divide
+from fovea.layers.linear import LinearBase, divide, features
+from fovea.layers.quantized import weight_scheme
 
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 GROUPED_MM = getattr(torch, "_grouped_mm", None) if TORCH_VERSION >= (2, 9) else None
@@ -29,48 +33,65 @@ GROUPED_MM = getattr(torch, "_grouped_mm", None) if TORCH_VERSION >= (2, 9) else
 
 class Experts(nn.Module):
     """All experts' weights as two stacked tensors: gate|up (E, 2 x inter, hidden) and down (E, hidden, inter),
-    `inter` this rank's share of an expert's width."""
+    `inter` this rank's share of an expert's width. Quantized (`quant`: Qwen's FP8 uploads, compressed-tensors,
+    AWQ), each of the two holds every tensor its scheme stores (values and scales, layers/quantized.py), stacked:
+    `gate_up_proj` the values, `gate_up_proj_<name>` the others; the loop over the chosen experts runs them."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig, act: str = "silu"):
+    def __init__(self, hidden: int, cfg: MoEConfig, act: str = "silu", quant: QuantConfig | None = None):
         super().__init__()
         self.tp = current_tp()
         self.inter = divide(cfg.intermediate_size, self.tp.size, "an expert's MLP width")
-        self.hub_layout, self.act = cfg.hub_layout, GatedActivation(act)
-        self.grouped = GROUPED_MM is not None and hidden % 8 == 0 and self.inter % 8 == 0
+        self.hub_layout, self.act, self.scheme = cfg.hub_layout, GatedActivation(act), weight_scheme(quant)
+        self.quantized, self.num_experts = quant is not None, cfg.num_experts
+        self.grouped = GROUPED_MM is not None and hidden % 8 == 0 and self.inter % 8 == 0 and not self.quantized
         # as the checkpoint stores them whole (in our orientation): the shape that says a matrix's orientation
         self.whole = {"gate_up_proj": (cfg.num_experts, 2 * cfg.intermediate_size, hidden),
                       "down_proj": (cfg.num_experts, hidden, cfg.intermediate_size)}  # fmt: skip
-        shapes = {"gate_up_proj": (cfg.num_experts, 2 * self.inter, hidden),
-                  "down_proj": (cfg.num_experts, hidden, self.inter)}  # fmt: skip
-        for name, shape in shapes.items():
-            param = nn.Parameter(torch.empty(shape), requires_grad=False)
-            param.weight_loader = self._load
-            self.register_parameter(name, param)
+        self.names: dict[str, dict[str, str]] = {}  # piece -> the scheme's tensor name -> our parameter's
+        for piece, (inputs, outputs) in {
+            "gate_up_proj": (hidden, 2 * self.inter),
+            "down_proj": (self.inter, hidden),
+        }.items():
+            self.names[piece] = {}
+            for key, one in self.scheme.parameters(inputs, outputs).items():
+                name = piece if key == "weight" else f"{piece}_{key}"
+                param = nn.Parameter(one.data.new_empty(cfg.num_experts, *one.shape), requires_grad=False)
+                param.piece, param.weight_loader = piece, self._load
+                for tag in ("output_dim", "input_dim", "units", "per_tensor"):  # how one expert's splits (linear.py)
+                    setattr(param, tag, getattr(one, tag))
+                self.register_parameter(name, param)
+                self.names[piece][key] = name
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """This rank's share of all experts stacked, in either orientation (a non-square matrix's shape says which
         it is; a square one is read as the checkpoint's transformers version wrote it: `hub_layout`), or of one
-        expert's matrix (Qwen3-MoE's checkpoints): `shard_id` (expert, piece), the piece 0 or 1 of gate|up."""
-        down = param is self.down_proj
+        expert's tensor (Qwen3-MoE's checkpoints, quantized ones too): `shard_id` (expert, piece), the piece 0 or
+        1 of gate|up."""
+        down, start = param.piece == "down_proj", self.tp.rank * self.inter
         if shard_id is None:
-            flip = loaded.shape[1:] != self.whole["down_proj" if down else "gate_up_proj"][1:]
+            if self.quantized:
+                raise ValueError("quantized experts stored stacked are not supported (one tensor per expert is)")
+            flip = loaded.shape[1:] != self.whole[param.piece][1:]
             flip = flip if loaded.shape[1] != loaded.shape[2] else self.hub_layout
-            loaded, pieces, target = loaded.transpose(1, 2) if flip else loaded, 1 if down else 2, param
-        else:
-            expert, piece = shard_id
-            loaded, pieces = loaded[None], 1
-            target = (
-                param[expert : expert + 1]
-                if down
-                else param[expert : expert + 1, piece * self.inter :][:, : self.inter]
-            )
-        start = self.tp.rank * self.inter
-        if down:
-            share = loaded[..., start : start + self.inter]
-        else:  # this rank's rows of gate and of up (of one of them, for one expert's matrix)
-            width = loaded.shape[1] // pieces
-            share = torch.cat([loaded[:, width * i + start :][:, : self.inter] for i in range(pieces)], 1)
-        LinearBase._copy(target, share, "experts")
+            loaded = loaded.transpose(1, 2) if flip else loaded
+            if down:
+                share = loaded[..., start : start + self.inter]
+            else:  # this rank's rows of gate and of up
+                width = loaded.shape[1] // 2
+                share = torch.cat([loaded[:, i * width + start :][:, : self.inter] for i in range(2)], 1)
+            LinearBase._copy(param, share, "experts")
+            return
+        expert, piece = shard_id
+        target = param.data[expert]
+        if param.per_tensor and loaded.numel() == 1:  # one scale for the expert's whole matrix: all its rows
+            (target if down else target[piece * self.inter : (piece + 1) * self.inter]).fill_(loaded.item())
+            return
+        dim = param.input_dim if down else param.output_dim  # how the ranks split it: by inputs (down) or outputs
+        unit = param.units[1 if down else 0]
+        if dim is not None:
+            loaded = features(loaded, dim, unit, start, self.inter)
+            target = target if down else features(target, dim, unit, piece * self.inter, self.inter)
+        LinearBase._copy(target, loaded, "an expert's tensor")
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: (N, hidden); chosen, weights: (N, top_k) expert ids and their weights."""
@@ -79,7 +100,7 @@ class Experts(nn.Module):
         num_tokens, top_k = chosen.shape
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # the (token, slot) pairs, grouped by expert
-        experts = torch.arange(self.gate_up_proj.shape[0], device=flat.device)
+        experts = torch.arange(self.num_experts, device=flat.device)
         ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # where each group ends
         gate_up = GROUPED_MM(x[order // top_k], self.gate_up_proj.transpose(1, 2), offs=ends)
         grouped = GROUPED_MM(self.act(gate_up), self.down_proj.transpose(1, 2), offs=ends)
@@ -90,24 +111,32 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
-            gated = self.act(F.linear(x[rows], self.gate_up_proj[expert]))
-            y = F.linear(gated, self.down_proj[expert]) * weights[rows, slot, None]
+            gated = self.act(self._matmul("gate_up_proj", expert, x[rows]))
+            y = self._matmul("down_proj", expert, gated) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
+
+    def _matmul(self, piece: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x times one expert's gate|up or down, as its scheme multiplies (the reference: dequantized weights;
+        w8a8, each token's activations quantized first)."""
+        one = SimpleNamespace(**{key: getattr(self, name)[expert] for key, name in self.names[piece].items()})
+        if getattr(self.scheme, "activations", None) is None:
+            return F.linear(x, self.scheme.weight(one, x.dtype))
+        return self.scheme.apply(one, x, None)
 
 
 def expert_pieces(experts: Experts, name: str) -> set:
     """The (expert, piece) slices that make one of the stacked tensors whole (loaded from Qwen3-MoE's layout)."""
-    pieces = 2 if name == "gate_up_proj" else 1
-    return {(expert, piece) for expert in range(experts.gate_up_proj.shape[0]) for piece in range(pieces)}
+    pieces = 2 if name.startswith("gate_up_proj") else 1
+    return {(expert, piece) for expert in range(experts.num_experts) for piece in range(pieces)}
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, cfg: MoEConfig, act: str = "silu"):
+    def __init__(self, hidden: int, cfg: MoEConfig, act: str = "silu", quant: QuantConfig | None = None):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
-        self.gate = LinearBase(hidden, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(hidden, cfg, act)
+        self.gate = LinearBase(hidden, cfg.num_experts, bias=False)  # the router (every checkpoint keeps it as is)
+        self.experts = Experts(hidden, cfg, act, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)

@@ -136,10 +136,12 @@ class VisionLanguageModel(nn.Module):
                 return name.removesuffix(stored) + "attn." + ours, None
         parts = name.split(".")
         for i, part in enumerate(parts):
-            if part == "experts" and parts[i + 1].isdigit():  # one expert's matrix (Qwen3-MoE's layout) -> its slice
+            if part == "experts" and parts[i + 1].isdigit():  # one expert's tensor (Qwen3-MoE's layout) -> its slice
                 piece = self.packed_modules.get(parts[i + 2], ("down_proj", 0))[1]
                 fused = "down_proj" if parts[i + 2] == "down_proj" else "gate_up_proj"
-                return ".".join(parts[: i + 1] + [fused]), (int(parts[i + 1]), piece)
+                kind = ".".join(parts[i + 3 :])  # weight, or a quantized one's scales and packed values
+                name = fused if kind == "weight" else f"{fused}_{kind}"
+                return ".".join(parts[: i + 1] + [name]), (int(parts[i + 1]), piece)
             if part in self.packed_modules:
                 fused, shard = self.packed_modules[part]
                 return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard

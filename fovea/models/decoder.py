@@ -113,7 +113,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(cfg, layer_index, options)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         if cfg.moe is not None and layer_index in cfg.moe.sparse_layers:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+            quant = layer_quant(cfg.quant, layer_index, ("mlp.experts",))
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act, quant)
         else:
             quant = mlp_quant(cfg, layer_index)
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, fused, quant, cfg.hidden_act)
