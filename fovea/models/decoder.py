@@ -62,26 +62,25 @@ def mlp_quant(cfg: TextConfig, layer_index: int) -> tuple:
     )
 
 
+def attention_projections(
+    cfg: TextConfig, layer_index: int, output_bias: bool
+) -> tuple[QKVParallelLinear, RowParallelLinear]:
+    """A decoder layer's q|k|v and o projections, split over the ranks, quantized where the checkpoint says."""
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    heads, dim = cfg.num_heads, cfg.head_dim
+    qkv_proj = QKVParallelLinear(cfg.hidden_size, dim, heads, cfg.num_kv_heads, bias=cfg.attention_bias,
+                                 quant=layer_quant(cfg.quant, layer_index, qkv))  # fmt: skip
+    o_proj = RowParallelLinear(heads * dim, cfg.hidden_size, bias=output_bias,
+                               quant=layer_quant(cfg.quant, layer_index, ("self_attn.o_proj",)))  # fmt: skip
+    return qkv_proj, o_proj
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
         super().__init__()
         self.head_dim, self.fused = cfg.head_dim, options.fused_kernels
-        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size,
-            cfg.head_dim,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            bias=cfg.attention_bias,
-            quant=layer_quant(cfg.quant, layer_index, qkv),
-        )
+        self.qkv_proj, self.o_proj = attention_projections(cfg, layer_index, cfg.output_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim,
-            cfg.hidden_size,
-            bias=cfg.output_bias,
-            quant=layer_quant(cfg.quant, layer_index, ("self_attn.o_proj",)),
-        )
         window = cfg.sliding_window if layer_index in cfg.sliding_layers else None
         self.attn = Attention(cfg.head_dim, True, layer_index, options.fp32_softmax, sliding_window=window)
         if cfg.qk_norm:

@@ -25,13 +25,12 @@ from torch import nn
 
 from fovea.attention.layer import Attention
 from fovea.config.model import ModelConfig, TextConfig, VisionConfig
-from fovea.config.quant import layer_quant
 from fovea.distributed import TPGroup
 from fovea.layers.basic import VocabParallelEmbedding
-from fovea.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
+from fovea.layers.linear import LinearBase
 from fovea.layers.rotary import apply_rotary, mrope
 from fovea.models.base import ModelOptions, VisionLanguageModel
-from fovea.models.decoder import GatedMLP, mlp_quant
+from fovea.models.decoder import GatedMLP, attention_projections, mlp_quant
 from fovea.models.llava import ClipLayer, FixedSizeTower, tower_and_decoder_name
 
 
@@ -126,22 +125,8 @@ class GemmaAttention(nn.Module):
     def __init__(self, cfg: TextConfig, layer_index: int, options: ModelOptions):
         super().__init__()
         self.head_dim = cfg.head_dim
-        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size,
-            cfg.head_dim,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            bias=cfg.attention_bias,
-            quant=layer_quant(cfg.quant, layer_index, qkv),
-        )
+        self.qkv_proj, self.o_proj = attention_projections(cfg, layer_index, cfg.attention_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim,
-            cfg.hidden_size,
-            bias=cfg.attention_bias,
-            quant=layer_quant(cfg.quant, layer_index, ("self_attn.o_proj",)),
-        )
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         window = cfg.sliding_window if layer_index in cfg.sliding_layers else None
