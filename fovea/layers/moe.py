@@ -1,15 +1,17 @@
-"""A mixture-of-experts MLP (Qwen3-VL-MoE): a router picks each token's top-k experts, each expert a gated MLP
-(SwiGLU, unless the config names another activation), and the token's output is their outputs weighted by the
-router's probabilities.
+"""A mixture-of-experts MLP (Qwen3-VL-MoE's, and Qwen3-MoE's in InternVL3.5): a router picks each token's top-k
+experts, each expert a gated MLP (SwiGLU, unless the config names another activation), and the token's output is
+their outputs weighted by the router's probabilities.
 
 The experts run as two grouped matrix products (torch's grouped_mm: one kernel each for all experts, the group
 sizes read on the device), so a layer neither waits for the device nor launches kernels per expert: with 128
 experts, the loop it replaces launched ~600 kernels a layer and read the chosen experts back to the host first.
 Where torch has no grouped product for the device, dtype or shapes (before torch 2.9 none on the CPU and only
-Hopper's on CUDA; on CUDA only bfloat16 is used, its native kernel; rows of a multiple of 16 bytes), the loop over
-the chosen experts runs instead, in expert order as transformers runs it. Tensor parallelism splits every expert
-as it splits a dense MLP (each rank holds its share of every expert's width: gate|up by their outputs, down by its
-inputs) and the layer sums the ranks' outputs; the router is whole on every rank, so all choose the same experts.
+Hopper's on CUDA; on CUDA only bfloat16 is used, its native kernel; rows of a multiple of 16 bytes), and for
+quantized experts (each dequantized into its own matmul; a fused quantized kernel is for the GPU issue), the loop
+over the chosen experts runs instead, in expert order as transformers runs it. Tensor parallelism splits every
+expert as it splits a dense MLP (each rank holds its share of every expert's width: gate|up by their outputs,
+down by its inputs) and the layer sums the ranks' outputs; the router is whole on every rank, so all choose the
+same experts.
 """
 
 from __future__ import annotations
