@@ -18,7 +18,7 @@ from test_families import forget_hf_models, logits_gap
 from fovea.attention.layer import AttentionMetadata
 from fovea.config.quant import check_flag, parse_quant_config
 from fovea.models.loader import load_model
-from fovea.testing.quantize import FORMATS, write_quantized_checkpoint
+from fovea.testing.quantize import FORMATS, quantization_config, write_quantized_checkpoint
 
 STORED = {  # the qkv projection's stored parameters: name -> dtype
     "fp8-block": {"weight": torch.float8_e4m3fn, "weight_scale_inv": torch.float32},
@@ -344,3 +344,20 @@ def test_kv_scales_load_from_either_name(tiny_dirs, tmp_path):
     attention = [layer.self_attn.attn for layer in model.model.layers]
     got = [(float(a.k_scale), float(a.v_scale)) for a in attention]
     assert got == [(0.25, 0.5), (2.0, 1.0)]
+
+
+def test_block_quantized_mlps_split_into_whole_blocks_or_fail_at_start():
+    """Qwen3-VL-30B-A3B-FP8's experts (768 wide, 128 x 128 blocks) split into whole blocks over 2 ranks, not over 4
+    (192 a rank): refused at start naming the numbers, as vLLM refuses it, not when the first expert loads."""
+    from fovea.config.engine import check_quantization_blocks
+    from fovea.config.model import ModelConfig
+    from fovea.testing.tiny_qwen3_vl import hf_config
+
+    raw = hf_config("qwen3-vl-30b-a3b").to_dict()
+    raw["quantization_config"] = quantization_config("fp8-block", (128, 128), 128)
+    text = ModelConfig.from_dict(raw).text
+    check_quantization_blocks(text, 2)
+    with pytest.raises(ValueError, match=r"experts' MLP width \(768\) over tensor_parallel_size 4 is 192 a rank"):
+        check_quantization_blocks(text, 4)
+    unquantized_experts = {**raw["quantization_config"], "modules_to_not_convert": ["visual", "lm_head", "experts"]}
+    check_quantization_blocks(ModelConfig.from_dict({**raw, "quantization_config": unquantized_experts}).text, 4)

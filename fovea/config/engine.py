@@ -13,7 +13,7 @@ import torch
 
 from fovea.config.flags import FLAGS, default
 from fovea.config.model import ModelConfig, VisionConfig, resolve_model_dir, serving_dtype
-from fovea.config.quant import check_flag
+from fovea.config.quant import check_flag, layer_quant
 from fovea.config.video import media_io_processor_kwargs
 from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
 
@@ -252,6 +252,28 @@ def whole_tower_where_it_cannot_split(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, mm_encoder_tp_mode="data")
 
 
+def check_quantization_blocks(text, size: int) -> None:
+    """Each rank's share of a block-quantized MLP (gate|up's rows, down's columns) must be whole blocks, as in vLLM
+    (Qwen3-VL-235B-A22B-FP8's experts, 1536 wide in 128 x 128 blocks, split over 8 ranks are 192 a rank)."""
+    quant = text.quant
+    if quant is None or quant.block is None or size == 1:
+        return
+    sparse = set(text.moe.sparse_layers) if text.moe is not None else set()
+    dense = next((i for i in range(text.num_layers) if i not in sparse), None)
+    mlps = []
+    if sparse and layer_quant(quant, min(sparse), ("mlp.experts",)) is not None:
+        mlps.append(("experts' MLP width", text.moe.intermediate_size))
+    if dense is not None and layer_quant(quant, dense, ("mlp.down_proj",)) is not None:
+        mlps.append(("MLP width", text.intermediate_size))
+    for what, width in mlps:
+        share = width // size
+        if share % quant.block[0] or share % quant.block[1]:
+            raise ValueError(
+                f"the model's {what} ({width}) over tensor_parallel_size {size} is {share} a rank: not whole "
+                f"quantization blocks of {quant.block[0]} x {quant.block[1]}; choose a smaller size"
+            )
+
+
 def check_tensor_parallel(config: EngineConfig) -> None:
     """Fails at start-up, with the numbers, when the model cannot be split over tensor_parallel_size ranks."""
     size, text = config.tensor_parallel_size, config.model.text
@@ -271,6 +293,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
                 f"the model's {what} ({count}) do not divide over tensor_parallel_size {size}; "
                 "choose a size that divides it"
             )
+    check_quantization_blocks(text, size)
     kv = text.num_kv_heads
     if (kv >= size and kv % size) or (kv < size and size % kv):
         raise ValueError(
