@@ -63,7 +63,7 @@ def _plan(args: argparse.Namespace) -> None:
     print(
         f"smallest tensor_parallel_size that fits: {smallest}"
         if smallest
-        else "no tensor_parallel_size up to 32 fits these limits"
+        else "no tensor_parallel_size up to 32 both splits the model and fits these limits"
     )
 
 

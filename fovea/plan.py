@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.config.engine import tower_split_obstacles
+from fovea.config.engine import check_model_split, tower_split_obstacles
 from fovea.config.flags import default
 from fovea.config.image import largest_side
 from fovea.config.model import ModelConfig, serving_dtype
@@ -151,10 +151,13 @@ def plan_memory(
 
 
 def smallest_fitting_size(model_dir, gpu_memory_gib: float, **options) -> int | None:
-    """The smallest tensor_parallel_size (a power of two whose head counts divide) whose per-GPU plan fits."""
+    """The smallest tensor_parallel_size (a power of two the model splits over: heads, widths, quantization
+    blocks) whose per-GPU plan fits."""
     text = ModelConfig.from_dir(model_dir, options.get("hf_overrides")).text
     for size in (1, 2, 4, 8, 16, 32):
-        if text.num_heads % size or (text.num_kv_heads % size and size % text.num_kv_heads):
+        try:
+            check_model_split(text, size)
+        except ValueError:
             continue
         plan = plan_memory(model_dir, gpu_memory_gib, tensor_parallel_size=size, **options)
         if plan.kv_tokens >= plan.max_model_len:

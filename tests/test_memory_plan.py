@@ -246,6 +246,7 @@ def test_quantized_formats_plan_their_bytes_and_the_fewest_gpus(tiny_dirs, tmp_p
         assert plan.kv_tokens == bf16 and fp8 in (2 * bf16, 2 * bf16 + 1)  # one byte a value instead of two
         fewest[fmt] = smallest_fitting_size(model_dir, 80, max_model_len=32768)
     # 32B: 62 GiB of bf16 weights leave too little for a 32k sequence on one card; 33 GiB in fp8 or int8, 19 in
-    # AWQ do not. 72B: 137 GiB -> 4 GPUs; 71 GiB -> 2; AWQ's 40 GiB fit one.
+    # AWQ do not. 72B: 137 GiB -> 4 GPUs; 71 GiB -> 2 in int8, but in 128 x 128 fp8 blocks none: its MLP's 29568
+    # features are 231 blocks, which no power of two splits (vLLM refuses those sizes too); AWQ's 40 GiB fit one.
     assert fewest == ({None: 2, "fp8-block": 1, "int8-channel": 1, "awq": 1} if size == "32b" else
-                      {None: 4, "fp8-block": 2, "int8-channel": 2, "awq": 1})  # fmt: skip
+                      {None: 4, "fp8-block": None, "int8-channel": 2, "awq": 1})  # fmt: skip

@@ -274,16 +274,8 @@ def check_quantization_blocks(text, size: int) -> None:
             )
 
 
-def check_tensor_parallel(config: EngineConfig) -> None:
-    """Fails at start-up, with the numbers, when the model cannot be split over tensor_parallel_size ranks."""
-    size, text = config.tensor_parallel_size, config.model.text
-    if size < 1 or config.data_parallel_size < 1:
-        raise ValueError(
-            f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
-            f"{config.data_parallel_size}"
-        )
-    if config.mm_encoder_workers < 0:
-        raise ValueError(f"mm_encoder_workers must be 0 or more, got {config.mm_encoder_workers}")
+def check_model_split(text, size: int) -> None:
+    """Raises ValueError, with the numbers, when the language model cannot be split over `size` ranks."""
     widths = [("attention heads", text.num_heads), ("MLP width", text.intermediate_size)]
     if text.moe is not None:
         widths.append(("experts' MLP width", text.moe.intermediate_size))
@@ -300,6 +292,19 @@ def check_tensor_parallel(config: EngineConfig) -> None:
             f"the model's {kv} KV heads cannot be split or replicated over tensor_parallel_size "
             f"{size}: one must divide the other"
         )
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Fails at start-up, with the numbers, when the model cannot be split over tensor_parallel_size ranks."""
+    size, text = config.tensor_parallel_size, config.model.text
+    if size < 1 or config.data_parallel_size < 1:
+        raise ValueError(
+            f"tensor_parallel_size and data_parallel_size must be at least 1, got {size} and "
+            f"{config.data_parallel_size}"
+        )
+    if config.mm_encoder_workers < 0:
+        raise ValueError(f"mm_encoder_workers must be 0 or more, got {config.mm_encoder_workers}")
+    check_model_split(text, size)
     gpus = size * config.data_parallel_size
     if (
         gpus > 1
