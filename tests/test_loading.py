@@ -124,6 +124,26 @@ def test_wrong_checkpoint_for_config_names_the_tensor(tmp_path):
         load_model(small)
 
 
+def test_experts_stored_apart_that_do_not_fit_the_config_are_named(tmp_path):
+    """Qwen3-MoE's layout (one tensor per expert): an expert past the config's count, or one left out."""
+    from safetensors.torch import load_file, save_file
+
+    from fovea.testing.tiny_internvl import write_internvl_checkpoint
+
+    model_dir = write_internvl_checkpoint(tmp_path / "moe", decoder="qwen3_moe")
+    tensors = load_file(model_dir / "model.safetensors")
+    extra = "language_model.model.layers.0.mlp.experts.4.up_proj.weight"  # the config has 4 (0-3)
+    save_file({**tensors, extra: tensors[extra.replace(".4.", ".3.")].clone()}, model_dir / "model.safetensors")
+    with pytest.raises(CheckpointMismatchError, match=rf"tensor {extra} does not fit the model: expert 4: the config"):
+        load_model(model_dir)
+    del tensors["language_model.model.layers.0.mlp.experts.2.down_proj.weight"]
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(
+        CheckpointMismatchError, match=r"missing tensors \(our parameter names\): model.layers.0.mlp.experts.down_proj"
+    ):
+        load_model(model_dir)
+
+
 def test_missing_weights_and_bad_config(tmp_path):
     d = write_tiny_checkpoint(tmp_path / "nw", "tiny-3b")
     (d / "model.safetensors").unlink()

@@ -84,6 +84,8 @@ class Experts(nn.Module):
             LinearBase._copy(param, share, "experts")
             return
         expert, piece = shard_id
+        if expert >= self.num_experts:
+            raise ValueError(f"expert {expert}: the config has {self.num_experts}")
         target = param.data[expert]
         if param.per_tensor and loaded.numel() == 1:  # one scale for the expert's whole matrix: all its rows
             (target if down else target[piece * self.inter : (piece + 1) * self.inter]).fill_(loaded.item())
