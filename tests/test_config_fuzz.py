@@ -4,7 +4,8 @@ against transformers: logits (fp32, within 1e-4 of transformers' float64 ones: `
 the engine, for text, one image and two images of odd sizes, and (the Qwen families) an image then a video of an
 odd frame count. The engine's own settings are drawn too (`engine_options`: block size, a step budget that cuts
 prompts and images into chunks, sequences at a time, prefix caching, the step order, a cache small enough to preempt,
-two tensor-parallel ranks), and every KV
+two tensor-parallel ranks); a quarter of the draws have their decoder quantized (`quantize_drawn`: fp8 blocks, fp8 per
+tensor or AWQ, against transformers on the dequantized copy), and every KV
 block the engine takes afresh holds noise (`poison_fresh_blocks`). The seed is
 fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw per family runs by default,
 FOVEA_FUZZ_DRAWS more (the `extended` marker's tier, FOVEA_EXTENDED=1, runs 4).
@@ -65,6 +66,7 @@ from fovea import LLM, SamplingParams
 from fovea.config.model import ModelConfig
 from fovea.models.loader import load_model
 from fovea.multimodal.prompt import PromptProcessor
+from fovea.testing.quantize import write_quantized_checkpoint
 from fovea.testing.tiny_gemma3 import BOI as GEMMA_BOI
 from fovea.testing.tiny_gemma3 import EOI as GEMMA_EOI
 from fovea.testing.tiny_gemma3 import IMAGE as GEMMA_IMAGE
@@ -270,7 +272,7 @@ def materialize(family: str, config: dict, base, out, seed: int):
     return out
 
 
-def parity(family: str, model_dir, kind: str) -> tuple[float, float, bool]:
+def parity(family: str, model_dir, kind: str, reference_dir=None) -> tuple[float, float, bool]:
     """(our fp32 logits' largest distance from transformers' float64 ones, the distance allowed, the same argmax
     wherever its top two are further apart than rounding can move them). Allowed: TOLERANCE, or three times
     transformers' own fp32 distance where a draw's activations are so large that fp32 rounding alone passes
@@ -282,7 +284,8 @@ def parity(family: str, model_dir, kind: str) -> tuple[float, float, bool]:
         ours = prompt_logits(load_model(model_dir, dtype="float32")[0], prompt)
     else:
         ours, inputs = our_logits(family, model_dir, kind), reference_inputs(family, model_dir, *conversation(kind))
-    exact, theirs = hf_logits(model_dir, inputs, torch.float64), hf_logits(model_dir, inputs)
+    reference_dir = reference_dir or model_dir  # (a quantized checkpoint's dequantized copy)
+    exact, theirs = hf_logits(reference_dir, inputs, torch.float64), hf_logits(reference_dir, inputs)
     allowed = max(TOLERANCE, 3 * (theirs - exact).abs().max().item())
     top_two = exact.topk(2, -1).values
     near_tie = top_two[:, 0] - top_two[:, 1] <= 2 * allowed  # either order is within rounding there
@@ -346,19 +349,33 @@ def poison_fresh_blocks(llm: LLM) -> None:
     engine.blocks._take_free_block = take_poisoned
 
 
+def quantize_drawn(rng: random.Random, config: dict, options: dict, model_dir, out):
+    """A quarter of the draws: the drawn checkpoint's decoder quantized (fovea/testing/quantize.py) in a
+    weight-only format (fp8 blocks, fp8 per tensor, AWQ: exact against the dequantized copy, which transformers
+    runs as the reference; stacked experts written one tensor per expert, as Qwen's FP8 MoE uploads are).
+    Returns (checkpoint, reference) directories."""
+    if rng.random() >= 0.25:
+        return model_dir, model_dir
+    text, size = config["text_config"], options.get("tensor_parallel_size", 1)
+    experts = "num_experts" in text
+    fmt = rng.choice(["fp8-block", "fp8-tensor"] if experts else ["fp8-block", "fp8-tensor", "awq"])
+    # blocks that every fused piece (q, k, v; gate, up) and each rank's share start on, as vLLM requires
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    shares = [text["intermediate_size"] // size, text["num_attention_heads"] // size * head_dim]
+    shares += [text["moe_intermediate_size"] // size] if experts else []
+    rows, cols = rng.choice([(2, 2), (4, 8), (8, 4), (8, 16)])
+    if head_dim % rows or any(share % rows or share % cols for share in shares):
+        rows, cols = 2, 2
+    return write_quantized_checkpoint(model_dir, out, fmt, block=(rows, cols), group_size=8)
+
+
 def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
     seed = SEED + 1000 * draw_index + FAMILIES.index(family)
     config = draw(family, random.Random(seed))
     where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({family}, seed {seed}): {json.dumps(config)}"
-    model_dir = materialize(family, config, bases[family], tmp_path / f"{family}-{draw_index}", seed)
+    model_dir = reference_dir = materialize(family, config, bases[family], tmp_path / f"{family}-{draw_index}", seed)
     kinds = KINDS if family in ("llava", "gemma3", "internvl") else (*KINDS, "video")
     try:
-        for kind in kinds:
-            gap, allowed, same = parity(family, model_dir, kind)
-            assert gap <= allowed and same, (
-                f"{kind}: logits {gap:.2e} from transformers' float64 ones, {allowed:.2e} allowed "
-                f"(argmax equal: {same}) at {where}"
-            )
         cases = []
         for kind in kinds:
             if kind == "video":
@@ -369,12 +386,25 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
                 messages = with_pil(template_messages, images)
             cases.append((messages, inputs))
         options = engine_options(random.Random(seed + 1), [inputs["input_ids"].shape[1] for _, inputs in cases])
+        model_dir, reference_dir = quantize_drawn(
+            random.Random(seed + 2), config, options, model_dir, tmp_path / f"{family}-{draw_index}-quantized"
+        )
+        if model_dir != reference_dir:
+            where += (
+                f", quantized: {json.dumps(json.loads((model_dir / 'config.json').read_text())['quantization_config'])}"
+            )
+        for kind in kinds:
+            gap, allowed, same = parity(family, model_dir, kind, reference_dir)
+            assert gap <= allowed and same, (
+                f"{kind}: logits {gap:.2e} from transformers' float64 ones, {allowed:.2e} allowed "
+                f"(argmax equal: {same}) at {where}"
+            )
         llm = LLM(str(model_dir), dtype="float32", **{"max_model_len": 2048, **options})
         poison_fresh_blocks(llm)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.chat([messages for messages, _ in cases], params, use_tqdm=False)
         for (_, inputs), out, kind in zip(cases, outputs, kinds):
-            assert out.outputs[0].token_ids == hf_generate(model_dir, inputs), (
+            assert out.outputs[0].token_ids == hf_generate(reference_dir, inputs), (
                 f"{kind}: greedy tokens differ at {where}, engine {options}"
             )
     except Exception as error:
@@ -382,7 +412,7 @@ def check_draw(family: str, draw_index: int, bases, tmp_path) -> None:
             error.add_note(where)
         raise
     finally:
-        forget_hf_models(model_dir)
+        forget_hf_models(reference_dir)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

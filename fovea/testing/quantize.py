@@ -15,6 +15,7 @@ in every family's layout:
   zero = round(-min / scale), q = round(w / scale) + zero in 0..15; eight 4-bit values to an int32, output
   feature AWQ_ORDER[i] in bits 4i..4i+3, for the values (`qweight`, input x output / 8) and the zeros (`qzeros`);
   `scales` in fp16.
+Stacked MoE experts (Qwen3-VL-MoE's bf16 layout) are written one tensor per expert, as Qwen's FP8 MoE uploads are.
 Published checkpoints use blocks of 128 x 128 and AWQ groups of 128; tiny models need smaller ones (`block`,
 `group_size`), which the formats allow.
 """
@@ -57,7 +58,13 @@ def write_quantized_checkpoint(
     for file in sorted(dense_dir.glob("*.safetensors")):
         tensors.update(load_file(file))
     quantized, reference = {}, {}
+    config = json.loads((quantized_dir / "config.json").read_text())
+    hidden = config.get("text_config", config)["hidden_size"]
     for name, tensor in tensors.items():
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):  # Qwen3-VL-MoE's stacked experts
+            parts, reference[name] = quantize_experts(name, tensor, hidden, fmt, block, group_size)
+            quantized.update(parts)
+            continue
         if not (name.endswith(".weight") and is_projection(name)):
             quantized[name] = reference[name] = tensor
             continue
@@ -67,10 +74,30 @@ def write_quantized_checkpoint(
         reference[name] = dequantized.to(tensor.dtype).contiguous()
     save_file(quantized, quantized_dir / "model.safetensors", metadata={"format": "pt"})
     save_file(reference, reference_dir / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((quantized_dir / "config.json").read_text())
     config["quantization_config"] = quantization_config(fmt, block, group_size)
     (quantized_dir / "config.json").write_text(json.dumps(config, indent=2))
     return quantized_dir, reference_dir
+
+
+def quantize_experts(name: str, stacked: torch.Tensor, hidden: int, fmt: str, block, group_size: int):
+    """Stacked experts (E, 2 x inter, hidden) gate|up or (E, hidden, inter) down, either orientation (a square one
+    as transformers 5 writes it), quantized one expert's matrix at a time under Qwen3-MoE's per-expert names, as
+    Qwen's FP8 MoE uploads store them: (checkpoint tensors, the dequantized stack as it was stored)."""
+    stem, kind = name.rsplit(".", 1)
+    flipped = stacked.shape[2 if kind == "gate_up_proj" else 1] != hidden
+    ours = stacked.transpose(1, 2) if flipped else stacked
+    tensors, experts = {}, []
+    for expert, matrix in enumerate(ours.float()):
+        pieces = matrix.chunk(2) if kind == "gate_up_proj" else (matrix,)
+        names = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+        dequantized = []
+        for piece, weight in zip(names, pieces):
+            parts, restored = quantize(weight, fmt, block, group_size)
+            tensors.update({f"{stem}.{expert}.{piece}.{key}": value.contiguous() for key, value in parts.items()})
+            dequantized.append(restored)
+        experts.append(torch.cat(dequantized))
+    restacked = torch.stack(experts).to(stacked.dtype)
+    return tensors, (restacked.transpose(1, 2) if flipped else restacked).contiguous()
 
 
 def quantize(weight: torch.Tensor, fmt: str, block: tuple[int, int], group_size: int):
