@@ -37,7 +37,8 @@ INTERNVL_DECODERS = {
 def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
     """InternVL (2.5, 3, 3.5 as transformers converts them, "-hf"): an InternViT tower over 448 px tiles, each
     tile's 32 x 32 patch features pixel-shuffled 2 x 2 into 256 tokens through an MLP projector, and a Qwen2, Qwen3
-    or Llama decoder (Qwen3's with experts too); 1-D RoPE. Each image's tokens sit between <img> and </img>, which the processor adds."""
+    (dense or MoE) or Llama decoder; 1-D RoPE. Each image's tokens sit between <img> and </img>, which the
+    processor adds."""
     text_raw = raw.get("text_config") or {}
     kind = text_raw.get("model_type", "qwen2")
     if kind not in INTERNVL_DECODERS:

@@ -136,7 +136,9 @@ class VisionLanguageModel(nn.Module):
                 return name.removesuffix(stored) + "attn." + ours, None
         parts = name.split(".")
         for i, part in enumerate(parts):
-            if part == "experts" and parts[i + 1].isdigit():  # one expert's tensor (Qwen3-MoE's layout) -> its slice
+            if (
+                part == "experts" and len(parts) > i + 3 and parts[i + 1].isdigit()
+            ):  # one expert's tensor (Qwen3-MoE's layout) -> its slice
                 piece = self.packed_modules.get(parts[i + 2], ("down_proj", 0))[1]
                 fused = "down_proj" if parts[i + 2] == "down_proj" else "gate_up_proj"
                 kind = ".".join(parts[i + 3 :])  # weight, or a quantized one's scales and packed values
