@@ -162,6 +162,25 @@ def test_moe_experts_are_held_quantized_and_give_transformers_logits(moe_checkpo
     assert stored == STORED[fmt] and experts.num_experts == 4
 
 
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor", "awq"])
+def test_the_gpu_matmul_of_one_expert_dequantizes_as_the_reference(moe_checkpoints, fmt):
+    """A weight-only expert's slices of the stacked tensors, as a linear layer holds them, through
+    quantized_kernels.py's matmul (what the experts' loop runs on a GPU; here under Triton's interpreter)."""
+    from types import SimpleNamespace
+
+    from fovea.layers.quantized_kernels import dequant_matmul
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    experts = load_model(moe_checkpoints[fmt][0], dtype="float32")[0].model.layers[0].mlp.experts
+    for piece in ("gate_up_proj", "down_proj"):
+        one = experts.expert(piece, 2)
+        weight = experts.scheme.weight(one, torch.float32)
+        x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(7))
+        on_device = SimpleNamespace(**{key: value.to(device) for key, value in vars(one).items()})
+        got = dequant_matmul(x.to(device), on_device, experts.scheme).cpu()
+        torch.testing.assert_close(got, x @ weight.t(), rtol=1e-4, atol=2e-3 if device == "cuda" else 1e-4)
+
+
 def test_quantized_moe_experts_split_over_two_ranks(moe_checkpoints):
     """fp8 block experts at TP=2: each rank its half of every expert's rows (whole blocks) and scales, the single
     process's tokens."""

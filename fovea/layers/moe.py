@@ -7,8 +7,9 @@ sizes read on the device), so a layer neither waits for the device nor launches 
 experts, the loop it replaces launched ~600 kernels a layer and read the chosen experts back to the host first.
 Where torch has no grouped product for the device, dtype or shapes (before torch 2.9 none on the CPU and only
 Hopper's on CUDA; on CUDA only bfloat16 is used, its native kernel; rows of a multiple of 16 bytes), and for
-quantized experts (each dequantized into its own matmul; a fused quantized kernel is for the GPU issue), the loop
-over the chosen experts runs instead, in expert order as transformers runs it. Tensor parallelism splits every
+quantized experts (each expert's matmul as its scheme runs a linear layer's: on a GPU, weight-only ones dequantize
+tile by tile in quantized_kernels.py; a grouped quantized kernel is for the GPU issue), the loop over the chosen
+experts runs instead, in expert order as transformers runs it. Tensor parallelism splits every
 expert as it splits a dense MLP (each rank holds its share of every expert's width: gate|up by their outputs,
 down by its inputs) and the layer sums the ranks' outputs; the router is whole on every rank, so all choose the
 same experts.
@@ -19,7 +20,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fovea.config.model import MoEConfig
@@ -121,12 +121,13 @@ class Experts(nn.Module):
         return out
 
     def _matmul(self, piece: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x times one expert's gate|up or down, as its scheme multiplies (the reference: dequantized weights;
-        w8a8, each token's activations quantized first)."""
-        one = SimpleNamespace(**{key: getattr(self, name)[expert] for key, name in self.names[piece].items()})
-        if getattr(self.scheme, "activations", None) is None:
-            return F.linear(x, self.scheme.weight(one, x.dtype))
-        return self.scheme.apply(one, x, None)
+        """x times one expert's gate|up or down, as a linear layer of its scheme multiplies (layers/quantized.py:
+        on a GPU, weight-only experts through the matmul that dequantizes tile by tile)."""
+        return self.scheme.apply(self.expert(piece, expert), x, None)
+
+    def expert(self, piece: str, expert: int) -> SimpleNamespace:
+        """One expert's gate|up or down as a linear layer holds it (its values and scales, by the scheme's names)."""
+        return SimpleNamespace(**{key: getattr(self, name)[expert] for key, name in self.names[piece].items()})
 
 
 def expert_pieces(experts: Experts, name: str) -> set:
