@@ -9,10 +9,9 @@ Where torch has no grouped product for the device, dtype or shapes (before torch
 Hopper's on CUDA; on CUDA only bfloat16 is used, its native kernel; rows of a multiple of 16 bytes), and for
 quantized experts (each expert's matmul as its scheme runs a linear layer's: on a GPU, weight-only ones dequantize
 tile by tile in quantized_kernels.py; a grouped quantized kernel is for the GPU issue), the loop over the chosen
-experts runs instead, in expert order as transformers runs it. Tensor parallelism splits every
-expert as it splits a dense MLP (each rank holds its share of every expert's width: gate|up by their outputs,
-down by its inputs) and the layer sums the ranks' outputs; the router is whole on every rank, so all choose the
-same experts.
+experts runs instead, in expert order as transformers runs it. Tensor parallelism splits every expert as it splits
+a dense MLP (each rank holds its share of every expert's width: gate|up by their outputs, down by its inputs) and
+the layer sums the ranks' outputs; the router is whole on every rank, so all choose the same experts.
 """
 
 from __future__ import annotations
