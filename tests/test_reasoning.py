@@ -28,6 +28,14 @@ TEMPLATE = (
 )
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 OFF = {"enable_thinking": False}
+# a thought of ~70 tokens: long enough that its stream has several deltas even when a loaded machine's event loop
+# falls behind the engine (the front end merges a request's outputs that wait for it: one delta of 15 tokens was seen)
+THOUGHT = " ".join(["Two and two make four."] * 10)
+# <think> and </think> are added tokens: a grammar names them as tokens (llguidance's <...> syntax)
+THINK_THEN_ANSWER = {
+    "guided_grammar": f'start: <think> "{THOUGHT}" </think> "\\n\\nFour."',
+    "chat_template_kwargs": OFF,
+}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 THINK_END_ID = 151668  # "</think>" in Qwen3's vocabulary
 ANSWER = {"type": "object", "required": ["answer"], "additionalProperties": False,
@@ -107,7 +115,7 @@ PIECES: list[int] = []  # reasoning deltas per stream, to see that reasoning doe
 
 def chat(base: str, stream: bool, **body) -> tuple[str | None, str | None, list, str]:
     """(reasoning, content, tool calls, finish_reason) of the first choice, as the raw JSON says them."""
-    body = {"model": "tiny", "messages": ASK, "max_tokens": 60, "temperature": 0, **body}
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 200, "temperature": 0, **body}
     if not stream:
         reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
         message = reply["choices"][0]["message"]
@@ -137,13 +145,8 @@ def chat(base: str, stream: bool, **body) -> tuple[str | None, str | None, list,
 
 def test_reasoning_then_answer_whole_and_streamed(server):
     """A model that writes its own <think> (after a prompt that closed one): split whole and token by token."""
-    # <think> and </think> are added tokens: a grammar names them as tokens (llguidance's <...> syntax)
-    grammar = {
-        "guided_grammar": 'start: <think> "Two and two make four." </think> "\\n\\nFour."',
-        "chat_template_kwargs": OFF,
-    }
     for stream in (False, True):
-        assert chat(server, stream, **grammar)[:2] == ("Two and two make four.", "\n\nFour."), stream
+        assert chat(server, stream, **THINK_THEN_ANSWER)[:2] == (THOUGHT, "\n\nFour."), stream
     assert PIECES[-1] > 3  # token by token, not in one piece at the end
 
 
@@ -153,25 +156,22 @@ def test_responses_api_gives_a_reasoning_item_then_the_message(server):
     import openai
 
     client = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
-    grammar = {
-        "guided_grammar": 'start: <think> "Two and two make four." </think> "\\n\\nFour."',
-        "chat_template_kwargs": OFF,
-    }
-    whole = client.responses.create(model="tiny", input=ASK, max_output_tokens=60, extra_body=grammar)
+    grammar = THINK_THEN_ANSWER
+    whole = client.responses.create(model="tiny", input=ASK, max_output_tokens=200, extra_body=grammar)
     assert [item.type for item in whole.output] == ["reasoning", "message"]
-    assert whole.output[0].content[0].text == "Two and two make four." and whole.output_text == "\n\nFour."
+    assert whole.output[0].content[0].text == THOUGHT and whole.output_text == "\n\nFour."
     events = list(
-        client.responses.create(model="tiny", input=ASK, max_output_tokens=60, stream=True, extra_body=grammar)
+        client.responses.create(model="tiny", input=ASK, max_output_tokens=200, stream=True, extra_body=grammar)
     )
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
-    assert thought == "Two and two make four." and sum(e.type == "response.reasoning_text.delta" for e in events) > 3
+    assert thought == THOUGHT and sum(e.type == "response.reasoning_text.delta" for e in events) > 3
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
     assert events[-1].response.output_text == "\n\nFour."
     # the reasoning's own tokens: those between <think> and </think> (each one token of the vocabulary)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(httpx.get(server + "/v1/models").json()["data"][0]["root"])
-    thinking = len(tokenizer.encode("Two and two make four.", add_special_tokens=False))
+    thinking = len(tokenizer.encode(THOUGHT, add_special_tokens=False))
     for usage in (whole.usage, events[-1].response.usage):
         assert usage.output_tokens_details.reasoning_tokens == thinking, usage
         assert usage.output_tokens > thinking
