@@ -14,8 +14,9 @@ from fovea.attention.layer import Attention
 from fovea.config.flags import BY_NAME
 
 
-def dense_reference(q, k_cache, meta, specs, window, spans, scale):
-    """Each query against every key of its sequence that it may see, from the cache after the step's writes."""
+def dense_reference(q, k_cache, meta, specs, window, spans, scale, sinks=None):
+    """Each query against every key of its sequence that it may see, from the cache after the step's writes;
+    `sinks`: each head's sink logit, an extra score whose value is 0 (GPT-OSS's eager attention)."""
     _, _, block_size, kv_heads, _ = k_cache.shape
     flat = k_cache.view(2, -1, kv_heads, k_cache.shape[-1])
     group = q.shape[1] // kv_heads
@@ -37,7 +38,10 @@ def dense_reference(q, k_cache, meta, specs, window, spans, scale):
                 device=q.device,
             )
             scores = torch.einsum("hd,khd->hk", q[row], keys) * scale
-            weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[:, None]], 1)
+            weights = scores.softmax(-1)[:, :length]
             out[row] = torch.einsum("hk,khd->hd", weights, values)
             row += 1
     return out
@@ -71,6 +75,25 @@ def test_reference_windows_and_bidirectional_spans(window, spans, budget):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     if window is None and not spans:  # the plain path agrees with the kernels' reference runs
         torch.testing.assert_close(got, run(TorchAttention(), q, k, v, cache, make_meta)[0])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("budget", [None, 2048, 24], ids=["one-group", "default", "groups-and-key-chunks"])
+def test_reference_attention_sinks(window, budget):
+    """GPT-OSS's sinks, one logit per query head in every softmax's denominator: prompts, a chunk over a cached
+    prefix and decodes (their contexts in one chunk or several) against the dense reference; large sinks take
+    most of the weight, so they are there to see."""
+    q, k, v, cache, make_meta = ragged_batch(MIXED, 4, 2, 16, 16, torch.float32)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    backend = TorchAttention(decode_group_tokens=budget)
+    meta = make_meta(backend)
+    written = cache.clone()
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, written, meta, scale=0.25, window=window, sinks=sinks)
+    expected = dense_reference(q, written, meta, MIXED, window, {}, scale=0.25, sinks=sinks)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    plain = dense_reference(q, written, meta, MIXED, window, {}, scale=0.25)
+    assert (plain - expected).abs().max().item() > 0.1
 
 
 @pytest.mark.parametrize("budget", [None, 24], ids=["one-group", "key-chunks"])
@@ -140,6 +163,11 @@ def test_a_model_with_sliding_window_layers_needs_a_backend_that_has_them(monkey
     monkeypatch.setitem(BACKENDS, "plain", dataclasses.replace(BACKENDS["triton"], sliding_window=False))
     with pytest.raises(ValueError, match="needs sliding_window attention"):
         make_backend("plain", 2, False, torch.device("cpu"), needs=features_needed(windowed))
+    sinks = torch.nn.ModuleList([Attention(16, causal=True, layer_index=0, sink_heads=4)])
+    assert features_needed(sinks) == ("attention_sinks",)
+    monkeypatch.setitem(BACKENDS, "sinkless", dataclasses.replace(BACKENDS["torch"], attention_sinks=False))
+    with pytest.raises(ValueError, match="needs attention_sinks attention"):
+        make_backend("sinkless", 2, False, torch.device("cpu"), needs=features_needed(sinks))
 
 
 def test_fp8_kv_cache_is_attention_over_fp8_rounded_keys_and_values():

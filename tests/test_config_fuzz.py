@@ -29,8 +29,9 @@ What is drawn, per family:
 - Gemma 3: 1-4 decoder layers, every one, every second or every third seeing all keys and the others a window of
   4-64, the scores' scale its own (query_pre_attn_scalar), the global layers' RoPE scaled as any decoder's;
   its SigLIP tower 1-3 layers of 1-4 heads;
-- InternVL: a Qwen2, Qwen3 or Qwen3-MoE decoder (the experts drawn as Qwen3-VL-MoE's, each expert's matrices
-  stored apart, and sliding windows in every layer when on); its InternViT tower 1-3 layers of 1-4 heads, LayerNorm or RMSNorm, q/k/v
+- InternVL: a Qwen2, Qwen3, Qwen3-MoE (the experts drawn as Qwen3-VL-MoE's, each expert's matrices stored apart,
+  and sliding windows in every layer when on) or GPT-OSS decoder (sinks, biased experts in every layer, a clamped
+  SwiGLU, any layers sliding: `gpt_oss`); its InternViT tower 1-3 layers of 1-4 heads, LayerNorm or RMSNorm, q/k/v
   biases or none, q/k norms or none, mean-pooled or with a last norm, features from the last or the second-to-last
   layer, layer scales of 0.1 or 1, tiles of 56 px cut 1-4 or 1-6 at a time (the base's processor).
 Weights are drawn wider than transformers' default (initializer_range 0.1): with its 0.02 a model's logits are so
@@ -143,6 +144,16 @@ def experts(rng: random.Random, layers: int) -> dict:
                 mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))))  # fmt: skip
 
 
+def gpt_oss(rng: random.Random, layers: int) -> dict:
+    """GPT-OSS's decoder: each layer sliding (a window of 4-64 keys) or not, 2 or 4 experts of the MLP's width, 1
+    or 2 per token, the SwiGLU's clamp 0.5 (it clamps) or 7 and its alpha 1 or 1.702."""
+    count = rng.choice([2, 4])
+    kinds = [rng.choice(["sliding_attention", "full_attention"]) for _ in range(layers)]
+    return dict(num_hidden_layers=layers, layer_types=kinds, sliding_window=rng.choice([4, 16, 64]),
+                num_local_experts=count, num_experts_per_tok=min(rng.choice([1, 2]), count),
+                swiglu_limit=rng.choice([0.5, 7.0]), swiglu_alpha=rng.choice([1.0, 1.702]))  # fmt: skip
+
+
 def draw(family: str, rng: random.Random) -> dict:
     """A config.json's content for `family` (transformers' config class takes it as keyword arguments)."""
     tied = rng.random() < 0.5
@@ -176,7 +187,7 @@ def draw(family: str, rng: random.Random) -> dict:
                     boi_token_index=GEMMA_BOI, eoi_token_index=GEMMA_EOI, tie_word_embeddings=tied,
                     initializer_range=INIT)  # fmt: skip
     if family == "internvl":
-        kind = rng.choice(["qwen2", "qwen3", "qwen3_moe"])
+        kind = rng.choice(["qwen2", "qwen3", "qwen3_moe", "gpt_oss"])
         text, _ = decoder(rng, explicit_head_dim=kind != "qwen2")
         rope = {"rope_type": "default", "rope_theta": rng.choice([1e4, 1e6]), **rope_scaling(rng)}
         text.update(model_type=kind, vocab_size=INTERNVL_VOCAB, rope_parameters=rope,
@@ -185,6 +196,9 @@ def draw(family: str, rng: random.Random) -> dict:
             text["attention_bias"] = rng.random() < 0.3
         if kind == "qwen3_moe":
             text.update(experts(rng, text["num_hidden_layers"]))
+        if kind == "gpt_oss":
+            text.update(gpt_oss(rng, text.pop("num_hidden_layers")))
+            del text["use_sliding_window"], text["max_window_layers"]
         heads, layers = rng.choice([1, 2, 4]), rng.randint(1, 3)
         vision = dict(hidden_size=heads * rng.choice([8, 16]), num_attention_heads=heads, num_hidden_layers=layers,
                       intermediate_size=rng.choice([32, 64]), image_size=56, patch_size=14,
@@ -266,8 +280,10 @@ def materialize(family: str, config: dict, base, out, seed: int):
     model = getattr(transformers, f"{names[family]}ForConditionalGeneration")(settings)
     with torch.no_grad():  # transformers starts biases at zero, where a bias left out would not show
         for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):  # (GPT-OSS's experts': gate_up_proj_bias, down_proj_bias)
                 parameter.normal_(0, INIT)
+            elif name.endswith(".sinks"):  # GPT-OSS's, at 0.02 too small to take a share of the weights
+                parameter.normal_(0, 1)
     model.save_pretrained(str(out))
     return out
 
@@ -354,9 +370,9 @@ def quantize_drawn(rng: random.Random, config: dict, options: dict, model_dir, o
     weight-only format (fp8 blocks, fp8 per tensor, AWQ: exact against the dequantized copy, which transformers
     runs as the reference; stacked experts written one tensor per expert, as Qwen's FP8 MoE uploads are).
     Returns (checkpoint, reference) directories."""
-    if rng.random() >= 0.25:
-        return model_dir, model_dir
     text, size = config["text_config"], options.get("tensor_parallel_size", 1)
+    if rng.random() >= 0.25 or text.get("model_type") == "gpt_oss":  # (GPT-OSS is published in MXFP4 only)
+        return model_dir, model_dir
     experts = "num_experts" in text
     fmt = rng.choice(["fp8-block", "fp8-tensor"] if experts else ["fp8-block", "fp8-tensor", "awq"])
     # blocks that every fused piece (q, k, v; gate, up) and each rank's share start on, as vLLM requires

@@ -336,3 +336,14 @@ def test_builtin_internvl_entries_fit_their_gpus():
         assert entry.tensor_parallel_size == next(tp for tp in (1, 2, 4, 8) if weights_gb / tp <= 0.6 * 80), name
         assert entry.path == f"OpenGVLab/InternVL3_5-{name.upper()}-HF"
         assert bool(tower_split_obstacles(config.vision, entry.tensor_parallel_size)) == (name == "38b")
+    # the GPT-OSS one, as OpenGVLab uploads it (GPT-OSS-20B's shapes): 21.2B parameters, as its model card says
+    gpt_oss = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 2880,
+               "num_hidden_layers": 24, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+               "intermediate_size": 2880, "num_local_experts": 32, "vocab_size": 201088}  # fmt: skip
+    tower = {**vit_300m, "qkv_bias": True, "image_size": 448, "patch_size": 14, "hidden_act": "gelu"}
+    config = ModelConfig.from_dict(
+        {"architectures": ["InternVLChatModel"], "llm_config": gpt_oss, "vision_config": tower, "ps_version": "v2"}
+    )
+    assert round(count_parameters(config) / 1e9, 1) == 21.2
+    entry = MODELS["internvl3.5-gpt-oss-20b-a4b"]
+    assert entry.tensor_parallel_size == 1 and 2 * count_parameters(config) / 1e9 <= 0.6 * 80

@@ -35,6 +35,8 @@ def checkpoints(tmp_path_factory):
         "post-norm": write_internvl_checkpoint(root / "post", seed=3, tower="post-norm", max_patches=4),
         # InternVL3.5's MoE decoders: Qwen3-MoE's, each expert's matrices stored apart
         "moe": write_internvl_checkpoint(root / "moe", seed=4, decoder="qwen3_moe"),
+        # InternVL3.5-GPT-OSS's: sinks, biased experts, alternating sliding layers
+        "gpt-oss": write_internvl_checkpoint(root / "gpt-oss", seed=5, decoder="gpt_oss"),
     }
 
 
@@ -120,6 +122,8 @@ def logits_pair(model_dir, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         ("post-norm", "one_image"),
         ("moe", "text"),
         ("moe", "two_images"),
+        ("gpt-oss", "text"),
+        ("gpt-oss", "two_images"),
     ],
 )
 def test_logits_match_transformers(checkpoints, checkpoint, kind):
@@ -202,7 +206,7 @@ def test_config_read_as_transformers_reads_it():
     assert ours.image.max_tiles == 12 and ours.image.image_mean == (0.48145466, 0.4578275, 0.40821073)
 
 
-@pytest.mark.parametrize("checkpoint", ["300m", "moe"])
+@pytest.mark.parametrize("checkpoint", ["300m", "moe", "gpt-oss"])
 def test_engine_greedy_matches_transformers(checkpoints, checkpoint):
     """Greedy tokens and their log-probabilities (within 1e-4) against transformers' generate: a budget of 16
     tokens (chunks end inside images of 16-28 tokens), prompts repeated (prefix cache), 10 blocks of 16 for six
@@ -239,7 +243,8 @@ def test_tensor_parallel_gives_the_same_tokens(checkpoints):
     """Two ranks on the CPU (gloo): the decoder's and the tower's heads split, the projector split too: the
     single process's greedy tokens, log-probabilities within 1e-4. InternViT-6B's q/k norm over all heads needs
     the whole tower on a rank: the engine runs it so (mm_encoder_tp_mode data) unasked, and its tokens are the
-    single process's."""
+    single process's. GPT-OSS's decoder: each rank its heads' sinks and its share of every expert's biases
+    (the down projection's on one rank only, as the ranks' outputs are summed)."""
     from fovea import LLM, SamplingParams
 
     cases = [chat(kind) for kind in ("two_images", "one_image", "text")]
@@ -255,9 +260,9 @@ def test_tensor_parallel_gives_the_same_tokens(checkpoints):
         finally:
             llm.close()
 
-    expected, got = run(checkpoints["300m"]), run(checkpoints["300m"], tensor_parallel_size=2)
-    assert_same_tokens_and_logprobs(expected, got)
-    assert_same_tokens_and_logprobs(run(checkpoints["6b"]), run(checkpoints["6b"], tensor_parallel_size=2))
+    for checkpoint in ("300m", "6b", "gpt-oss"):
+        expected, got = run(checkpoints[checkpoint]), run(checkpoints[checkpoint], tensor_parallel_size=2)
+        assert_same_tokens_and_logprobs(expected, got)
 
 
 def test_tile_counts_per_request_are_the_processors(checkpoints):
@@ -315,7 +320,12 @@ def test_embeddings_of_a_tiled_image_give_its_tokens(checkpoints):
         assert abs(next(iter(mine.values())).logprob - next(iter(theirs.values())).logprob) <= 1e-4
 
 
-CAUSAL_LMS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CAUSAL_LMS = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
 
 
 def original_upload(hf_dir, out):
@@ -387,7 +397,7 @@ def original_upload(hf_dir, out):
     return out
 
 
-@pytest.mark.parametrize("checkpoint", ["300m", "moe"])
+@pytest.mark.parametrize("checkpoint", ["300m", "moe", "gpt-oss"])
 def test_internvls_own_uploads_are_the_same_model(checkpoints, tmp_path, checkpoint):
     """InternVL as OpenGVLab uploads it (InternVLChatModel) loads to the model transformers' conversion gives (every
     tensor equal), reads its image settings from config.json, and takes "<image>" in a text prompt as vLLM does:
@@ -418,3 +428,21 @@ def test_internvls_own_uploads_are_the_same_model(checkpoints, tmp_path, checkpo
         for model_dir, written in ((original, text), (source, text.replace("<image>", "<IMG_CONTEXT>")))
     ]
     assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+
+
+def test_quantization_named_in_an_own_uploads_llm_config_is_read():
+    """OpenGVLab's uploads keep the language model's settings under `llm_config`, its quantization_config too:
+    GPT-OSS's MXFP4 experts (the format openai/gpt-oss-20b ships in) are refused by name, not read as some other
+    checkpoint's tensors."""
+    from fovea.config.model import ModelConfig
+
+    llm = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
+           "num_local_experts": 4, "vocab_size": 296}  # fmt: skip
+    tower = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+             "image_size": 56, "patch_size": 14, "hidden_act": "gelu"}  # fmt: skip
+    raw = {"architectures": ["InternVLChatModel"], "llm_config": llm, "vision_config": tower, "ps_version": "v2"}
+    assert ModelConfig.from_dict(raw).text.attention_sinks
+    llm["quantization_config"] = {"quant_method": "mxfp4"}
+    with pytest.raises(ValueError, match="quantization 'mxfp4' is not supported"):
+        ModelConfig.from_dict(raw)

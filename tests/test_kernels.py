@@ -178,6 +178,29 @@ def test_windows_and_bidirectional_spans_match_the_reference(window, spans, dtyp
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_attention_sinks_match_the_reference(window, dtype, tol):
+    """GPT-OSS's sink logits (one per query head, in every softmax's denominator) in the prefill kernel, in a
+    decode that runs in one program per sequence and head, and in one whose context splits (the combine adds
+    them); large ones, that take most of the weight, and one below every score."""
+    sinks = torch.tensor([-30.0, 0.5, 3.0, 8.0], device=DEVICE)
+
+    def attend(backend, batch, q, k, v, cache, sinks):
+        m = batch(backend)
+        backend.prepare(m)
+        return backend.forward(q, k, v, cache.clone(), m, scale=32**-0.5, window=window, sinks=sinks)
+
+    for specs, programs in ((MIXED, 8), ([(300, 1), (15, 1), (64, 1), (0, 1)], 1), ([(300, 1), (129, 1)], 40)):
+        q, k, v, cache, meta = ragged_batch(specs, 4, 2, 32, 16, dtype, seed=6)
+        expected = attend(TorchAttention(), meta, q.float(), k.float(), v.float(), cache.float(), sinks)
+        backend = TritonAttention(group=2, block_n=16, decode_block_n=16, decode_programs=programs)
+        got = attend(backend, meta, q, k, v, cache, sinks.to(dtype))
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+        plain = attend(TorchAttention(), meta, q.float(), k.float(), v.float(), cache.float(), None)
+        assert (plain - expected).abs().max().item() > 0.1
+
+
 def test_a_steps_prefill_plans_are_built_without_reading_the_device():
     """The tiles' count is the prefill kernel's grid, and the spans' limits are one per new token: both are planned
     from what the host knows (the step's query starts, its slot count). Read off a GPU, the host would wait for

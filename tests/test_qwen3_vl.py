@@ -122,15 +122,21 @@ if torch.cuda.is_available():  # the native grouped kernel
     MOE_CASES.append(("cuda", torch.bfloat16, 2e-2))
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["qwen", "gpt-oss"])
 @pytest.mark.parametrize("device, dtype, tolerance", MOE_CASES)
-def test_grouped_experts_give_the_loops_outputs_without_reading_the_device(device, dtype, tolerance, monkeypatch):
+def test_grouped_experts_give_the_loops_outputs_without_reading_the_device(
+    device, dtype, tolerance, gpt_oss, monkeypatch
+):
     """The experts as two grouped products equal the loop over the chosen experts (transformers' order) for
     batches where some experts get no token, one token or all of them; and they never read the device: on a GPU
-    a read would make the host wait for each MoE layer and stop a CUDA graph from recording the step."""
+    a read would make the host wait for each MoE layer and stop a CUDA graph from recording the step. GPT-OSS's
+    experts: with biases and a clamped SwiGLU."""
     from fovea.config.model import MoEConfig
     from fovea.layers import moe
 
     cfg = MoEConfig(num_experts=8, top_k=2, intermediate_size=48, sparse_layers=(0,))
+    if gpt_oss:
+        cfg = dataclasses.replace(cfg, router_bias=True, expert_bias=True, interleaved=True, swiglu=(1.702, 0.3))
     layer = moe.SparseMoE(64, cfg)
     assert layer.experts.grouped  # the installed torch has it: the grouped path is what runs here
     assert not moe.SparseMoE(64, dataclasses.replace(cfg, intermediate_size=50)).experts.grouped  # rows unaligned

@@ -10,7 +10,8 @@ start-up, naming both, rather than computing something else:
 - `bidirectional_spans`: tokens inside a span (a prompt's image) also see the later tokens of that span, as
   Gemma 3's image tokens do (`PagedAttentionMetadata.bidirectional_spans`);
 - `cuda_graphs`: its decode step can be captured in a CUDA graph;
-- `fp8_kv_cache`: it keeps keys and values in float8 e4m3, each layer's k and v scaled (--kv-cache-dtype fp8).
+- `fp8_kv_cache`: it keeps keys and values in float8 e4m3, each layer's k and v scaled (--kv-cache-dtype fp8);
+- `attention_sinks`: a learned logit per query head joins each softmax's denominator (GPT-OSS's `sinks`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class BackendSpec:
     bidirectional_spans: bool
     cuda_graphs: bool
     fp8_kv_cache: bool
+    attention_sinks: bool
 
 
 def _triton(heads_per_kv_head: int, fp32_softmax: bool, device: torch.device, kv_width: int | None) -> AttentionBackend:
@@ -48,8 +50,16 @@ BACKENDS = {  # the reference sizes its tensors from each batch, so it cannot be
         bidirectional_spans=True,
         cuda_graphs=False,
         fp8_kv_cache=True,
+        attention_sinks=True,
     ),
-    "triton": BackendSpec(_triton, sliding_window=True, bidirectional_spans=True, cuda_graphs=True, fp8_kv_cache=True),
+    "triton": BackendSpec(
+        _triton,
+        sliding_window=True,
+        bidirectional_spans=True,
+        cuda_graphs=True,
+        fp8_kv_cache=True,
+        attention_sinks=True,
+    ),
 }
 
 
@@ -59,6 +69,7 @@ def features_needed(model: torch.nn.Module) -> tuple[str, ...]:
 
     layers = [m for m in model.modules() if isinstance(m, Attention) and m.layer_index is not None]
     needs = ("sliding_window",) if any(layer.sliding_window is not None for layer in layers) else ()
+    needs += ("attention_sinks",) if any(layer.sinks is not None for layer in layers) else ()
     two_way = getattr(getattr(model, "config", None), "bidirectional_images", False)  # (a model's ModelConfig)
     return needs + (("bidirectional_spans",) if two_way else ())
 

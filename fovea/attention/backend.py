@@ -6,8 +6,9 @@ flat: the new tokens of every scheduled sequence concatenated (prefill chunks an
 A backend writes the new tokens' K/V into their slots, then lets each query attend to its sequence's whole
 context: the cached prefix, earlier chunks and the causal part of its own chunk.
 
-A layer may be a sliding-window one (`window`), and a step may name bidirectional spans per sequence (tokens of a
-prompt's image that see each other both ways); the registry (fovea/attention/__init__.py) says which backends can.
+A layer may be a sliding-window one (`window`) or have a learned sink logit per head (`sinks`, GPT-OSS's), and a
+step may name bidirectional spans per sequence (tokens of a prompt's image that see each other both ways); the
+registry (fovea/attention/__init__.py) says which backends can.
 
 `TorchAttention` is the reference: decode rows in groups, each group's cache blocks copied into kept buffers and
 attended with two matmuls per KV head; each prefill chunk on its own through SDPA, causal (lower-right when a cached
@@ -76,10 +77,12 @@ class AttentionBackend:
         scale: float,
         window: int | None = None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: (N, Hq, D), k/v: (N, Hkv, D) for the N new tokens. Stores k/v, returns (N, Hq, D). `window`: a
         sliding-window layer's W (a query sees itself and the W - 1 keys before it); None: all keys.
-        `kv_scales`: the layer's k and v scales, for a float8 cache (stored = value / scale)."""
+        `kv_scales`: the layer's k and v scales, for a float8 cache (stored = value / scale). `sinks`: (Hq,) each
+        query head's learned sink logit (GPT-OSS), a term of every softmax's denominator that adds no value."""
         raise NotImplementedError
 
 
@@ -95,6 +98,20 @@ def allowed_keys(length: int, context: int, window: int | None, spans: list[tupl
     if window is not None:
         allowed &= keys > queries - window
     return allowed
+
+
+def attend(q, k, v, scale: float, mask=None, causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA's layout: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), Hq a multiple of Hkv. With `sinks` (Hq,) written out:
+    scores, a sink column joined to each row's softmax then dropped (a head may so attend to almost nothing), and
+    `mask` (Lq, Lk) bool, what each query sees, which then must be given."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill_(~mask, -torch.inf)
+    sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], -1).softmax(-1)[..., :-1] @ v
 
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest value: a key or value beyond scale x 448 is clipped there
@@ -222,16 +239,20 @@ class TorchAttention(AttentionBackend):
             buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:size].view(shape)
 
-    def decode(self, queries, group: DecodeGroup, hidden, gather_blocks, scale: float) -> torch.Tensor:
+    def decode(self, queries, group: DecodeGroup, hidden, gather_blocks, scale: float, sinks=None) -> torch.Tensor:
         """One query per sequence (queries (Hkv, B, G, D), grouped by the KV head they read): per KV head, two
         batched matmuls that read its keys and values in place from the gathered blocks (B, keys, Hkv, D), a
         strided matrix each, so neither is copied head-major and no query head copies its KV head's (as SDPA's
         GQA path does). Context longer than the group budget (one long sequence) goes a chunk of keys at a time,
-        the chunks' softmaxes joined by their maxima (online softmax), so no copy outgrows it."""
+        the chunks' softmaxes joined by their maxima (online softmax), so no copy outgrows it. `sinks` (Hkv, 1, G,
+        1): the sink logits start that softmax as a first chunk of one key whose value is 0."""
         heads, batch, rows, dim = queries.shape
         chunk, per_chunk = group.chunk, group.chunk // group.block_size  # keys, blocks
         total = torch.zeros(heads, batch, rows, dim, dtype=queries.dtype, device=queries.device)
         weight = top = None
+        if sinks is not None:
+            top = sinks.to(queries.dtype)
+            weight = torch.ones_like(top)
         for number, padding in enumerate(group.padding):
             start = number * chunk
             keys, values = gather_blocks(group.blocks[:, number * per_chunk : (number + 1) * per_chunk])
@@ -242,7 +263,7 @@ class TorchAttention(AttentionBackend):
             for head in range(heads):
                 torch.bmm(queries[head], keys[:, :, head].transpose(1, 2), out=scores[head])
             scores.mul_(scale).masked_fill_(hidden[None, :, None, start : start + chunk], -torch.inf)
-            if len(group.padding) == 1:  # the whole context in one chunk
+            if len(group.padding) == 1 and top is None:  # the whole context in one chunk
                 probs = scores.softmax(-1)
             else:  # exponentials against the chunk's maximum; what earlier chunks summed rescaled to the larger
                 peak = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # all-hidden rows
@@ -269,12 +290,11 @@ class TorchAttention(AttentionBackend):
             return None if context == length else self.causal_over_prefix(length, context, device)
         return allowed_keys(length, context, window, spans, device)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None, sinks=None):
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
         _, num_blocks, block_size, heads, dim = kv_cache.shape
         flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
         dtype = torch.float32 if self.fp32_softmax else q.dtype
-        gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
 
@@ -307,29 +327,29 @@ class TorchAttention(AttentionBackend):
                 )
             )
 
-        def attend(queries, keys, values, mask=None, causal=False):  # queries (B, Lq, Hq, D), keys (B, Lk, H, D)
-            result = F.scaled_dot_product_attention(
-                queries.to(dtype).transpose(1, 2),
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=mask,
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=gqa,
+        def attend_chunk(queries, keys, values, mask=None):  # queries (B, Lq, Hq, D), keys (B, Lk, H, D)
+            result = attend(
+                *(x.transpose(1, 2) for x in (queries.to(dtype), keys, values)), scale, mask, mask is None, sinks
             )
             return result.transpose(1, 2).to(q.dtype)
+
+        group_sinks = None if sinks is None else sinks.view(heads, 1, -1, 1)  # (Hkv, 1, G, 1) as decode's queries
 
         for group in meta.plan["decode"]:
             hidden = group.hidden if window is None else group.hidden | (group.positions < group.lengths - window)
             queries = q[group.rows].to(dtype).view(len(group.rows), heads, -1, dim).transpose(0, 1)  # (Hkv, B, G, D)
-            result = self.decode(queries, group, hidden, gather_blocks, scale)
+            result = self.decode(queries, group, hidden, gather_blocks, scale, group_sinks)
             out[group.rows] = result.transpose(0, 1).reshape(len(group.rows), -1, dim).to(q.dtype)
         for index, start, length, slots in meta.plan["prefill"]:
             context = slots.numel()
-            mask = self.prefill_mask(length, context, window, meta.bidirectional_spans.get(index, []), q.device)
+            spans = meta.bidirectional_spans.get(index, [])
+            if sinks is None:
+                mask = self.prefill_mask(length, context, window, spans, q.device)
+            else:  # written out, with every mask explicit
+                mask = allowed_keys(length, context, window, spans, q.device)
             if context == length and kv_cache.dtype == k.dtype:  # a prompt in one piece: its keys and values are
                 keys, values = (x[start : start + length][None].to(dtype) for x in (k, v))  # the step's, not read back
             else:
                 keys, values = gather_slots(slots[None])
-            out[start : start + length] = attend(q[start : start + length][None], keys, values, mask, mask is None)[0]
+            out[start : start + length] = attend_chunk(q[start : start + length][None], keys, values, mask)[0]
         return out

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fovea.attention.backend import PagedAttentionMetadata, allowed_keys
+from fovea.attention.backend import PagedAttentionMetadata, allowed_keys, attend
+from fovea.distributed import current_tp
 
 
 @dataclass
@@ -89,19 +90,18 @@ def varlen_attention(
     return out
 
 
-def masked_attention(q, k, v, meta: AttentionMetadata, window: int | None, scale: float, fp32: bool) -> torch.Tensor:
-    """Whole causal prompts one at a time under `allowed_keys`' mask: a sliding window, bidirectional spans (the
-    uncached path of a language model that has them; reference checks run it)."""
+def masked_attention(
+    q, k, v, meta: AttentionMetadata, window: int | None, scale: float, fp32: bool, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Whole causal prompts one at a time under `allowed_keys`' mask: a sliding window, bidirectional spans,
+    attention sinks (the uncached path of a language model that has them; reference checks run it)."""
     dtype = torch.float32 if fp32 else q.dtype
     out = torch.empty_like(q)
     bounds = meta.cu_seqlens.tolist()
     for index, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         spans = (meta.bidirectional_spans or {}).get(index, [])
         mask = allowed_keys(end - start, end - start, window, spans, q.device)
-        group = [x[start:end].to(dtype).transpose(0, 1)[None] for x in (q, k, v)]
-        result = F.scaled_dot_product_attention(
-            *group, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        result = attend(*(x[start:end].to(dtype).transpose(0, 1)[None] for x in (q, k, v)), scale, mask, sinks=sinks)
         out[start:end] = result[0].transpose(0, 1).to(q.dtype)
     return out
 
@@ -110,7 +110,8 @@ class Attention(nn.Module):
     """Scaled dot-product attention of one layer. `layer_index` names its KV cache in the engine's list (language
     models); `fp32`: scores and softmax in fp32 on the uncached path (--fp32-softmax, --fp32-softmax-vision; the
     paged backends are configured at their own construction); `sliding_window`: W for a sliding-window layer
-    (backends must have the feature, see __init__); `scale`: the scores' factor, 1 / sqrt(head_dim) unless given."""
+    (backends must have the feature, see __init__); `scale`: the scores' factor, 1 / sqrt(head_dim) unless given;
+    `sink_heads`: this rank's query heads, for a layer with a learned sink logit per head (GPT-OSS's `sinks`)."""
 
     def __init__(
         self,
@@ -120,13 +121,26 @@ class Attention(nn.Module):
         fp32: bool = False,
         sliding_window: int | None = None,
         scale: float | None = None,
+        sink_heads: int = 0,
     ):
         super().__init__()
         self.scale, self.causal, self.layer_index, self.fp32 = scale or head_dim**-0.5, causal, layer_index, fp32
         self.sliding_window = sliding_window
+        self.sinks = None
+        if sink_heads:
+            self.tp = current_tp()
+            self.sinks = nn.Parameter(torch.zeros(sink_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
         if layer_index is not None:  # a float8 KV cache's scales: the checkpoint's where it has them, else 1.0
             self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
             self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """This rank's heads' sinks: the ranks split the query heads in order, as the q projection does."""
+        heads = param.shape[0]
+        if loaded.shape != (heads * self.tp.size,):
+            raise ValueError(f"attention sinks of shape {tuple(loaded.shape)}: the layer has {heads} heads a rank")
+        param.data.copy_(loaded[self.tp.rank * heads :][:heads])
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | PagedAttentionMetadata
@@ -135,10 +149,10 @@ class Attention(nn.Module):
         if isinstance(meta, PagedAttentionMetadata):
             cache = meta.kv_caches[self.layer_index]
             return meta.backend.forward(
-                q, k, v, cache, meta, self.scale, self.sliding_window, (self.k_scale, self.v_scale)
+                q, k, v, cache, meta, self.scale, self.sliding_window, (self.k_scale, self.v_scale), self.sinks
             )
-        if self.causal and (self.sliding_window is not None or meta.bidirectional_spans):
-            return masked_attention(q, k, v, meta, self.sliding_window, self.scale, self.fp32)
+        if self.causal and (self.sliding_window is not None or meta.bidirectional_spans or self.sinks is not None):
+            return masked_attention(q, k, v, meta, self.sliding_window, self.scale, self.fp32, self.sinks)
         if meta.tiles is not None:
             from fovea.attention.triton_varlen import varlen_attention_triton
 

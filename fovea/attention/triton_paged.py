@@ -81,7 +81,7 @@ class TritonAttention(AttentionBackend):
         if meta.bidirectional_spans:
             meta.plan["limits"] = span_limits(meta)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scales=None, sinks=None):
         if q.stride(2) != 1:
             q = q.contiguous()
         num_tokens, q_heads, head_dim = q.shape
@@ -108,7 +108,7 @@ class TritonAttention(AttentionBackend):
         cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 = no-op for bf16
         if meta.max_query_len == 1:
-            self._decode(q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision, window or 0)
+            self._decode(q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision, window or 0, sinks)
             return out
         group = q_heads // kv_heads
         group_p2 = triton.next_power_of_2(group)
@@ -128,6 +128,7 @@ class TritonAttention(AttentionBackend):
             meta.seq_lens,
             meta.block_tables,
             meta.seq_lens if limits is None else limits,  # unread without spans
+            out if sinks is None else sinks,  # unread without sinks
             window or 0,
             scale,
             *scales,
@@ -148,11 +149,12 @@ class TritonAttention(AttentionBackend):
             UPCAST=INTERPRETED,
             FP8_KV=fp8,
             SPANS=limits is not None,
+            SINKS=sinks is not None,
             **self.prefill_launch,
         )
         return out
 
-    def _decode(self, q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision, window) -> None:
+    def _decode(self, q, kv_cache, out, meta, scale, scales, kv_heads, cache_strides, precision, window, sinks):
         num_seqs, q_heads, head_dim = q.shape
         group, head_dim_p2 = q_heads // kv_heads, triton.next_power_of_2(head_dim)
         if self.decode_programs is None:
@@ -172,6 +174,7 @@ class TritonAttention(AttentionBackend):
             part_stat,
             meta.seq_lens,
             meta.block_tables,
+            out if sinks is None else sinks,  # unread without sinks
             window,
             scale,
             *scales,
@@ -191,6 +194,7 @@ class TritonAttention(AttentionBackend):
             PRECISION=precision,
             UPCAST=INTERPRETED,
             FP8_KV=kv_cache.dtype == torch.float8_e4m3fn,
+            SINKS=sinks is not None,
             **self.decode_launch,
         )
         if splits > 1:
@@ -201,8 +205,10 @@ class TritonAttention(AttentionBackend):
                 out.stride(0),
                 out.stride(1),
                 q_heads,
+                out if sinks is None else sinks,
                 HEAD_DIM=head_dim,
                 HEAD_DIM_P2=head_dim_p2,
                 SPLITS=splits,
                 SPLITS_P2=triton.next_power_of_2(splits),
+                SINKS=sinks is not None,
             )

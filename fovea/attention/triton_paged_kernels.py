@@ -82,6 +82,16 @@ def _kv_tile(
 
 
 @triton.jit
+def _fold_sinks(acc, total, best, sinks_ptr, head, row_ok):
+    """A row's sink logit (GPT-OSS) joined to its softmax: a term of the denominator with no value. Both are
+    rescaled to the larger of the row's best score and its sink, so neither exponential overflows."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    top = tl.maximum(best, sink)
+    keep = tl.exp(best - top)  # 0 for a row that saw no key
+    return acc * keep[:, None], total * keep + tl.exp(sink - top)
+
+
+@triton.jit
 def _attention(
     q_ptr,
     cache_ptr,
@@ -92,6 +102,7 @@ def _attention(
     seq_lens_ptr,
     block_tables_ptr,
     limit_ptr,
+    sinks_ptr,
     window,
     scale,
     k_scale_ptr,
@@ -116,6 +127,7 @@ def _attention(
     UPCAST: tl.constexpr,
     FP8_KV: tl.constexpr,
     SPANS: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -185,6 +197,8 @@ def _attention(
         total = total * rescale + tl.sum(weights, 1)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         best = new_best
+    if SINKS:
+        acc, total = _fold_sinks(acc, total, best, sinks_ptr, head, row_ok)
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     if FP8_KV:
         out = out * tl.load(v_scale_ptr)
@@ -204,6 +218,7 @@ def _decode(
     part_stat_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    sinks_ptr,
     window,
     scale,
     k_scale_ptr,
@@ -227,6 +242,7 @@ def _decode(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     FP8_KV: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -284,6 +300,8 @@ def _decode(
     if FP8_KV:  # the values' scale on the sum of weighted values (partials too: the combine is linear in them)
         acc = acc * tl.load(v_scale_ptr)
     if SPLITS == 1:
+        if SINKS:
+            acc, total = _fold_sinks(acc, total, best, sinks_ptr, head, row_ok)
         out = acc / total[:, None]
         tl.store(
             out_ptr + seq.to(tl.int64) * out_stride_token + head[:, None] * out_stride_head + dims[None, :],
@@ -305,10 +323,12 @@ def _combine(
     out_stride_token,
     out_stride_head,
     q_heads,
+    sinks_ptr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
@@ -319,8 +339,13 @@ def _combine(
     dims = tl.arange(0, HEAD_DIM_P2)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :], mask=split_ok[:, None], other=0.0)
     top = tl.max(best, 0)  # the first split always holds keys: finite
+    sink_weight = 0.0
+    if SINKS:  # the row's sink logit, a term of the denominator (as _fold_sinks)
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+        sink_weight = tl.exp(sink - top)
     weights = tl.exp(best - top)  # 0 for empty splits
-    out = tl.sum(acc * weights[:, None], 0) / tl.sum(total * weights, 0)
+    out = tl.sum(acc * weights[:, None], 0) / (tl.sum(total * weights, 0) + sink_weight)
     tl.store(
         out_ptr + seq.to(tl.int64) * out_stride_token + head * out_stride_head + dims,
         out.to(out_ptr.dtype.element_ty),

@@ -66,7 +66,8 @@ def parse_model_config(raw: dict, preprocessor: dict, model_dir: Path | None = N
         # the tokenizer's; the family's own only where the directory has neither
         found = eos_from_files(model_dir) if model_dir is not None else ()
         config = dataclasses.replace(config, eos_token_ids=found or FAMILY_EOS[config.architecture])
-    quant = parse_quant_config(raw.get("quantization_config") or text_keys(raw).get("quantization_config"))
+    language = text_keys(raw) if "llm_config" not in raw else raw["llm_config"] or {}  # (OpenGVLab's uploads')
+    quant = parse_quant_config(raw.get("quantization_config") or language.get("quantization_config"))
     if quant is None:
         return config
     return dataclasses.replace(config, text=dataclasses.replace(config.text, quant=quant))

@@ -4,6 +4,7 @@ language model's keys are, its decoder settings, the checkpoint's dtype and EOS 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -92,6 +93,52 @@ def moe_config(keys: dict, num_layers: int, hub_layout: bool = False) -> MoEConf
         sparse_layers=tuple(i for i in range(num_layers) if experts and i not in dense and (i + 1) % step == 0),
         norm_topk_prob=keys.get("norm_topk_prob", True),
         hub_layout=hub_layout,
+    )
+
+
+GPT_OSS_DEFAULTS = dict(  # GptOssConfig's, for the keys a config.json leaves out
+    attention_bias=True,
+    rms_norm_eps=1e-5,
+    sliding_window=128,
+    rope_theta=150000.0,
+    num_local_experts=128,
+    num_experts_per_tok=4,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    rope_scaling=dict(
+        rope_type="yarn",
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+    ),
+)
+
+
+def gpt_oss_text(keys: dict) -> TextConfig:
+    """GPT-OSS's decoder (InternVL3.5-GPT-OSS-20B-A4B's): Llama's layers with biases on q/k/v and o, a learned sink
+    logit per head, the layers `layer_types` names (every other one by default) seeing only their last
+    `sliding_window` keys, and experts for every layer's MLP (`intermediate_size` is one expert's width)."""
+    keys = {**GPT_OSS_DEFAULTS, **{key: value for key, value in keys.items() if value is not None}}
+    text = parse_text(keys, False, None)
+    layers = range(text.num_layers)
+    kinds = keys.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in layers]
+    moe = MoEConfig(
+        num_experts=keys["num_local_experts"],
+        top_k=keys["num_experts_per_tok"],
+        intermediate_size=keys["intermediate_size"],
+        sparse_layers=tuple(layers),
+        norm_topk_prob=True,  # a softmax over the top-k logits: the same weights
+        hub_layout=True,  # stored (E, in, out), as x @ W
+        router_bias=True,
+        expert_bias=True,
+        interleaved=True,
+        swiglu=(float(keys["swiglu_alpha"]), float(keys["swiglu_limit"])),
+    )
+    sliding = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    return dataclasses.replace(
+        text, sliding_window=keys["sliding_window"], sliding_layers=sliding, attention_sinks=True, moe=moe
     )
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from fovea.config.hf_keys import checkpoint_dtype, eos_ids, fixed_size_tower, moe_config, parse_text, text_keys
+from fovea.config.hf_keys import (
+    checkpoint_dtype,
+    eos_ids,
+    fixed_size_tower,
+    gpt_oss_text,
+    moe_config,
+    parse_text,
+    text_keys,
+)
 from fovea.config.image import ImageProcessorConfig
 from fovea.config.model import ModelConfig
 
@@ -31,13 +39,14 @@ INTERNVL_DECODERS = {
     "qwen3": (None, True, 28),
     "qwen3_moe": (None, True, 0),  # InternVL3.5-30B-A3B and -241B-A28B: experts in its MLPs; windows in every layer
     "llama": (None, False, None),
+    "gpt_oss": None,  # InternVL3.5-GPT-OSS-20B-A4B: its own decoder settings (hf_keys.gpt_oss_text)
 }
 
 
 def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
     """InternVL (2.5, 3, 3.5 as transformers converts them, "-hf"): an InternViT tower over 448 px tiles, each
     tile's 32 x 32 patch features pixel-shuffled 2 x 2 into 256 tokens through an MLP projector, and a Qwen2, Qwen3
-    (dense or MoE) or Llama decoder; 1-D RoPE. Each image's tokens sit between <img> and </img>, which the
+    (dense or MoE), Llama or GPT-OSS decoder; 1-D RoPE. Each image's tokens sit between <img> and </img>, which the
     processor adds."""
     text_raw = raw.get("text_config") or {}
     kind = text_raw.get("model_type", "qwen2")
@@ -45,14 +54,17 @@ def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
         raise ValueError(
             f"InternVL with a {kind!r} language model is not supported; fovea runs {', '.join(INTERNVL_DECODERS)}"
         )
-    bias, qk_norm, window_layers = INTERNVL_DECODERS[kind]
-    mlp_bias = kind == "llama" and bool(text_raw.get("mlp_bias", False))
     keys = text_keys(raw)
-    if kind == "qwen3_moe":  # transformers' Qwen3-MoE slides in every layer, whatever max_window_layers says
-        keys = {key: value for key, value in keys.items() if key not in ("max_window_layers", "layer_types")}
-    text = parse_text(keys, False, bias, qk_norm=qk_norm, window_layers=window_layers, mlp_bias=mlp_bias)
-    if kind == "qwen3_moe":
-        text = dataclasses.replace(text, moe=moe_config(keys, text.num_layers))
+    if kind == "gpt_oss":
+        text = gpt_oss_text(keys)
+    else:
+        bias, qk_norm, window_layers = INTERNVL_DECODERS[kind]
+        mlp_bias = kind == "llama" and bool(text_raw.get("mlp_bias", False))
+        if kind == "qwen3_moe":  # transformers' Qwen3-MoE slides in every layer, whatever max_window_layers says
+            keys = {key: value for key, value in keys.items() if key not in ("max_window_layers", "layer_types")}
+        text = parse_text(keys, False, bias, qk_norm=qk_norm, window_layers=window_layers, mlp_bias=mlp_bias)
+        if kind == "qwen3_moe":
+            text = dataclasses.replace(text, moe=moe_config(keys, text.num_layers))
     vision = {**INTERNVIT_DEFAULTS, **(raw.get("vision_config") or {})}
     ratio, layer = raw.get("downsample_ratio", 0.5), raw.get("vision_feature_layer", -1)
     merge, side, patch = round(1 / ratio), vision["image_size"], vision["patch_size"]
@@ -100,6 +112,7 @@ INTERNVL_CHAT_DECODERS = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
+    "GptOssForCausalLM": "gpt_oss",
 }
 INTERNVIT_KEYS = {"qkv_bias": "attention_bias", "qk_normalization": "use_qk_norm"}
 IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}

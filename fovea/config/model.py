@@ -34,7 +34,9 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts MLP (Qwen3-VL-MoE): each token's top_k experts out of num_experts, SwiGLU each."""
+    """A mixture-of-experts MLP (Qwen3-VL-MoE): each token's top_k experts out of num_experts, SwiGLU each.
+    GPT-OSS's: a router with a bias, experts with biases, their gate and up columns stored alternating, and a
+    clamped SwiGLU (`swiglu`: its alpha and limit)."""
 
     num_experts: int
     top_k: int
@@ -44,6 +46,10 @@ class MoEConfig:
     # the released checkpoints (transformers 4) store gate_up (E, hidden, 2 x inter) and down (E, inter, hidden);
     # transformers 5 writes both transposed
     hub_layout: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    interleaved: bool = False  # gate|up's columns alternate gate, up (GPT-OSS's layout)
+    swiglu: tuple[float, float] | None = None  # (alpha, limit): GPT-OSS's clamped SwiGLU
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,7 @@ class TextConfig:
     local_rope_theta: float = 10000.0
     attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
     hidden_act: str = "silu"
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head in each softmax's denominator
 
 
 @dataclass(frozen=True)

@@ -155,3 +155,10 @@ for _size, _tp in (("1B", 1), ("2B", 1), ("4B", 1), ("8B", 1), ("14B", 1), ("38B
         tensor_parallel_size=_tp,
         engine_kwargs={"max_model_len": 8192},
     )
+# InternVL3.5-GPT-OSS-20B-A4B (a GPT-OSS decoder; 21.2B parameters, 42 GB in bf16: one GPU), uploaded only as
+# OpenGVLab uploads InternVL (InternVLChatModel)
+MODELS["internvl3.5-gpt-oss-20b-a4b"] = ModelEntry(
+    name="internvl3.5-gpt-oss-20b-a4b",
+    path="OpenGVLab/InternVL3_5-GPT-OSS-20B-A4B-Preview",
+    engine_kwargs={"max_model_len": 8192},
+)

@@ -57,6 +57,20 @@ class GatedActivation(nn.Module):
         return self.act(gate) * up
 
 
+class ClampedSwiGLU(nn.Module):
+    """GPT-OSS's experts' activation on a gate|up projection: the gate clamped from above and up both ways at
+    `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def __init__(self, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose rows are split across tensor-parallel ranks: each rank embeds the ids in its range
     (zeros elsewhere) and the ranks sum. The last rank's rows are padded when the vocabulary does not divide."""

@@ -17,12 +17,14 @@ from fovea.config.model import ModelConfig
 from fovea.distributed import TPGroup, current_tp, tensor_parallel
 from fovea.layers.basic import ParallelLMHead
 
-# per-layer KV-cache scales as checkpoints name them (after self_attn.): fp8 checkpoints, compressed-tensors
-KV_SCALES = {
+# tensors of a layer's Attention as checkpoints name them (after self_attn.): KV-cache scales (fp8 checkpoints,
+# compressed-tensors), GPT-OSS's sink logits
+ATTENTION_TENSORS = {
     "k_scale": "k_scale",
     "v_scale": "v_scale",
     "k_proj.output_scale": "k_scale",
     "v_proj.output_scale": "v_scale",
+    "sinks": "sinks",
 }
 
 
@@ -131,7 +133,7 @@ class VisionLanguageModel(nn.Module):
         name = self.rename(name)
         if name is None or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None  # some tied checkpoints still store the head; the embedding is the source
-        for stored, ours in KV_SCALES.items():  # a float8 KV cache's scales belong to the layer's Attention
+        for stored, ours in ATTENTION_TENSORS.items():
             if name.endswith(".self_attn." + stored):
                 return name.removesuffix(stored) + "attn." + ours, None
         parts = name.split(".")

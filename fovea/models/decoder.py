@@ -1,7 +1,7 @@
 """The decoder-only language model every family here ends in: Qwen2, Qwen3 and Llama are the same network
 (pre-norm RMSNorm, grouped-query attention with rotary positions, SwiGLU MLP) apart from biases on q/k/v (Qwen2)
 and an RMSNorm over each head of q and k before rotary (Qwen3); Qwen3-MoE layers have experts for an MLP
-(layers/moe.py).
+(layers/moe.py). GPT-OSS's too, with biases, and a learned sink logit per attention head.
 
 It runs on a flattened varlen batch: all sequences' tokens in one dimension, `positions` of shape (3, num_tokens)
 and the step's attention metadata. Three position axes serve both rules: M-RoPE reads t/h/w from them by
@@ -82,7 +82,10 @@ class DecoderAttention(nn.Module):
         self.qkv_proj, self.o_proj = attention_projections(cfg, layer_index, cfg.output_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         window = cfg.sliding_window if layer_index in cfg.sliding_layers else None
-        self.attn = Attention(cfg.head_dim, True, layer_index, options.fp32_softmax, sliding_window=window)
+        sink_heads = self.num_heads if cfg.attention_sinks else 0
+        self.attn = Attention(
+            cfg.head_dim, True, layer_index, options.fp32_softmax, sliding_window=window, sink_heads=sink_heads
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -173,7 +173,7 @@ class Model(llava.Model):
         if name.startswith(("vision_model.", "mlp1.")):  # InternVL's own uploads (InternVLChatModel)
             for old, new in ORIGINAL_NAMES:
                 name = name.replace(old, new)
-        name = tower_and_decoder_name(name)
+        name = tower_and_decoder_name(name).replace(".mlp.router.", ".mlp.gate.")  # (GPT-OSS's router)
         if name.startswith("visual.layer."):
             name = "visual.layers." + name.removeprefix("visual.layer.")
             if int(name.split(".")[2]) >= self.config.vision.depth:

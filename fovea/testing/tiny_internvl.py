@@ -48,6 +48,18 @@ DECODERS = {
         moe_intermediate_size=24,
         mlp_only_layers=[1],
     ),
+    # InternVL3.5-GPT-OSS-20B-A4B's: experts with biases in every layer (their width `intermediate_size`), the first
+    # layer sliding over 8 keys, sinks, yarn RoPE (GptOssConfig's default); a low clamp, so that it clamps
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        head_dim=16,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        swiglu_limit=0.5,
+        rope_theta=None,
+    ),
 }
 
 
@@ -85,7 +97,7 @@ def write_internvl_checkpoint(
     dtype: str = "float32",
     device: str = "cpu",
 ) -> Path:
-    """Two decoder layers of width 64 (Qwen3's, or Qwen2's), a two-layer InternViT of width 32 over 56 px tiles in
+    """Two decoder layers of width 64 (Qwen3's, or `decoder`'s), a two-layer InternViT of width 32 over 56 px tiles in
     14 px patches (4 x 4 patches, pixel-shuffled into 4 tokens a tile), images cut into up to `max_patches`
     tiles. The layer scales, class token and positions (constants or zeros at initialisation) get random values
     too, so that they matter. Written as transformers writes it (the "-hf" names; `fovea tiny`'s layout, shards
@@ -109,8 +121,8 @@ def write_internvl_checkpoint(
         rope_theta=10000.0,
         eos_token_id=IM_END,
         tie_word_embeddings=tie_word_embeddings,
-        **DECODERS[decoder],
     )
+    text = {key: value for key, value in {**text, **DECODERS[decoder]}.items() if value is not None}
     vision = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -135,6 +147,10 @@ def write_internvl_checkpoint(
                 param.normal_(0, 0.5)
             elif "norm" in param_name and param_name.endswith("weight"):
                 param.normal_(1, 0.3)
+            elif param_name.endswith("sinks"):  # large enough to take a share of the weights
+                param.normal_(1, 1)
+            elif "experts" in param_name and param_name.endswith("bias"):  # transformers starts them at 0
+                param.normal_(0, 0.3)
     model.save_pretrained(out)
     write_tokenizer(out)
     # InternVLProcessor cannot be built here (its video processor needs torchvision): its files as it saves them
