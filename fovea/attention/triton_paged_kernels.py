@@ -82,6 +82,20 @@ def _kv_tile(
 
 
 @triton.jit
+def _online_softmax(scores, v, best, total, acc, PRECISION: tl.constexpr):
+    """A tile of keys' scores (hidden ones -inf) folded into each row's running max (`best`), sum of exponentials
+    (`total`) and weighted values (`acc`), the earlier tiles' rescaled to the new max; a row that has seen no key
+    yet stays at 0."""
+    new_best = tl.maximum(best, tl.max(scores, 1))
+    safe_best = tl.where(new_best == float("-inf"), 0.0, new_best)
+    weights = tl.exp(scores - safe_best[:, None])
+    rescale = tl.exp(best - safe_best)
+    total = total * rescale + tl.sum(weights, 1)
+    acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return new_best, total, acc
+
+
+@triton.jit
 def _fold_sinks(acc, total, best, sinks_ptr, head, row_ok):
     """A row's sink logit (GPT-OSS) joined to its softmax: a term of the denominator with no value. Both are
     rescaled to the larger of the row's best score and its sink, so neither exponential overflows."""
@@ -190,13 +204,7 @@ def _attention(
         if window > 0:
             visible = visible & (keys[None, :] > position[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        safe_best = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that sees nothing yet stays at 0
-        weights = tl.exp(scores - safe_best[:, None])
-        rescale = tl.exp(best - safe_best)
-        total = total * rescale + tl.sum(weights, 1)
-        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        best = new_best
+        best, total, acc = _online_softmax(scores, v, best, total, acc, PRECISION)
     if SINKS:
         acc, total = _fold_sinks(acc, total, best, sinks_ptr, head, row_ok)
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
@@ -291,12 +299,7 @@ def _decode(
             k, v = k.to(q.dtype), v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))  # every tile holds at least one key: finite
-        weights = tl.exp(scores - new_best[:, None])
-        rescale = tl.exp(best - new_best)
-        total = total * rescale + tl.sum(weights, 1)
-        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        best = new_best
+        best, total, acc = _online_softmax(scores, v, best, total, acc, PRECISION)
     if FP8_KV:  # the values' scale on the sum of weighted values (partials too: the combine is linear in them)
         acc = acc * tl.load(v_scale_ptr)
     if SPLITS == 1:
