@@ -118,7 +118,7 @@ def plan_memory(
             (f"{seconds} s {width}x{height}", options.frame_indices(seconds * 30, 30), (height, width))
             for seconds, width, height in VIDEO_CLIPS
         ]
-        if config.video_token_id is not None
+        if config.video_token_id is not None or config.video_text is not None
         else []
     )
     most = options.max_frames // 2 * 2  # the largest video: max_frames kept, frames as large as that allows
@@ -129,7 +129,7 @@ def plan_memory(
     for what, kept, (height, width) in clips:
         h, w = options.frame_size(height, width, len(kept), factor)
         per_patch = (h // factor) * (w // factor)
-        tokens = -(-len(kept) // 2) * per_patch  # an odd count is padded to whole temporal patches
+        tokens = -(-len(kept) // options.frames_per_patch) * per_patch  # odd counts padded to whole temporal patches
         step = min(tokens, max(per_patch, max_num_batched_tokens // per_patch * per_patch))
         videos.append((what, len(kept), tokens, vision_activations(step)))
     peak = max(lm, max(a for *_, a in images + videos))
@@ -180,7 +180,7 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
     ]
     lines += [f"{f'{w}x{h}':<16}{tokens:>8}{activations / GIB:>30.2f} GiB" for w, h, tokens, activations in plan.images]
     if plan.videos:  # none for a model that takes no videos
-        lines += ["", f"{'video at fps 2':<24}{'frames':>7}{'tokens':>8}{'vision activations per step':>31}"]
+        lines += ["", f"{'video (frames kept)':<24}{'frames':>7}{'tokens':>8}{'vision activations per step':>31}"]
     lines += [
         f"{what:<24}{frames:>7}{tokens:>8}{activations / GIB:>27.2f} GiB"
         + ("  (over max_model_len)" if tokens > plan.max_model_len else "")

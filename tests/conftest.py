@@ -313,10 +313,31 @@ def internvl_processor(model_dir):
     )
 
 
-def internvl_inputs(model_dir, messages, images) -> dict:
+class InternVLFrames:
+    """Stands in for transformers' InternVLVideoProcessor (torchvision, which this machine lacks, resizes its
+    frames): each frame resized to one tile as InternVL's published code does (torchvision's Resize on a PIL
+    image is PIL's bicubic), rescaled and normalised as the checkpoint's images. The prompt text, the frames'
+    order among the images and the model's inputs stay transformers' InternVLProcessor's."""
+
+    def __init__(self, image_processor):
+        self.side = image_processor.size["height"]
+        self.mean, self.std = np.array(image_processor.image_mean), np.array(image_processor.image_std)
+
+    def __call__(self, videos, **kwargs):
+        tiles = [
+            [np.asarray(Image.fromarray(frame).resize((self.side, self.side), Image.BICUBIC)) for frame in video]
+            for video in videos
+        ]
+        normalised = (np.array(tiles, np.float32) / 255 - self.mean) / self.std  # (videos, frames, side, side, 3)
+        return {"pixel_values_videos": torch.from_numpy(normalised.astype(np.float32)).permute(0, 1, 4, 2, 3)}
+
+
+def internvl_inputs(model_dir, messages, images, videos=()) -> dict:
+    """transformers' inputs for InternVL; `videos`: (frames, height, width, 3) uint8 arrays (InternVLFrames)."""
     processor = internvl_processor(model_dir)
+    processor.video_processor = InternVLFrames(processor.image_processor)
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return dict(processor(text=text, images=images or None, return_tensors="pt"))
+    return dict(processor(text=text, images=images or None, videos=list(videos) or None, return_tensors="pt"))
 
 
 def hf_inputs(model_dir, messages, images, max_pixels=None, videos=()):

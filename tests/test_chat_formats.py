@@ -7,6 +7,7 @@ import base64
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -41,9 +42,11 @@ def test_content_format_is_read_off_the_template(template, expected):
 
 
 def test_shipped_templates_iterate_over_parts(tiny_dirs):
+    import fovea.models
     from fovea.multimodal.prompt import find_chat_template, load_tokenizer
 
-    assert detect_content_format(open("fovea/models/llava_chat_template.jinja").read()) == "openai"
+    shipped = Path(fovea.models.__file__).parent / "llava_chat_template.jinja"
+    assert detect_content_format(shipped.read_text()) == "openai"
     assert (
         detect_content_format(find_chat_template(tiny_dirs["tiny-3b"], load_tokenizer(tiny_dirs["tiny-3b"])))
         == "openai"

@@ -79,11 +79,11 @@ def hf_processor_inputs(model_dir, messages, images):
     return dict(processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False))
 
 
-def reference_inputs(family, model_dir, messages, images):
+def reference_inputs(family, model_dir, messages, images, videos=()):
     if family == "gemma3":
         return hf_processor_inputs(model_dir, messages, images)
     if family == "internvl":
-        return internvl_inputs(model_dir, messages, images)
+        return internvl_inputs(model_dir, messages, images, videos)
     return hf_llava_inputs(model_dir, messages, images) if family == "llava" else hf_inputs(model_dir, messages, images)
 
 

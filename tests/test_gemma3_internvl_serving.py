@@ -1,14 +1,16 @@
-"""Gemma 3 and InternVL through the product: `fovea tiny` writes them, `fovea serve` answers a chat with an image as
-the offline LLM does and keeps to a JSON schema, `fovea bench serve` random-mm runs against it, and `fovea plan`
+"""Gemma 3 and InternVL through the product: `fovea tiny` writes them, `fovea serve` answers a chat with an image (and
+InternVL's with a video) as the offline LLM does and keeps to a JSON schema, `fovea bench serve` random-mm runs against it, and `fovea plan`
 counts their images' tokens."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import httpx
+import numpy as np
 import pytest
-from conftest import random_image
+from conftest import random_image, video_file
 from serving import bench_random_mm, running_server
 from test_llava_serving import data_url
 
@@ -35,6 +37,9 @@ def test_served_as_offline_with_schema_bench_and_plan(family, tmp_path, capsys):
     )[0]
     image_token = llm.engine.config.model.image_token_id
     assert expected.prompt_token_ids.count(image_token) == image_tokens
+    clip = np.stack([np.asarray(random_image(80, 60, seed=i)) for i in range(5)])
+    video_chat = [{"role": "user", "content": [{"type": "video", "video": clip}, *content]}]
+    expected_video = llm.chat(video_chat, greedy, use_tqdm=False)[0] if family == "internvl" else None
     del llm
 
     with running_server(model_dir, "--dtype", "float32", "--max-model-len", "1024", "--served-model-name", "m") as (
@@ -48,6 +53,17 @@ def test_served_as_offline_with_schema_bench_and_plan(family, tmp_path, capsys):
         reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
         assert reply["choices"][0]["message"]["content"] == expected.outputs[0].text
         assert reply["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+        if expected_video is not None:  # InternVL: a video's frames decoded in the workers, each an image
+            url = "data:video/x-matroska;base64," + base64.b64encode(video_file(clip, 6)).decode()
+            video = {"type": "video_url", "video_url": {"url": url}}
+            for _ in range(2):  # the second from the processor's and the prefix caches
+                reply = httpx.post(
+                    base + "/v1/chat/completions",
+                    json={**body, "messages": [{"role": "user", "content": [video, *content]}]},
+                    timeout=120,
+                ).json()
+                assert reply["choices"][0]["message"]["content"] == expected_video.outputs[0].text
+                assert reply["usage"]["prompt_tokens"] == len(expected_video.prompt_token_ids)
         schema = {
             "type": "object",
             "properties": {"n": {"type": "integer"}},

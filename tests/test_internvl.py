@@ -7,6 +7,9 @@ sequences are preempted, and over two tensor-parallel ranks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from conftest import assert_greedy_is_the_references, assert_same_tokens_and_logprobs, internvl_processor, random_image
@@ -400,8 +403,8 @@ def original_upload(hf_dir, out):
 @pytest.mark.parametrize("checkpoint", ["300m", "moe", "gpt-oss"])
 def test_internvls_own_uploads_are_the_same_model(checkpoints, tmp_path, checkpoint):
     """InternVL as OpenGVLab uploads it (InternVLChatModel) loads to the model transformers' conversion gives (every
-    tensor equal), reads its image settings from config.json, and takes "<image>" in a text prompt as vLLM does:
-    the same prompt ids and greedy tokens."""
+    tensor equal), reads its image settings from config.json, and takes "<image>" (and "<video>") in a text prompt
+    as vLLM does: the same prompt ids and greedy tokens."""
     from fovea import LLM, SamplingParams
     from fovea.multimodal.prompt import PromptProcessor
 
@@ -416,16 +419,18 @@ def test_internvls_own_uploads_are_the_same_model(checkpoints, tmp_path, checkpo
     assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
     assert ours.config.image == theirs.config.image
     images = [random_image(*SIZES[0], seed=0), random_image(*SIZES[1], seed=1)]
-    text = "<|im_start|>user\n<image>\nWhat is it?<image>\nAnd this?<|im_end|>\n<|im_start|>assistant\n"
-    prompt = PromptProcessor(original, ours.config).process(text, images)
-    expected = PromptProcessor(source, theirs.config).process(text.replace("<image>", "<IMG_CONTEXT>"), images)
-    assert prompt.token_ids == expected.token_ids
+    videos = [random_video(2, 50, 40, seed=5)]
+    text = "<|im_start|>user\n<image>\nWhat is it?<video>\n<image>\nAnd this?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = PromptProcessor(original, ours.config).process(text, images, videos=videos)
+    hf_text = text.replace("<image>", "<IMG_CONTEXT>")
+    expected = PromptProcessor(source, theirs.config).process(hf_text, images, videos=videos)
+    assert prompt.token_ids == expected.token_ids and len(prompt.images) == 4
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = [
         LLM(str(model_dir), dtype="float32", max_model_len=256).generate(
-            {"prompt": written, "multi_modal_data": {"image": images}}, params, use_tqdm=False
+            {"prompt": written, "multi_modal_data": {"image": images, "video": videos}}, params, use_tqdm=False
         )[0]
-        for model_dir, written in ((original, text), (source, text.replace("<image>", "<IMG_CONTEXT>")))
+        for model_dir, written in ((original, text), (source, hf_text))
     ]
     assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
@@ -446,3 +451,139 @@ def test_quantization_named_in_an_own_uploads_llm_config_is_read():
     llm["quantization_config"] = {"quant_method": "mxfp4"}
     with pytest.raises(ValueError, match="quantization 'mxfp4' is not supported"):
         ModelConfig.from_dict(raw)
+
+
+def random_video(frames: int, width: int, height: int, seed: int) -> np.ndarray:
+    return np.stack([np.asarray(random_image(width, height, seed=seed + i)) for i in range(frames)])
+
+
+def video_chat():
+    """An image, then two videos of three frames (transformers' processor batches videos of one length only):
+    (messages, images, videos)."""
+    content = [
+        {"type": "image"},
+        {"type": "text", "text": "First this picture."},
+        {"type": "video"},
+        {"type": "text", "text": "What happens in the video?"},
+        {"type": "video"},
+        {"type": "text", "text": "And in this one?"},
+    ]
+    videos = [random_video(3, 90, 70, seed=10), random_video(3, 40, 120, seed=20)]
+    return [{"role": "user", "content": content}], [random_image(*SIZES[0], seed=0)], videos
+
+
+def with_media(messages, images, videos):
+    """The chat as LLM.chat takes it: PIL images and (frames, height, width, 3) arrays in their parts."""
+    it = iter(videos)
+    return [
+        {**m, "content": [{"type": "video", "video": next(it)} if p["type"] == "video" else p for p in m["content"]]}
+        for m in with_pil(messages, images)
+    ]
+
+
+@pytest.mark.parametrize("checkpoint", ["300m", "gpt-oss"])
+def test_videos_are_transformers_frames(checkpoints, checkpoint):
+    """A video is its frames, each one tile: "Frame1: <img>...</img>\\nFrame2: ..." in place of the template's
+    <video> (transformers' InternVLProcessor, frames resized as InternVL's published code does), among an image:
+    the same prompt ids, greedy tokens and log-probabilities as transformers' generate. Each frame is an image
+    of its own to the engine: chunks end inside frames (a budget of 16), a repeated prompt finds its frames in the
+    prefix cache."""
+    from transformers import InternVLForConditionalGeneration
+
+    from fovea import LLM, SamplingParams
+
+    model_dir = checkpoints[checkpoint]
+    messages, images, videos = video_chat()
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=16, block_size=16, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    outputs = [llm.chat(with_media(messages, images, videos), params, use_tqdm=False)[0] for _ in range(2)]
+    assert outputs[1].num_cached_tokens >= 64
+    inputs = hf_inputs(model_dir, messages, images, videos)
+    reference = InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert_greedy_is_the_references(reference, outputs, [inputs, inputs])
+    assert outputs[0].prompt_token_ids.count(IMG_START) == 7
+
+
+def transformers_sample_frames():
+    """transformers' InternVLVideoProcessor.sample_frames, read from its file: the module imports torchvision,
+    which this machine lacks, and the method needs torch only."""
+    import ast
+    import inspect
+    from types import SimpleNamespace
+
+    import transformers
+
+    path = Path(inspect.getfile(transformers)).parent / "models/internvl/video_processing_internvl.py"
+    tree = ast.parse(path.read_text())
+    method = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "sample_frames")
+    method.decorator_list, method.args.args[1].annotation = [], None
+    scope = {"torch": torch, "VideoMetadata": object}
+    exec(compile(ast.Module([method], []), str(path), "exec"), scope)
+    owner = SimpleNamespace(num_frames=None, initial_shift=True)
+
+    def sample(total, fps, num_frames=None, target_fps=None):
+        metadata = SimpleNamespace(total_num_frames=total, fps=fps)
+        return scope["sample_frames"](owner, metadata, num_frames=num_frames, fps=target_fps).tolist()
+
+    return sample
+
+
+@pytest.mark.parametrize("total", [1, 2, 7, 31, 32, 33, 100, 257, 1000, 4801])
+def test_frames_kept_from_a_file_are_transformers_sample_frames(total):
+    from fovea.config.video import TiledVideoOptions
+
+    sample = transformers_sample_frames()
+    for count in (1, 2, 5, 8, 32, 64):
+        if count <= total:
+            assert TiledVideoOptions(max_frames=count).frame_indices(total, 30.0) == sample(total, 30.0, count)
+    for fps, rate in ((30.0, 1.0), (24.0, 0.5), (2.0, 2.0)):
+        if 1 <= int(total / fps * rate) <= 32:  # (transformers refuses more than there are; ours keep at most 32)
+            assert TiledVideoOptions(fps=rate).frame_indices(total, fps) == sample(total, fps, target_fps=rate)
+    assert len(TiledVideoOptions().frame_indices(total, 30.0)) == min(total, 32)
+
+
+def test_a_video_file_gives_the_frames_it_keeps(checkpoints):
+    """An encoded video (lossless, 40 frames): the 32 frames kept by the rule above, or max_frames per request,
+    each one tile: the same pixels as those frames handed over in memory."""
+    from conftest import video_file
+
+    from fovea.multimodal.prompt import PromptProcessor
+
+    model_dir = checkpoints["300m"]
+    prompts = PromptProcessor(model_dir, ModelConfig.from_dir(model_dir))
+    frames = random_video(40, 64, 48, seed=3)
+    text = "<|im_start|>user\n<video>\nWhat happens?<|im_end|>\n<|im_start|>assistant\n"
+    for kwargs, kept in ((None, 32), ({"max_frames": 5}, 5), ({"max_frames": 500}, 32), ({"fps": 2.0}, 8)):
+        options = prompts.video_options.with_kwargs(kwargs, capped=True)
+        indices = options.frame_indices(40, 10.0)
+        assert len(indices) == kept
+        from_file = prompts.process(text, videos=[video_file(frames, fps=10)], mm_processor_kwargs=kwargs)
+        in_memory = prompts.process(text, videos=[frames[indices]])
+        assert from_file.token_ids == in_memory.token_ids and len(from_file.images) == kept
+        assert all(np.array_equal(a.pixels, b.pixels) for a, b in zip(from_file.images, in_memory.images))
+        assert f"Frame{kept}: " in prompts.tokenizer.decode(from_file.token_ids)
+
+
+def test_video_prompts_that_cannot_be_served_are_refused(checkpoints):
+    from fovea.multimodal.image_workers import LocalDecoder
+    from fovea.multimodal.prompt import PromptProcessor
+
+    model_dir = checkpoints["300m"]
+    prompts = PromptProcessor(model_dir, ModelConfig.from_dir(model_dir))
+    video = random_video(2, 32, 32, seed=1)
+    with pytest.raises(ValueError, match="prompt has 0 video placeholders"):
+        prompts.process("<|im_start|>user\nNo video here.<|im_end|>\n", videos=[video])
+    with pytest.raises(ValueError, match="prompt has 2 video placeholders .* but 1 videos"):
+        prompts.process("<video>\n<video>\nBoth?", videos=[video])
+    with pytest.raises(ValueError, match="takes videos in a text prompt only"):
+        prompts.process([1, 2, 3], videos=[video])
+    with pytest.raises(ValueError, match="max_frames"):
+        prompts.process("<video>", videos=[video], mm_processor_kwargs={"max_frames": 0})
+
+    class NoDecoding(LocalDecoder):
+        def process(self, planned):
+            raise AssertionError("a prompt too long was decoded")
+
+    refusing = PromptProcessor(model_dir, prompts.config, decoder=NoDecoding())
+    with pytest.raises(ValueError, match=r"prompt \(length 502\) is longer than the maximum model length of 100"):
+        refusing.process("<video>", videos=[random_video(40, 32, 32, seed=2)], max_tokens=100)  # 32 frames kept

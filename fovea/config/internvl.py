@@ -16,6 +16,7 @@ from fovea.config.hf_keys import (
 )
 from fovea.config.image import ImageProcessorConfig
 from fovea.config.model import ModelConfig
+from fovea.config.video import TiledVideoOptions
 
 INTERNVIT_DEFAULTS = dict(  # InternVLVisionConfig's defaults (InternViT-300M)
     hidden_size=1024,
@@ -47,7 +48,7 @@ def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
     """InternVL (2.5, 3, 3.5 as transformers converts them, "-hf"): an InternViT tower over 448 px tiles, each
     tile's 32 x 32 patch features pixel-shuffled 2 x 2 into 256 tokens through an MLP projector, and a Qwen2, Qwen3
     (dense or MoE), Llama or GPT-OSS decoder; 1-D RoPE. Each image's tokens sit between <img> and </img>, which the
-    processor adds."""
+    processor adds. A video is its frames, each one tile with its own tokens after "FrameN: " in the text."""
     text_raw = raw.get("text_config") or {}
     kind = text_raw.get("model_type", "qwen2")
     if kind not in INTERNVL_DECODERS:
@@ -103,6 +104,8 @@ def parse_internvl(raw: dict, preprocessor: dict) -> ModelConfig:
         image=ImageProcessorConfig.tiled(preprocessor, patch, side, merge),
         mrope=False,
         image_wrap=("<img>", "</img>"),
+        video=TiledVideoOptions(side=side),
+        video_text="<video>",
     )
 
 

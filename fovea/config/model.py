@@ -16,7 +16,7 @@ import torch
 
 from fovea.config.image import ImageProcessorConfig
 from fovea.config.quant import QuantConfig
-from fovea.config.video import TimestampedVideoOptions, VideoOptions
+from fovea.config.video import TiledVideoOptions, TimestampedVideoOptions, VideoOptions
 
 logger = logging.getLogger("fovea")
 
@@ -177,7 +177,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     image: ImageProcessorConfig = ImageProcessorConfig()  # the checkpoint's preprocessing, as its family reads it
     mrope: bool = True  # position rule: M-RoPE (t, h, w) for vision tokens, or 1-D for every token
-    video: VideoOptions | TimestampedVideoOptions = VideoOptions()  # the family's video rule, where it takes videos
+    # the family's video rule, where it takes videos
+    video: VideoOptions | TimestampedVideoOptions | TiledVideoOptions = VideoOptions()
     # an image's tokens see each other both ways (Gemma 3): a prefill chunk holds an image whole, and the step
     # names each image's span to the attention backend
     bidirectional_images: bool = False
@@ -190,6 +191,9 @@ class ModelConfig:
     # text a prompt may write for an image in place of the image token (InternVL's own uploads: "<image>", as vLLM
     # takes it); each of a prompt's first ones, one per image, becomes the image token before tokenizing
     image_text: str | None = None
+    # text a prompt writes for a video whose frames are images to the model (InternVL's "<video>"): each becomes
+    # its frames' images, "Frame1: <image>" and so on (video_token_id is None for these)
+    video_text: str | None = None
 
     @property
     def max_context(self) -> int:

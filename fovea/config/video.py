@@ -1,6 +1,6 @@
 """Which frames of a video are kept and the size they are resized to. Settings and arithmetic only, so that the
 engine's config and `fovea plan` size memory for the largest video without decoding one; the steps are in
-fovea/multimodal/video.py. Two rules, one interface (`frame_indices`, `frame_size`, `largest_frame_pixels`):
+fovea/multimodal/video.py. Three rules, one interface (`frame_indices`, `frame_size`, `largest_frame_pixels`):
 - `VideoOptions`, Qwen2-VL's and Qwen2.5-VL's (qwen-vl-utils, which those models were trained with): an even
   count of frames, each frame's area bounded on its own (and by a total that shrinks frames of long videos);
 - `TimestampedVideoOptions`, Qwen3-VL's (transformers' Qwen3VLVideoProcessor with the released
@@ -8,7 +8,8 @@ fovea/multimodal/video.py. Two rules, one interface (`frame_indices`, `frame_siz
   and to total (an odd count is padded with its last frame), and one area bound for all frames together
   (`size`: shortest_edge 4096, longest_edge 25165824 pixels) on 32-pixel multiples; optionally
   (`cap_pixels_per_frame`, off in transformers today) each frame at most max_video_tokens tokens or its even
-  share of the total. The frames' times go into the prompt as text before each temporal patch.
+  share of the total. The frames' times go into the prompt as text before each temporal patch;
+- `TiledVideoOptions`, InternVL's: each kept frame is one tile, an image of its own (multimodal/prompt.py).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class VideoOptions:
         return replace(self, **kwargs)
 
     timestamps = False  # the frames' times are in the M-RoPE positions (a stretched t index), not in the text
+    frames_per_patch = FRAME_FACTOR
 
     def frame_indices(self, total: int, video_fps: float) -> list[int]:
         return frame_indices(total, video_fps, self)
@@ -79,6 +81,7 @@ class TimestampedVideoOptions:
     max_video_tokens: int = 768  # with cap_pixels_per_frame: the most tokens of one frame
 
     timestamps = True
+    frames_per_patch = FRAME_FACTOR
 
     @classmethod
     def from_preprocessor(cls, config: dict) -> TimestampedVideoOptions:
@@ -176,3 +179,48 @@ def media_io_processor_kwargs(media_io: dict | None) -> dict:
     if "fps" in video:
         kwargs["fps"] = video["fps"]
     return kwargs
+
+
+@dataclass(frozen=True)
+class TiledVideoOptions:
+    """InternVL's rule: each kept frame resized whole to one `side` x `side` tile (no grid of tiles, no thumbnail),
+    the frames one apart (no temporal patches). A file keeps `max_frames` frames (32, vLLM's video loader's count
+    and the published chat example's default), or `fps` a second when given, at most max_frames and the frames
+    there are; each is the middle one of its equal share of the video (transformers' InternVLVideoProcessor's
+    sample_frames with its initial shift; the published example's segments too). Frames handed over in memory
+    are all kept, as transformers and vLLM keep them, up to max_frames. Per request through
+    mm_processor_kwargs (vLLM's media_io_kwargs video num_frames sets max_frames)."""
+
+    side: int = 448
+    max_frames: int = 32
+    fps: float | None = None
+
+    timestamps = False
+    frames_per_patch = 1
+
+    def with_kwargs(self, kwargs: dict | None, capped: bool = False) -> TiledVideoOptions:
+        """These options with `mm_processor_kwargs`' max_frames and fps applied (max_frames at most this
+        config's when `capped`: the engine sized its budgets for it)."""
+        kwargs = {k: v for k, v in (kwargs or {}).items() if k in ("max_frames", "fps")}
+        for key, value in kwargs.items():
+            number = isinstance(value, int) if key == "max_frames" else isinstance(value, (int, float))
+            if not number or isinstance(value, bool) or not 0 < value < math.inf:
+                kind = "a positive integer" if key == "max_frames" else "a positive finite number"
+                raise ValueError(f"mm_processor_kwargs[{key!r}] must be {kind}, got {value!r}")
+        if capped and "max_frames" in kwargs:
+            kwargs["max_frames"] = min(kwargs["max_frames"], self.max_frames)
+        return replace(self, **kwargs)
+
+    def frame_indices(self, total: int, video_fps: float) -> list[int]:
+        if total < 1:
+            raise ValueError("the video has no frames")
+        count = self.max_frames if self.fps is None or not video_fps else int(total / video_fps * self.fps)
+        count = max(1, min(count, self.max_frames, total))
+        step = total / count
+        return [int(step / 2 + index * step) for index in range(count)]
+
+    def frame_size(self, height: int, width: int, frames: int, factor: int = 28) -> tuple[int, int]:
+        return self.side, self.side
+
+    def largest_frame_pixels(self, factor: int = 28, frames: int = 1) -> float:
+        return self.side * self.side

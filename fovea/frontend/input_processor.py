@@ -232,6 +232,7 @@ class InputProcessor:
                         MMSpan(start, image.num_tokens, image.content_hash),
                         tuple(image.grid_thw),
                         image.pixels,
+                        image.frames,
                         embeds=image.embeds,
                     )
                 ]

@@ -64,6 +64,7 @@ class ProcessedImage:
     second_per_grid_t: float | None = None  # a video (pixels (frames, height, width, 3)): seconds per 2 frames
     timestamps: tuple[float, ...] | None = None  # Qwen3-VL's videos: each temporal patch's time, written as text
     embeds: bool = False  # `pixels` holds the vision tower's output for it, given (multimodal/embeds.py)
+    frames: tuple[int, int] | None = None  # a video frame as an image (InternVL): its frames of shared `pixels`
 
     @property
     def is_video(self) -> bool:

@@ -15,6 +15,7 @@ front end), and by the images' and videos' token counts before their pixels are 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -38,7 +39,7 @@ from fovea.multimodal.embeds import image_embeds, is_embeds
 from fovea.multimodal.fetch import ImageTooLarge
 from fovea.multimodal.image import MAX_REQUEST_PIXELS, ImageProcessor, PlannedImage, ProcessedImage
 from fovea.multimodal.image_workers import LocalDecoder, release_images
-from fovea.multimodal.video import plan_video
+from fovea.multimodal.video import PlannedVideo, frame_images, plan_video
 
 logger = logging.getLogger("fovea")
 COUNT_CHUNK_CHARS = 16384  # text longer than this is counted chunk by chunk before it is tokenized whole
@@ -217,6 +218,8 @@ class PromptProcessor:
             self.placeholders["image"] = self.tokenizer.convert_ids_to_tokens(config.image_placeholder_id)
         if config.video_token_id is not None:
             self.placeholders["video"] = self._placeholder(config.video_token_id)
+        elif config.video_text is not None:
+            self.placeholders["video"] = config.video_text
         self.image_wrap = [self._special_id(text) for text in config.image_wrap or ()]  # [start, end] or []
         self.max_token_chars = max_token_chars(self.tokenizer)
         self._warned_tools = False
@@ -335,11 +338,15 @@ class PromptProcessor:
         truncate: int | None = None,
     ) -> ProcessedPrompt:
         """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
-        writes them), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
+        writes them; InternVL's `<video>`, in text only), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
         videos' pixels are decoded. `truncate` (vLLM's truncate_prompt_tokens, at most `max_tokens`): a longer
         prompt keeps its last `truncate` tokens instead, as long as the cut falls before its first image or video."""
+        given = prompt if isinstance(prompt, str) else None  # the prompt as outputs name it (vLLM's), unexpanded
         if self.config.image_text is not None and isinstance(prompt, str):  # e.g. "<image>" for InternVL's own
             prompt = prompt.replace(self.config.image_text, self.placeholders["image"], len(images))
+        if videos and self.config.video_text is not None:  # InternVL: a video is its frames, each an image
+            images, prompt = self._frames_for_videos(prompt, images, videos, mm_processor_kwargs, max_tokens)
+            videos = []
         wrapped = self.config.image_placeholder_id is not None
         if wrapped and isinstance(prompt, str):  # a text too long is refused before any image is fetched
             self._check_characters(len(prompt), max_tokens)
@@ -368,7 +375,11 @@ class PromptProcessor:
         ]
         added = len(self.image_wrap) - 1  # a placeholder's own token, less the tokens around the image
         length = len(ids) + sum(p.num_tokens - 1 for p in planned_videos)
-        length += 0 if wrapped else sum(p.num_tokens + added for p in planned)
+        length += (
+            0
+            if wrapped
+            else sum(p.num_tokens + added * (p.grid[0] if isinstance(p, PlannedVideo) else 1) for p in planned)
+        )
         if truncating and length > truncate:  # before any pixel is decoded
             ids, length = self._cut_front(ids, length - truncate, truncate), truncate
         if max_tokens is not None and length > max_tokens:
@@ -376,7 +387,10 @@ class PromptProcessor:
         processed, clips = [], []
         try:
             for image in planned:
-                processed.append(image if isinstance(image, ProcessedImage) else self.decoder.process(image))
+                if isinstance(image, PlannedVideo):
+                    processed += frame_images(self.decoder.process(image))
+                else:
+                    processed.append(image if isinstance(image, ProcessedImage) else self.decoder.process(image))
             for video in planned_videos:
                 clips.append(self.decoder.process(video))
             result = self.expand(ids, processed, clips)
@@ -385,7 +399,7 @@ class PromptProcessor:
         except BaseException:
             release_images(processed + clips)  # pixels already handed to shared memory will not reach the engine
             raise
-        result.text = prompt if isinstance(prompt, str) else None
+        result.text = given
         return result
 
     def _cut_front(self, ids: list[int], count: int, kept: int) -> list[int]:
@@ -402,9 +416,41 @@ class PromptProcessor:
 
     def _plan_images(self, images: list, mm_processor_kwargs: dict | None) -> list[PlannedImage | ProcessedImage]:
         return [
-            self._embeds(image) if is_embeds(image) else self.image_processor.plan(image, mm_processor_kwargs)
+            image
+            if isinstance(image, PlannedVideo)  # (_frames_for_videos)
+            else self._embeds(image)
+            if is_embeds(image)
+            else self.image_processor.plan(image, mm_processor_kwargs)
             for image in images
         ]
+
+    def _frames_for_videos(
+        self, prompt: str | list[int], images: list, videos: list, kwargs: dict | None, max_tokens: int | None
+    ) -> tuple[list, str]:
+        """InternVL: each video placeholder (`<video>`) becomes "Frame1: <image>\nFrame2: <image>..." (transformers'
+        InternVLProcessor writes that, and the published chat example), one image per kept frame. Returns the
+        images and the planned videos in the order the prompt names them, and the prompt."""
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"{self.config.architecture} takes videos in a text prompt only (its frames are named in it)"
+            )
+        self._check_characters(len(prompt), max_tokens)  # before any video file's header is read
+        marker, image = self.config.video_text, self.placeholders["image"]
+        pieces = re.split(f"({re.escape(marker)}|{re.escape(image)})", prompt)
+        found = pieces[1::2].count(marker)
+        if found != len(videos):
+            raise ValueError(f"prompt has {found} video placeholders ({marker}) but {len(videos)} videos were given")
+        cfg, options = self.image_processor.config, self.video_options.with_kwargs(kwargs, capped=True)
+        planned = iter([plan_video(v, options, self.decoder.probe, cfg.patch_size, cfg.merge_size) for v in videos])
+        given, ordered = iter(images), []
+        for index in range(1, len(pieces), 2):
+            if pieces[index] == marker:
+                video = next(planned)
+                ordered.append(video)
+                pieces[index] = "\n".join(f"Frame{frame + 1}: {image}" for frame in range(video.grid[0]))
+            else:
+                ordered += itertools.islice(given, 1)  # (more placeholders than images: expand() says so)
+        return ordered + list(given), "".join(pieces)
 
     def _pan_and_scan(self, prompt: str | list[int], planned: list) -> tuple[str | list[int], list]:
         """Gemma 3's processor: an image with pan-and-scan crops becomes, in the text, "Here is the original image

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from fovea.config.video import FRAME_FACTOR, TimestampedVideoOptions, VideoOptions
+from fovea.config.video import FRAME_FACTOR, TiledVideoOptions, TimestampedVideoOptions, VideoOptions
 from fovea.multimodal import video_decode
 from fovea.multimodal.image import ProcessedImage, encoded_bytes, pixels_hash
 from fovea.multimodal.video_decode import VideoInfo
@@ -87,7 +87,7 @@ class PlannedVideo:
 
 def plan_video(
     source,
-    options: VideoOptions | TimestampedVideoOptions,
+    options: VideoOptions | TimestampedVideoOptions | TiledVideoOptions,
     probe=video_decode.probe,
     patch_size: int = 14,
     merge_size: int = 2,
@@ -105,17 +105,18 @@ def plan_video(
     if frames is not None and fps is None and len(frames) <= options.max_frames:
         # frames given without a rate are already sampled at fps: all are kept, and an odd count gets its last frame
         # repeated to whole temporal patches, as transformers' video processor does (and vLLM, which hands it them)
-        indices, video_fps = list(range(len(frames))), options.fps
-        second_per_grid_t = FRAME_FACTOR / options.fps
+        indices, video_fps = list(range(len(frames))), info.fps
     else:
         indices, video_fps = options.frame_indices(info.frames, info.fps), info.fps
-        second_per_grid_t = FRAME_FACTOR / (len(indices) / info.frames * info.fps)
+    per_patch = options.frames_per_patch
+    # (InternVL's frames, without a rate, have no time step: their positions do not depend on it)
+    second_per_grid_t = per_patch / (len(indices) / info.frames * info.fps) if info.fps else 0.0
     sampled = len(indices)  # Qwen3-VL sizes frames by the count before padding
-    indices += indices[-1:] * (-len(indices) % FRAME_FACTOR)
+    indices += indices[-1:] * (-len(indices) % per_patch)
     height, width = options.frame_size(
         info.height, info.width, sampled if options.timestamps else len(indices), patch_size * merge_size
     )
-    grid = (len(indices) // FRAME_FACTOR, height // patch_size, width // patch_size)
+    grid = (len(indices) // per_patch, height // patch_size, width // patch_size)
     timestamps = None
     if options.timestamps:  # each temporal patch: the mean time of its first and last frame
         times = [index / video_fps for index in indices]
@@ -140,3 +141,20 @@ def process_video(planned: PlannedVideo) -> ProcessedImage:
     return ProcessedImage(
         pixels, planned.grid, content_hash, planned.merge_size, planned.second_per_grid_t, planned.timestamps
     )
+
+
+def frame_images(video: ProcessedImage) -> list[ProcessedImage]:
+    """InternVL's video as its frames, each an image of one tile (their tokens lie apart, each after "FrameN: " in
+    the text). Frames in shared memory stay one segment, each image naming its frame of it (`frames`)."""
+    _, height, width = video.grid_thw
+    in_memory = isinstance(video.pixels, np.ndarray)
+    return [
+        ProcessedImage(
+            video.pixels[index : index + 1] if in_memory else video.pixels,
+            (1, height, width),
+            f"{video.content_hash}-f{index}",
+            video.merge_size,
+            frames=None if in_memory else (index, index + 1),
+        )
+        for index in range(video.grid_thw[0])
+    ]
