@@ -167,6 +167,47 @@ def test_images_encoded_with_a_failing_one_are_encoded_again_alone(llm, monkeypa
     assert_engine_idle(engine)
 
 
+def test_image_failures_collected_together_each_reach_their_requests(llm, monkeypatch):
+    """The tower fails on every image (a device out of memory) and the engine collects the failures of two
+    requests at once: each request is failed and told (a request left out would wait for ever), and a text
+    request beside them ends with its own tokens."""
+    engine = llm.engine
+    plain = "A plain request"
+    alone = llm.generate([plain], GREEDY, use_tqdm=False)[0]
+    llm.reset_mm_cache()
+    pictures = [random_image(56 + 28 * i, 56, 90 + i) for i in range(3)]
+    two = {
+        "prompt": "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "Compare.",
+        "multi_modal_data": {"image": pictures[:2]},
+    }
+    prompts = {"two-pictures": two, "one-picture": image_prompt(pictures[2])}
+    hashes = {image.content_hash for prompt in prompts.values() for image in llm.inputs.process(prompt).images}
+    encoder, held, real_collect = engine.image_encoder, [], engine.image_encoder.collect
+
+    def encode(items):
+        raise RuntimeError("injected: out of memory in the tower")
+
+    def collect(wait_s=0.0):  # holds the failures back until every image has failed, then hands all over at once
+        held.extend(real_collect(wait_s))
+        failed = {item.content_hash for result in held for item in result.items}
+        if failed != hashes:
+            encoder.in_flight.update(failed)  # still out, as far as the engine can tell
+            return []
+        encoder.in_flight.difference_update(failed)
+        return [held.pop() for _ in range(len(held))][::-1]
+
+    monkeypatch.setattr(encoder, "_encode", encode)
+    monkeypatch.setattr(encoder, "collect", collect)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request(llm, request_id, prompt))
+    engine.add_request(request(llm, "plain", plain))
+    outputs = {}
+    failures = failures_until_idle(engine, outputs)
+    assert sorted(request_id for failure in failures for request_id in failure) == sorted(prompts)
+    assert list(outputs) == ["plain"] and outputs["plain"].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_engine_idle(engine)
+
+
 def test_a_suspect_runs_with_the_others_again_once_a_step_samples_for_it(llm, monkeypatch):
     """After a failed step its requests are suspects, each run alone; one that a step samples for is cleared and
     joins the batch again: the step after everyone is cleared runs all of them together."""

@@ -130,7 +130,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None  # queued on the device, not yet recorded
-        self.failed_rows: list[StepFailed] = []  # requests failed by their own row, raised after the step
+        # requests failed outside a step's own raise (their images, grammars or rows), raised one per step_deltas
+        # call: each failure must reach its callers, also when several come at once and nothing else runs
+        self.failures: list[StepFailed] = []
         # on a GPU the step's kernels run while the host goes on: the host builds the outputs of one step while the
         # device computes the next. Under tensor parallelism too: the other ranks queue each step's kernels as
         # soon as rank 0 sends it, behind the one their devices still run.
@@ -174,7 +176,7 @@ class LLMEngine:
             return  # scheduled once its grammar is built (_admit_compiled)
         self._schedule_first_sample(request)
 
-    def _admit_compiled(self) -> StepFailed | None:
+    def _admit_compiled(self) -> None:
         """Requests whose grammars are built go to the scheduler; those whose grammar failed, or overran the time
         limit, fail alone. A crafted schema costs its own request time, not everyone's steps."""
         failed: list[tuple[Request, Exception]] = []
@@ -193,7 +195,8 @@ class LLMEngine:
             elif build.overran():
                 self.compiling.remove(entry)
                 failed.append((request, too_slow_error()))
-        return self._fail({request for request, _ in failed}, failed[0][1]) if failed else None
+        for request, error in failed:
+            self._fail_later({request}, error)
 
     def _schedule_first_sample(self, request: Request) -> None:
         seq = self._new_sequence(request, 0)
@@ -248,7 +251,7 @@ class LLMEngine:
             self.workers.close()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self.finished_outputs) or self.in_flight is not None
+        return bool(self.requests or self.finished_outputs or self.failures) or self.in_flight is not None
 
     # ----------------------------------------------------------------------------------------------- step
 
@@ -293,9 +296,9 @@ class LLMEngine:
             self.finished_outputs = outputs + self._report(touched) + self.finished_outputs
             raise
         outputs += self._report(touched)
-        if self.failed_rows:  # the others' outputs come with the next step
+        if self.failures:  # the others' outputs come with the next step
             self.finished_outputs = outputs + self.finished_outputs
-            raise self.failed_rows.pop(0)
+            raise self.failures.pop(0)
         return outputs
 
     def _schedules_ahead(self, previous: tuple[ScheduledBatch, StepOutput]) -> bool:
@@ -316,17 +319,14 @@ class LLMEngine:
         """Schedules a step and queues it on the device (`in_flight`); with nothing to run, waits briefly for the
         images or grammars it waits for. `ahead`: the step still on the device, whose samples are tokens of
         this one."""
-        failed = self._collect_images() or self._admit_compiled()
-        if failed is not None:
-            raise failed
+        self._collect_images()
+        self._admit_compiled()
         batch = self.scheduler.schedule()
         if batch.step.encode:
             self.image_encoder.submit(batch.step.encode)  # encoded beside this and the next steps
         if not batch.seqs:
             if self.image_encoder.in_flight:  # everything waits for images: wait for the encoder, briefly
-                failed = self._collect_images(wait_s=IDLE_WAIT_S)
-                if failed is not None:
-                    raise failed
+                self._collect_images(wait_s=IDLE_WAIT_S)
             elif self.compiling:  # everything waits for grammars: wait for one, briefly
                 concurrent.futures.wait(
                     [build.future for _, build in self.compiling],
@@ -434,10 +434,15 @@ class LLMEngine:
         message = str(error) if refused else f"{type(error).__name__}: {error}"[:500]
         return StepFailed(sorted(r.request_id for r in requests), message, refused)
 
-    def _collect_images(self, wait_s: float = 0.0) -> StepFailed | None:
+    def _fail_later(self, requests: set[Request], error: Exception, refused: bool = False) -> None:
+        """Fails `requests` now, reported with a later step_deltas call (`failures`)."""
+        failure = self._fail(requests, error, refused)
+        if requests:
+            self.failures.append(failure)
+
+    def _collect_images(self, wait_s: float = 0.0) -> None:
         """Puts what the encoder finished into the encoder cache; an encoding that failed fails the requests
-        showing those images (returned, for the caller to raise)."""
-        failed = None
+        showing those images."""
         for result in self.image_encoder.collect(wait_s):
             if result.error is None:
                 for item, rows in zip(result.items, result.embeddings):
@@ -446,8 +451,7 @@ class LLMEngine:
             self._stop_if_out_of_step(result.error)
             keys = {item.content_hash for item in result.items}
             requests = {r for r in self.requests.values() if keys.intersection(i.content_hash for i in r.mm_items)}
-            failed = self._fail(requests, result.error)
-        return failed
+            self._fail_later(requests, result.error)
 
     def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> tuple[set[Request], set[Request]]:
         """The requests that sampled (looked for only while there are suspects: Scheduler.isolate), and the ones
@@ -530,7 +534,7 @@ class LLMEngine:
                 to_report.add(request)
         for why, refused in dict.fromkeys(broken.values()):
             failed = {request for request, reason in broken.items() if reason == (why, refused)}
-            self.failed_rows.append(self._fail(failed, ValueError(why), refused))
+            self._fail_later(failed, ValueError(why), refused)
         sampled_requests = {seq.request for seq in row_seqs if seq is not None} if self.scheduler.suspects else set()
         return sampled_requests - broken.keys(), to_report - broken.keys()
 
