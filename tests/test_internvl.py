@@ -579,6 +579,9 @@ def test_video_prompts_that_cannot_be_served_are_refused(checkpoints):
         prompts.process([1, 2, 3], videos=[video])
     with pytest.raises(ValueError, match="max_frames"):
         prompts.process("<video>", videos=[video], mm_processor_kwargs={"max_frames": 0})
+    for prompt, videos in (("<video>", [video]), ("No media.", [])):  # names are refused whatever is shown
+        with pytest.raises(ValueError, match=r"unsupported mm_processor_kwargs \['num_frames'\]"):
+            prompts.process(prompt, videos=videos, mm_processor_kwargs={"num_frames": 3})
 
     class NoDecoding(LocalDecoder):
         def process(self, planned):

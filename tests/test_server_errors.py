@@ -195,6 +195,13 @@ def bad_inputs(media) -> list[tuple[str, str, dict | bytes, int, str]]:
             "unsupported mm_processor_kwargs",
         ),
         (
+            "unknown mm_processor_kwargs, no image",
+            chat,
+            chat_with(TEXT, mm_processor_kwargs={"size": 3}),
+            400,
+            "unsupported mm_processor_kwargs",
+        ),
+        (
             "request chat template without the trust flag",
             chat,
             {"model": "tiny", "messages": HELLO, "chat_template": "{{ messages }}"},

@@ -13,8 +13,17 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 MAX_TILES = 64  # InternVL's tiles an image at most (the released checkpoints use 12)
-# mm_processor_kwargs for videos (config/video.py; the last two are Qwen3-VL's)
-VIDEO_ONLY_KWARGS = {"fps", "min_frames", "max_frames", "total_pixels", "cap_pixels_per_frame", "max_video_tokens"}
+# mm_processor_kwargs for videos (config/video.py; the edges, the cap and the token count are Qwen3-VL's)
+VIDEO_ONLY_KWARGS = {
+    "fps",
+    "min_frames",
+    "max_frames",
+    "total_pixels",
+    "shortest_edge",
+    "longest_edge",
+    "cap_pixels_per_frame",
+    "max_video_tokens",
+}
 # mm_processor_kwargs for Gemma 3's pan-and-scan (transformers' and vLLM's names) -> ImageProcessorConfig fields
 PAN_KWARGS = {
     "do_pan_and_scan": "pan_and_scan",

@@ -342,6 +342,9 @@ class PromptProcessor:
         videos' pixels are decoded. `truncate` (vLLM's truncate_prompt_tokens, at most `max_tokens`): a longer
         prompt keeps its last `truncate` tokens instead, as long as the cut falls before its first image or video."""
         given = prompt if isinstance(prompt, str) else None  # the prompt as outputs name it (vLLM's), unexpanded
+        if mm_processor_kwargs:  # names and values are refused alike whatever the prompt shows (images, videos)
+            self.image_processor.config.with_overrides(mm_processor_kwargs, capped=True)
+            self.video_options.with_kwargs(mm_processor_kwargs, capped=True)
         if self.config.image_text is not None and isinstance(prompt, str):  # e.g. "<image>" for InternVL's own
             prompt = prompt.replace(self.config.image_text, self.placeholders["image"], len(images))
         if videos and self.config.video_text is not None:  # InternVL: a video is its frames, each an image
