@@ -8,7 +8,10 @@ reported, LoRA with one or two adapters a batch on Qwen2.5-VL, priority scheduli
 the requests stream there, their outputs joined as a server's reader joins them. With LoRA on, each request asks for
 one of three adapters or none; with priorities, for one of four. Now and then one or two requests are poison: every
 step that runs one fails (test_engine_failures.py's `fail_steps_running`), so the requests of that step run alone from
-then on until each samples (Scheduler.isolate), and the poison fails alone. Each request runs alone from empty prefix
+then on until each samples (Scheduler.isolate), and the poison fails alone. Now and then one or two of the images are
+poison instead: the vision tower fails whenever it runs one (a device out of memory), the images encoded with it are
+encoded again alone, and every request showing it fails, each told (failures the engine collects at once included).
+Each request runs alone from empty prefix
 and image caches (what a wrong cache hit gives is never the reference). Every request that was not aborted ends as it
 did alone: the same tokens and finish reasons (logprobs within 1e-4 where they agree), or the same failure. The seed
 is fixed for a run and printed with every failure (FOVEA_FUZZ_SEED repeats one); one draw per model runs by default,
@@ -174,6 +177,8 @@ def run(
         step += 1
         # a request left in no list never finishes: fail naming it rather than run until CI's time is up
         assert step < MAX_STEPS, f"still unfinished after {step} steps: {sorted(engine.requests)}"
+    untold = sorted({request_id for request_id, _, _, _ in requests} - ended.keys() - aborts.keys())
+    assert not untold, f"the engine went idle and never told these requests how they ended: {untold}"
     return ended
 
 
@@ -193,25 +198,60 @@ def draw_traffic(rng: random.Random, options_rng: random.Random, options: dict, 
     return requests, arrivals, aborts, streamed
 
 
-def alone_then_together(llm: LLM, where: str, requests, arrivals, aborts, streamed, poison, monkeypatch) -> tuple:
+def alone_then_together(
+    llm: LLM, where: str, requests, arrivals, aborts, streamed, poison, monkeypatch, poison_images=()
+) -> tuple:
     """Each request's outcome run alone (from empty prefix and image caches: what a wrong hit gives is never the
     reference), then all of them together (`run`), after which the engine holds nothing (no KV block, image or
-    request left); the `poison` requests fail every step they are in."""
+    request left); the `poison` requests fail every step they are in, the `poison_images` every encoding."""
     if poison:
         fail_steps_running(llm.engine, poison, monkeypatch)
-    alone = {}
-    for request in requests:
+    if poison_images:
+        fail_encodings_of(llm, poison_images, monkeypatch)
+    alone, stage = {}, "alone"
+    try:
+        for request in requests:
+            llm.reset_prefix_cache()
+            llm.reset_mm_cache()
+            alone |= run(llm, [request], [0], {})
         llm.reset_prefix_cache()
         llm.reset_mm_cache()
-        alone |= run(llm, [request], [0], {})
-    llm.reset_prefix_cache()
-    llm.reset_mm_cache()
-    together = run(llm, requests, arrivals, aborts, streamed)
-    try:
+        stage = "together"
+        together = run(llm, requests, arrivals, aborts, streamed)
+        stage = "after the draw"
         assert_engine_idle(llm.engine)
     except AssertionError as error:
-        raise AssertionError(f"{where}: the engine is not idle after the draw: {error}") from None
+        raise AssertionError(f"{where}: {stage}: {error}") from None
     return alone, together
+
+
+def shown_images(requests) -> list:
+    """The images the requests show, each once, in the order they first appear."""
+    shown = {}
+    for _, (kind, prompt), _, _ in requests:
+        for part in prompt[0]["content"] if kind == "chat" else ():
+            if part["type"] == "image_pil":
+                shown.setdefault(id(part["image_pil"]), part["image_pil"])
+    return list(shown.values())
+
+
+def fail_encodings_of(llm: LLM, images: list, monkeypatch) -> None:
+    """The vision tower raises whenever it runs one of `images` (in the encoder's thread, or the engine's)."""
+    encoder = llm.engine.image_encoder
+    poison = set()
+    for image in images:
+        shown = [
+            {"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "a"}]}
+        ]
+        poison.add(llm.inputs.process_chat(shown, None, ChatOptions()).images[0].content_hash)
+    real_encode = encoder._encode
+
+    def encode(items):
+        if poison.intersection(item.content_hash for item in items):
+            raise RuntimeError("injected: the vision tower fails on this image")
+        return real_encode(items)
+
+    monkeypatch.setattr(encoder, "_encode", encode)
 
 
 def differences(alone, together, params: SamplingParams, best_tokens) -> str | None:
@@ -285,11 +325,21 @@ def check_draw(model: str, models, adapters, draw_index: int, monkeypatch) -> No
     # two tensor-parallel ranks at times (not with poison, which fails rank 0's steps alone: the ranks out of step)
     if not poison and random.Random(f"tensor parallel {seed}").random() < 0.2:
         options["tensor_parallel_size"] = 2
-    where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}, poison {poison}"
     requests, arrivals, aborts, streamed = draw_traffic(rng, extra_rng, options, adapters)
+    # poison images, when no request is poison: one or two of the images shown (drawn apart, as the poison requests)
+    image_rng = random.Random(f"poison images {seed}")
+    images = shown_images(requests)
+    drawn_images = image_rng.sample(images, min(len(images), image_rng.choice([1, 1, 2])))
+    alone_rank = not poison and "tensor_parallel_size" not in options  # (the tower fails on rank 0 only)
+    poison_images = drawn_images if alone_rank and image_rng.random() < 0.3 else []
+    where = f"FOVEA_FUZZ_SEED={SEED} draw {draw_index} ({model}, seed {seed}): {json.dumps(options)}, poison {poison}"
+    where += f", poison images {[images.index(image) for image in poison_images]}"
     with LLM(str(model_dir), **options, max_logprobs=64) as llm:  # (a top_k of 50's logprobs: best_tokens)
-        alone, together = alone_then_together(llm, where, requests, arrivals, aborts, streamed, poison, monkeypatch)
-        assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= REQUESTS // 2, (where, alone)
+        alone, together = alone_then_together(
+            llm, where, requests, arrivals, aborts, streamed, poison, monkeypatch, poison_images
+        )
+        enough = REQUESTS // 3 if poison_images else REQUESTS // 2  # (two poison images fail a third of them)
+        assert sum(not isinstance(outcome, str) for outcome in alone.values()) >= enough, (where, alone)
         wrong = []
         for request in requests:
             request_id, (kind, _), params, extra = request
