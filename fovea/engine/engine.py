@@ -64,8 +64,8 @@ def grammar_broken(seq: Sequence, grammar) -> tuple[str, bool]:
 
 
 class StepFailed(RuntimeError):
-    """A step raised: the requests it ran were failed and freed (the cause is chained); the engine goes on.
-    `refused`: the requests' own settings contradict each other (the client's fault, a 4xx), not a failure."""
+    """Requests failed, by a step that raised or by their own images, grammar or row, and were freed (the cause is
+    chained); the engine goes on. `refused`: the requests' own settings contradict each other (the client's fault, a 4xx), not a failure."""
 
     def __init__(self, request_ids: list[str], message: str, refused: bool = False):
         super().__init__(message)
@@ -130,8 +130,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.events: LatencyEvents | None = None  # recorded once someone asks for stats()
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None  # queued on the device, not yet recorded
-        # requests failed outside a step's own raise (their images, grammars or rows), raised one per step_deltas
-        # call: each failure must reach its callers, also when several come at once and nothing else runs
+        # failed requests (a step, an image, a grammar, a row), raised one per step_deltas call after its outputs:
+        # each failure must reach its callers, also when several come in one call and nothing else runs
         self.failures: list[StepFailed] = []
         # on a GPU the step's kernels run while the host goes on: the host builds the outputs of one step while the
         # device computes the next. Under tensor parallelism too: the other ranks queue each step's kernels as
@@ -336,7 +336,7 @@ class LLMEngine:
             elif ahead is None and (self.scheduler.waiting or self.scheduler.running):
                 # cannot happen after admission checks (ahead: the running ones end on a token in flight)
                 stuck = (self.scheduler.running or self.scheduler.waiting)[0].request
-                raise self._fail({stuck}, RuntimeError("the request cannot be scheduled even with the engine idle"))
+                self._fail_later({stuck}, RuntimeError("the request cannot be scheduled even with the engine idle"))
             return
         if self.unloaded_loras:
             batch.step.dropped_loras = self._droppable_loras()
@@ -371,8 +371,8 @@ class LLMEngine:
         return to_report
 
     def _step_failed(self, batch: ScheduledBatch, error: Exception) -> None:
-        """A failed step returns when its requests go on alone (Scheduler.isolate); it raises StepFailed naming
-        the one request it ran, or those in MAX_FAILED_STEPS failed steps."""
+        """A failed step's requests go on alone (Scheduler.isolate); the one request it ran, or those in
+        MAX_FAILED_STEPS failed steps, fail (`failures`)."""
         if self.workers is not None and self.workers.died():
             self.close()
             raise self.workers.stopped() from error
@@ -390,8 +390,7 @@ class LLMEngine:
             dropped = {r for r in requests if r.failed_steps >= MAX_FAILED_STEPS}
             self.scheduler.isolate(requests - dropped)
             requests = dropped
-        if requests:
-            raise self._fail(requests, error) from error
+        self._fail_later(requests, error)
 
     def _stop_if_out_of_step(self, error: Exception) -> None:
         """Raises RanksOutOfStep: no step or tower run can happen on these ranks again, a new engine must start."""
@@ -432,13 +431,14 @@ class LLMEngine:
             self._retire(request)
         self.encoder_cache.drop_unfilled(keep=self.image_encoder.in_flight)
         message = str(error) if refused else f"{type(error).__name__}: {error}"[:500]
-        return StepFailed(sorted(r.request_id for r in requests), message, refused)
+        failure = StepFailed(sorted(r.request_id for r in requests), message, refused)
+        failure.__cause__ = error
+        return failure
 
     def _fail_later(self, requests: set[Request], error: Exception, refused: bool = False) -> None:
-        """Fails `requests` now, reported with a later step_deltas call (`failures`)."""
-        failure = self._fail(requests, error, refused)
+        """Fails `requests` now; step_deltas raises it once its outputs are kept (`failures`)."""
         if requests:
-            self.failures.append(failure)
+            self.failures.append(self._fail(requests, error, refused))
 
     def _collect_images(self, wait_s: float = 0.0) -> None:
         """Puts what the encoder finished into the encoder cache; an encoding that failed fails the requests
@@ -452,6 +452,8 @@ class LLMEngine:
             keys = {item.content_hash for item in result.items}
             requests = {r for r in self.requests.values() if keys.intersection(i.content_hash for i in r.mm_items)}
             self._fail_later(requests, result.error)
+            if not requests:  # (those that showed the image have left: its entry is nobody's)
+                self.encoder_cache.drop_unfilled(keep=self.image_encoder.in_flight)
 
     def _record_samples(self, batch: ScheduledBatch, result: StepOutput) -> tuple[set[Request], set[Request]]:
         """The requests that sampled (looked for only while there are suspects: Scheduler.isolate), and the ones
