@@ -208,6 +208,42 @@ def test_image_failures_collected_together_each_reach_their_requests(llm, monkey
     assert_engine_idle(engine)
 
 
+def test_a_step_scheduled_ahead_and_the_step_before_it_failing_in_one_call_fail_both_requests(tiny_dirs, monkeypatch):
+    """Scheduling ahead (async scheduling): the second request arrives as the first's last step runs, so that
+    one call launches the second's first step and records the first's last; both fail there. Each request is
+    told (the failure recorded second once replaced the first, whose client then waited for ever)."""
+    llm = LLM(str(tiny_dirs["tiny-3b"]), **OPTIONS, async_scheduling=True)
+    engine = llm.engine
+    real_execute, real_step_done, broken = engine.runner.execute, engine.scheduler.step_done, []
+
+    def ids_of(request_id):
+        request = engine.requests.get(request_id)
+        return {seq.seq_id for seq in request.sequences} if request is not None else set()
+
+    def execute(step, cache, *ahead):
+        if ids_of("second").intersection(step.seq_ids) and "second" not in broken:
+            broken.append("second")
+            raise RuntimeError("injected: the second request's first step fails")
+        return real_execute(step, cache, *ahead)
+
+    def step_done(batch):
+        if "second" in broken and "first" not in broken and any(s.request.request_id == "first" for s in batch.seqs):
+            broken.append("first")  # recorded after the second's launch failed, in the same call
+            raise RuntimeError("injected: the first request's last step fails to record")
+        return real_step_done(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.scheduler, "step_done", step_done)
+    engine.add_request(request(llm, "first", "Hello", GREEDY.clone(max_tokens=3)))
+    for _ in range(3):  # its prompt's step, then its two decode steps are launched, the last one in flight
+        assert engine.step() == []
+    engine.add_request(request(llm, "second", "Hello again"))
+    failures = failures_until_idle(engine)
+    assert broken == ["second", "first"]
+    assert sorted(failures) == [["first"], ["second"]]
+    assert_engine_idle(engine)
+
+
 def test_a_suspect_runs_with_the_others_again_once_a_step_samples_for_it(llm, monkeypatch):
     """After a failed step its requests are suspects, each run alone; one that a step samples for is cleared and
     joins the batch again: the step after everyone is cleared runs all of them together."""
