@@ -65,7 +65,8 @@ def grammar_broken(seq: Sequence, grammar) -> tuple[str, bool]:
 
 class StepFailed(RuntimeError):
     """Requests failed, by a step that raised or by their own images, grammar or row, and were freed (the cause is
-    chained); the engine goes on. `refused`: the requests' own settings contradict each other (the client's fault, a 4xx), not a failure."""
+    chained); the engine goes on. `refused`: the requests' own settings contradict each other (the client's fault,
+    a 4xx), not a failure."""
 
     def __init__(self, request_ids: list[str], message: str, refused: bool = False):
         super().__init__(message)
