@@ -338,9 +338,10 @@ class PromptProcessor:
         truncate: int | None = None,
     ) -> ProcessedPrompt:
         """`prompt` holds one `<|image_pad|>` per image and one `<|video_pad|>` per video (as the chat template
-        writes them; InternVL's `<video>`, in text only), or is token ids. With `max_tokens`, a longer prompt is refused before its images' and
-        videos' pixels are decoded. `truncate` (vLLM's truncate_prompt_tokens, at most `max_tokens`): a longer
-        prompt keeps its last `truncate` tokens instead, as long as the cut falls before its first image or video."""
+        writes them; InternVL's `<video>`, in text only), or is token ids. With `max_tokens`, a longer prompt is
+        refused before its images' and videos' pixels are decoded. `truncate` (vLLM's truncate_prompt_tokens, at
+        most `max_tokens`): a longer prompt keeps its last `truncate` tokens instead, as long as the cut falls before
+        its first image or video."""
         given = prompt if isinstance(prompt, str) else None  # the prompt as outputs name it (vLLM's), unexpanded
         if mm_processor_kwargs:  # names and values are refused alike whatever the prompt shows (images, videos)
             self.image_processor.config.with_overrides(mm_processor_kwargs, capped=True)
