@@ -1,6 +1,6 @@
 """Gemma 3 and InternVL through the product: `fovea tiny` writes them, `fovea serve` answers a chat with an image (and
-InternVL's with a video) as the offline LLM does and keeps to a JSON schema, `fovea bench serve` random-mm runs against it, and `fovea plan`
-counts their images' tokens."""
+InternVL's with a video) as the offline LLM does and keeps to a JSON schema, `fovea bench serve` random-mm runs
+against it, and `fovea plan` counts their images' tokens."""
 
 from __future__ import annotations
 
