@@ -223,7 +223,9 @@ class LLM:
         except BaseException:
             # Ctrl-C or a failure: free everything (beam searches' steps too), keep the engine usable
             self.engine.abort_request([*order, *searches])
-            self.engine.finished_outputs.clear()  # nobody waits for these aborts' outputs
+            # nobody waits for these aborts' outputs, nor for the failures queued behind the one raised
+            self.engine.finished_outputs.clear()
+            self.engine.failures.clear()
             raise
         finally:
             progress.close()

@@ -170,7 +170,8 @@ def test_images_encoded_with_a_failing_one_are_encoded_again_alone(llm, monkeypa
 def test_image_failures_collected_together_each_reach_their_requests(llm, monkeypatch):
     """The tower fails on every image (a device out of memory) and the engine collects the failures of two
     requests at once: each request is failed and told (a request left out would wait for ever), and a text
-    request beside them ends with its own tokens."""
+    request beside them ends with its own tokens. Offline, the call that meets them raises, and the next call
+    runs as if they had never been."""
     engine = llm.engine
     plain = "A plain request"
     alone = llm.generate([plain], GREEDY, use_tqdm=False)[0]
@@ -205,6 +206,11 @@ def test_image_failures_collected_together_each_reach_their_requests(llm, monkey
     failures = failures_until_idle(engine, outputs)
     assert sorted(request_id for failure in failures for request_id in failure) == sorted(prompts)
     assert list(outputs) == ["plain"] and outputs["plain"].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_engine_idle(engine)
+    # offline: the call raises the first failure; the next call does not meet the second
+    with pytest.raises(StepFailed, match="out of memory in the tower"):
+        llm.generate(list(prompts.values()), GREEDY, use_tqdm=False)
+    assert llm.generate([plain], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == alone.outputs[0].token_ids
     assert_engine_idle(engine)
 
 
