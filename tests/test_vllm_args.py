@@ -96,6 +96,30 @@ def test_neutral_values_pass_and_others_name_what_is_missing(tiny_dirs):
         EngineConfig.from_args(str(model), no_such_argument=1)
 
 
+def test_mm_limits_take_vllms_counts_with_profile_sizes(tiny_dirs, fovea_log):
+    """vLLM's {"count": N, "width": ..., "height": ...} per modality is its count here (the sizes only shape
+    vLLM's profile, logged as ignored); a dict without a count, or a modality left out, keeps fovea's bound; a
+    count that is not one, or a modality fovea does not serve, is refused before the model loads."""
+    model = str(tiny_dirs["tiny-3b"])
+    limits = {"image": {"count": 3, "width": 512, "height": 512}, "video": {"num_frames": 32}}
+    assert EngineConfig.from_args(model, limit_mm_per_prompt=limits).limit_mm_per_prompt == {"image": 3, "video": 2}
+    assert "accepted and ignored limit_mm_per_prompt['image'] {'width': 512, 'height': 512}" in fovea_log.text
+    assert EngineConfig.from_args(model, limit_mm_per_prompt={"video": 0}).limit_mm_per_prompt == {
+        "image": 16,
+        "video": 0,
+    }
+    for given, why in (
+        ({"image": "four"}, r"limit_mm_per_prompt\['image'\] must be a count of 0 or more, got 'four'"),
+        ({"image": -1}, "must be a count of 0 or more, got -1"),
+        ({"image": {"count": True}}, "must be a count of 0 or more, got True"),
+        ({"audio": 1}, "'audio' is not a modality fovea serves"),
+        ({"video": {"count": 1, "length": 3}}, r"takes count and height, num_frames, width, not \['length'\]"),
+        ([1, 2], "must be a JSON object"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            EngineConfig.from_args(model, limit_mm_per_prompt=given)
+
+
 def test_generation_config_auto_vllm_or_a_directory(tiny_dirs, tmp_path):
     model = tiny_dirs["tiny-3b"]
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.5, "top_k": 7}')

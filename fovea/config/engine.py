@@ -15,7 +15,7 @@ from fovea.config.flags import FLAGS, default
 from fovea.config.model import ModelConfig, VisionConfig, resolve_model_dir, serving_dtype
 from fovea.config.quant import check_flag, layer_quant
 from fovea.config.video import media_io_processor_kwargs
-from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, take_vllm_args
+from fovea.config.vllm_args import VLLM_ONLY_ARGS, parse_max_model_len, parse_mm_limits, take_vllm_args
 
 logger = logging.getLogger("fovea")
 
@@ -132,8 +132,7 @@ class EngineConfig:
             raise ValueError(f"tokenizer={tokenizer!r}: a tokenizer other than the model's own is not supported yet")
         args = {k: v for k, v in args.items() if v is not None}
         args["max_model_len"] = parse_max_model_len(args.get("max_model_len"))
-        # a kind left out keeps its bound: each image or video may need a full-size decode in the front end
-        args["limit_mm_per_prompt"] = {**default("limit_mm_per_prompt"), **(args.get("limit_mm_per_prompt") or {})}
+        args["limit_mm_per_prompt"] = parse_mm_limits(args.get("limit_mm_per_prompt"), default("limit_mm_per_prompt"))
         return cls.build(model_dir, **args)
 
     @classmethod

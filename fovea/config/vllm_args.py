@@ -141,6 +141,43 @@ def take_vllm_args(args: dict) -> dict:
     return {name: value for name, value in args.items() if name not in VLLM_ONLY_ARGS}
 
 
+# the sizes vLLM's start-up profile takes for a modality's dummy inputs, beside its count (--limit-mm-per-prompt)
+MM_PROFILE_SIZES = {"image": {"width", "height"}, "video": {"num_frames", "width", "height"}}
+
+
+def parse_mm_limits(given: dict | None, defaults: dict[str, int]) -> dict[str, int]:
+    """--limit-mm-per-prompt: each modality's count, or vLLM's {"count": N, "width": ..., "height": ...} (a video's
+    "num_frames" too). Those sizes are accepted and logged as ignored: fovea's start-up profile runs the largest
+    image max_pixels allows, whatever they say (mm_processor_kwargs lowers it). A modality left out, or a dict
+    without a count, keeps its default bound: each image or video may need a full-size decode in the front end."""
+    if not isinstance(given or {}, dict):
+        raise ValueError(f'limit_mm_per_prompt must be a JSON object such as {{"image": 4}}, got {given!r}')
+    limits = dict(defaults)
+    for kind, value in (given or {}).items():
+        if kind not in MM_PROFILE_SIZES:
+            raise ValueError(f"limit_mm_per_prompt: {kind!r} is not a modality fovea serves (image, video)")
+        if isinstance(value, dict):
+            unknown = set(value) - {"count"} - MM_PROFILE_SIZES[kind]
+            if unknown:
+                raise ValueError(
+                    f"limit_mm_per_prompt[{kind!r}] takes count and {', '.join(sorted(MM_PROFILE_SIZES[kind]))}, "
+                    f"not {sorted(unknown)}"
+                )
+            sizes = {key: size for key, size in value.items() if key != "count"}
+            if sizes:
+                logger.info(
+                    "accepted and ignored limit_mm_per_prompt[%r] %s: the start-up profile runs the largest image "
+                    "(or video frame) max_pixels allows",
+                    kind,
+                    sizes,
+                )
+            value = value.get("count", defaults.get(kind))
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"limit_mm_per_prompt[{kind!r}] must be a count of 0 or more, got {value!r}")
+        limits[kind] = value
+    return limits
+
+
 def parse_max_model_len(text: str | int | None) -> int | None:
     """vLLM's forms: an integer, `auto` or -1 (the model's own limit), or a size with a suffix: k/m/g are powers
     of 1000 (25.6k = 25600), K/M/G powers of 1024 (32K = 32768)."""
