@@ -139,6 +139,38 @@ def test_a_failing_request_fails_alone(tiny_dirs, monkeypatch):
     assert reason == "length" and len(tokens) == 20
 
 
+def test_a_request_the_engine_loses_fails_instead_of_waiting(tiny_dirs, monkeypatch):
+    """A request the engine forgets (a bug; here the front end sends it under another id, which the engine runs
+    and answers): once the engine is idle, its stream fails with an error instead of waiting until the client
+    gives up; a request beside it ends as usual."""
+    import dataclasses
+
+    from fovea.frontend.async_llm import RequestFailed
+
+    engine = AsyncLLM.from_args(str(tiny_dirs["tiny-3b"]), **OPTIONS)
+    process = engine._engines[0]
+    real_add = process.add
+
+    def add(request):
+        if request.request_id == "lost":
+            request = dataclasses.replace(request, request_id="renamed")
+        return real_add(request)
+
+    monkeypatch.setattr(process, "add", add)
+
+    async def main():
+        fine = asyncio.create_task(collect(engine, "fine", prompt=LOREM))
+        with pytest.raises(RequestFailed, match="the engine lost this request"):
+            await asyncio.wait_for(collect(engine, "lost", prompt="Hello"), 60)
+        return await fine
+
+    try:
+        tokens, _, reason = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert reason == "length" and len(tokens) == 20
+
+
 def test_a_request_whose_output_cannot_be_made_fails_alone(tiny_dirs, monkeypatch):
     """Making one request's output fails in the front end (here: injected at its third report): its stream gets
     RequestFailed and the engine aborts it; the request beside it, whose reports came in the same messages, gets
@@ -329,7 +361,7 @@ def test_a_steps_outputs_reach_their_streams_with_one_wake_up_per_event_loop():
     loop.call_soon_threadsafe = lambda *args: (wake_ups.append(args), wake(*args))[1]
     queues = {f"r{i}": asyncio.Queue() for i in range(3)}
     streams = {rid: (loop, q) for rid, q in queues.items()} | {"gone": (closed, asyncio.Queue())}
-    owner = types.SimpleNamespace(_streams=streams)
+    owner = types.SimpleNamespace(_streams=streams, _sent_as={})
     items = [("r0", "a"), ("gone", "x"), ("r1", "b"), ("r0", "c"), ("unknown", "y"), ("r2", "d")]
 
     async def receive():

@@ -67,6 +67,9 @@ class StartFailed:
 class StepOutputs:
     outputs: list[tuple]  # RequestDelta tuples: the front end makes the RequestOutputs (frontend/outputs.py)
     stats: EngineStats
+    # sent idle: how many AddRequests the engine had read, all of them answered by now (the front end fails any
+    # it sent among those and never heard of again: a bug, but an error for the client instead of a wait)
+    idle_after: int | None = None
 
 
 @dataclass

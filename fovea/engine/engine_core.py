@@ -98,7 +98,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
 def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None:
     from fovea.engine.engine import StepFailed  # loaded with the engine, in this process only
 
-    failed_in_a_row, last_stats = 0, time.monotonic()
+    failed_in_a_row, last_stats, requests_read = 0, time.monotonic(), 0
     folder = profiler_dir()
     profiler = StepProfiler(folder) if folder is not None else None
     while True:
@@ -108,6 +108,7 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
                 case Shutdown():
                     return
                 case AddRequest(request):
+                    requests_read += 1
                     try:
                         engine.add_request(request)
                     except ValueError as error:  # this request cannot run here; the others go on
@@ -151,6 +152,7 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
         now = time.monotonic()
         # a step with nothing to report, while others follow, sends the gauges and latency events (which
         # accumulate) at most every STATS_EVERY_S: a non-streamed batch's steps cost no message and no count
-        if outputs or now - last_stats >= STATS_EVERY_S or not engine.has_unfinished_requests():
-            send(StepOutputs(outputs, engine.stats()))
+        idle = not engine.has_unfinished_requests()
+        if outputs or now - last_stats >= STATS_EVERY_S or idle:
+            send(StepOutputs(outputs, engine.stats(), requests_read if idle else None))
             last_stats = now

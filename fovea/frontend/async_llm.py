@@ -28,6 +28,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,7 +38,6 @@ import torch
 from fovea.config.engine import EngineConfig
 from fovea.core.messages import (
     AbortRequests,
-    AddRequest,
     FromEngine,
     Rejected,
     RemoveLoRA,
@@ -130,6 +130,9 @@ class AsyncLLM:
         self._image_homes: collections.OrderedDict[str, int] = collections.OrderedDict()  # see pick_replica
         self._replica_of: dict[str, int] = {}  # request id -> the replica running it
         self._sent_pixels: dict[str, list] = {}  # request id -> its shared pixels, freed here if its engine dies
+        # request id -> [its engine, its place among the requests sent there, whether its last output or error is
+        # in its stream]: what tells a request the engine lost (_fail_forgotten)
+        self._sent_as: dict[str, list] = {}
         self.replicas_down: set[int] = set()  # replicas that died: being restarted, or given up
         self.replicas_given_up: set[int] = set()  # past their restart budget, or stopped for good (fatal)
         # the front end's own start (tokenizer, decoding processes, and the grammar compiler that checks requests'
@@ -316,7 +319,10 @@ class AsyncLLM:
             if request.release_unsent is not None:  # its shared pixels are the engine's to free now
                 _, _, (self._sent_pixels[request_id],), _ = request.release_unsent.detach()
                 request.release_unsent = None
-            engine.send(AddRequest(request))
+            # registered first, its place unknown (never counted as lost) until the send has one: an answer that
+            # comes before `add` returns must find it
+            sent = self._sent_as[request_id] = [engine, math.inf, False]
+            sent[1] = engine.add(request)
             incremental, held = request.params.output_kind == RequestOutputKind.DELTA, None
             while not finished:
                 item = await outputs.get()
@@ -346,6 +352,7 @@ class AsyncLLM:
             self._assemblers.pop(request_id, None)
             self._replica_of.pop(request_id, None)
             self._sent_pixels.pop(request_id, None)
+            self._sent_as.pop(request_id, None)
             if not finished:
                 engine.send(AbortRequests([request_id]))  # harmless if the engine never had it
 
@@ -399,7 +406,7 @@ class AsyncLLM:
 
     def _on_message(self, message: FromEngine, replica: int = 0) -> None:
         match message:
-            case StepOutputs(outputs, stats):
+            case StepOutputs(outputs, stats, idle_after):
                 self._replica_stats[replica] = stats
                 self.stats = combine(self._replica_stats, stats.events) if len(self._replica_stats) > 1 else stats
                 ready = []
@@ -411,6 +418,8 @@ class AsyncLLM:
                         except Exception as error:  # noqa: BLE001 - a bug met by this request's output alone
                             ready.append((delta.request_id, self._output_failed(delta.request_id, error)))
                 self._deliver_all(ready)
+                if idle_after is not None:
+                    self._fail_forgotten(replica, idle_after)
                 if self.on_stats is not None:
                     try:
                         self.on_stats(self.stats)
@@ -424,6 +433,20 @@ class AsyncLLM:
                         request_id,
                         RequestFailed(f"the engine failed while running this request ({reason}); see the server log"),
                     )
+
+    def _fail_forgotten(self, replica: int, idle_after: int) -> None:
+        """The engine is idle, having read `idle_after` requests: one of those never answered is one it lost (a
+        bug), and its client gets an error now instead of waiting until it gives up."""
+        engine = self._engines[replica]
+        forgotten = [
+            request_id
+            for request_id, (owner, place, answered) in list(self._sent_as.items())
+            if owner is engine and place <= idle_after and not answered
+        ]
+        if forgotten:
+            logger.error("the engine went idle without answering requests %s (a bug): failing them", forgotten)
+            error = RequestFailed("the engine lost this request (a bug); see the server log")
+            self._deliver_all([(request_id, error) for request_id in forgotten])
 
     def _output_failed(self, request_id: str, error: Exception) -> RequestFailed:
         """What the stream of a request whose output could not be made gets (its stream's end aborts it in the
@@ -492,6 +515,9 @@ class AsyncLLM:
         streamed outputs made 256 writes to the loop's wake-up socket: a third of this thread's time)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, item in items:
+            sent = self._sent_as.get(request_id)
+            if sent is not None and (isinstance(item, BaseException) or item.finished):
+                sent[2] = True
             stream = self._streams.get(request_id)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((request_id, stream[1], item))

@@ -56,6 +56,8 @@ class EngineProcess:
         self.config = self._wait_until_ready(startup_timeout)  # max_model_len may have shrunk to the KV cache
         self._on_message, self._on_exit = on_message, on_exit
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._adding = threading.Lock()  # a place and the send that takes it, together
+        self.requests_sent = 0
         self.stopped = False
         threading.Thread(target=self._send_loop, name="fovea-engine-send", daemon=True).start()
         threading.Thread(target=self._receive_loop, name="fovea-engine-receive", daemon=True).start()
@@ -74,6 +76,14 @@ class EngineProcess:
 
     def send(self, message: ToEngine) -> None:
         self._outbox.put(message)
+
+    def add(self, request) -> int:
+        """Sends an AddRequest; returns its place among those this engine was sent (1, 2, ...), in the order it
+        reads them (StepOutputs.idle_after counts them)."""
+        with self._adding:
+            self.requests_sent += 1
+            self._outbox.put(AddRequest(request))
+            return self.requests_sent
 
     def stop(self) -> None:
         """Asks the process to finish (what runs is dropped) and waits for it; kills it if it does not go."""
