@@ -180,7 +180,6 @@ class LLMEngine:
     def _admit_compiled(self) -> None:
         """Requests whose grammars are built go to the scheduler; those whose grammar failed, or overran the time
         limit, fail alone. A crafted schema costs its own request time, not everyone's steps."""
-        failed: list[tuple[Request, Exception]] = []
         for entry in list(self.compiling):
             request, build = entry
             if request.request_id not in self.requests:  # aborted while its grammar was being built
@@ -190,14 +189,12 @@ class LLMEngine:
                 try:
                     request.grammars = build.future.result()
                 except ValueError as error:
-                    failed.append((request, error))
+                    self._fail_later({request}, error)
                     continue
                 self._schedule_first_sample(request)
             elif build.overran():
                 self.compiling.remove(entry)
-                failed.append((request, too_slow_error()))
-        for request, error in failed:
-            self._fail_later({request}, error)
+                self._fail_later({request}, too_slow_error())
 
     def _schedule_first_sample(self, request: Request) -> None:
         seq = self._new_sequence(request, 0)
