@@ -141,8 +141,9 @@ def test_a_failing_request_fails_alone(tiny_dirs, monkeypatch):
 
 def test_a_request_the_engine_loses_fails_instead_of_waiting(tiny_dirs, monkeypatch):
     """A request the engine forgets (a bug; here the front end sends it under another id, which the engine runs
-    and answers): once the engine is idle, its stream fails with an error instead of waiting until the client
-    gives up; a request beside it ends as usual."""
+    and answers): its stream fails with an error instead of waiting until the client gives up, while the engine
+    is still busy with a long request beside it (the engine reports the ids it holds every HELD_EVERY_S), which
+    ends as usual."""
     import dataclasses
 
     from fovea.frontend.async_llm import RequestFailed
@@ -158,17 +159,26 @@ def test_a_request_the_engine_loses_fails_instead_of_waiting(tiny_dirs, monkeypa
 
     monkeypatch.setattr(process, "add", add)
 
+    long = SamplingParams(temperature=0, max_tokens=1900, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run_long():
+        tokens = []
+        async for out in engine.generate(prompt="Hi", sampling_params=long, request_id="fine"):
+            tokens += out.outputs[0].token_ids
+        return tokens, out.outputs[0].finish_reason
+
     async def main():
-        fine = asyncio.create_task(collect(engine, "fine", prompt=LOREM))
+        fine = asyncio.create_task(run_long())
         with pytest.raises(RequestFailed, match="the engine lost this request"):
             await asyncio.wait_for(collect(engine, "lost", prompt="Hello"), 60)
+        assert not fine.done()  # told while the engine was busy, not once it went idle
         return await fine
 
     try:
-        tokens, _, reason = asyncio.run(main())
+        tokens, reason = asyncio.run(main())
     finally:
         engine.shutdown()
-    assert reason == "length" and len(tokens) == 20
+    assert reason == "length" and len(tokens) == 1900
 
 
 def test_a_request_whose_output_cannot_be_made_fails_alone(tiny_dirs, monkeypatch):

@@ -67,9 +67,17 @@ class StartFailed:
 class StepOutputs:
     outputs: list[tuple]  # RequestDelta tuples: the front end makes the RequestOutputs (frontend/outputs.py)
     stats: EngineStats
-    # sent idle: how many AddRequests the engine had read, all of them answered by now (the front end fails any
-    # it sent among those and never heard of again: a bug, but an error for the client instead of a wait)
-    idle_after: int | None = None
+    held: HeldRequests | None = None  # on going idle and every HELD_EVERY_S while busy
+
+
+@dataclass
+class HeldRequests:
+    """How many AddRequests the engine had read and the ids it still holds: any other request among those read is
+    answered by the messages before this one. The front end fails those it sent and never heard of again (a bug,
+    but an error for the client instead of a wait, even while the engine is busy with others)."""
+
+    requests_read: int
+    request_ids: set[str]
 
 
 @dataclass

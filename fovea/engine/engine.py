@@ -251,6 +251,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self.finished_outputs or self.failures) or self.in_flight is not None
 
+    def held_request_ids(self) -> set[str]:
+        """The requests this engine has not answered yet: running, their last report or their failure pending."""
+        failing = (request_id for failure in self.failures for request_id in failure.request_ids)
+        return {*self.requests, *(delta[0] for delta in self.finished_outputs), *failing}
+
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:

@@ -31,6 +31,7 @@ from fovea.core.messages import (
     AddRequest,
     Dead,
     Fatal,
+    HeldRequests,
     Profile,
     Ready,
     Rejected,
@@ -47,6 +48,7 @@ from fovea.worker_pool import ignore_group_signals  # stops when the front end s
 
 MAX_FAILED_STEPS_IN_A_ROW = 3
 STATS_EVERY_S = 0.05
+HELD_EVERY_S = 2.0  # how soon a request the engine lost fails while others run (StepOutputs.held)
 logger = logging.getLogger("fovea")
 
 
@@ -98,7 +100,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
 def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None:
     from fovea.engine.engine import StepFailed  # loaded with the engine, in this process only
 
-    failed_in_a_row, last_stats, requests_read = 0, time.monotonic(), 0
+    failed_in_a_row, last_stats, last_held, requests_read = 0, time.monotonic(), time.monotonic(), 0
     folder = profiler_dir()
     profiler = StepProfiler(folder) if folder is not None else None
     while True:
@@ -154,5 +156,8 @@ def _serve(engine, commands: Connection, send: Callable[[object], None]) -> None
         # accumulate) at most every STATS_EVERY_S: a non-streamed batch's steps cost no message and no count
         idle = not engine.has_unfinished_requests()
         if outputs or now - last_stats >= STATS_EVERY_S or idle:
-            send(StepOutputs(outputs, engine.stats(), requests_read if idle else None))
+            held = None
+            if idle or now - last_held >= HELD_EVERY_S:
+                held, last_held = HeldRequests(requests_read, engine.held_request_ids()), now
+            send(StepOutputs(outputs, engine.stats(), held))
             last_stats = now

@@ -39,6 +39,7 @@ from fovea.config.engine import EngineConfig
 from fovea.core.messages import (
     AbortRequests,
     FromEngine,
+    HeldRequests,
     Rejected,
     RemoveLoRA,
     RequestsFailed,
@@ -406,7 +407,7 @@ class AsyncLLM:
 
     def _on_message(self, message: FromEngine, replica: int = 0) -> None:
         match message:
-            case StepOutputs(outputs, stats, idle_after):
+            case StepOutputs(outputs, stats, held):
                 self._replica_stats[replica] = stats
                 self.stats = combine(self._replica_stats, stats.events) if len(self._replica_stats) > 1 else stats
                 ready = []
@@ -418,8 +419,8 @@ class AsyncLLM:
                         except Exception as error:  # noqa: BLE001 - a bug met by this request's output alone
                             ready.append((delta.request_id, self._output_failed(delta.request_id, error)))
                 self._deliver_all(ready)
-                if idle_after is not None:
-                    self._fail_forgotten(replica, idle_after)
+                if held is not None:
+                    self._fail_forgotten(replica, held)
                 if self.on_stats is not None:
                     try:
                         self.on_stats(self.stats)
@@ -434,17 +435,17 @@ class AsyncLLM:
                         RequestFailed(f"the engine failed while running this request ({reason}); see the server log"),
                     )
 
-    def _fail_forgotten(self, replica: int, idle_after: int) -> None:
-        """The engine is idle, having read `idle_after` requests: one of those never answered is one it lost (a
-        bug), and its client gets an error now instead of waiting until it gives up."""
+    def _fail_forgotten(self, replica: int, held: HeldRequests) -> None:
+        """A request the engine had read, does not hold and never answered is one it lost (a bug): its client
+        gets an error now instead of waiting until it gives up."""
         engine = self._engines[replica]
         forgotten = [
             request_id
             for request_id, (owner, place, answered) in list(self._sent_as.items())
-            if owner is engine and place <= idle_after and not answered
+            if owner is engine and place <= held.requests_read and not answered and request_id not in held.request_ids
         ]
         if forgotten:
-            logger.error("the engine went idle without answering requests %s (a bug): failing them", forgotten)
+            logger.error("the engine lost requests %s, never answered (a bug): failing them", forgotten)
             error = RequestFailed("the engine lost this request (a bug); see the server log")
             self._deliver_all([(request_id, error) for request_id in forgotten])
 

@@ -79,7 +79,7 @@ class EngineProcess:
 
     def add(self, request) -> int:
         """Sends an AddRequest; returns its place among those this engine was sent (1, 2, ...), in the order it
-        reads them (StepOutputs.idle_after counts them)."""
+        reads them (HeldRequests.requests_read counts them)."""
         with self._adding:
             self.requests_sent += 1
             self._outbox.put(AddRequest(request))
